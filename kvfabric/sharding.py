@@ -1,0 +1,111 @@
+"""Which pool servers own a block key: rendezvous (highest-random-weight) hashing.
+
+Every server gets a score for every key,
+
+    score(server_id, key) = xxh3_64(key, seed=xxh3_64(server_id))
+
+and a key's owners are the ``replicas`` servers with the highest scores, best
+first. ``server_id`` is the ``"host:port"`` string exactly as configured, so all
+clients configured with the same member list agree on owners without talking to
+each other. Adding or removing one of N servers moves only the keys whose top
+score belonged to that server (about 1/N of them), and the blocks of one prompt
+spread evenly over all servers, so a long prefix is fetched in parallel.
+
+Ties between two servers' scores (probability 2**-64 per pair) are broken by
+the lower server index, so the result is still deterministic.
+
+Everything here is pure: no I/O, no global state apart from a small cache of
+server seeds. Bad input (an empty server list, a replica count out of range,
+a key that is not bytes) raises ``ValueError`` or ``TypeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import xxhash
+
+__all__ = ["server_seed", "score", "owners", "owner_table", "group_by_owner"]
+
+
+@lru_cache(maxsize=1024)
+def server_seed(server_id: str) -> int:
+    """The 64-bit seed of a server: ``xxh3_64`` of its UTF-8 id."""
+    if not isinstance(server_id, str) or not server_id:
+        raise ValueError(f"server id must be a non-empty str, got {server_id!r}")
+    return xxhash.xxh3_64_intdigest(server_id.encode("utf-8"))
+
+
+def score(server_id: str, key: bytes) -> int:
+    """Rendezvous weight of ``key`` on ``server_id`` (an unsigned 64-bit int)."""
+    return xxhash.xxh3_64_intdigest(key, seed=server_seed(server_id))
+
+
+def _check_servers(servers: Sequence[str]) -> list[int]:
+    if isinstance(servers, str):
+        raise TypeError("servers must be a sequence of 'host:port' strings, not one str")
+    if len(servers) == 0:
+        raise ValueError("servers must not be empty")
+    if len(set(servers)) != len(servers):
+        raise ValueError(f"duplicate server ids in {list(servers)!r}")
+    return [server_seed(s) for s in servers]
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a key must be bytes, got {type(key).__name__}")
+    if len(key) == 0:
+        raise ValueError("a key must not be empty")
+
+
+def _ranked(key: bytes, seeds: list[int], replicas: int) -> list[int]:
+    h = xxhash.xxh3_64_intdigest
+    # Sort by (-score, index): highest score first, lower index wins a tie.
+    scored = sorted(((-h(key, seed=s), i) for i, s in enumerate(seeds)))
+    return [i for _, i in scored[:replicas]]
+
+
+def owners(key: bytes, servers: Sequence[str], replicas: int = 1) -> list[int]:
+    """Indices into ``servers`` of the ``replicas`` owners of ``key``, best first.
+
+    Raises ``ValueError`` when ``servers`` is empty or has duplicates, or when
+    ``replicas`` is not in ``1..len(servers)``; ``TypeError`` for a non-bytes key.
+    """
+    seeds = _check_servers(servers)
+    _check_replicas(replicas, len(seeds))
+    _check_key(key)
+    return _ranked(key, seeds, replicas)
+
+
+def _check_replicas(replicas: int, n: int) -> None:
+    if not isinstance(replicas, int) or isinstance(replicas, bool):
+        raise TypeError(f"replicas must be an int, got {type(replicas).__name__}")
+    if not 1 <= replicas <= n:
+        raise ValueError(f"replicas must be in 1..{n} (the server count), got {replicas}")
+
+
+def owner_table(keys: Sequence[bytes], servers: Sequence[str], replicas: int = 1) -> list[list[int]]:
+    """``owners()`` for every key at once: one list of server indices per key."""
+    seeds = _check_servers(servers)
+    _check_replicas(replicas, len(seeds))
+    out = []
+    for k in keys:
+        _check_key(k)
+        out.append(_ranked(k, seeds, replicas))
+    return out
+
+
+def group_by_owner(keys: Sequence[bytes], servers: Sequence[str]) -> dict[int, list[int]]:
+    """Group key positions by their primary owner.
+
+    Returns ``{server_index: [key_index, ...]}`` with key indices in ascending
+    order (so each shard sees its keys in prompt order); servers that own none
+    of the keys are absent.
+    """
+    seeds = _check_servers(servers)
+    groups: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        _check_key(k)
+        groups.setdefault(_ranked(k, seeds, 1)[0], []).append(i)
+    return groups
