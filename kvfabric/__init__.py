@@ -1,0 +1,46 @@
+"""kvfabric: a distributed KV-cache pool for LLM inference engines.
+
+The public API is re-exported here; every other module is an implementation
+detail unless docs/ARCHITECTURE.md names it.
+"""
+
+from __future__ import annotations
+
+from .config import ClientConfig, parse_servers, parse_size
+from .errors import (
+    ChecksumError,
+    ConfigError,
+    ConnectionClosed,
+    DeadlineExceeded,
+    ErrorCode,
+    KVFabricError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    TransportUnavailable,
+)
+from .keys import BlockKey, KeyAlgorithm, KeyHasher, Namespace, prefix_keys
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockKey",
+    "ChecksumError",
+    "ClientConfig",
+    "ConfigError",
+    "ConnectionClosed",
+    "DeadlineExceeded",
+    "ErrorCode",
+    "KVFabricError",
+    "KeyAlgorithm",
+    "KeyHasher",
+    "Namespace",
+    "ProtocolError",
+    "RemoteError",
+    "TransportError",
+    "TransportUnavailable",
+    "__version__",
+    "parse_servers",
+    "parse_size",
+    "prefix_keys",
+]

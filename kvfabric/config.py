@@ -1,0 +1,156 @@
+"""One typed client configuration; every ``KVFABRIC_*`` variable is declared here, once.
+
+Config is parsed at the edge: a connector or CLI turns its own settings into a
+:class:`ClientConfig` (``ClientConfig.from_env()`` reads the environment, and
+keyword overrides win), and nothing deeper reads ``os.environ``. Invalid
+values raise :class:`~kvfabric.errors.ConfigError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .errors import ConfigError
+from .keys import KeyAlgorithm
+
+TRANSPORTS = ("auto", "tcp", "native", "shm")
+
+# name of the environment variable -> ClientConfig field it sets
+ENV_VARS: dict[str, str] = {
+    "KVFABRIC_SERVERS": "servers",
+    "KVFABRIC_TRANSPORT": "transport",
+    "KVFABRIC_TIMEOUT_S": "timeout_s",
+    "KVFABRIC_CONNECT_TIMEOUT_S": "connect_timeout_s",
+    "KVFABRIC_REPLICAS": "replicas",
+    "KVFABRIC_AUTH_TOKEN": "auth_token",
+    "KVFABRIC_KEY_ALGORITHM": "key_algorithm",
+    "KVFABRIC_KEY_SECRET": "key_secret",
+    "KVFABRIC_MAX_BATCH_KEYS": "max_batch_keys",
+    "KVFABRIC_VERIFY_CHECKSUMS": "verify_checksums",
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
+               "m": 1000**2, "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
+               "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"4GiB"`` -> 4294967296, ``"512MB"`` -> 512000000, ``1024`` -> 1024. ConfigError otherwise."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size must be >= 0, got {text}")
+        return text
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"cannot parse size {text!r} (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_servers(value: str | Sequence[str]) -> tuple[str, ...]:
+    """``"h1:7070,h2:7071"`` or a list of ``host:port`` -> validated tuple (order kept)."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = []
+    for item in items:
+        item = str(item).strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"server address must be host:port, got {item!r}")
+        out.append(f"{host}:{int(port)}")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"duplicate server in {out}")
+    return tuple(out)
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected a boolean, got {text!r}")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Settings of a :class:`kvfabric.Client`.
+
+    ``timeout_s`` is the deadline of one client call (all shards together);
+    a shard that has not answered by then counts as a miss for that call.
+    """
+
+    servers: tuple[str, ...] = ()
+    transport: str = "auto"
+    timeout_s: float = 2.0
+    connect_timeout_s: float = 0.5
+    replicas: int = 1
+    auth_token: str | None = None
+    key_algorithm: str = KeyAlgorithm.XXH3_128.value
+    key_secret: str = ""
+    max_batch_keys: int = 4096
+    verify_checksums: bool = True
+    connections_per_server: int = 4
+    reconnect_backoff_s: float = 0.2
+    reconnect_backoff_max_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "servers", parse_servers(self.servers) if self.servers else ())
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("timeout_s", "connect_timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise ConfigError(f"{name} must be in (0, 3600] seconds, got {v!r}")
+        if type(self.replicas) is not int or self.replicas < 1:
+            raise ConfigError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if type(self.max_batch_keys) is not int or not 1 <= self.max_batch_keys <= 4096:
+            raise ConfigError(f"max_batch_keys must be in 1..4096, got {self.max_batch_keys!r}")
+        if type(self.connections_per_server) is not int or not 1 <= self.connections_per_server <= 64:
+            raise ConfigError("connections_per_server must be in 1..64")
+        try:
+            KeyAlgorithm(self.key_algorithm)
+        except ValueError:
+            raise ConfigError(f"unknown key_algorithm {self.key_algorithm!r}") from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
+        """Defaults, then ``KVFABRIC_*`` variables, then ``overrides`` (None values ignored)."""
+        env = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for var, name in ENV_VARS.items():
+            if var not in env:
+                continue
+            raw = env[var]
+            kind = types[name]
+            try:
+                if name == "servers":
+                    values[name] = parse_servers(raw)
+                elif kind in ("float", float):
+                    values[name] = float(raw)
+                elif kind in ("int", int):
+                    values[name] = int(raw)
+                elif kind in ("bool", bool):
+                    values[name] = _parse_bool(raw)
+                else:
+                    values[name] = raw
+            except (ValueError, ConfigError) as exc:
+                raise ConfigError(f"{var}={raw!r}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - set(types)
+        if unknown:
+            raise ConfigError(f"unknown client setting(s): {sorted(unknown)}")
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> ClientConfig:
+        return replace(self, **changes)
+
+
+__all__ = ["ClientConfig", "ENV_VARS", "TRANSPORTS", "parse_size", "parse_servers"]
