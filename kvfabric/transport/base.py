@@ -1,0 +1,169 @@
+"""The interface every kvfabric transport implements: one request out, its reply in.
+
+A :class:`Connection` is a connected, HELLO-negotiated link to one pool server.
+It is *not* thread-safe: the client keeps a small pool of connections per shard
+and hands each to one thread at a time. A request is strictly one frame out and
+one reply frame in; there is no pipelining at this layer.
+
+Failure model (the client relies on it):
+
+* An error reply from the server raises :class:`~kvfabric.errors.RemoteError`.
+  If its code is one after which the server closes the stream
+  (``errors.FATAL_CODES``) the connection marks itself closed.
+* Anything that leaves the byte stream in an unknown state (a socket error, a
+  timeout mid-frame, the peer closing, a malformed reply) raises
+  :class:`~kvfabric.errors.TransportError` (or a subclass) and closes the
+  connection; it is never reused.
+* A GET reply object larger than the caller's buffer raises ``ValueError``
+  (a programming error) *after* the reply has been read completely, so the
+  connection stays usable.
+
+GET payloads go straight into the caller's buffers: ``recv_buffers`` holds one
+writable buffer per requested key; the reply's ``sizes`` say which keys were
+found, and found objects arrive concatenated in key order, so object ``i`` is
+received into ``recv_buffers[i][:sizes[i]]`` with no intermediate copy.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import ConfigError, ErrorCode, ProtocolError
+from ..protocol import HelloReply, Message
+
+__all__ = ["Connection", "Reply", "parse_address", "remaining", "get_sinks"]
+
+Buffer = Any  # anything that supports the writable buffer protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One decoded reply.
+
+    ``msg`` is the protocol reply message (``protocol.GetReply`` for a GET...).
+    ``payload`` holds the reply payload only when a GET was made without
+    ``recv_buffers`` (one bytearray, objects concatenated in key order);
+    otherwise the bytes are already in the caller's buffers and it is ``None``.
+    """
+
+    msg: Message
+    payload: bytearray | None = None
+
+
+class Connection(ABC):
+    """A negotiated connection to one server (see the module docstring)."""
+
+    #: registry name of the transport ("tcp", "native", "shm", ...)
+    name: ClassVar[str]
+
+    #: the "host:port" this connection was made to
+    address: str
+    #: the server's HELLO reply (server_id, transports, limits, capacity)
+    hello: HelloReply
+
+    @abstractmethod
+    def request(
+        self,
+        msg: Message,
+        payload_parts: Sequence[Buffer] = (),
+        recv_buffers: Sequence[Buffer] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Reply:
+        """Send one request frame (``msg`` + payload) and return its reply.
+
+        ``payload_parts`` are sent back to back as the frame payload without
+        being joined; their total must equal ``msg.payload_len()``.
+        ``recv_buffers`` (GET only) receive the found objects, one buffer per
+        key. ``deadline`` is an absolute ``time.monotonic()`` value; past it
+        the call raises :class:`~kvfabric.errors.DeadlineExceeded` and the
+        connection is closed. Errors: see the module docstring.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the connection; idempotent, never raises."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once the connection is closed or broken."""
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6]:port"``) into ``(host, port)``.
+
+    Raises :class:`~kvfabric.errors.ConfigError` for anything else.
+    """
+    if not isinstance(address, str):
+        raise ConfigError(f"server address must be a 'host:port' str, got {address!r}")
+    host, sep, port_s = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_s.isdigit():
+        raise ConfigError(f"server address must look like 'host:port', got {address!r}")
+    port = int(port_s)
+    if not 0 < port < 65536:
+        raise ConfigError(f"port out of range in {address!r}")
+    return host, port
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (``None`` = no deadline); may be <= 0."""
+    if deadline is None:
+        return None
+    return deadline - time.monotonic()
+
+
+def get_sinks(
+    sizes: Sequence[int], recv_buffers: Sequence[Buffer], payload_len: int
+) -> tuple[list[tuple[int, memoryview | None]], str | None]:
+    """Plan where each found object of a GET reply goes.
+
+    Returns ``(sinks, problem)``: ``sinks`` is one ``(nbytes, view)`` per found
+    object in payload order, ``view`` being the caller's buffer cut to
+    ``nbytes``, or ``None`` when that buffer cannot take the object (too
+    small, read-only, not contiguous): those bytes must be read and discarded,
+    and once the frame is consumed the transport raises ``ValueError(problem)``.
+    Raises :class:`~kvfabric.errors.ProtocolError` when the reply is
+    inconsistent with the request (wrong number of sizes, sizes not adding up
+    to ``payload_len``): the connection must then be dropped.
+    """
+    if len(sizes) != len(recv_buffers):
+        raise ProtocolError(ErrorCode.MALFORMED, f"reply has {len(sizes)} sizes for {len(recv_buffers)} keys")
+    total = 0
+    sinks: list[tuple[int, memoryview | None]] = []
+    problem = None
+    for i, (n, buf) in enumerate(zip(sizes, recv_buffers)):
+        if not isinstance(n, int) or n < 0:
+            continue
+        total += n
+        try:
+            view = memoryview(buf).cast("B")
+        except TypeError as e:
+            problem = f"GET buffer {i} is not a contiguous buffer: {e}"
+            sinks.append((n, None))
+            continue
+        if view.readonly:
+            problem = f"GET buffer {i} is read-only"
+            sinks.append((n, None))
+        elif view.nbytes < n:
+            problem = f"GET buffer {i} holds {view.nbytes} bytes, the object has {n}"
+            sinks.append((n, None))
+        else:
+            sinks.append((n, view[:n]))
+    if total != payload_len:
+        raise ProtocolError(
+            ErrorCode.LENGTH_MISMATCH, f"reply sizes add up to {total} bytes but the payload is {payload_len}"
+        )
+    return sinks, problem

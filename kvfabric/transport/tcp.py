@@ -1,0 +1,242 @@
+"""The ``tcp`` transport: pure Python, blocking sockets, the reference path.
+
+Sending: one ``sendmsg`` of ``[header+metadata, payload part, ...]``; payload
+parts are never joined (a PUT of many blocks goes out as one gathered write,
+resumed where the kernel stopped on a partial send).
+
+Receiving: the 32-byte header into a reused buffer, the metadata into a buffer
+of exactly ``meta_len`` bytes (bounded by the limits before allocating), then
+the GET payload with ``recv_into`` straight into the caller's buffers, one
+object after another: payload bytes are copied once, by the kernel.
+
+Deadlines: every ``send``/``recv`` is given the time left until the call's
+deadline as its socket timeout, so a call never blocks past it; when it runs
+out the connection is closed (the stream is then out of step) and
+:class:`~kvfabric.errors.DeadlineExceeded` is raised.
+
+Failures follow ``transport.base``: a broken, timed-out or confused connection
+closes itself and raises a :class:`~kvfabric.errors.TransportError` (or
+``ProtocolError`` for a malformed reply); an error reply raises ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import protocol
+from ..errors import (
+    FATAL_CODES,
+    ConnectionClosed,
+    DeadlineExceeded,
+    KVFabricError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+)
+from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
+from .base import Connection, Reply, get_sinks, parse_address
+
+__all__ = ["TcpConnection", "connect", "probe"]
+
+_IOV_MAX = 512  # stay well under the kernel's 1024 iovecs per sendmsg
+_DRAIN_CHUNK = 256 * 1024
+
+
+def probe() -> str | None:
+    """``None``: tcp is always available (the reason string otherwise)."""
+    return None
+
+
+def connect(
+    address: str,
+    *,
+    timeout_s: float,
+    auth_token: str | None = None,
+    client_name: str = "kvfabric",
+) -> TcpConnection:
+    """Connect to ``address`` ("host:port") and run HELLO within ``timeout_s``.
+
+    Raises ``ConfigError`` for a malformed address, ``TransportError`` when the
+    server cannot be reached or does not answer in time, ``RemoteError`` when
+    it refuses the HELLO (``AUTH_FAILED``, ``BAD_VERSION``), ``ProtocolError``
+    when its reply is not a valid HELLO reply.
+    """
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock = socket.create_connection((host, port), timeout=max(timeout_s, 0.001))
+    except TimeoutError as e:
+        raise DeadlineExceeded(f"connect to {address} timed out after {timeout_s:.3g}s") from e
+    except OSError as e:
+        raise TransportError(f"cannot connect to {address}: {e}") from e
+    conn = TcpConnection(sock, address)
+    try:
+        reply = conn.request(HelloRequest(client=client_name, transports=("tcp",), auth=auth_token), deadline=deadline)
+    except BaseException:
+        conn.close()
+        raise
+    hello = reply.msg
+    assert isinstance(hello, HelloReply)
+    if hello.version != protocol.VERSION:
+        conn.close()
+        raise ProtocolError(
+            protocol.ErrorCode.BAD_VERSION,
+            f"server {address} speaks protocol {hello.version}, this client {protocol.VERSION}",
+        )
+    conn.hello = hello
+    return conn
+
+
+class TcpConnection(Connection):
+    """A blocking-socket connection to one server. Not thread-safe."""
+
+    name = "tcp"
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock: socket.socket | None = sock
+        self.address = address
+        self._next_id = 1
+        self._header = bytearray(protocol.HEADER_SIZE)
+        self._scratch: bytearray | None = None
+        # Replies are decoded against our own defaults; the server's limits are
+        # what the client batches against.
+        self._limits = protocol.DEFAULT_LIMITS
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def request(
+        self,
+        msg: Message,
+        payload_parts: Sequence[Any] = (),
+        recv_buffers: Sequence[Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Reply:
+        if self._sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        parts = [memoryview(p).cast("B") for p in payload_parts]
+        sent_len = sum(p.nbytes for p in parts)
+        if sent_len != msg.payload_len():
+            raise ValueError(f"payload parts hold {sent_len} bytes, the message announces {msg.payload_len()}")
+        if recv_buffers is not None and not isinstance(msg, GetRequest):
+            raise ValueError("recv_buffers only apply to GET")
+        rid = self._next_id
+        self._next_id += 1
+        head = protocol.encode_request(msg, rid)
+        try:
+            self._send([memoryview(head), *parts], deadline)
+            return self._read_reply(msg, rid, recv_buffers, deadline)
+        except RemoteError as e:
+            if e.code in FATAL_CODES:
+                self.close()
+            raise
+        except (ValueError, TypeError):
+            raise  # a caller's buffer could not take an object; stream consumed, still usable
+        except KVFabricError:
+            self.close()
+            raise
+        except TimeoutError as e:
+            self.close()
+            raise DeadlineExceeded(f"{msg.op.name} to {self.address} ran past its deadline") from e
+        except OSError as e:
+            self.close()
+            raise TransportError(f"{msg.op.name} to {self.address} failed: {e}") from e
+        except BaseException:
+            # KeyboardInterrupt and the like mid-frame: the stream is out of step.
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ internals
+
+    def _timeout(self, deadline: float | None) -> socket.socket:
+        sock = self._sock
+        if sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"deadline passed talking to {self.address}")
+            sock.settimeout(left)
+        else:
+            sock.settimeout(None)
+        return sock
+
+    def _send(self, views: list[memoryview], deadline: float | None) -> None:
+        views = [v for v in views if v.nbytes]
+        i = 0
+        while i < len(views):
+            sock = self._timeout(deadline)
+            n = sock.sendmsg(views[i : i + _IOV_MAX])
+            while n:
+                first = views[i]
+                if n >= first.nbytes:
+                    n -= first.nbytes
+                    i += 1
+                else:
+                    views[i] = first[n:]
+                    n = 0
+
+    def _recv_into(self, view: memoryview, deadline: float | None) -> None:
+        got = 0
+        want = view.nbytes
+        while got < want:
+            sock = self._timeout(deadline)
+            n = sock.recv_into(view[got:] if got else view)
+            if n == 0:
+                raise ConnectionClosed(f"{self.address} closed the connection mid-reply")
+            got += n
+
+    def _drain(self, nbytes: int, deadline: float | None) -> None:
+        if self._scratch is None:
+            self._scratch = bytearray(_DRAIN_CHUNK)
+        view = memoryview(self._scratch)
+        while nbytes:
+            n = min(nbytes, _DRAIN_CHUNK)
+            self._recv_into(view[:n], deadline)
+            nbytes -= n
+
+    def _read_reply(
+        self, msg: Message, rid: int, recv_buffers: Sequence[Any] | None, deadline: float | None
+    ) -> Reply:
+        self._recv_into(memoryview(self._header), deadline)
+        header = protocol.unpack_header(self._header, self._limits)
+        if header.request_id != rid:
+            raise ProtocolError(
+                protocol.ErrorCode.MALFORMED, f"reply for request {header.request_id}, expected {rid}"
+            )
+        meta = bytearray(header.meta_len)
+        self._recv_into(memoryview(meta), deadline)
+        if header.is_error and header.payload_len:
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, "error reply with a payload")
+        reply = protocol.decode_reply(header, meta, msg.op, self._limits)
+        if not isinstance(reply, GetReply) or header.payload_len == 0:
+            return Reply(reply)
+        if recv_buffers is None:
+            payload = bytearray(header.payload_len)
+            self._recv_into(memoryview(payload), deadline)
+            return Reply(reply, payload)
+        sinks, problem = get_sinks(reply.sizes, recv_buffers, header.payload_len)
+        for nbytes, view in sinks:
+            if view is None:
+                self._drain(nbytes, deadline)
+            elif nbytes:
+                self._recv_into(view, deadline)
+        if problem is not None:
+            raise ValueError(problem)
+        return Reply(reply)
