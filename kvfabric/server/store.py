@@ -1,0 +1,393 @@
+"""The pool server's index: key -> object in the arena, with pins, leases, checksums and eviction.
+
+One ``threading.Lock`` guards everything here (the index, the arena's
+allocator, the eviction policy and the counters). Work that touches object
+bytes (checksumming) runs outside the lock on pinned objects, so a long send
+or a checksum of a large object never blocks other clients' bookkeeping.
+
+Object life cycle
+-----------------
+PUT is three steps so that a transport can receive straight into the arena:
+:meth:`Store.begin_put` reserves a slot (evicting unpinned objects, in the
+policy's order, until an extent fits), the transport fills ``slot.view``,
+then :meth:`Store.commit_put` verifies the checksum the client sent and
+inserts the object, or :meth:`Store.abort_put` gives the slot back (the
+connection broke mid-payload). A reserved slot is not in the index, so it can
+be neither read nor evicted while it is being filled.
+
+GET pins each found object (:meth:`Store.acquire`), verifies its checksum
+outside the lock, and hands back views that stay valid until the caller calls
+``release()``. A pinned object is never evicted or overwritten; a DELETE (or a
+checksum drop) of a pinned object takes it out of the index at once, so later
+requests miss, and frees its bytes when the last pin is released.
+
+LOOKUP may take a lease (``lease_ms``) on the leading objects it found: until
+the lease expires the policy skips them when choosing victims. Leases expire
+by themselves (they are compared with the clock); a DELETE still removes a
+leased object at once, since a lease protects against eviction only. Leases
+are capped at ``max_lease_ms``.
+
+Checksums are xxh3_64 of the object bytes (``kvfabric.protocol.checksum``).
+A stored object whose bytes no longer match is dropped, counted in
+``checksum_failures`` and reported as a miss; it is never served.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol import PutStatus, checksum
+from .arena import Arena, pages_for
+from .eviction import EvictionPolicy, make_policy
+
+DEFAULT_MAX_LEASE_MS = 60_000
+
+
+class Entry:
+    """One stored object. ``live`` turns False when it leaves the index while still pinned."""
+
+    __slots__ = ("offset", "size", "checksum", "pins", "lease_until", "live")
+
+    def __init__(self, offset: int, size: int, csum: int) -> None:
+        self.offset = offset
+        self.size = size
+        self.checksum = csum
+        self.pins = 0
+        self.lease_until = 0.0
+        self.live = True
+
+
+@dataclass(slots=True)
+class Slot:
+    """Arena space reserved by :meth:`Store.begin_put`, to be filled through ``view``."""
+
+    offset: int
+    size: int
+    view: memoryview
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Acquired:
+    """Result of :meth:`Store.acquire`: per key, a size (-1 = miss), a checksum and a view.
+
+    ``views`` holds only the found objects, in key order. The views stay valid
+    (the objects pinned) until ``release()`` is called; call it exactly once,
+    after the bytes have been sent. Calling it again is a no-op.
+    """
+
+    sizes: list[int]
+    checksums: list[int]
+    views: list[memoryview]
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        fn, self._release = self._release, None
+        if fn is not None:
+            fn()
+
+    @property
+    def payload_len(self) -> int:
+        return sum(s for s in self.sizes if s > 0)
+
+
+class Store:
+    """Key -> object index over one :class:`Arena`; thread-safe.
+
+    ``policy`` is an :class:`EvictionPolicy` or a name for ``make_policy``.
+    ``clock`` returns seconds (monotonic); tests pass a fake one to expire
+    leases without sleeping. Raises ``ValueError`` for an unknown policy name
+    and :class:`~kvfabric.server.arena.ArenaError` for a capacity under 4 KiB.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        policy: EvictionPolicy | str = "lru",
+        *,
+        memfd: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
+    ) -> None:
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.arena = Arena(capacity, memfd=memfd)
+        self.capacity = self.arena.capacity
+        self._clock = clock
+        self.max_lease_ms = max_lease_ms
+        self._lock = threading.Lock()
+        self._index: dict[bytes, Entry] = {}
+        self._index_pages = 0  # pages held by indexed objects (pinned or not)
+        self.bytes_used = 0  # object bytes of indexed objects (not page-rounded)
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "hits", "misses", "puts", "put_exists", "put_too_large", "put_no_space",
+                "put_checksum_mismatches", "evictions", "evicted_bytes", "checksum_failures",
+                "deletes", "lookups", "lookup_keys", "lookup_hits", "exists_keys",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ PUT
+
+    def begin_put(self, key: bytes, size: int) -> PutStatus | Slot:
+        """Reserve arena space for ``key``; returns a :class:`Slot` or the final status.
+
+        ``PutStatus.EXISTS`` when the key is already held (nothing is
+        reserved), ``TOO_LARGE`` when the object could never fit in the arena,
+        ``NO_SPACE`` when it cannot fit without evicting pinned objects or
+        space reserved by other in-progress PUTs. Evicts unpinned objects in
+        the policy's order until an extent fits.
+        """
+        need = pages_for(size)
+        with self._lock:
+            if key in self._index:
+                self.counters["put_exists"] += 1
+                return PutStatus.EXISTS
+            if need > self.arena.npages:
+                self.counters["put_too_large"] += 1
+                return PutStatus.TOO_LARGE
+            # Even evicting every indexed object could not make room: say so
+            # without evicting anything (the rest is reserved by other PUTs).
+            if need > self.arena.npages - self.arena.used_pages + self._index_pages:
+                self.counters["put_no_space"] += 1
+                return PutStatus.NO_SPACE
+            offset = self._alloc_evicting(size)
+            if offset is None:
+                self.counters["put_no_space"] += 1
+                return PutStatus.NO_SPACE
+        return Slot(offset, size, self.arena.view(offset, size))
+
+    def commit_put(self, key: bytes, slot: Slot, csum: int, parent: bytes | None = None) -> PutStatus:
+        """Verify the filled slot against ``csum`` and insert it under ``key``.
+
+        Returns ``STORED``; ``CHECKSUM_MISMATCH`` (slot freed) when the bytes
+        do not match; ``EXISTS`` (slot freed) when another client stored the
+        same key meanwhile.
+        """
+        self._finish(slot)
+        ok = checksum(slot.view) == csum
+        slot.view.release()
+        with self._lock:
+            if not ok:
+                self.arena.free(slot.offset, slot.size)
+                self.counters["put_checksum_mismatches"] += 1
+                return PutStatus.CHECKSUM_MISMATCH
+            if key in self._index:
+                self.arena.free(slot.offset, slot.size)
+                self.counters["put_exists"] += 1
+                return PutStatus.EXISTS
+            self._index[key] = Entry(slot.offset, slot.size, csum)
+            self._index_pages += pages_for(slot.size)
+            self.bytes_used += slot.size
+            self.counters["puts"] += 1
+            self.policy.on_insert(key, slot.size, parent)
+        return PutStatus.STORED
+
+    def abort_put(self, slot: Slot) -> None:
+        """Give back a slot that will not be committed (e.g. the sender disconnected)."""
+        self._finish(slot)
+        slot.view.release()
+        with self._lock:
+            self.arena.free(slot.offset, slot.size)
+
+    def put(self, key: bytes, data: Any, csum: int | None = None, parent: bytes | None = None) -> PutStatus:
+        """Store ``data`` (any buffer) under ``key`` by copying it in; ``csum`` defaults to its checksum."""
+        src = memoryview(data).cast("B")
+        res = self.begin_put(key, src.nbytes)
+        if not isinstance(res, Slot):
+            return res
+        res.view[:] = src
+        return self.commit_put(key, res, checksum(src) if csum is None else csum, parent)
+
+    # ------------------------------------------------------------------ GET
+
+    def acquire(self, keys: Sequence[bytes]) -> Acquired:
+        """Pin and verify the objects for ``keys``; count hits and misses.
+
+        An object whose checksum fails is dropped (``checksum_failures``) and
+        reported as a miss. The caller must ``release()`` the result.
+        """
+        with self._lock:
+            found = [self._pin(k) for k in keys]
+        verified = [e is not None and checksum(self.arena.view(e.offset, e.size)) == e.checksum for e in found]
+        sizes: list[int] = []
+        sums: list[int] = []
+        views: list[memoryview] = []
+        pinned: list[Entry] = []
+        with self._lock:
+            for key, e, ok in zip(keys, found, verified):
+                if e is not None and not ok:
+                    self._drop_corrupt(key, e)
+                    self._unpin(e)
+                    e = None
+                if e is None:
+                    self.counters["misses"] += 1
+                    sizes.append(-1)
+                    sums.append(0)
+                    continue
+                self.counters["hits"] += 1
+                if e.live:
+                    self.policy.on_access(key)
+                sizes.append(e.size)
+                sums.append(e.checksum)
+                pinned.append(e)
+        views = [self.arena.view(e.offset, e.size) for e in pinned]
+
+        def release() -> None:
+            for v in views:
+                v.release()
+            with self._lock:
+                for e in pinned:
+                    self._unpin(e)
+
+        return Acquired(sizes, sums, views, release)
+
+    # ------------------------------------------------------- LOOKUP / EXISTS / DELETE
+
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
+        """How many leading ``keys`` are held; optionally lease those against eviction."""
+        lease_ms = min(max(lease_ms, 0), self.max_lease_ms)
+        with self._lock:
+            until = self._clock() + lease_ms / 1000.0
+            count = 0
+            for key in keys:
+                e = self._index.get(key)
+                if e is None:
+                    break
+                count += 1
+                self.policy.on_access(key)
+                if lease_ms and until > e.lease_until:
+                    e.lease_until = until
+            self.counters["lookups"] += 1
+            self.counters["lookup_keys"] += len(keys)
+            self.counters["lookup_hits"] += count
+        return count
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            self.counters["exists_keys"] += len(keys)
+            return [k in self._index for k in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys``; returns how many were held. Pinned ones are freed when unpinned."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                e = self._index.get(key)
+                if e is None:
+                    continue
+                self._unindex(key, e)
+                self.policy.on_remove(key)
+                n += 1
+            self.counters["deletes"] += n
+        return n
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the store's part of the STATS map (see docs/ARCHITECTURE.md)."""
+        with self._lock:
+            now = self._clock()
+            pinned = sum(1 for e in self._index.values() if e.pins)
+            leased = sum(1 for e in self._index.values() if e.lease_until > now)
+            out = {
+                "objects": len(self._index),
+                "bytes_used": self.bytes_used,
+                "bytes_allocated": self.arena.used_bytes,
+                "capacity": self.capacity,
+                "free_extents": self.arena.free_extents,
+                "pinned": pinned,
+                "leased": leased,
+                "policy": self.policy.name,
+            }
+            out.update(self.counters)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    def entry(self, key: bytes) -> Entry | None:
+        """The index entry for ``key`` (tests use it to corrupt bytes in place)."""
+        return self._index.get(key)
+
+    def check(self) -> None:
+        """Assert invariants between index, policy and arena (tests call this)."""
+        with self._lock:
+            self.arena.check()
+            assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))
+            assert self._index_pages == sum(pages_for(e.size) for e in self._index.values())
+            assert self.bytes_used == sum(e.size for e in self._index.values())
+            assert all(e.live and e.pins >= 0 for e in self._index.values())
+
+    def close(self) -> None:
+        self.arena.close()
+
+    # ----------------------------------------------------------------- private (lock held)
+
+    def _is_pinned_at(self, now: float) -> Callable[[bytes], bool]:
+        index = self._index
+
+        def is_pinned(key: bytes) -> bool:
+            e = index[key]
+            return e.pins > 0 or e.lease_until > now
+
+        return is_pinned
+
+    def _alloc_evicting(self, size: int) -> int | None:
+        offset = self.arena.alloc(size)
+        if offset is not None:
+            return offset
+        is_pinned = self._is_pinned_at(self._clock())
+        while True:
+            victim = self.policy.evict(is_pinned)
+            if victim is None:
+                return None
+            e = self._index.get(victim)
+            if e is None or is_pinned(victim):
+                raise RuntimeError(f"eviction policy {self.policy.name!r} returned an unknown or pinned key")
+            self._unindex(victim, e)
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += e.size
+            offset = self.arena.alloc(size)
+            if offset is not None:
+                return offset
+
+    def _unindex(self, key: bytes, e: Entry) -> None:
+        """Take ``e`` out of the index; free its bytes now, or at its last unpin."""
+        del self._index[key]
+        self._index_pages -= pages_for(e.size)
+        self.bytes_used -= e.size
+        e.live = False
+        if e.pins == 0:
+            self.arena.free(e.offset, e.size)
+
+    def _pin(self, key: bytes) -> Entry | None:
+        e = self._index.get(key)
+        if e is not None:
+            e.pins += 1
+        return e
+
+    def _unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        assert e.pins >= 0, "unbalanced unpin"
+        if e.pins == 0 and not e.live:
+            self.arena.free(e.offset, e.size)
+
+    def _drop_corrupt(self, key: bytes, e: Entry) -> None:
+        if e.live and self._index.get(key) is e:
+            self.counters["checksum_failures"] += 1
+            self._unindex(key, e)
+            self.policy.on_remove(key)
+
+    @staticmethod
+    def _finish(slot: Slot) -> None:
+        if slot.done:
+            raise RuntimeError("slot already committed or aborted")
+        slot.done = True
