@@ -206,10 +206,11 @@ def encode_meta(meta: dict[str, Any]) -> bytes:
 def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Decode a metadata section; raises ProtocolError(MALFORMED) unless it is one msgpack map.
 
-    Container and string sizes are capped by ``limits`` inside the decoder, so a
-    hostile length prefix cannot make it allocate.
+    Container and string sizes are capped inside the decoder by the metadata
+    size (every element takes at least one byte), so a hostile length prefix
+    cannot make it allocate; the per-message checks then apply the key limits.
     """
-    n = max(limits.max_keys_per_batch, 16)
+    n = limits.max_meta_bytes
     try:
         meta = msgpack.unpackb(
             buf,
@@ -218,7 +219,7 @@ def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             max_bin_len=limits.max_meta_bytes,
             max_str_len=limits.max_meta_bytes,
             max_array_len=n,
-            max_map_len=max(64, n),
+            max_map_len=n,
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several unrelated types

@@ -1,0 +1,229 @@
+"""The wire format: golden bytes, a round trip for every message, and every limit."""
+
+import struct
+
+import msgpack
+import pytest
+
+from kvfabric import protocol as p
+from kvfabric.errors import ErrorCode, ProtocolError, RemoteError
+
+KEY = bytes(range(16))
+
+REQUESTS = [
+    p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), auth="tok"),
+    p.HelloRequest(),
+    p.PingRequest(),
+    p.ExistsRequest(keys=[KEY, b"k2"]),
+    p.LookupRequest(keys=[KEY], lease_ms=250),
+    p.LookupRequest(keys=[KEY]),
+    p.GetRequest(keys=[KEY, b"x" * 64]),
+    p.PutRequest(keys=[KEY, b"k2"], sizes=[3, 0], checksums=[p.checksum(b"abc"), p.checksum(b"")]),
+    p.PutRequest(keys=[KEY], sizes=[5], checksums=[1], parents=[b"parent"]),
+    p.DeleteRequest(keys=[KEY]),
+    p.StatsRequest(),
+]
+REPLIES = [
+    p.HelloReply(server="kvfabric/0.1", server_id="127.0.0.1:7070", transports=("tcp",), limits=p.DEFAULT_LIMITS,
+                 capacity=1 << 30),
+    p.PingReply(),
+    p.ExistsReply(present=[True, False]),
+    p.LookupReply(count=3),
+    p.GetReply(sizes=[3, -1, 0], checksums=[7, 0, 9]),
+    p.PutReply(status=[int(s) for s in p.PutStatus]),
+    p.DeleteReply(deleted=2),
+    p.StatsReply(stats={"objects": 1, "errors": {"MALFORMED": 2}}),
+]
+
+
+def split(frame):
+    h = p.unpack_header(frame)
+    return h, frame[p.HEADER_SIZE : p.HEADER_SIZE + h.meta_len]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_request_round_trip(msg):
+    frame = p.encode_request(msg, 77)
+    h, meta = split(frame)
+    assert (h.opcode, h.request_id, h.is_reply, h.payload_len) == (msg.op, 77, False, msg.payload_len())
+    assert len(frame) == p.HEADER_SIZE + h.meta_len
+    back = p.decode_request(h, meta)
+    assert type(back) is type(msg) and back.to_meta() == msg.to_meta()
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_reply_round_trip(msg):
+    h, meta = split(p.encode_reply(msg, 5))
+    assert h.is_reply and not h.is_error and h.request_id == 5
+    back = p.decode_reply(h, meta, msg.op)
+    assert type(back) is type(msg) and back.to_meta() == msg.to_meta()
+
+
+GOLDEN = {
+    "put": (
+        p.encode_request(p.PutRequest(keys=[KEY], sizes=[3], checksums=[p.checksum(b"abc")], parents=[None]),
+                         0x0102030405060708),
+        "4b5646420100060008070605040302013f00000003000000000000000000000084a46b65797391c410000102030405060708"
+        "090a0b0c0d0e0fa573697a65739103a9636865636b73756d7391cf78af5f94892f3950a7706172656e747391c0",
+    ),
+    "get_reply": (
+        p.encode_reply(p.GetReply(sizes=[3, -1], checksums=[p.checksum(b"abc"), 0]), 1),
+        "4b5646420100050101000000000000001f00000003000000000000000000000082a573697a65739203ffa9636865636b73756d"
+        "7392cf78af5f94892f395000",
+    ),
+    "error": (
+        p.encode_error(5, 42, ErrorCode.TOO_MANY_KEYS, "too many"),
+        "4b564642010005032a000000000000001800000000000000000000000000000082a4636f646505a76d657373616765a8746f6f"
+        "206d616e79",
+    ),
+    "lookup": (
+        p.encode_request(p.LookupRequest(keys=[b"k1", b"k2"], lease_ms=500), 3),
+        "4b5646420100040003000000000000001b00000000000000000000000000000082a46b65797392c4026b31c4026b32a86c6561"
+        "73655f6d73cd01f4",
+    ),
+    "hello": (
+        p.encode_request(p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), auth="tok"), 0),
+        "4b5646420100010000000000000000003e00000000000000000000000000000084a776657273696f6e01a6636c69656e74af6b"
+        "766661627269632d70792f302e31aa7472616e73706f72747392a3746370a373686da461757468a3746f6b",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_bytes(name):
+    frame, hexbytes = GOLDEN[name]
+    assert frame.hex() == hexbytes
+
+
+def test_checksum_is_xxh3_64():
+    assert p.checksum(b"abc") == 8696274497037089104
+
+
+def test_header_layout():
+    assert p.HEADER_SIZE == 32
+    raw = p.pack_header(p.Op.GET, 9, 10, 11, p.FLAG_REPLY)
+    assert raw[:4] == b"KVFB"
+    assert struct.unpack_from("<H", raw, 4)[0] == 1
+    assert raw[6] == p.Op.GET and raw[7] == p.FLAG_REPLY
+    assert struct.unpack_from("<QIQI", raw, 8) == (9, 10, 11, 0)
+
+
+def bad_header(**kw):
+    fields = dict(magic=b"KVFB", version=1, opcode=2, flags=0, rid=1, meta=0, payload=0, reserved=0)
+    fields.update(kw)
+    return p.HEADER.pack(*fields.values())
+
+
+@pytest.mark.parametrize(
+    "kw,code",
+    [
+        (dict(magic=b"HTTP"), ErrorCode.BAD_MAGIC),
+        (dict(version=2), ErrorCode.BAD_VERSION),
+        (dict(flags=0x80), ErrorCode.MALFORMED),
+        (dict(reserved=1), ErrorCode.MALFORMED),
+        (dict(meta=p.MAX_META_BYTES + 1), ErrorCode.META_TOO_LARGE),
+        (dict(payload=p.MAX_PAYLOAD_BYTES + 1), ErrorCode.PAYLOAD_TOO_LARGE),
+        (dict(payload=2**64 - 1), ErrorCode.PAYLOAD_TOO_LARGE),
+    ],
+)
+def test_header_limits_are_checked_before_allocation(kw, code):
+    with pytest.raises(ProtocolError) as ei:
+        p.unpack_header(bad_header(**kw))
+    assert ei.value.code == code
+
+
+def test_short_header():
+    with pytest.raises(ProtocolError) as ei:
+        p.unpack_header(b"KVFB")
+    assert ei.value.code == ErrorCode.LENGTH_MISMATCH
+
+
+def test_pre_auth_limits_are_tiny():
+    with pytest.raises(ProtocolError) as ei:
+        p.unpack_header(bad_header(meta=5000), p.PRE_AUTH_LIMITS)
+    assert ei.value.code == ErrorCode.META_TOO_LARGE
+
+
+def test_unknown_opcode():
+    h = p.unpack_header(bad_header(opcode=200))
+    with pytest.raises(ProtocolError) as ei:
+        p.decode_request(h, p.encode_meta({}))
+    assert ei.value.code == ErrorCode.UNKNOWN_OPCODE and not ei.value.fatal
+
+
+def decode(op, meta, payload_len=0, limits=p.DEFAULT_LIMITS):
+    raw = msgpack.packb(meta, use_bin_type=True)
+    h = p.unpack_header(p.pack_header(op, 1, len(raw), payload_len))
+    return p.decode_request(h, raw, limits)
+
+
+@pytest.mark.parametrize(
+    "op,meta,payload_len,code",
+    [
+        (p.Op.GET, {"keys": [b"k"] * (p.MAX_KEYS_PER_BATCH + 1)}, 0, ErrorCode.TOO_MANY_KEYS),
+        (p.Op.GET, {"keys": [b""]}, 0, ErrorCode.BAD_KEY),
+        (p.Op.GET, {"keys": [b"k" * 65]}, 0, ErrorCode.BAD_KEY),
+        (p.Op.GET, {"keys": ["text"]}, 0, ErrorCode.BAD_KEY),
+        (p.Op.GET, {}, 0, ErrorCode.MALFORMED),
+        (p.Op.GET, {"keys": [b"k"]}, 5, ErrorCode.LENGTH_MISMATCH),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [4], "checksums": [1]}, 3, ErrorCode.LENGTH_MISMATCH),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [4, 4], "checksums": [1]}, 8, ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [-4], "checksums": [1]}, 0, ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [p.MAX_OBJECT_BYTES + 1], "checksums": [1]}, p.MAX_OBJECT_BYTES + 1,
+         ErrorCode.PAYLOAD_TOO_LARGE),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "parents": [b"a", b"b"]}, 1, ErrorCode.MALFORMED),
+        (p.Op.LOOKUP, {"keys": [b"k"], "lease_ms": -1}, 0, ErrorCode.MALFORMED),
+        (p.Op.HELLO, {"client": "x"}, 0, ErrorCode.MALFORMED),
+    ],
+)
+def test_bad_metadata(op, meta, payload_len, code):
+    with pytest.raises(ProtocolError) as ei:
+        decode(op, meta, payload_len)
+    assert ei.value.code == code
+
+
+def test_too_many_keys_under_a_smaller_limit():
+    small = p.Limits(max_keys_per_batch=2)
+    with pytest.raises(ProtocolError) as ei:
+        decode(p.Op.EXISTS, {"keys": [b"a", b"b", b"c"]}, limits=small)
+    assert ei.value.code == ErrorCode.TOO_MANY_KEYS
+    exact = p.Limits(max_keys_per_batch=100)
+    with pytest.raises(ProtocolError) as ei:
+        decode(p.Op.EXISTS, {"keys": [b"a"] * 50}, limits=p.Limits(max_keys_per_batch=20))
+    assert ei.value.code == ErrorCode.TOO_MANY_KEYS
+    assert len(decode(p.Op.EXISTS, {"keys": [b"a"] * 100}, limits=exact).keys) == 100
+
+
+def test_garbage_metadata():
+    h = p.unpack_header(p.pack_header(p.Op.GET, 1, 3, 0))
+    for raw in (b"\xc1\xc1\xc1", b"\x93\x01\x02\x03", b"\xdd\xff\xff\xff\xff"):
+        with pytest.raises(ProtocolError) as ei:
+            p.decode_request(h, raw)
+        assert ei.value.code == ErrorCode.MALFORMED
+
+
+def test_error_reply_raises_remote_error():
+    h, meta = split(p.encode_error(p.Op.GET, 3, ErrorCode.BUSY, "later"))
+    assert h.is_error and h.is_reply
+    with pytest.raises(RemoteError) as ei:
+        p.decode_reply(h, meta, p.Op.GET)
+    assert ei.value.code == ErrorCode.BUSY and "later" in str(ei.value)
+
+
+def test_reply_to_wrong_opcode_is_rejected():
+    h, meta = split(p.encode_reply(p.PingReply(), 1))
+    with pytest.raises(ProtocolError):
+        p.decode_reply(h, meta, p.Op.GET)
+
+
+def test_get_reply_payload_must_match_sizes():
+    raw = p.encode_meta(p.GetReply(sizes=[10], checksums=[0]).to_meta())
+    h = p.unpack_header(p.pack_header(p.Op.GET, 1, len(raw), 9, p.FLAG_REPLY))
+    with pytest.raises(ProtocolError) as ei:
+        p.decode_reply(h, raw, p.Op.GET)
+    assert ei.value.code == ErrorCode.LENGTH_MISMATCH
+
+
+def test_fatal_codes():
+    assert ProtocolError(ErrorCode.BAD_MAGIC, "x").fatal
+    assert not ProtocolError(ErrorCode.TOO_MANY_KEYS, "x").fatal
