@@ -1,0 +1,756 @@
+"""``kvfabric.Client``: routing, batching, parallel fan-out, deadlines, degrade-to-miss.
+
+How a call runs:
+
+1. Every key is routed with rendezvous hashing (``sharding``) to its owner
+   servers (``replicas`` of them, best first).
+2. Keys are grouped per shard, in the caller's order, and each shard gets one
+   job: its requests (split only where the key count or payload exceeds the
+   server's advertised limits) run back to back on one pooled connection.
+3. Jobs run in parallel, one in the calling thread and the rest on a shared
+   thread pool, all under one deadline (``timeout_s`` from the call's start).
+   At the deadline, jobs that have not started are cancelled and running ones
+   stop at their next socket operation, so nothing writes into the caller's
+   buffers after the call returns.
+
+Degrade-to-miss: when a shard is dead, refuses connections, breaks a
+connection, sends garbage or misses the deadline, its keys become misses (its
+puts counted drops) for that call, the shard is marked down, and a background
+thread reconnects it with exponential backoff (``reconnect_backoff_s`` doubling
+up to ``reconnect_backoff_max_s``). While a shard is down, calls skip it at
+once instead of waiting. None of this raises out of ``put``, ``get_into``,
+``get``, ``exists``, ``lookup``, ``delete`` or ``stats``.
+
+What does raise: programming errors (``TypeError``/``ValueError``: keys that
+are not 1..64 bytes, a buffer that is read-only, not contiguous or too small
+for the object found, mismatched lengths, an object larger than
+``protocol.MAX_OBJECT_BYTES``), using a closed client, and, when the client is
+built, a forced transport that is unavailable or a server that rejects the
+auth token or protocol version.
+
+Thread safety: one client may be shared by many threads; each shard keeps up
+to ``connections_per_server`` connections and a thread waits (until its
+deadline) when all of them are busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from . import protocol, sharding, transport
+from .config import ClientConfig
+from .errors import (
+    FATAL_CODES,
+    ConfigError,
+    ConnectionClosed,
+    ErrorCode,
+    KVFabricError,
+    RemoteError,
+    TransportUnavailable,
+)
+from .keys import BlockKey, KeyHasher, Namespace
+from .protocol import PutStatus
+
+__all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
+
+log = logging.getLogger("kvfabric.client")
+
+_checksum = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """Per-call put outcome, counted in keys.
+
+    A key is ``stored`` when at least one owner stored it, ``existed`` when no
+    owner stored it but one already held it, ``dropped`` otherwise (owners
+    down, slow, out of space, or the object too large for them).
+    """
+
+    stored: int = 0
+    existed: int = 0
+    dropped: int = 0
+
+
+def plan_chunks(
+    idx: Sequence[int], max_keys: int, max_payload: int, nbytes: Callable[[int], int] | None = None
+) -> list[list[int]]:
+    """Split key indices, in order, into requests of at most ``max_keys`` keys and
+    ``max_payload`` payload bytes (``nbytes(i)`` per key; a single key larger
+    than ``max_payload`` still gets a request of its own)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i in idx:
+        n = nbytes(i) if nbytes else 0
+        if cur and (len(cur) >= max_keys or size + n > max_payload):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def leading_run(nkeys: int, first_missing: Sequence[int]) -> int:
+    """The longest leading run of an ordered key list, given for each shard the
+    global index of the first of *its* keys that it does not hold (shards that
+    hold all their keys contribute nothing). Every key before the smallest such
+    index belongs to some shard's held prefix, so it is present."""
+    return min(first_missing, default=nkeys)
+
+
+def combine_puts(status: Sequence[Sequence[int]]) -> tuple[PutResult, int]:
+    """Fold per-key, per-owner put statuses (-1 = never answered) into a
+    :class:`PutResult` plus the number of replica copies not stored."""
+    stored = existed = dropped = replica_drops = 0
+    for row in status:
+        replica_drops += sum(1 for st in row if st not in (PutStatus.STORED, PutStatus.EXISTS))
+        if PutStatus.STORED in row:
+            stored += 1
+        elif PutStatus.EXISTS in row:
+            existed += 1
+        else:
+            dropped += 1
+    return PutResult(stored, existed, dropped), replica_drops
+
+
+class _Down(Exception):
+    """Internal: the shard is marked down; its keys miss without a request."""
+
+
+class _Busy(Exception):
+    """Internal: every pooled connection of the shard stayed busy until the deadline."""
+
+
+_COUNTERS = (
+    "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
+    "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
+    "bytes_in", "bytes_out", "requests",
+)
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._v = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **kw: int) -> None:
+        with self._lock:
+            for k, n in kw.items():
+                self._v[k] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._v)
+
+
+class _Shard:
+    """One server: a small connection pool plus up/down state."""
+
+    def __init__(self, index: int, address: str, client: Client) -> None:
+        self.index = index
+        self.address = address
+        self._client = client
+        self._cond = threading.Condition()
+        self._idle: list[transport.Connection] = []
+        self._open = 0  # idle + checked out
+        self.down_until = 0.0  # 0.0: up; else monotonic time of the next reconnect attempt
+        self.backoff = client.config.reconnect_backoff_s
+        self.last_error = ""
+        self.transport: str | None = None
+        self.limits = protocol.DEFAULT_LIMITS
+        self.server_id = ""
+
+    # -- connections -----------------------------------------------------
+
+    def _connect(self, timeout_s: float) -> transport.Connection:
+        cfg = self._client.config
+        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(timeout_s, 0.001)))
+        if self.transport != conn.name:
+            log.info("kvfabric: %s uses transport %s", self.address, conn.name)
+        self.transport = conn.name
+        lim = conn.hello.limits
+        self.limits = lim
+        self.server_id = conn.hello.server_id
+        return conn
+
+    def acquire(self, deadline: float) -> transport.Connection:
+        """A connection for the caller's exclusive use; raises _Down, _Busy or a connect error."""
+        with self._cond:
+            while True:
+                if self.down_until:
+                    raise _Down()
+                if self._idle:
+                    return self._idle.pop()
+                if self._open < self._client.config.connections_per_server:
+                    self._open += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Busy()
+                self._cond.wait(left)
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Busy()
+            return self._connect(min(self._client.config.connect_timeout_s, left))
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, conn: transport.Connection) -> None:
+        with self._cond:
+            if conn.closed or self._client.closed:
+                conn.close()
+                self._open -= 1
+            else:
+                self._idle.append(conn)
+            self._cond.notify()
+
+    def mark_down(self, err: BaseException) -> None:
+        """Close idle connections and schedule a background reconnect."""
+        with self._cond:
+            self.last_error = f"{type(err).__name__}: {err}"
+            if self.down_until:
+                return
+            self.down_until = time.monotonic() + self.backoff
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for c in idle:
+            c.close()
+        log.warning("kvfabric: shard %s marked down (%s); retrying in %.2fs", self.address, self.last_error, self.backoff)
+        self._client._wake_reconnector()
+
+    def try_reconnect(self) -> bool:
+        """One reconnect attempt (reconnector thread only). True when the shard is up again."""
+        try:
+            conn = self._connect(self._client.config.connect_timeout_s)
+        except KVFabricError as e:
+            with self._cond:
+                self.last_error = f"{type(e).__name__}: {e}"
+                self.backoff = min(self.backoff * 2, self._client.config.reconnect_backoff_max_s)
+                self.down_until = time.monotonic() + self.backoff
+            return False
+        with self._cond:
+            self._idle.append(conn)
+            self._open += 1
+            self.down_until = 0.0
+            self.backoff = self._client.config.reconnect_backoff_s
+            self._cond.notify_all()
+        self._client._counters.add(reconnects=1)
+        log.info("kvfabric: shard %s reconnected", self.address)
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for c in idle:
+            c.close()
+
+
+class Client:
+    """A sharded client over a list of pool servers (see the module docstring).
+
+    ``servers`` are ``"host:port"`` strings (``config.servers`` when empty).
+    Construction connects to every server in parallel; servers that cannot be
+    reached start out down (misses) and are retried in the background. Raises
+    ``ConfigError`` for a bad server list or replica count,
+    ``TransportUnavailable`` for a forced transport that cannot be used, and
+    ``RemoteError`` when a server rejects the auth token or protocol version.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str] = (),
+        *,
+        namespace: Namespace | None = None,
+        config: ClientConfig | None = None,
+    ) -> None:
+        config = config or ClientConfig()
+        if servers:
+            config = config.with_(servers=tuple(servers))
+        if not config.servers:
+            raise ConfigError("a Client needs at least one server ('host:port')")
+        if config.replicas > len(config.servers):
+            raise ConfigError(f"replicas={config.replicas} but only {len(config.servers)} servers")
+        self.config = config
+        self.servers: tuple[str, ...] = config.servers
+        self.namespace = namespace
+        self._hasher = KeyHasher(config.key_algorithm, config.key_secret)
+        self._counters = _Counters()
+        self._closed = False
+        self._shards = [_Shard(i, a, self) for i, a in enumerate(self.servers)]
+        self._pool = ThreadPoolExecutor(
+            max_workers=min(64, len(self.servers) * config.connections_per_server),
+            thread_name_prefix="kvfabric-fanout",
+        )
+        self._rc_cond = threading.Condition()
+        self._reconnector = threading.Thread(target=self._reconnect_loop, name="kvfabric-reconnect", daemon=True)
+        try:
+            self._initial_connect()
+        except BaseException:
+            self.close()
+            raise
+        self._reconnector.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every connection and stop background threads; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._rc_cond:
+            self._rc_cond.notify_all()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for s in self._shards:
+            s.close()
+        if self._reconnector.is_alive():
+            self._reconnector.join(timeout=self.config.connect_timeout_s + 1)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _initial_connect(self) -> None:
+        deadline = time.monotonic() + self.config.connect_timeout_s
+
+        def first(shard: _Shard) -> None:
+            try:
+                shard.release(shard.acquire(deadline))
+            except (TransportUnavailable, ConfigError):
+                raise
+            except RemoteError as e:
+                if e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
+                    raise
+                shard.mark_down(e)
+            except KVFabricError as e:
+                shard.mark_down(e)
+
+        for f in [self._pool.submit(first, s) for s in self._shards]:
+            f.result()
+
+    def _wake_reconnector(self) -> None:
+        with self._rc_cond:
+            self._rc_cond.notify_all()
+
+    def _reconnect_loop(self) -> None:
+        while not self._closed:
+            now = time.monotonic()
+            due = [s for s in self._shards if s.down_until and s.down_until <= now]
+            for s in due:
+                if self._closed:
+                    return
+                s.try_reconnect()
+            with self._rc_cond:
+                if self._closed:
+                    return
+                pending = [s.down_until for s in self._shards if s.down_until]
+                timeout = max(0.0, min(pending) - time.monotonic()) if pending else None
+                self._rc_cond.wait(timeout)
+
+    # ------------------------------------------------------------------ fan-out core
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionClosed("the client is closed")
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        t = self.config.timeout_s if timeout_s is None else timeout_s
+        if not isinstance(t, (int, float)) or t <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {t!r}")
+        return time.monotonic() + t
+
+    def _on_shard(self, shard: _Shard, deadline: float, job: Callable[[transport.Connection, float], None]) -> bool:
+        """Run ``job`` on a pooled connection of ``shard``; False when the shard failed it."""
+        try:
+            conn = shard.acquire(deadline)
+        except _Down:
+            self._counters.add(skipped_down=1)
+            return False
+        except _Busy:
+            self._counters.add(timeouts=1)
+            return False
+        except KVFabricError as e:
+            self._counters.add(shard_errors=1)
+            shard.mark_down(e)
+            return False
+        try:
+            job(conn, deadline)
+            return True
+        except RemoteError as e:
+            self._counters.add(shard_errors=1)
+            if e.code in FATAL_CODES:
+                shard.mark_down(e)
+            else:
+                log.debug("kvfabric: %s answered %s", shard.address, e)
+            return False
+        except KVFabricError as e:
+            self._counters.add(shard_errors=1, timeouts=int(time.monotonic() >= deadline))
+            shard.mark_down(e)
+            return False
+        finally:
+            shard.release(conn)
+
+    def _fan_out(self, jobs: list[tuple[_Shard, Callable[[transport.Connection, float], None]]], deadline: float) -> list[bool]:
+        """Run one job per shard in parallel; returns which succeeded.
+
+        Re-raises a programming error from any job, but only after every job
+        has stopped.
+        """
+        futures: list[Future] = [self._pool.submit(self._on_shard, s, deadline, j) for s, j in jobs[1:]]
+        results: list[bool] = []
+        error: BaseException | None = None
+        if jobs:
+            try:
+                results.append(self._on_shard(jobs[0][0], deadline, jobs[0][1]))
+            except BaseException as e:  # programming error: still wait for the others
+                error = e
+                results.append(False)
+        _, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        for f in late:
+            f.cancel()  # not started yet: never will
+        wait(late)  # started: they stop at their next socket op, deadline passed
+        for f in futures:
+            if f.cancelled():
+                self._counters.add(timeouts=1)
+                results.append(False)
+            elif f.exception() is not None:
+                error = error or f.exception()
+                results.append(False)
+            else:
+                results.append(f.result())
+        if error is not None:
+            raise error
+        return results
+
+    def _chunks(self, shard: _Shard, idx: list[int], nbytes: Callable[[int], int] | None = None) -> list[list[int]]:
+        max_keys = min(self.config.max_batch_keys, shard.limits.max_keys_per_batch)
+        return plan_chunks(idx, max_keys, shard.limits.max_payload_bytes, nbytes)
+
+    # ------------------------------------------------------------------ validation
+
+    @staticmethod
+    def _keys(keys: Sequence[bytes]) -> list[bytes]:
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise TypeError("keys must be a sequence of keys, not a single key")
+        out = list(keys)
+        for k in out:
+            if type(k) is not bytes:
+                raise TypeError(f"a key must be bytes, got {type(k).__name__}")
+            if not 1 <= len(k) <= protocol.MAX_KEY_BYTES:
+                raise ValueError(f"a key must be 1..{protocol.MAX_KEY_BYTES} bytes, got {len(k)}")
+        return out
+
+    def _owners(self, keys: list[bytes]) -> list[list[int]]:
+        return sharding.owner_table(keys, self.servers, self.config.replicas)
+
+    # ------------------------------------------------------------------ public API
+
+    def prefix_keys(self, tokens: Any) -> list[BlockKey]:
+        """Block keys of ``tokens`` under this client's namespace, algorithm and secret."""
+        if self.namespace is None:
+            raise ConfigError("prefix_keys needs a Client built with namespace=...")
+        return self._hasher.prefix_keys(self.namespace, tokens)
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+        timeout_s: float | None = None,
+    ) -> PutResult:
+        """Store ``values[i]`` (any contiguous buffer) under ``keys[i]`` on all its owners.
+
+        ``parents[i]``, when given, is the key of the block before ``keys[i]``
+        in its prompt (prefix-aware eviction uses it). Never raises for a
+        failing shard: those keys count as dropped.
+        """
+        self._check_open()
+        keys = self._keys(keys)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        views = []
+        for v in values:
+            try:
+                view = memoryview(v).cast("B")
+            except TypeError as e:
+                raise TypeError(f"values must be contiguous buffers: {e}") from None
+            if view.nbytes > protocol.MAX_OBJECT_BYTES:
+                raise ValueError(f"object of {view.nbytes} bytes exceeds MAX_OBJECT_BYTES={protocol.MAX_OBJECT_BYTES}")
+            views.append(view)
+        deadline = self._deadline(timeout_s)
+        sums = [_checksum(v) for v in views]
+        owners = self._owners(keys)
+        reps = self.config.replicas
+        status: list[list[int]] = [[-1] * reps for _ in keys]  # -1: not stored by that owner
+        per_shard: dict[int, list[tuple[int, int]]] = {}
+        for i, row in enumerate(owners):
+            for r, s in enumerate(row):
+                per_shard.setdefault(s, []).append((i, r))
+
+        def job_for(shard: _Shard, items: list[tuple[int, int]]):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                too_big = [(i, r) for i, r in items if views[i].nbytes > shard.limits.max_object_bytes]
+                ok = [(i, r) for i, r in items if views[i].nbytes <= shard.limits.max_object_bytes]
+                for i, r in too_big:
+                    status[i][r] = PutStatus.TOO_LARGE
+                pos = {i: (i, r) for i, r in ok}
+                for chunk in self._chunks(shard, [i for i, _ in ok], lambda i: views[i].nbytes):
+                    msg = protocol.PutRequest(
+                        keys=[keys[i] for i in chunk],
+                        sizes=[views[i].nbytes for i in chunk],
+                        checksums=[sums[i] for i in chunk],
+                        parents=None if parents is None else [parents[i] for i in chunk],
+                    )
+                    reply = conn.request(msg, [views[i] for i in chunk], deadline=deadline).msg
+                    if len(reply.status) != len(chunk):
+                        raise protocol.ProtocolError(ErrorCode.MALFORMED, "PUT reply status count mismatch")
+                    for i, st in zip(chunk, reply.status):
+                        status[i][pos[i][1]] = st
+                    self._counters.add(requests=1, bytes_out=msg.payload_len())
+            return job
+
+        self._fan_out([(self._shards[s], job_for(self._shards[s], items)) for s, items in per_shard.items()], deadline)
+        result, replica_drops = combine_puts(status)
+        self._counters.add(puts_stored=result.stored, puts_existed=result.existed, dropped_puts=result.dropped,
+                           replica_puts_dropped=replica_drops)
+        return result
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *, timeout_s: float | None = None) -> list[int | None]:
+        """Receive each found object straight into ``buffers[i]``; returns its size or None (miss).
+
+        Owners are tried in order (replicas). A bad checksum is a miss. Raises
+        ``TypeError`` for a read-only or non-contiguous buffer and
+        ``ValueError`` for one smaller than the object found.
+        """
+        self._check_open()
+        keys = self._keys(keys)
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = []
+        for b in buffers:
+            try:
+                v = memoryview(b).cast("B")
+            except TypeError as e:
+                raise TypeError(f"GET buffers must be contiguous: {e}") from None
+            if v.readonly:
+                raise TypeError("GET buffers must be writable")
+            views.append(v)
+        return self._get(keys, views, None, timeout_s)
+
+    def get(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bytes | None]:
+        """Convenience form of :meth:`get_into` that allocates: ``bytes`` per hit, None per miss."""
+        self._check_open()
+        keys = self._keys(keys)
+        out: list[bytes | None] = [None] * len(keys)
+        self._get(keys, None, out, timeout_s)
+        return out
+
+    def _get(self, keys: list[bytes], views: list[memoryview] | None, out: list | None, timeout_s: float | None) -> list[int | None]:
+        deadline = self._deadline(timeout_s)
+        owners = self._owners(keys)
+        sizes: list[int | None] = [None] * len(keys)
+        verify = self.config.verify_checksums
+        cap = protocol.MAX_OBJECT_BYTES
+
+        def job_for(shard: _Shard, idx: list[int]):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                weight = (lambda i: min(views[i].nbytes, cap)) if views is not None else None
+                for chunk in self._chunks(shard, idx, weight):
+                    msg = protocol.GetRequest(keys=[keys[i] for i in chunk])
+                    bufs = None if views is None else [views[i] for i in chunk]
+                    reply = conn.request(msg, recv_buffers=bufs, deadline=deadline)
+                    got = bad = nbytes = off = 0
+                    payload = memoryview(reply.payload if reply.payload is not None else b"")
+                    for i, n, ck in zip(chunk, reply.msg.sizes, reply.msg.checksums):
+                        if n < 0:
+                            continue
+                        data = payload[off : off + n] if views is None else views[i][:n]
+                        off += n
+                        nbytes += n
+                        if verify and _checksum(data) != ck:
+                            bad += 1
+                            continue
+                        if out is not None:
+                            out[i] = bytes(data)
+                        sizes[i] = n
+                        got += 1
+                    self._counters.add(requests=1, bytes_in=nbytes, checksum_failures=bad)
+                    if bad:
+                        log.warning("kvfabric: %d objects from %s failed their checksum", bad, shard.address)
+            return job
+
+        pending = list(range(len(keys)))
+        for rank in range(self.config.replicas):
+            if not pending or time.monotonic() >= deadline:
+                break
+            groups: dict[int, list[int]] = {}
+            for i in pending:
+                groups.setdefault(owners[i][rank], []).append(i)
+            self._fan_out([(self._shards[s], job_for(self._shards[s], idx)) for s, idx in groups.items()], deadline)
+            pending = [i for i in pending if sizes[i] is None]
+        self._counters.add(hits=len(keys) - len(pending), misses=len(pending))
+        return sizes
+
+    def exists(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
+        """Which keys some owner holds (all owners asked at once). Failing shards answer False."""
+        self._check_open()
+        keys = self._keys(keys)
+        present = [False] * len(keys)
+        self._presence(keys, present, self._deadline(timeout_s))
+        return present
+
+    def _presence(self, keys: list[bytes], present: list[bool], deadline: float) -> None:
+        per_shard: dict[int, list[int]] = {}
+        for i, row in enumerate(self._owners(keys)):
+            for s in row:
+                per_shard.setdefault(s, []).append(i)
+
+        def job_for(shard: _Shard, idx: list[int]):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                for chunk in self._chunks(shard, idx):
+                    reply = conn.request(protocol.ExistsRequest(keys=[keys[i] for i in chunk]), deadline=deadline).msg
+                    if len(reply.present) != len(chunk):
+                        raise protocol.ProtocolError(ErrorCode.MALFORMED, "EXISTS reply length mismatch")
+                    self._counters.add(requests=1)
+                    for i, p in zip(chunk, reply.present):
+                        if p:
+                            present[i] = True
+            return job
+
+        self._fan_out([(self._shards[s], job_for(self._shards[s], idx)) for s, idx in per_shard.items()], deadline)
+
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, *, timeout_s: float | None = None) -> int:
+        """Length of the longest leading run of ``keys`` that the pool holds.
+
+        One LOOKUP per shard, in parallel: shard ``s`` gets its keys in prompt
+        order and answers how many of them it holds from the start, so its
+        first missing key is its ``count``-th; the run ends at the earliest
+        first-missing key over all shards. ``lease_ms`` asks each server to
+        pin what it found for that long. A failing shard's keys count as
+        missing. With ``replicas > 1`` presence is asked with EXISTS from every
+        owner instead (no leases are taken).
+        """
+        self._check_open()
+        keys = self._keys(keys)
+        if type(lease_ms) is not int or not 0 <= lease_ms <= 3_600_000:
+            raise ValueError(f"lease_ms must be an int in 0..3600000, got {lease_ms!r}")
+        if not keys:
+            return 0
+        deadline = self._deadline(timeout_s)
+        if self.config.replicas > 1:
+            present = [False] * len(keys)
+            self._presence(keys, present, deadline)
+            run = next((i for i, p in enumerate(present) if not p), len(keys))
+            self._counters.add(hits=run, misses=len(keys) - run)
+            return run
+        groups = sharding.group_by_owner(keys, self.servers)
+        first_missing: dict[int, int] = {}  # shard -> global index of its first missing key
+
+        def job_for(shard: _Shard, idx: list[int]):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                for chunk in self._chunks(shard, idx):
+                    msg = protocol.LookupRequest(keys=[keys[i] for i in chunk], lease_ms=lease_ms)
+                    count = conn.request(msg, deadline=deadline).msg.count
+                    self._counters.add(requests=1)
+                    if count < len(chunk):
+                        first_missing[shard.index] = chunk[count]
+                        return
+            return job
+
+        jobs = [(self._shards[s], job_for(self._shards[s], idx)) for s, idx in groups.items()]
+        ok = self._fan_out(jobs, deadline)
+        for (shard, _), good in zip(jobs, ok):
+            if not good:
+                first_missing[shard.index] = groups[shard.index][0]
+        run = leading_run(len(keys), list(first_missing.values()))
+        self._counters.add(hits=run, misses=len(keys) - run)
+        return run
+
+    def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """Delete ``keys`` from all their owners; returns the number of stored objects removed
+        (a key held by two replicas counts twice). Failing shards remove nothing."""
+        self._check_open()
+        keys = self._keys(keys)
+        deadline = self._deadline(timeout_s)
+        per_shard: dict[int, list[int]] = {}
+        for i, row in enumerate(self._owners(keys)):
+            for s in row:
+                per_shard.setdefault(s, []).append(i)
+        deleted = [0] * len(self._shards)
+
+        def job_for(shard: _Shard, idx: list[int]):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                for chunk in self._chunks(shard, idx):
+                    reply = conn.request(protocol.DeleteRequest(keys=[keys[i] for i in chunk]), deadline=deadline)
+                    deleted[shard.index] += reply.msg.deleted
+                    self._counters.add(requests=1)
+            return job
+
+        self._fan_out([(self._shards[s], job_for(self._shards[s], idx)) for s, idx in per_shard.items()], deadline)
+        return sum(deleted)
+
+    def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``{"client": {counters, "shards": {address: state}}, "servers": {address: STATS map}}``.
+
+        A server that cannot answer appears as ``{"error": "..."}``.
+        """
+        self._check_open()
+        deadline = self._deadline(timeout_s)
+        servers: dict[str, Any] = {}
+
+        def job_for(shard: _Shard):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                servers[shard.address] = conn.request(protocol.StatsRequest(), deadline=deadline).msg.stats
+            return job
+
+        ok = self._fan_out([(s, job_for(s)) for s in self._shards], deadline)
+        for s, good in zip(self._shards, ok):
+            if not good:
+                servers[s.address] = {"error": s.last_error or "unreachable"}
+        client: dict[str, Any] = self._counters.snapshot()
+        client["shards"] = {
+            s.address: {
+                "up": not s.down_until,
+                "transport": s.transport,
+                "server_id": s.server_id,
+                "last_error": s.last_error,
+            }
+            for s in self._shards
+        }
+        client["transports"] = sorted({s.transport for s in self._shards if s.transport})
+        return {"client": client, "servers": {a: servers[a] for a in self.servers}}
+
+    @property
+    def transports(self) -> dict[str, str | None]:
+        """The transport each shard's connections use (None before the first connect)."""
+        return {s.address: s.transport for s in self._shards}
+
+    def __repr__(self) -> str:
+        up = sum(1 for s in self._shards if not s.down_until)
+        return f"<kvfabric.Client {up}/{len(self._shards)} servers up, replicas={self.config.replicas}>"
