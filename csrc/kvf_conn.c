@@ -1,0 +1,213 @@
+/* kvf_conn.c: native client I/O for one connection (see kvf_conn.h).
+ *
+ * GET payloads are received with recvmsg() into an iovec that points at the
+ * caller's buffers, so object bytes go from the socket straight into the
+ * engine's memory; PUT payloads are sent with sendmsg() from the caller's
+ * buffers (gathered, no staging copy). IOV_MAX bounds each call, partial
+ * transfers advance the iovec and continue.
+ */
+#define _GNU_SOURCE
+#include "kvf_conn.h"
+#include "kvf_mpack.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+
+#define KVF_IOV_CHUNK 512
+
+static __thread int64_t tl_deadline_ns;
+static __thread int tl_timeo_set;
+
+void kvf_set_deadline(int64_t deadline_ns) { tl_deadline_ns = deadline_ns; }
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Arm the socket timeout for the next syscall; -ETIMEDOUT once past. */
+static int arm(int fd, int opt)
+{
+    if (tl_deadline_ns == 0) {
+        if (tl_timeo_set) {
+            struct timeval tv = {0, 0};
+            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+            tl_timeo_set = 0;
+        }
+        return 0;
+    }
+    int64_t left = tl_deadline_ns - now_ns();
+    if (left <= 0) return -ETIMEDOUT;
+    if (left < 1000000) left = 1000000;
+    struct timeval tv = {(time_t)(left / 1000000000LL), (suseconds_t)((left % 1000000000LL) / 1000)};
+    if (setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv)) return -errno;
+    tl_timeo_set = 1;
+    return 0;
+}
+
+static void advance(struct iovec **iov, int *n, size_t done)
+{
+    while (*n > 0 && done >= (*iov)->iov_len) {
+        done -= (*iov)->iov_len;
+        (*iov)++;
+        (*n)--;
+    }
+    if (*n > 0 && done) {
+        (*iov)->iov_base = (char *)(*iov)->iov_base + done;
+        (*iov)->iov_len -= done;
+    }
+}
+
+/* iov is modified (advanced in place). */
+int kvf_sendv_all(int fd, struct iovec *iov, int n)
+{
+    while (n > 0 && iov->iov_len == 0) { iov++; n--; }
+    while (n > 0) {
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)(n < KVF_IOV_CHUNK ? n : KVF_IOV_CHUNK);
+        int rc = arm(fd, SO_SNDTIMEO);
+        if (rc) return rc;
+        ssize_t r = sendmsg(fd, &mh, MSG_NOSIGNAL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN && tl_deadline_ns) continue; /* re-armed: times out above */
+            if (errno == EPIPE) return -ECONNRESET;
+            return -errno;
+        }
+        advance(&iov, &n, (size_t)r);
+        while (n > 0 && iov->iov_len == 0) { iov++; n--; }
+    }
+    return 0;
+}
+
+int kvf_recvv_all(int fd, struct iovec *iov, int n)
+{
+    while (n > 0 && iov->iov_len == 0) { iov++; n--; }
+    while (n > 0) {
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)(n < KVF_IOV_CHUNK ? n : KVF_IOV_CHUNK);
+        int rc = arm(fd, SO_RCVTIMEO);
+        if (rc) return rc;
+        ssize_t r = recvmsg(fd, &mh, MSG_WAITALL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN && tl_deadline_ns) continue;
+            return -errno;
+        }
+        if (r == 0) return -ECONNRESET;
+        advance(&iov, &n, (size_t)r);
+        while (n > 0 && iov->iov_len == 0) { iov++; n--; }
+    }
+    return 0;
+}
+
+int kvf_recv_all(int fd, void *buf, size_t n)
+{
+    struct iovec iov = {buf, n};
+    return kvf_recvv_all(fd, &iov, 1);
+}
+
+int kvf_drain(int fd, uint64_t n)
+{
+    char scratch[16384];
+    while (n > 0) {
+        size_t k = n < sizeof scratch ? (size_t)n : sizeof scratch;
+        int rc = kvf_recv_all(fd, scratch, k);
+        if (rc) return rc;
+        n -= k;
+    }
+    return 0;
+}
+
+int kvf_send_frame(int fd, uint8_t opcode, uint8_t flags, uint64_t request_id, const void *meta,
+                   uint32_t meta_len, const struct iovec *parts, int nparts)
+{
+    struct kvf_header h;
+    uint64_t payload = 0;
+    for (int i = 0; i < nparts; i++) payload += parts[i].iov_len;
+    kvf_header_pack(&h, opcode, flags, request_id, meta_len, payload);
+    struct iovec small[8];
+    struct iovec *iov = small;
+    int n = 2 + nparts;
+    if (n > 8) {
+        iov = malloc(sizeof(struct iovec) * (size_t)n);
+        if (!iov) return -ENOMEM;
+    }
+    iov[0].iov_base = &h;
+    iov[0].iov_len = sizeof h;
+    iov[1].iov_base = (void *)meta;
+    iov[1].iov_len = meta_len;
+    if (nparts) memcpy(iov + 2, parts, sizeof(struct iovec) * (size_t)nparts);
+    int rc = kvf_sendv_all(fd, iov, n);
+    if (iov != small) free(iov);
+    return rc;
+}
+
+int kvf_recv_header(int fd, struct kvf_header *h, uint32_t max_meta, uint64_t max_payload, int *wire_err)
+{
+    int rc = kvf_recv_all(fd, h, sizeof *h);
+    if (rc) return rc;
+    rc = kvf_header_check(h, max_meta, max_payload);
+    if (rc) {
+        if (wire_err) *wire_err = -rc;
+        return -EPROTO;
+    }
+    return 0;
+}
+
+int kvf_parse_sizes(const uint8_t *meta, size_t meta_len, int64_t *sizes, uint32_t n)
+{
+    struct kvf_mr r;
+    uint32_t count;
+    if (kvf_mr_find(meta, meta_len, "sizes", &r) || kvf_mr_array(&r, &count) || count != n)
+        return -EPROTO;
+    for (uint32_t i = 0; i < n; i++) {
+        if (kvf_mr_int(&r, &sizes[i]) || sizes[i] < -1) return -EPROTO;
+    }
+    return 0;
+}
+
+int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
+                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index)
+{
+    uint64_t total = 0;
+    uint32_t found = 0;
+    int too_small = -1;
+    for (uint32_t i = 0; i < n; i++) {
+        if (sizes[i] < 0) continue;
+        total += (uint64_t)sizes[i];
+        found++;
+        if ((uint64_t)sizes[i] > buf_lens[i] && too_small < 0) too_small = (int)i;
+    }
+    if (total != payload_len) return -EPROTO;
+    if (too_small >= 0) {
+        if (bad_index) *bad_index = (uint32_t)too_small;
+        int rc = kvf_drain(fd, payload_len);
+        return rc ? rc : -EMSGSIZE;
+    }
+    if (!found) return 0;
+    struct iovec *iov = malloc(sizeof(struct iovec) * found);
+    if (!iov) return -ENOMEM;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (sizes[i] < 0) continue;
+        iov[k].iov_base = bufs[i];
+        iov[k].iov_len = (size_t)sizes[i];
+        k++;
+    }
+    int rc = kvf_recvv_all(fd, iov, (int)k);
+    free(iov);
+    return rc;
+}

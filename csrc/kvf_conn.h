@@ -1,0 +1,51 @@
+/* kvf_conn.h: the native client side of one connection: blocking syscalls
+ * on a connected stream socket (TCP or unix), called with the GIL released.
+ *
+ * Every function returns 0 or -errno:
+ *   -ECONNRESET  the peer closed the connection (EOF) or reset it
+ *   -ETIMEDOUT   the deadline (kvf_set_deadline) passed
+ *   -EPROTO      the peer sent a frame that fails the header checks
+ *                (*wire_err, when given, holds the kvf_err code)
+ *   -EMSGSIZE    a reply object does not fit the caller's buffer; the
+ *                payload was drained, so the connection stays usable
+ *   other        as reported by the kernel
+ */
+#ifndef KVF_CONN_H
+#define KVF_CONN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "kvf_protocol.h"
+
+/* Absolute CLOCK_MONOTONIC deadline (ns) for the calls this thread makes
+ * next; 0 = none. Before every syscall the socket timeout is set to the time
+ * left, and -ETIMEDOUT is returned once it has passed, so a call never blocks
+ * past it (the caller then closes the connection: the stream is out of step). */
+void kvf_set_deadline(int64_t deadline_ns);
+
+int kvf_sendv_all(int fd, struct iovec *iov, int n);
+int kvf_recv_all(int fd, void *buf, size_t n);
+int kvf_recvv_all(int fd, struct iovec *iov, int n);
+int kvf_drain(int fd, uint64_t n);
+
+/* Send header + meta + payload parts as one gathered stream. */
+int kvf_send_frame(int fd, uint8_t opcode, uint8_t flags, uint64_t request_id, const void *meta,
+                   uint32_t meta_len, const struct iovec *parts, int nparts);
+
+/* Receive and check a header. */
+int kvf_recv_header(int fd, struct kvf_header *h, uint32_t max_meta, uint64_t max_payload, int *wire_err);
+
+/* Parse the "sizes" array of a GET reply's metadata into sizes[0..n).
+ * Returns 0, or -EPROTO when absent, malformed or not exactly n entries. */
+int kvf_parse_sizes(const uint8_t *meta, size_t meta_len, int64_t *sizes, uint32_t n);
+
+/* Scatter a GET reply payload: object i (sizes[i] >= 0) goes into bufs[i].
+ * Checks that the sizes add up to payload_len (-EPROTO otherwise, nothing
+ * read) and that each object fits (-EMSGSIZE, payload drained; *bad_index
+ * is the first object that did not fit). */
+int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
+                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index);
+
+#endif

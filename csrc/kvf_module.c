@@ -1,0 +1,431 @@
+/* kvf_module.c: the one binding file of kvfabric._native.
+ *
+ * It parses arguments, releases the GIL around every call into the C data
+ * plane, and turns a negative errno into a kvfabric.errors exception in one
+ * place (raise_errno). Nothing here decides policy: routing, retries,
+ * eviction, configuration and logging stay in Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+
+#include "kvf_conn.h"
+#include "kvf_mpack.h"
+#include "kvf_protocol.h"
+
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+
+static PyObject *ErrTransport, *ErrClosed, *ErrDeadline, *ErrProtocol, *ErrNative, *ErrorCodeEnum;
+
+/* The single errno -> exception mapping. `what` names the operation. */
+static PyObject *raise_errno(int rc, int wire_err, const char *what)
+{
+    int e = -rc;
+    switch (e) {
+    case ECONNRESET:
+    case EPIPE:
+    case ENOTCONN:
+    case ESHUTDOWN:
+        return PyErr_Format(ErrClosed, "%s: the peer closed the connection", what);
+    case EAGAIN:
+    case ETIMEDOUT:
+        return PyErr_Format(ErrDeadline, "%s: timed out", what);
+    case EPROTO: {
+        PyObject *code = PyObject_CallFunction(ErrorCodeEnum, "i", wire_err ? wire_err : KVF_E_MALFORMED);
+        if (!code) return NULL;
+        PyObject *exc = PyObject_CallFunction(ErrProtocol, "Os", code, what);
+        Py_DECREF(code);
+        if (exc) { PyErr_SetObject(ErrProtocol, exc); Py_DECREF(exc); }
+        return NULL;
+    }
+    case ENOMEM:
+        return PyErr_NoMemory();
+    case EINVAL:
+        return PyErr_Format(PyExc_ValueError, "%s: invalid argument", what);
+    default: {
+        PyObject *exc = PyObject_CallFunction(ErrNative, "is", e, strerror(e));
+        if (exc) {
+            PyObject *msg = PyUnicode_FromFormat("%s: %s", what, strerror(e));
+            if (msg) { PyObject_SetAttrString(exc, "what", msg); Py_DECREF(msg); }
+            PyErr_SetObject(ErrNative, exc);
+            Py_DECREF(exc);
+        }
+        return NULL;
+    }
+    }
+}
+
+/* ------------------------------------------------------------------ buffers */
+
+struct bufset {
+    Py_buffer *views;
+    Py_ssize_t n;
+};
+
+static void bufset_release(struct bufset *b)
+{
+    for (Py_ssize_t i = 0; i < b->n; i++) PyBuffer_Release(&b->views[i]);
+    PyMem_Free(b->views);
+    b->views = NULL;
+    b->n = 0;
+}
+
+/* Get contiguous byte views of every item of `seq` (writable if asked). */
+static int bufset_get(struct bufset *b, PyObject *seq, int writable, const char *what)
+{
+    b->views = NULL;
+    b->n = 0;
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    b->views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (!b->views) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &b->views[i],
+                               writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS)) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] must be a %scontiguous buffer", what, i, writable ? "writable " : "");
+            bufset_release(b);
+            Py_DECREF(fast);
+            return -1;
+        }
+        b->n = i + 1;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ client frames */
+
+struct recv_result {
+    struct kvf_header h;
+    uint8_t *meta;       /* malloc'd */
+    PyObject *payload;   /* bytearray when no recv buffers were given */
+    int wire_err;
+    uint32_t bad_index;
+};
+
+/* GIL released. Receives one reply into r; object payload into bufs when given. */
+static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, uint32_t max_meta,
+                            uint64_t max_payload, char *payload_buf)
+{
+    int rc = kvf_recv_header(fd, &r->h, max_meta, max_payload, &r->wire_err);
+    if (rc) return rc;
+    r->meta = malloc(r->h.meta_len ? r->h.meta_len : 1);
+    if (!r->meta) return -ENOMEM;
+    rc = kvf_recv_all(fd, r->meta, r->h.meta_len);
+    if (rc || r->h.payload_len == 0) return rc;
+    if (r->h.flags & KVF_FLAG_ERROR) { r->wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    if (payload_buf) return 1; /* caller allocates, then receives */
+    if (!bufs) return 1;
+    uint32_t n = (uint32_t)bufs->n;
+    int64_t *sizes = malloc(sizeof(int64_t) * (n ? n : 1));
+    void **ptrs = malloc(sizeof(void *) * (n ? n : 1));
+    size_t *lens = malloc(sizeof(size_t) * (n ? n : 1));
+    if (!sizes || !ptrs || !lens) { free(sizes); free(ptrs); free(lens); return -ENOMEM; }
+    rc = kvf_parse_sizes(r->meta, r->h.meta_len, sizes, n);
+    if (rc == 0) {
+        for (uint32_t i = 0; i < n; i++) { ptrs[i] = bufs->views[i].buf; lens[i] = (size_t)bufs->views[i].len; }
+        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, &r->bad_index);
+        if (rc == -EPROTO) r->wire_err = KVF_E_LENGTH_MISMATCH;
+    } else {
+        r->wire_err = KVF_E_MALFORMED;
+    }
+    free(sizes); free(ptrs); free(lens);
+    return rc;
+}
+
+static PyObject *finish_recv(int fd, struct recv_result *r, struct bufset *bufs, int rc, uint64_t max_payload)
+{
+    PyObject *payload = Py_None;
+    Py_INCREF(payload);
+    if (rc == 1) {
+        /* payload with no caller buffers: one bytearray (limit already checked) */
+        (void)max_payload;
+        Py_DECREF(payload);
+        payload = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)r->h.payload_len);
+        if (!payload) { free(r->meta); return NULL; }
+        char *dst = PyByteArray_AS_STRING(payload);
+        Py_BEGIN_ALLOW_THREADS
+        rc = kvf_recv_all(fd, dst, r->h.payload_len);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc == -EMSGSIZE) {
+        Py_DECREF(payload);
+        free(r->meta);
+        return PyErr_Format(PyExc_ValueError, "GET buffer %u is too small for its object", r->bad_index);
+    }
+    if (rc) {
+        Py_DECREF(payload);
+        free(r->meta);
+        return raise_errno(rc, r->wire_err, "receiving a reply");
+    }
+    (void)bufs;
+    PyObject *meta = PyBytes_FromStringAndSize((const char *)r->meta, r->h.meta_len);
+    free(r->meta);
+    if (!meta) { Py_DECREF(payload); return NULL; }
+    return Py_BuildValue("(iiKNKN)", r->h.opcode, r->h.flags, (unsigned long long)r->h.request_id, meta,
+                         (unsigned long long)r->h.payload_len, payload);
+}
+
+PyDoc_STRVAR(request_doc,
+"request(fd, opcode, request_id, meta, parts, recv, max_meta, max_payload, flags=0, send=True, deadline=0)\n"
+"Send one frame and receive one reply on the blocking socket fd, GIL released.\n"
+"recv: writable buffers (one per key) that a GET reply's objects go into, or None\n"
+"(the payload then comes back as one bytearray). Returns (opcode, flags, request_id,\n"
+"meta_bytes, payload_len, payload_or_None). Raises ConnectionClosed, DeadlineExceeded\n"
+"(the absolute time.monotonic() deadline passed), ProtocolError, ValueError (an object larger than its buffer;\n"
+"the payload was drained) or NativeError.");
+
+static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
+{
+    (void)self;
+    static char *kwlist[] = {"fd", "opcode", "request_id", "meta", "parts", "recv", "max_meta", "max_payload",
+                             "flags", "send", "deadline", NULL};
+    int fd, opcode, flags = 0, do_send = 1;
+    double deadline = 0;
+    unsigned long long rid, max_payload;
+    unsigned int max_meta;
+    Py_buffer meta;
+    PyObject *parts, *recv;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiKy*OOIK|ipd", kwlist, &fd, &opcode, &rid, &meta, &parts, &recv,
+                                     &max_meta, &max_payload, &flags, &do_send, &deadline))
+        return NULL;
+    if (opcode < 0 || opcode > 255 || flags < 0 || flags > 255 || meta.len > UINT32_MAX) {
+        PyBuffer_Release(&meta);
+        return PyErr_Format(PyExc_ValueError, "opcode/flags out of range or meta too large");
+    }
+    struct bufset pb = {0}, rb = {0};
+    if (bufset_get(&pb, parts, 0, "parts")) { PyBuffer_Release(&meta); return NULL; }
+    int have_recv = recv != Py_None;
+    if (have_recv && bufset_get(&rb, recv, 1, "recv")) { bufset_release(&pb); PyBuffer_Release(&meta); return NULL; }
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
+    if (!iov) { bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
+    struct recv_result r;
+    memset(&r, 0, sizeof r);
+    int rc = 0, sent_ok = 1;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    if (do_send) rc = kvf_send_frame(fd, (uint8_t)opcode, (uint8_t)flags, rid, meta.buf, (uint32_t)meta.len, iov, (int)pb.n);
+    if (rc) sent_ok = 0;
+    else rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(iov);
+    bufset_release(&pb);
+    PyBuffer_Release(&meta);
+    PyObject *out;
+    if (!sent_ok) out = raise_errno(rc, 0, "sending a request");
+    else out = finish_recv(fd, &r, &rb, rc, max_payload);
+    bufset_release(&rb);
+    return out;
+}
+
+PyDoc_STRVAR(send_frame_doc,
+"send_frame(fd, opcode, flags, request_id, meta, parts, deadline=0)\n"
+"Send one frame (header + meta + gathered payload parts), GIL released.");
+
+static PyObject *py_send_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, opcode, flags;
+    unsigned long long rid;
+    Py_buffer meta;
+    PyObject *parts;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iiiKy*O|d", &fd, &opcode, &flags, &rid, &meta, &parts, &deadline)) return NULL;
+    if (opcode < 0 || opcode > 255 || flags < 0 || flags > 255 || meta.len > UINT32_MAX) {
+        PyBuffer_Release(&meta);
+        return PyErr_Format(PyExc_ValueError, "opcode/flags out of range or meta too large");
+    }
+    struct bufset pb;
+    if (bufset_get(&pb, parts, 0, "parts")) { PyBuffer_Release(&meta); return NULL; }
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
+    if (!iov) { bufset_release(&pb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
+    int rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_send_frame(fd, (uint8_t)opcode, (uint8_t)flags, rid, meta.buf, (uint32_t)meta.len, iov, (int)pb.n);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(iov);
+    bufset_release(&pb);
+    PyBuffer_Release(&meta);
+    if (rc) return raise_errno(rc, 0, "sending a frame");
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(recv_frame_doc,
+"recv_frame(fd, recv, max_meta, max_payload, deadline=0)\n"
+"Receive one frame; same result and errors as request().");
+
+static PyObject *py_recv_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    PyObject *recv;
+    unsigned int max_meta;
+    unsigned long long max_payload;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iOIK|d", &fd, &recv, &max_meta, &max_payload, &deadline)) return NULL;
+    struct bufset rb = {0};
+    int have_recv = recv != Py_None;
+    if (have_recv && bufset_get(&rb, recv, 1, "recv")) return NULL;
+    struct recv_result r;
+    memset(&r, 0, sizeof r);
+    int rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL);
+    Py_END_ALLOW_THREADS
+    PyObject *out = finish_recv(fd, &r, &rb, rc, max_payload);
+    bufset_release(&rb);
+    return out;
+}
+
+/* ------------------------------------------------------------------ test hooks */
+
+PyDoc_STRVAR(pack_header_doc, "pack_header(opcode, flags, request_id, meta_len, payload_len) -> bytes (C layout)");
+
+static PyObject *py_pack_header(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int opcode, flags;
+    unsigned long long rid, plen;
+    unsigned int mlen;
+    if (!PyArg_ParseTuple(args, "iiKIK", &opcode, &flags, &rid, &mlen, &plen)) return NULL;
+    struct kvf_header h;
+    kvf_header_pack(&h, (uint8_t)opcode, (uint8_t)flags, rid, mlen, plen);
+    return PyBytes_FromStringAndSize((const char *)&h, sizeof h);
+}
+
+PyDoc_STRVAR(check_header_doc, "check_header(bytes32, max_meta, max_payload) -> 0 or the kvf error code");
+
+static PyObject *py_check_header(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b;
+    unsigned int max_meta;
+    unsigned long long max_payload;
+    if (!PyArg_ParseTuple(args, "y*IK", &b, &max_meta, &max_payload)) return NULL;
+    if (b.len != KVF_HEADER_SIZE) { PyBuffer_Release(&b); return PyErr_Format(PyExc_ValueError, "need 32 bytes"); }
+    struct kvf_header h;
+    memcpy(&h, b.buf, sizeof h);
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(-kvf_header_check(&h, max_meta, max_payload));
+}
+
+static PyObject *py_layout(PyObject *self, PyObject *noargs)
+{
+    (void)self; (void)noargs;
+    return Py_BuildValue(
+        "{s:n,s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:i,s:i,s:i,s:y}",
+        "size", (Py_ssize_t)sizeof(struct kvf_header),
+        "magic", (Py_ssize_t)offsetof(struct kvf_header, magic), (Py_ssize_t)4,
+        "version", (Py_ssize_t)offsetof(struct kvf_header, version), (Py_ssize_t)2,
+        "opcode", (Py_ssize_t)offsetof(struct kvf_header, opcode), (Py_ssize_t)1,
+        "flags", (Py_ssize_t)offsetof(struct kvf_header, flags), (Py_ssize_t)1,
+        "request_id", (Py_ssize_t)offsetof(struct kvf_header, request_id), (Py_ssize_t)8,
+        "meta_len", (Py_ssize_t)offsetof(struct kvf_header, meta_len), (Py_ssize_t)4,
+        "payload_len", (Py_ssize_t)offsetof(struct kvf_header, payload_len), (Py_ssize_t)8,
+        "reserved", (Py_ssize_t)offsetof(struct kvf_header, reserved), (Py_ssize_t)4,
+        "VERSION", KVF_VERSION, "FLAG_REPLY", KVF_FLAG_REPLY, "FLAG_ERROR", KVF_FLAG_ERROR, "MAGIC", KVF_MAGIC);
+}
+
+static PyObject *py_constants(PyObject *self, PyObject *noargs)
+{
+    (void)self; (void)noargs;
+    return Py_BuildValue(
+        "{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
+        "s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
+        "s:{s:i,s:i,s:i,s:i,s:i},"
+        "s:{s:I,s:I,s:I,s:K,s:K,s:I}}",
+        "ops", "HELLO", KVF_OP_HELLO, "PING", KVF_OP_PING, "EXISTS", KVF_OP_EXISTS, "LOOKUP", KVF_OP_LOOKUP,
+        "GET", KVF_OP_GET, "PUT", KVF_OP_PUT, "DELETE", KVF_OP_DELETE, "STATS", KVF_OP_STATS,
+        "errors", "BAD_MAGIC", KVF_E_BAD_MAGIC, "BAD_VERSION", KVF_E_BAD_VERSION, "UNKNOWN_OPCODE",
+        KVF_E_UNKNOWN_OPCODE, "MALFORMED", KVF_E_MALFORMED, "TOO_MANY_KEYS", KVF_E_TOO_MANY_KEYS,
+        "PAYLOAD_TOO_LARGE", KVF_E_PAYLOAD_TOO_LARGE, "META_TOO_LARGE", KVF_E_META_TOO_LARGE, "LENGTH_MISMATCH",
+        KVF_E_LENGTH_MISMATCH, "AUTH_FAILED", KVF_E_AUTH_FAILED, "TOO_MANY_IN_FLIGHT", KVF_E_TOO_MANY_IN_FLIGHT,
+        "BUSY", KVF_E_BUSY, "INTERNAL", KVF_E_INTERNAL, "BAD_KEY", KVF_E_BAD_KEY,
+        "put_status", "STORED", KVF_PUT_STORED, "EXISTS", KVF_PUT_EXISTS, "TOO_LARGE", KVF_PUT_TOO_LARGE,
+        "NO_SPACE", KVF_PUT_NO_SPACE, "CHECKSUM_MISMATCH", KVF_PUT_CHECKSUM_MISMATCH,
+        "limits", "max_keys_per_batch", KVF_MAX_KEYS_PER_BATCH, "max_key_bytes", KVF_MAX_KEY_BYTES,
+        "max_meta_bytes", KVF_MAX_META_BYTES, "max_payload_bytes", (unsigned long long)KVF_MAX_PAYLOAD_BYTES,
+        "max_object_bytes", (unsigned long long)KVF_MAX_OBJECT_BYTES, "max_in_flight", KVF_MAX_IN_FLIGHT);
+}
+
+PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: the object checksum as the C data plane computes it");
+
+static PyObject *py_xxh3(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS)) return NULL;
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = XXH3_64bits(b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(parse_sizes_doc, "parse_sizes(meta, n) -> list[int]: the C reading of a GET reply's sizes");
+
+static PyObject *py_parse_sizes(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b;
+    unsigned int n;
+    if (!PyArg_ParseTuple(args, "y*I", &b, &n)) return NULL;
+    if (n > KVF_MAX_KEYS_PER_BATCH) { PyBuffer_Release(&b); return PyErr_Format(PyExc_ValueError, "too many sizes"); }
+    int64_t sizes[KVF_MAX_KEYS_PER_BATCH];
+    int rc = kvf_parse_sizes(b.buf, (size_t)b.len, sizes, n);
+    PyBuffer_Release(&b);
+    if (rc) return raise_errno(rc, KVF_E_MALFORMED, "parsing sizes");
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (unsigned int i = 0; i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLongLong(sizes[i]));
+    return out;
+}
+
+/* @@SERVER@@ */
+
+static PyMethodDef methods[] = {
+    {"request", (PyCFunction)(void (*)(void))py_request, METH_VARARGS | METH_KEYWORDS, request_doc},
+    {"send_frame", py_send_frame, METH_VARARGS, send_frame_doc},
+    {"recv_frame", py_recv_frame, METH_VARARGS, recv_frame_doc},
+    {"pack_header", py_pack_header, METH_VARARGS, pack_header_doc},
+    {"check_header", py_check_header, METH_VARARGS, check_header_doc},
+    {"layout", py_layout, METH_NOARGS, "the C header layout: {field: (offset, size)} and constants"},
+    {"constants", py_constants, METH_NOARGS, "opcodes, error codes, put statuses and limits as C sees them"},
+    {"xxh3_64", py_xxh3, METH_O, xxh3_doc},
+    {"parse_sizes", py_parse_sizes, METH_VARARGS, parse_sizes_doc},
+    /* @@SERVER_METHODS@@ */
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "kvfabric._native",
+    "The C data plane of kvfabric (csrc/): moves bytes, decides nothing.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    PyObject *errors = PyImport_ImportModule("kvfabric.errors");
+    if (!errors) return NULL;
+    ErrTransport = PyObject_GetAttrString(errors, "TransportError");
+    ErrClosed = PyObject_GetAttrString(errors, "ConnectionClosed");
+    ErrDeadline = PyObject_GetAttrString(errors, "DeadlineExceeded");
+    ErrProtocol = PyObject_GetAttrString(errors, "ProtocolError");
+    ErrNative = PyObject_GetAttrString(errors, "NativeError");
+    ErrorCodeEnum = PyObject_GetAttrString(errors, "ErrorCode");
+    Py_DECREF(errors);
+    if (!ErrTransport || !ErrClosed || !ErrDeadline || !ErrProtocol || !ErrNative || !ErrorCodeEnum) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    /* @@SERVER_INIT@@ */
+    return m;
+}

@@ -1,0 +1,51 @@
+/* kvf_mpack.h: the small msgpack subset the C data plane needs.
+ *
+ * Reader: a bounds-checked cursor over a metadata section. Every reader
+ * returns 0 on success or -1 when the bytes are truncated or of another type;
+ * nothing is allocated, so a hostile length prefix cannot make it allocate.
+ * Writer: appends to a caller-owned buffer with a fixed capacity; it sets
+ * w->overflow instead of writing past the end (check it once at the end).
+ */
+#ifndef KVF_MPACK_H
+#define KVF_MPACK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvf_mr {
+    const uint8_t *p;
+    const uint8_t *end;
+};
+
+int kvf_mr_map(struct kvf_mr *r, uint32_t *n);
+int kvf_mr_array(struct kvf_mr *r, uint32_t *n);
+int kvf_mr_str(struct kvf_mr *r, const char **s, uint32_t *n);
+int kvf_mr_bin(struct kvf_mr *r, const uint8_t **b, uint32_t *n);
+int kvf_mr_int(struct kvf_mr *r, int64_t *v);   /* signed or unsigned that fits int64 */
+int kvf_mr_uint(struct kvf_mr *r, uint64_t *v); /* non-negative only */
+int kvf_mr_bool(struct kvf_mr *r, int *v);
+int kvf_mr_is_nil(struct kvf_mr *r);            /* 1 and consumed if nil, else 0 */
+int kvf_mr_skip(struct kvf_mr *r);              /* skip one value (depth-limited) */
+/* Position on the value of top-level map key `name`; 0 found, -1 absent or bad. */
+int kvf_mr_find(const uint8_t *meta, size_t len, const char *name, struct kvf_mr *out);
+
+struct kvf_mw {
+    uint8_t *buf;
+    size_t cap;
+    size_t len;
+    int overflow;
+};
+
+void kvf_mw_init(struct kvf_mw *w, uint8_t *buf, size_t cap);
+void kvf_mw_map(struct kvf_mw *w, uint32_t n);
+void kvf_mw_array(struct kvf_mw *w, uint32_t n);
+void kvf_mw_str(struct kvf_mw *w, const char *s, size_t n);
+void kvf_mw_cstr(struct kvf_mw *w, const char *s);
+void kvf_mw_bin(struct kvf_mw *w, const void *b, size_t n);
+void kvf_mw_int(struct kvf_mw *w, int64_t v);
+void kvf_mw_uint(struct kvf_mw *w, uint64_t v);
+void kvf_mw_bool(struct kvf_mw *w, int v);
+void kvf_mw_nil(struct kvf_mw *w);
+void kvf_mw_raw(struct kvf_mw *w, const void *b, size_t n);
+
+#endif
