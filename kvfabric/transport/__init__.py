@@ -46,6 +46,7 @@ class _Entry:
 # The one place transports are registered.
 _TRANSPORTS: tuple[_Entry, ...] = (
     _Entry("tcp", "kvfabric.transport.tcp", rank=100),
+    _Entry("native", "kvfabric.transport.native", rank=50),
 )
 
 _modules: dict[str, ModuleType | str] = {}  # name -> module, or the reason it is unusable
