@@ -205,12 +205,15 @@ class Store:
 
     # ------------------------------------------------------------------ GET
 
-    def acquire(self, keys: Sequence[bytes]) -> Acquired:
+    def acquire(self, keys: Sequence[bytes], max_bytes: int | None = None) -> Acquired:
         """Pin and verify the objects for ``keys``; count hits and misses.
 
         An object whose checksum fails is dropped (``checksum_failures``) and
-        reported as a miss. The caller must ``release()`` the result.
+        reported as a miss. Found objects beyond ``max_bytes`` in total (the
+        reply's payload limit) are reported as misses too. The caller must
+        ``release()`` the result.
         """
+        budget = max_bytes if max_bytes is not None else 1 << 62
         with self._lock:
             found = [self._pin(k) for k in keys]
         verified = [e is not None and checksum(self.arena.view(e.offset, e.size)) == e.checksum for e in found]
@@ -224,12 +227,16 @@ class Store:
                     self._drop_corrupt(key, e)
                     self._unpin(e)
                     e = None
+                elif e is not None and e.size > budget:
+                    self._unpin(e)
+                    e = None
                 if e is None:
                     self.counters["misses"] += 1
                     sizes.append(-1)
                     sums.append(0)
                     continue
                 self.counters["hits"] += 1
+                budget -= e.size
                 if e.live:
                     self.policy.on_access(key)
                 sizes.append(e.size)

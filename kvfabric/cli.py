@@ -1,0 +1,65 @@
+"""The ``kvfabric`` command: ``kvfabric serve ...`` and ``kvfabric bench <name> ...``.
+
+``bench <name>`` imports ``kvfabric.bench.<name>`` lazily and calls its
+``main(argv)`` with the remaining arguments, so a new benchmark is added by
+dropping a module into ``kvfabric/bench/``; nothing here changes. An unknown
+name is an error that lists the benchmark modules found.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+USAGE = """usage: kvfabric <command> [args...]
+
+commands:
+  serve [options]        run a pool server (kvfabric serve --help)
+  bench <name> [args]    run a benchmark (kvfabric bench --help lists them)
+"""
+
+
+def bench_modules() -> list[str]:
+    """Names of the modules in ``kvfabric.bench`` (each one a ``kvfabric bench <name>``)."""
+    try:
+        pkg = importlib.import_module("kvfabric.bench")
+    except ImportError:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+
+
+def _bench(argv: list[str]) -> int:
+    found = bench_modules()
+    listing = ", ".join(found) if found else "(none installed)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: kvfabric bench <name> [args...]\nbenchmarks: {listing}")
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in found:
+        print(f"kvfabric bench: unknown benchmark {name!r}; available: {listing}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"kvfabric.bench.{name}")
+    rc = module.main(argv[1:])
+    return int(rc or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from .server.main import main as serve_main
+
+        return serve_main(rest)
+    if command == "bench":
+        return _bench(rest)
+    print(f"kvfabric: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Request handlers: opcode -> operation on the store, independent of how bytes move.
+
+A transport (the TCP loop in ``tcp.py``; the native and shm data planes beside
+it) does the I/O and calls these in a fixed order for every frame::
+
+    header = handlers.parse_header(session, header_bytes)   # limits checked here
+    msg = handlers.decode(session, header, meta_bytes)       # before any payload
+    if isinstance(msg, PutRequest):
+        ingest = handlers.begin_put(session, header, msg)
+        for i in range(len(msg.keys)):
+            view = ingest.reserve(i)     # an arena slot to receive into, or None
+            ... receive msg.sizes[i] bytes into view (or discard them) ...
+            ingest.complete(i)           # only after a view was filled
+        reply = ingest.reply()           # ingest.abort() if the stream broke
+    else:
+        reply = handlers.handle(session, header, msg)
+    ... send reply.head, then each of reply.payload ..., then reply.release()
+    if reply.close: close the connection
+
+Any step may raise :class:`~kvfabric.errors.ProtocolError`; the transport then
+sends ``handlers.error_reply(session, opcode, request_id, exc)`` (which also
+counts the error by code) and closes the connection when ``reply.close`` is
+set (the codes in ``kvfabric.errors.FATAL_CODES``), after draining the
+payload otherwise. Payload views in a reply point into the arena and stay
+valid (their objects pinned) until ``reply.release()`` runs: call it once the
+bytes are sent, or when sending failed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__, protocol
+from ..errors import FATAL_CODES, ErrorCode, ProtocolError
+from ..protocol import (
+    DEFAULT_LIMITS,
+    PRE_AUTH_LIMITS,
+    DeleteReply,
+    ExistsReply,
+    GetReply,
+    Header,
+    HelloReply,
+    HelloRequest,
+    Limits,
+    LookupReply,
+    Message,
+    Op,
+    PingReply,
+    PutReply,
+    PutRequest,
+    PutStatus,
+    StatsReply,
+)
+from .store import Slot, Store
+
+log = logging.getLogger("kvfabric.server")
+
+
+@dataclass(slots=True)
+class Reply:
+    """Bytes to send back: ``head`` (header + metadata), then ``payload`` views in order."""
+
+    head: bytes
+    payload: list[memoryview] = field(default_factory=list)
+    release: Callable[[], None] = lambda: None
+    close: bool = False
+
+
+class Session:
+    """Per-connection state: whether the peer has authenticated, and which limits apply."""
+
+    __slots__ = ("peer", "transport", "authenticated", "limits")
+
+    def __init__(self, peer: str, transport: str, authenticated: bool, limits: Limits) -> None:
+        self.peer = peer
+        self.transport = transport
+        self.authenticated = authenticated
+        self.limits = limits if authenticated else PRE_AUTH_LIMITS
+
+
+class ServerCounters:
+    """Connection-level counters for STATS; thread-safe (own small lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.connections = 0
+        self.connections_total = 0
+        self.connections_refused = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.requests = 0
+        self.errors: dict[str, int] = {}
+
+    def connection_opened(self) -> None:
+        with self._lock:
+            self.connections += 1
+            self.connections_total += 1
+
+    def connection_closed(self) -> None:
+        with self._lock:
+            self.connections -= 1
+
+    def refused(self) -> None:
+        with self._lock:
+            self.connections_refused += 1
+
+    def traffic(self, bytes_in: int, bytes_out: int, requests: int = 1) -> None:
+        with self._lock:
+            self.bytes_in += bytes_in
+            self.bytes_out += bytes_out
+            self.requests += requests
+
+    def error(self, code: ErrorCode) -> None:
+        with self._lock:
+            self.errors[code.name] = self.errors.get(code.name, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "connections": self.connections,
+                "connections_total": self.connections_total,
+                "connections_refused": self.connections_refused,
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "requests": self.requests,
+                "errors": dict(self.errors),
+            }
+
+
+class Handlers:
+    """The server's request logic over one :class:`Store`; shared by all connections and transports.
+
+    ``auth_token``: when set, a connection must send a HELLO carrying it
+    before anything else, and until then only :data:`PRE_AUTH_LIMITS` apply.
+    ``transports``: names advertised in the HELLO reply.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        server_id: str,
+        transports: Sequence[str] = ("tcp",),
+        auth_token: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        self.store = store
+        self.server_id = server_id
+        self.transports = list(transports)
+        self.auth_token = auth_token or None
+        self.limits = limits
+        self.counters = ServerCounters()
+        self.started = time.monotonic()
+        # extra STATS entries contributed by transports (name -> callable returning a map)
+        self.stats_sources: dict[str, Callable[[], Any]] = {}
+        self._dispatch: dict[Op, Callable[[Session, Header, Any], Reply]] = {
+            Op.HELLO: self._hello,
+            Op.PING: self._ping,
+            Op.EXISTS: self._exists,
+            Op.LOOKUP: self._lookup,
+            Op.GET: self._get,
+            Op.DELETE: self._delete,
+            Op.STATS: self._stats,
+        }
+
+    # ------------------------------------------------------------------ framing
+
+    def new_session(self, peer: str, transport: str = "tcp") -> Session:
+        return Session(peer, transport, self.auth_token is None, self.limits)
+
+    def parse_header(self, session: Session, buf: Any) -> Header:
+        """Check the 32 header bytes against the session's limits (ProtocolError otherwise)."""
+        header = protocol.unpack_header(buf, session.limits)
+        if header.is_reply:
+            raise ProtocolError(ErrorCode.MALFORMED, "a request must not carry the REPLY flag")
+        return header
+
+    def decode(self, session: Session, header: Header, meta: Any) -> Message:
+        """Decode and check the metadata; refuses anything but HELLO before authentication."""
+        msg = protocol.decode_request(header, meta, session.limits)
+        if not session.authenticated and msg.op != Op.HELLO:
+            raise ProtocolError(ErrorCode.AUTH_FAILED, "authenticate with HELLO first")
+        return msg
+
+    def error_reply(self, session: Session | None, opcode: int, request_id: int, exc: ProtocolError) -> Reply:
+        """The error frame for ``exc``, counted by code; ``close`` set for fatal codes."""
+        self.counters.error(exc.code)
+        peer = session.peer if session is not None else "?"
+        log.info("error %s from %s: %s", exc.code.name, peer, exc.message)
+        head = protocol.encode_error(opcode, request_id, exc.code, exc.message)
+        return Reply(head, close=exc.code in FATAL_CODES)
+
+    def busy_reply(self, message: str) -> Reply:
+        """A BUSY error frame (request id 0) for a peer refused before it sent anything."""
+        self.counters.error(ErrorCode.BUSY)
+        return Reply(protocol.encode_error(0, 0, ErrorCode.BUSY, message), close=True)
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, session: Session, header: Header, msg: Message) -> Reply:
+        """Run a request that carries no payload (everything but PUT)."""
+        return self._dispatch[msg.op](session, header, msg)
+
+    def begin_put(self, session: Session, header: Header, msg: PutRequest) -> PutIngest:
+        return PutIngest(self, header, msg)
+
+    def _hello(self, session: Session, header: Header, msg: HelloRequest) -> Reply:
+        if msg.version != protocol.VERSION:
+            raise ProtocolError(ErrorCode.BAD_VERSION, f"server speaks protocol {protocol.VERSION}, client {msg.version}")
+        if self.auth_token is not None:
+            if msg.auth is None or not hmac.compare_digest(msg.auth.encode(), self.auth_token.encode()):
+                raise ProtocolError(ErrorCode.AUTH_FAILED, "bad or missing auth token")
+            session.authenticated = True
+            session.limits = self.limits
+        reply = HelloReply(
+            server=f"kvfabric/{__version__}",
+            server_id=self.server_id,
+            transports=tuple(self.transports),
+            limits=self.limits,
+            capacity=self.store.capacity,
+        )
+        return Reply(protocol.encode_reply(reply, header.request_id))
+
+    def _ping(self, session: Session, header: Header, msg: Message) -> Reply:
+        return Reply(protocol.encode_reply(PingReply(), header.request_id))
+
+    def _exists(self, session: Session, header: Header, msg: Any) -> Reply:
+        present = self.store.exists(msg.keys)
+        return Reply(protocol.encode_reply(ExistsReply(present), header.request_id))
+
+    def _lookup(self, session: Session, header: Header, msg: Any) -> Reply:
+        count = self.store.lookup(msg.keys, msg.lease_ms)
+        return Reply(protocol.encode_reply(LookupReply(count), header.request_id))
+
+    def _get(self, session: Session, header: Header, msg: Any) -> Reply:
+        got = self.store.acquire(msg.keys, max_bytes=session.limits.max_payload_bytes)
+        try:
+            head = protocol.encode_reply(GetReply(got.sizes, got.checksums), header.request_id)
+        except BaseException:
+            got.release()
+            raise
+        return Reply(head, got.views, got.release)
+
+    def _delete(self, session: Session, header: Header, msg: Any) -> Reply:
+        n = self.store.delete(msg.keys)
+        return Reply(protocol.encode_reply(DeleteReply(n), header.request_id))
+
+    def _stats(self, session: Session, header: Header, msg: Message) -> Reply:
+        return Reply(protocol.encode_reply(StatsReply(self.stats()), header.request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The STATS map of docs/ARCHITECTURE.md (plus a few extra counters)."""
+        out = self.store.stats()
+        out.update(self.counters.snapshot())
+        out["transports"] = list(self.transports)
+        out["server_id"] = self.server_id
+        out["uptime_s"] = round(time.monotonic() - self.started, 3)
+        for name, source in self.stats_sources.items():
+            out[name] = source()
+        return out
+
+
+class PutIngest:
+    """One PUT in progress: hands out arena slots to receive into, then builds the reply.
+
+    ``reserve(i)`` returns the view to fill with object ``i``'s bytes, or
+    ``None`` when that object is not being stored (already held, too large,
+    no space): the transport then reads and discards its bytes. After a
+    filled view, ``complete(i)`` checks the checksum and commits it. If the
+    stream breaks, ``abort()`` returns any slot still reserved.
+    """
+
+    def __init__(self, handlers: Handlers, header: Header, msg: PutRequest) -> None:
+        self._h = handlers
+        self._header = header
+        self.msg = msg
+        self.status: list[int] = [-1] * len(msg.keys)
+        self._slot: Slot | None = None
+        self._index = -1
+
+    def reserve(self, i: int) -> memoryview | None:
+        if self._slot is not None:
+            raise RuntimeError("previous slot neither completed nor aborted")
+        res = self._h.store.begin_put(self.msg.keys[i], self.msg.sizes[i])
+        if isinstance(res, Slot):
+            self._slot, self._index = res, i
+            return res.view
+        self.status[i] = int(res)
+        return None
+
+    def complete(self, i: int) -> None:
+        slot, self._slot = self._slot, None
+        if slot is None or i != self._index:
+            raise RuntimeError(f"complete({i}) without a reserved slot")
+        parent = self.msg.parents[i] if self.msg.parents is not None else None
+        self.status[i] = int(self._h.store.commit_put(self.msg.keys[i], slot, self.msg.checksums[i], parent))
+
+    def abort(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self._h.store.abort_put(slot)
+
+    def reply(self) -> Reply:
+        if self._slot is not None or -1 in self.status:
+            self.abort()
+            raise RuntimeError("PUT reply before every object was received")
+        return Reply(protocol.encode_reply(PutReply(self.status), self._header.request_id))
+
+
+__all__ = ["Handlers", "PutIngest", "Reply", "ServerCounters", "Session", "PutStatus"]

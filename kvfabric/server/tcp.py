@@ -1,0 +1,408 @@
+"""The pool server's TCP socket loop: one thread per connection, blocking sockets.
+
+Why threads: each connection spends its time in ``recv_into``/``sendmsg``,
+which release the GIL, so a thread per connection moves bytes at close to
+the kernel's speed with the simplest possible code. The number of
+connections is bounded (``max_connections``); a peer over the bound gets one
+BUSY error frame and is closed.
+
+Per frame:
+
+1. The 32-byte header is read (blocking while the connection is idle; once
+   its first byte arrives the rest of the frame must keep coming: every
+   ``recv``/``send`` of the frame gets ``stall_timeout_s`` of socket timeout,
+   so a peer that stalls mid-frame, or stops reading its reply, is dropped).
+2. The header is checked against the limits *before* anything is allocated;
+   the metadata buffer (``meta_len`` bytes) is then taken from a process-wide
+   budget (``meta_budget_bytes``), so many peers announcing large metadata at
+   once cannot grow memory without bound.
+3. PUT payloads are received with ``recv_into`` straight into arena slots;
+   objects that are not stored are read into a small scratch buffer and
+   discarded. GET replies are sent with ``sendmsg`` straight from arena views.
+
+Errors: a frame that violates the protocol gets an error reply with its
+stable code (see ``handlers.Handlers.error_reply``). After a fatal code (bad
+magic/version, length mismatch, oversize lengths, auth failure) the
+connection is closed, since the byte stream cannot be resynchronised; after
+the others the announced payload is drained and the connection stays usable.
+A peer that closes mid-frame, stalls, or sends less payload than announced
+is closed; any arena slot it was filling is given back.
+
+Shutdown (:meth:`TcpServer.close`): stop accepting, wake idle connections by
+shutting down their read side, let connections in the middle of a frame
+finish it, and wait for all connection threads (up to a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import threading
+from typing import Any
+
+from .. import protocol
+from ..errors import ErrorCode, ProtocolError
+from ..protocol import HEADER, HEADER_SIZE, PutRequest
+from .handlers import Handlers, Reply, Session
+
+log = logging.getLogger("kvfabric.server.tcp")
+
+_IOV_MAX = 512
+_SCRATCH = 64 * 1024
+_SMALL_META = 64 * 1024  # metadata up to this size does not draw on the shared budget
+
+
+class _Stalled(Exception):
+    """The peer stopped sending (or reading) in the middle of a frame."""
+
+
+class _PeerClosed(Exception):
+    """The peer closed the connection in the middle of a frame."""
+
+
+class _MetaBudget:
+    """Bytes of metadata buffers that all connections together may hold."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, timeout: float) -> bool:
+        if n <= _SMALL_META:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self.free >= n, timeout) and self._take(n)
+
+    def _take(self, n: int) -> bool:
+        self.free -= n
+        return True
+
+    def release(self, n: int) -> None:
+        if n <= _SMALL_META:
+            return
+        with self._cond:
+            self.free += n
+            self._cond.notify_all()
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "lock", "idle", "thread")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.idle = True
+        self.thread: threading.Thread | None = None
+
+
+class TcpServer:
+    """Listen on ``host:port`` (0 = any free port) and serve ``handlers`` over TCP.
+
+    ``start()`` binds and listens (``OSError`` if it cannot) and returns the
+    real ``(host, port)``; ``serve_forever()`` accepts until ``close()``.
+    """
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = 1024,
+        stall_timeout_s: float = 10.0,
+        meta_budget_bytes: int = 64 * 1024 * 1024,
+        backlog: int = 512,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        if stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be > 0")
+        self.handlers = handlers
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.stall_timeout_s = stall_timeout_s
+        self.backlog = backlog
+        self._meta_budget = _MetaBudget(max(meta_budget_bytes, protocol.MAX_META_BYTES))
+        self._listener: socket.socket | None = None
+        self._conns: set[_Conn] = set()
+        self._conns_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._accept_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> tuple[str, int]:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(self.backlog)
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        return self.host, self.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`close`; each gets its own thread."""
+        if self._listener is None:
+            self.start()
+        assert self._listener is not None
+        self._accept_thread = threading.current_thread()
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stopping.is_set():
+                for key, _ in sel.select():
+                    if key.fileobj is self._listener and not self._stopping.is_set():
+                        self._accept()
+        finally:
+            sel.close()
+            self._listener.close()
+            self._stopped.set()
+
+    def stop(self) -> None:
+        """Make ``serve_forever`` return. Safe to call from a signal handler (takes no lock)."""
+        self._stopping.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let in-flight frames finish, wait for connection threads.
+
+        Idle connections are woken by shutting down their read side. Threads
+        still busy after ``grace_s`` (default: the stall timeout + 1 s) are
+        abandoned to the process exit (they are daemon threads).
+        """
+        self.stop()
+        if self._accept_thread is not None and threading.current_thread() is not self._accept_thread:
+            self._stopped.wait(5.0)  # the accept loop has closed the listener
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            with c.lock:
+                if c.idle:
+                    _shutdown_read(c.sock)
+        grace = self.stall_timeout_s + 1.0 if grace_s is None else grace_s
+        for c in conns:
+            if c.thread is not None:
+                c.thread.join(grace)
+
+    # ------------------------------------------------------------------ accept
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, addr = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # e.g. EMFILE: keep the listener alive
+            log.warning("accept failed: %s", e)
+            return
+        peer = f"{addr[0]}:{addr[1]}"
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._conns_lock:
+            full = len(self._conns) >= self.max_connections
+            if not full:
+                conn = _Conn(sock, peer)
+                self._conns.add(conn)
+        if full:
+            self.handlers.counters.refused()
+            self._refuse(sock, peer)
+            return
+        self.handlers.counters.connection_opened()
+        conn.thread = threading.Thread(target=self._serve_conn, args=(conn,), name=f"kvf-conn-{peer}", daemon=True)
+        conn.thread.start()
+
+    def _refuse(self, sock: socket.socket, peer: str) -> None:
+        log.warning("refusing %s: %d connections open (max %d)", peer, len(self._conns), self.max_connections)
+        reply = self.handlers.busy_reply(f"too many connections (max {self.max_connections})")
+        try:
+            sock.settimeout(0.5)
+            sock.sendall(reply.head)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    # ------------------------------------------------------------------ per connection
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        sock = conn.sock
+        session = self.handlers.new_session(conn.peer, "tcp")
+        header_buf = bytearray(HEADER_SIZE)
+        header_view = memoryview(header_buf)
+        scratch: list[bytearray] = []
+        try:
+            while True:
+                with conn.lock:
+                    conn.idle = True
+                    if self._stopping.is_set():
+                        break
+                sock.settimeout(None)
+                n = sock.recv_into(header_view, HEADER_SIZE)
+                if n == 0:
+                    break  # clean close between frames
+                with conn.lock:
+                    conn.idle = False
+                sock.settimeout(self.stall_timeout_s)
+                if n < HEADER_SIZE:
+                    _recv_exact(sock, header_view[n:])
+                if not self._frame(sock, session, header_buf, scratch):
+                    break
+        except _Stalled:
+            log.info("dropping %s: stalled mid-frame for %.3gs", conn.peer, self.stall_timeout_s)
+        except _PeerClosed:
+            log.info("%s closed the connection mid-frame", conn.peer)
+        except OSError as e:
+            log.info("connection %s failed: %s", conn.peer, e)
+        except Exception:
+            log.exception("connection %s: unexpected error", conn.peer)
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+            with self._conns_lock:
+                self._conns.discard(conn)
+            self.handlers.counters.connection_closed()
+
+    def _frame(self, sock: socket.socket, session: Session, header_buf: bytearray, scratch: list[bytearray]) -> bool:
+        """Serve one frame whose header is in ``header_buf``; False when the connection must close."""
+        h = self.handlers
+        _, _, opcode, _, request_id, _, _, _ = HEADER.unpack_from(header_buf)
+        try:
+            header = h.parse_header(session, header_buf)
+        except ProtocolError as e:
+            return self._send_reply(sock, h.error_reply(session, opcode, request_id, e), HEADER_SIZE)
+
+        bytes_in = HEADER_SIZE + header.meta_len + header.payload_len
+        if not self._meta_budget.acquire(header.meta_len, self.stall_timeout_s):
+            exc = ProtocolError(ErrorCode.BUSY, "server metadata buffers exhausted; retry")
+            reply = h.error_reply(session, opcode, request_id, exc)
+            reply.close = True  # the metadata was not read, so the stream is out of step
+            return self._send_reply(sock, reply, HEADER_SIZE)
+        meta = None
+        try:
+            meta = bytearray(header.meta_len)
+            _recv_exact(sock, memoryview(meta))
+            try:
+                msg = h.decode(session, header, meta)
+            except ProtocolError as e:
+                reply = h.error_reply(session, opcode, request_id, e)
+                if not reply.close:
+                    _drain(sock, header.payload_len, scratch)
+                return self._send_reply(sock, reply, bytes_in)
+        finally:
+            del meta
+            self._meta_budget.release(header.meta_len)
+
+        if isinstance(msg, PutRequest):
+            reply = self._receive_put(sock, session, header, msg, scratch)
+        else:
+            try:
+                reply = h.handle(session, header, msg)
+            except ProtocolError as e:
+                reply = h.error_reply(session, opcode, request_id, e)
+            except Exception as e:  # a bug: answer INTERNAL, keep the server up
+                log.exception("handler for opcode %d failed", opcode)
+                reply = h.error_reply(session, opcode, request_id, ProtocolError(ErrorCode.INTERNAL, f"internal error: {e}"))
+        return self._send_reply(sock, reply, bytes_in)
+
+    def _receive_put(self, sock: socket.socket, session: Session, header: Any, msg: PutRequest, scratch: list[bytearray]) -> Reply:
+        ingest = self.handlers.begin_put(session, header, msg)
+        try:
+            for i, size in enumerate(msg.sizes):
+                view = ingest.reserve(i)
+                if view is None:
+                    _drain(sock, size, scratch)
+                else:
+                    _recv_exact(sock, view)
+                    ingest.complete(i)
+            return ingest.reply()
+        except BaseException:
+            ingest.abort()
+            raise
+
+    def _send_reply(self, sock: socket.socket, reply: Reply, bytes_in: int) -> bool:
+        try:
+            sent = _send_all(sock, [memoryview(reply.head), *reply.payload])
+        finally:
+            reply.release()
+        self.handlers.counters.traffic(bytes_in, sent)
+        return not reply.close
+
+
+# ---------------------------------------------------------------------- socket helpers
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; raises _PeerClosed on EOF, _Stalled on timeout."""
+    got = 0
+    want = view.nbytes
+    while got < want:
+        try:
+            n = sock.recv_into(view[got:] if got else view)
+        except TimeoutError:
+            raise _Stalled() from None
+        if n == 0:
+            raise _PeerClosed()
+        got += n
+
+
+def _drain(sock: socket.socket, nbytes: int, scratch: list[bytearray]) -> None:
+    """Read and discard ``nbytes`` (a payload that is not being stored)."""
+    if not nbytes:
+        return
+    if not scratch:
+        scratch.append(bytearray(_SCRATCH))
+    view = memoryview(scratch[0])
+    while nbytes:
+        n = min(nbytes, _SCRATCH)
+        _recv_exact(sock, view[:n])
+        nbytes -= n
+
+
+def _send_all(sock: socket.socket, views: list[memoryview]) -> int:
+    """``sendmsg`` all of ``views`` (resuming partial sends); returns bytes sent."""
+    views = [v for v in views if v.nbytes]
+    total = 0
+    i = 0
+    while i < len(views):
+        try:
+            n = sock.sendmsg(views[i : i + _IOV_MAX])
+        except TimeoutError:
+            raise _Stalled() from None
+        total += n
+        while n:
+            first = views[i]
+            if n >= first.nbytes:
+                n -= first.nbytes
+                i += 1
+            else:
+                views[i] = first[n:]
+                n = 0
+    return total
+
+
+def _shutdown_read(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
