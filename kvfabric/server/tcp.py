@@ -22,9 +22,11 @@ Per frame:
 
 Errors: a frame that violates the protocol gets an error reply with its
 stable code (see ``handlers.Handlers.error_reply``). After a fatal code (bad
-magic/version, length mismatch, oversize lengths, auth failure) the
+magic/version, length mismatch, oversize lengths, auth failure) or any error
+in the header itself (its lengths cannot be trusted to skip the frame) the
 connection is closed, since the byte stream cannot be resynchronised; after
-the others the announced payload is drained and the connection stays usable.
+the others (unknown opcode, malformed metadata, too many keys, bad key) the
+announced payload is drained and the connection stays usable.
 A peer that closes mid-frame, stalls, or sends less payload than announced
 is closed; any arena slot it was filling is given back.
 
@@ -51,7 +53,9 @@ log = logging.getLogger("kvfabric.server.tcp")
 
 _IOV_MAX = 512
 _SCRATCH = 64 * 1024
-_SMALL_META = 64 * 1024  # metadata up to this size does not draw on the shared budget
+_SMALL_META = 64 * 1024
+_LINGER_S = 0.25  # how long a closing connection waits for the peer to read an error reply
+_LINGER_BYTES = 4 * 1024 * 1024  # metadata up to this size does not draw on the shared budget
 
 
 class _Stalled(Exception):
@@ -265,6 +269,7 @@ class TcpServer:
                 if n < HEADER_SIZE:
                     _recv_exact(sock, header_view[n:])
                 if not self._frame(sock, session, header_buf, scratch):
+                    _lingering_close(sock, scratch)
                     break
         except _Stalled:
             log.info("dropping %s: stalled mid-frame for %.3gs", conn.peer, self.stall_timeout_s)
@@ -290,7 +295,11 @@ class TcpServer:
         try:
             header = h.parse_header(session, header_buf)
         except ProtocolError as e:
-            return self._send_reply(sock, h.error_reply(session, opcode, request_id, e), HEADER_SIZE)
+            # Any header error closes: the lengths of a header that failed a
+            # check cannot be trusted to skip the rest of the frame.
+            reply = h.error_reply(session, opcode, request_id, e)
+            reply.close = True
+            return self._send_reply(sock, reply, HEADER_SIZE)
 
         bytes_in = HEADER_SIZE + header.meta_len + header.payload_len
         if not self._meta_budget.acquire(header.meta_len, self.stall_timeout_s):
@@ -399,6 +408,27 @@ def _send_all(sock: socket.socket, views: list[memoryview]) -> int:
                 views[i] = first[n:]
                 n = 0
     return total
+
+
+def _lingering_close(sock: socket.socket, scratch: list[bytearray]) -> None:
+    """After an error reply: send FIN, then discard what the peer still sends (briefly, boundedly).
+
+    Closing a socket with unread input makes the kernel send RST, which can
+    destroy the error reply before the peer reads it.
+    """
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(_LINGER_S)
+        if not scratch:
+            scratch.append(bytearray(_SCRATCH))
+        budget = _LINGER_BYTES
+        while budget > 0:
+            n = sock.recv_into(scratch[0])
+            if n == 0:
+                break
+            budget -= n
+    except OSError:
+        pass
 
 
 def _shutdown_read(sock: socket.socket) -> None:
