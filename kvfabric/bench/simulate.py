@@ -1,0 +1,213 @@
+"""Offline replay of a trace through the pool server's own eviction policies.
+
+This models, operation for operation, what ``kvfabric bench replay`` makes
+real servers do, using the same policy classes
+(:func:`kvfabric.server.eviction.make_policy`) and the same sharding
+(:func:`kvfabric.sharding.owners`), so its hit counts equal the real replay's
+exists-level counts for the same trace, capacity, servers and key salt (the
+integration test checks that request by request). Per request:
+
+1. LOOKUP: the client sends each shard its keys in prompt order; the shard
+   counts how many of them it holds from the start and calls
+   ``policy.on_access`` on each of those (``Store.lookup``). The prefix run
+   ends at the earliest first-missing key over the shards.
+2. GET of the ``run`` leading keys: ``on_access`` on each (``Store.acquire``).
+3. PUT of the keys from ``run`` on, each with its ``parent`` (the previous
+   block's key): a key the shard already holds is a no-op (status EXISTS, no
+   policy call); otherwise the shard evicts (``policy.evict``) until one more
+   block fits, then ``on_insert(key, size, parent)`` (``Store.begin_put`` /
+   ``commit_put``).
+
+Capacity is counted in blocks per shard. Every block has the same byte size
+(partial last blocks are stored at full size, as a paged engine allocates
+them), so ``blocks_per_shard`` blocks of ``block_bytes`` fill an arena of
+``blocks_per_shard * pages_for(block_bytes) * 4096`` bytes exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..server.eviction import POLICIES, make_policy
+from ..sharding import owners
+from .belady import HitCount, belady, infinite
+from .traces import Trace, TraceError, block_keys, load_trace
+
+
+def shard_capacity(trace: Trace, fraction: float, shards: int) -> int:
+    """Blocks per shard for a total of ``fraction`` x the trace's unique blocks (at least 1)."""
+    if not 0 < fraction:
+        raise ValueError(f"capacity fraction must be > 0, got {fraction!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards!r}")
+    return max(1, int(fraction * trace.unique_blocks) // shards)
+
+
+def default_servers(n: int) -> list[str]:
+    """Stand-in server ids for a simulation that is not compared with specific real servers."""
+    return [f"sim-{i}:0" for i in range(n)]
+
+
+@dataclass
+class SimResult:
+    policy: str
+    blocks_per_shard: int
+    shards: int
+    hits: HitCount
+    evictions: int
+
+    def as_dict(self) -> dict:
+        out = {"policy": self.policy, "blocks_per_shard": self.blocks_per_shard, "shards": self.shards,
+               "capacity_blocks": self.blocks_per_shard * self.shards, "evictions": self.evictions}
+        out.update(self.hits.as_dict())
+        return out
+
+
+class _Shard:
+    __slots__ = ("policy", "held", "capacity", "evictions")
+
+    def __init__(self, policy: str, capacity: int, kwargs: dict) -> None:
+        self.policy = make_policy(policy, **kwargs)
+        self.held: set[bytes] = set()
+        self.capacity = capacity
+        self.evictions = 0
+
+    def lookup(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.held:
+                break
+            n += 1
+            self.policy.on_access(k)
+        return n
+
+    def put(self, key: bytes, parent: bytes | None) -> None:
+        if key in self.held:
+            return
+        while len(self.held) >= self.capacity:
+            victim = self.policy.evict(_never_pinned)
+            if victim is None or victim not in self.held:
+                raise RuntimeError(f"policy {self.policy.name!r} returned {victim!r} from evict")
+            self.held.discard(victim)
+            self.evictions += 1
+        self.held.add(key)
+        self.policy.on_insert(key, 1, parent)
+
+
+def _never_pinned(key: bytes) -> bool:
+    return False
+
+
+def simulate(
+    trace: Trace,
+    policy: str,
+    blocks_per_shard: int,
+    servers: Sequence[str] | None = None,
+    *,
+    salt: int = 0,
+    policy_kwargs: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Replay ``trace`` offline through ``policy`` on ``len(servers)`` shards of ``blocks_per_shard`` blocks.
+
+    ``servers`` are the ``host:port`` ids used for sharding (one stand-in
+    shard when None); ``salt`` is the key salt of :func:`block_keys`. Raises
+    ``ValueError`` for an unknown policy or a capacity below one block.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
+    if blocks_per_shard < 1:
+        raise ValueError(f"blocks_per_shard must be >= 1, got {blocks_per_shard}")
+    servers = list(servers) if servers else default_servers(1)
+    shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
+    owner: dict[int, int] = {}
+    hits = HitCount()
+    for i, r in enumerate(trace.requests):
+        keys = block_keys(r.hash_ids, salt)
+        own = []
+        for h, k in zip(r.hash_ids, keys):
+            s = owner.get(h)
+            if s is None:
+                s = owner[h] = owners(k, servers)[0] if len(servers) > 1 else 0
+            own.append(s)
+        run = _lookup(shards, keys, own)
+        for k, s in zip(keys[:run], own[:run]):
+            shards[s].policy.on_access(k)  # GET hit
+        for j in range(run, len(keys)):
+            shards[own[j]].put(keys[j], keys[j - 1] if j else None)
+        hits.add(trace, i, run)
+        if progress is not None:
+            progress(1)
+    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards))
+
+
+def _lookup(shards: list[_Shard], keys: list[bytes], own: list[int]) -> int:
+    groups: dict[int, list[int]] = {}
+    for j, s in enumerate(own):
+        groups.setdefault(s, []).append(j)
+    run = len(keys)
+    for s, idx in groups.items():
+        n = shards[s].lookup([keys[j] for j in idx])
+        if n < len(idx):
+            run = min(run, idx[n])
+    return run
+
+
+def gap_closed(policy_rate: float, lru_rate: float, bound_rate: float) -> float | None:
+    """Fraction of the LRU-to-bound gap a policy closes (None when there is no gap)."""
+    gap = bound_rate - lru_rate
+    if gap <= 1e-12:
+        return None
+    return (policy_rate - lru_rate) / gap
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvfabric bench simulate",
+                                description="Offline hit rates of the server's eviction policies, Belady and infinite.")
+    p.add_argument("trace", help="trace file or bundled name (mooncake-conversation, mooncake-synthetic)")
+    p.add_argument("--capacity", type=float, action="append", help="fraction of unique blocks (repeatable; default 0.05 and 0.1)")
+    p.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable; default all")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--block-tokens", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args(argv)
+    try:
+        trace = load_trace(args.trace, args.block_tokens, args.limit)
+        caps = args.capacity or [0.05, 0.1]
+        pols = args.policy or list(POLICIES)
+        servers = default_servers(args.shards)
+        inf = infinite(trace)
+        rows = []
+        for frac in caps:
+            per = shard_capacity(trace, frac, args.shards)
+            bound = belady(trace, per * args.shards)
+            res = {pol: simulate(trace, pol, per, servers) for pol in pols}
+            lru = res["lru"].hits.block_hit_rate if "lru" in res else None
+            for pol, r in res.items():
+                row = r.as_dict() | {"capacity_fraction": frac, "belady": bound.block_hit_rate,
+                                     "infinite": inf.block_hit_rate}
+                row["gap_closed"] = gap_closed(r.hits.block_hit_rate, lru, bound.block_hit_rate) if lru is not None else None
+                rows.append(row)
+    except (TraceError, ValueError) as e:
+        print(f"kvfabric bench simulate: {e}", file=sys.stderr)
+        return 2
+    print(f"{trace.name}: {len(trace)} requests, {trace.total_blocks} blocks, {trace.unique_blocks} unique, "
+          f"{args.shards} shard(s)")
+    print(f"{'capacity':>9} {'policy':>11} {'hit':>7} {'belady':>7} {'infinite':>8} {'gap closed':>10}")
+    for row in rows:
+        g = row["gap_closed"]
+        print(f"{row['capacity_fraction']:>9.1%} {row['policy']:>11} {row['block_hit_rate']:>7.1%} "
+              f"{row['belady']:>7.1%} {row['infinite']:>8.1%} {'-' if g is None else f'{g:.0%}':>10}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trace": trace.name, "shards": args.shards, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
