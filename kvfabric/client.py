@@ -428,10 +428,12 @@ class Client:
             except BaseException as e:  # programming error: still wait for the others
                 error = e
                 results.append(False)
-        _, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-        for f in late:
-            f.cancel()  # not started yet: never will
-        wait(late)  # started: they stop at their next socket op, deadline passed
+        if futures:
+            _, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+            for f in late:
+                f.cancel()  # not started yet: never will
+            if late:
+                wait(late)  # started: they stop at their next socket op, deadline passed
         for f in futures:
             if f.cancelled():
                 self._counters.add(timeouts=1)

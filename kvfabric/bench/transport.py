@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -67,14 +68,36 @@ class Cell:
     ratio: dict[str, float] = field(default_factory=dict)
 
 
-# A ceiling measures (op, size, threads, servers, duration) -> Cell.
-CeilingFn = Callable[[str, int, int, int, float], Cell]
-CEILINGS: dict[str, CeilingFn] = {}
+class Ceiling:
+    """A loopback ceiling: what moving the same bytes costs without kvfabric.
+
+    ``open(servers)`` starts whatever it needs to mirror ``servers`` pool
+    server processes; ``measure`` runs one cell shape; ``close`` reaps
+    everything (also after a failure). Subclass and :func:`register_ceiling`
+    to add one (a C socket loop, memcpy, ...).
+    """
+
+    name: str = ""
+
+    def open(self, servers: int) -> None:
+        """Start helpers for ``servers`` server processes."""
+
+    def measure(self, op: str, size: int, threads: int, duration: float) -> Cell:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop helpers; idempotent."""
 
 
-def register_ceiling(name: str, fn: CeilingFn) -> None:
-    """Add a ceiling (e.g. a C raw-socket loop, memcpy); it is run for every cell shape."""
-    CEILINGS[name] = fn
+CEILINGS: dict[str, type[Ceiling]] = {}
+
+
+def register_ceiling(cls: type[Ceiling]) -> type[Ceiling]:
+    """Register a :class:`Ceiling` subclass by its ``name`` (usable as a decorator)."""
+    if not cls.name:
+        raise ValueError("a ceiling needs a name")
+    CEILINGS[cls.name] = cls
+    return cls
 
 
 def _timed_threads(threads: int, duration: float, make_op: Callable[[int], Callable[[], int]]) -> tuple[int, float, int, list[float]]:
@@ -228,20 +251,33 @@ class _RawServers:
         self.close()
 
 
-def python_socket_ceiling(op: str, size: int, threads: int, servers: int, duration: float) -> Cell:
+@register_ceiling
+class PythonSocketCeiling(Ceiling):
     """Plain Python sockets, request/response of ``size`` bytes, thread ``t`` on server ``t % servers``."""
-    cell = Cell("ceiling", REFERENCE_CEILING, op, size, threads, servers)
-    with _RawServers(servers) as raw:
+
+    name = REFERENCE_CEILING
+
+    def open(self, servers: int) -> None:
+        self.servers = servers
+        self.raw = _RawServers(servers)
+
+    def close(self) -> None:
+        raw = getattr(self, "raw", None)
+        if raw is not None:
+            raw.close()
+            self.raw = None
+
+    def measure(self, op: str, size: int, threads: int, duration: float) -> Cell:
+        cell = Cell("ceiling", self.name, op, size, threads, self.servers)
         socks: list[socket.socket] = []
 
         def make_op(t: int) -> Callable[[], int]:
-            s = socket.create_connection(("127.0.0.1", raw.ports[t % servers]))
+            s = socket.create_connection(("127.0.0.1", self.raw.ports[t % self.servers]))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             socks.append(s)
             buf = memoryview(np.random.default_rng(t).integers(0, 256, size, dtype=np.uint8))
             ack = memoryview(bytearray(1))
-            code = 1 if op == "get" else 2
-            req = _RAW_REQ.pack(code, size)
+            req = _RAW_REQ.pack(1 if op == "get" else 2, size)
 
             def once() -> int:
                 s.sendall(req)
@@ -263,9 +299,6 @@ def python_socket_ceiling(op: str, size: int, threads: int, servers: int, durati
                 s.close()
 
 
-register_ceiling(REFERENCE_CEILING, python_socket_ceiling)
-
-
 # ----------------------------------------------------------------------------- kvfabric transports
 
 
@@ -278,102 +311,145 @@ def _server_kind_for(transport_name: str) -> str:
     return "python"
 
 
-def measure_transport(
-    name: str, n_servers: int, threads_list: list[int], sizes: list[int], duration: float, capacity: str
-) -> list[Cell]:
-    """All cells of one transport against ``n_servers`` fresh server processes."""
-    from ..client import Client
-    from ..config import ClientConfig
-    from ..testing.servers import start_pool
+class _TransportBench:
+    """One transport against ``servers`` fresh server processes, through one Client."""
 
-    cells = []
-    with start_pool(n_servers, capacity=capacity, kind=_server_kind_for(name)) as pool:
-        cfg = ClientConfig(transport=name, timeout_s=30.0, connect_timeout_s=5.0,
-                           connections_per_server=max(threads_list))
-        with Client(pool.addresses, config=cfg) as client:
-            for threads in threads_list:
-                for size in sizes:
-                    cells.append(_measure_put(client, name, n_servers, threads, size, duration))
-                    cells.append(_measure_get(client, name, n_servers, threads, size, duration, capacity))
-            down = [a for a, s in client.stats()["client"]["shards"].items() if not s["up"]]
-            if down:
-                raise RuntimeError(f"servers went down during the benchmark: {down}")
-    return cells
+    def __init__(self, name: str, servers: int, threads: int, capacity: str) -> None:
+        from ..client import Client
+        from ..config import ClientConfig
+        from ..testing.conformance import start_pool_of
 
+        self.name, self.servers, self.capacity = name, servers, capacity
+        self.pool = start_pool_of(_server_kind_for(name), servers, capacity=capacity)
+        try:
+            cfg = ClientConfig(transport=name, timeout_s=30.0, connect_timeout_s=5.0, connections_per_server=threads)
+            self.client = Client(self.pool.addresses, config=cfg)
+        except BaseException:
+            self.pool.stop()
+            raise
+        self.get_keys: list[list[bytes]] = []
 
-def _measure_put(client, name: str, servers: int, threads: int, size: int, duration: float) -> Cell:
-    cell = Cell("transport", name, "put", size, threads, servers)
-    drops = [0] * threads
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            self.pool.stop()
 
-    def make_op(t: int) -> Callable[[], int]:
-        value = np.random.default_rng(1000 + t).integers(0, 256, size, dtype=np.uint8)
+    def check_up(self) -> None:
+        down = [a for a, st in self.client.stats()["client"]["shards"].items() if not st["up"]]
+        if down:
+            raise RuntimeError(f"{self.name}: servers went down during the benchmark: {down}")
+
+    def prepare_get(self, size: int, threads: int) -> None:
+        """Store a per-thread working set that stays resident (at most a quarter of the pool)."""
+        from ..config import parse_size
+
+        per_thread = max(2, min(16, parse_size(self.capacity) * self.servers // 4 // (size * threads)))
         rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+        self.get_keys = []
+        for _ in range(threads):
+            keys = [rng.bytes(16) for _ in range(per_thread)]
+            for k in keys:
+                res = self.client.put([k], [rng.integers(0, 256, size, dtype=np.uint8)])
+                if res.dropped:
+                    raise RuntimeError(f"{self.name}: could not store the GET working set")
+            self.get_keys.append(keys)
 
-        def once() -> int:
-            res = client.put([rng.bytes(16)], [value])
-            drops[t] += res.dropped
-            return size
+    def measure(self, op: str, size: int, threads: int, duration: float) -> Cell:
+        cell = Cell("transport", self.name, op, size, threads, self.servers)
+        misses = [0] * threads
+        client = self.client
 
-        return once
+        def make_put(t: int) -> Callable[[], int]:
+            value = np.random.default_rng(1000 + t).integers(0, 256, size, dtype=np.uint8)
+            rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
 
-    _fill(cell, *_timed_threads(threads, duration, make_op))
-    cell.misses = sum(drops)  # for PUT: dropped blocks
-    return cell
+            def once() -> int:
+                misses[t] += client.put([rng.bytes(16)], [value]).dropped
+                return size
 
+            return once
 
-def _measure_get(client, name: str, servers: int, threads: int, size: int, duration: float, capacity: str) -> Cell:
-    from ..config import parse_size
+        def make_get(t: int) -> Callable[[], int]:
+            keys = self.get_keys[t]
+            dest = np.empty(size, dtype=np.uint8)
+            it = [0]
 
-    cell = Cell("transport", name, "get", size, threads, servers)
-    # A working set that stays resident: at most a quarter of the pool.
-    per_thread = max(2, min(16, parse_size(capacity) * servers // 4 // (size * threads)))
-    misses = [0] * threads
+            def once() -> int:
+                k = keys[it[0] % len(keys)]
+                it[0] += 1
+                (n,) = client.get_into([k], [dest])
+                if n is None:
+                    misses[t] += 1
+                    return 0
+                return n
 
-    def make_op(t: int) -> Callable[[], int]:
-        rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
-        keys = [rng.bytes(16) for _ in range(per_thread)]
-        for k in keys:
-            value = rng.integers(0, 256, size, dtype=np.uint8)
-            client.put([k], [value])
-        dest = np.empty(size, dtype=np.uint8)
-        it = [0]
+            return once
 
-        def once() -> int:
-            k = keys[it[0] % per_thread]
-            it[0] += 1
-            (n,) = client.get_into([k], [dest])
-            if n is None:
-                misses[t] += 1
-                return 0
-            return n
-
-        return once
-
-    _fill(cell, *_timed_threads(threads, duration, make_op))
-    cell.misses = sum(misses)
-    return cell
+        _fill(cell, *_timed_threads(threads, duration, make_put if op == "put" else make_get))
+        cell.misses = sum(misses)  # GET: misses; PUT: dropped blocks
+        return cell
 
 
-# ----------------------------------------------------------------------------- driver
+def _median_cell(cells: list[Cell]) -> Cell:
+    """The repetition with the median throughput (its latencies come with it)."""
+    ranked = sorted(cells, key=lambda c: c.gbps)
+    pick = ranked[(len(ranked) - 1) // 2]
+    pick.misses = sum(c.misses for c in cells)
+    return pick
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Measure every shape; ceilings and transports interleaved, ``args.repeat`` times each.
+
+    Interleaving matters on a shared machine: a ceiling and the transport cell
+    it is compared with are measured seconds apart, under the same load.
+    """
     from .. import transport as transport_mod
 
     names = args.transports or transport_mod.available()
-    shapes = [(op, size, threads, servers) for servers in args.servers for threads in args.threads
-              for size in args.sizes for op in ("put", "get")]
+    ceiling_names = args.ceilings or list(CEILINGS)
     ceilings: list[Cell] = []
-    for cname in args.ceilings or list(CEILINGS):
-        for op, size, threads, servers in shapes:
-            ceilings.append(CEILINGS[cname](op, size, threads, servers, args.duration))
     results: list[Cell] = []
-    for name in names:
-        for servers in args.servers:
-            results += measure_transport(name, servers, args.threads, args.sizes, args.duration, args.capacity)
+    max_threads = max(args.threads)
+    for servers in args.servers:
+        opened: list = []
+        try:
+            ceils = []
+            for cname in ceiling_names:
+                c = CEILINGS[cname]()
+                opened.append(c)
+                c.open(servers)
+                ceils.append(c)
+            benches = []
+            for name in names:
+                b = _TransportBench(name, servers, max_threads, args.capacity)
+                opened.append(b)
+                benches.append(b)
+            for threads in args.threads:
+                for size in args.sizes:
+                    for op in ("put", "get"):
+                        if op == "get":  # after the PUTs, which evict as the pool fills
+                            for b in benches:
+                                b.prepare_get(size, threads)
+                        reps: dict[str, list[Cell]] = {}
+                        for _ in range(args.repeat):
+                            for m in [*ceils, *benches]:
+                                reps.setdefault(m.name, []).append(m.measure(op, size, threads, args.duration))
+                        for c in ceils:
+                            ceilings.append(_median_cell(reps[c.name]))
+                        for b in benches:
+                            results.append(_median_cell(reps[b.name]))
+                    if args.verbose:
+                        print(f"  done: {servers} server(s), {threads} thread(s), {_size_label(size)}", file=sys.stderr)
+            for b in benches:
+                b.check_up()
+        finally:
+            for m in reversed(opened):
+                m.close()
     index = {(c.name, c.op, c.size, c.threads, c.servers): c for c in ceilings}
     for r in results:
-        for cname in {c.name for c in ceilings}:
+        for cname in ceiling_names:
             ceil = index.get((cname, r.op, r.size, r.threads, r.servers))
             if ceil is not None and ceil.gbps > 0:
                 r.ratio[cname] = r.gbps / ceil.gbps
@@ -388,8 +464,9 @@ def run(args: argparse.Namespace) -> dict:
         "meta": {
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "duration_s": args.duration, "capacity_per_server": args.capacity, "quick": args.quick,
-            "transports": names, "blocks_per_call": 1,
+            "duration_s": args.duration, "repeat": args.repeat, "statistic": "median of repeats",
+            "capacity_per_server": args.capacity, "quick": args.quick, "transports": names,
+            "ceilings": ceiling_names, "blocks_per_call": 1, "argv": sys.argv[1:],
         },
         "ceilings": [asdict(c) for c in ceilings],
         "results": [asdict(r) for r in results],
@@ -444,13 +521,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list (default: every available transport)")
     ap.add_argument("--ceilings", type=lambda s: s.split(","), default=None,
                     help=f"comma list (default: all registered: {', '.join(CEILINGS)})")
-    ap.add_argument("--duration", type=float, default=1.0, help="seconds per cell")
+    ap.add_argument("--duration", type=float, default=0.5, help="seconds per measurement")
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions per cell; the median is reported")
+    ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     ap.add_argument("--capacity", default="256MiB", help="capacity of each server")
-    ap.add_argument("--quick", action="store_true", help="short cells (0.15 s) for a fast run")
+    ap.add_argument("--quick", action="store_true", help="short cells (0.15 s, 1 repeat) for a fast run")
     ap.add_argument("--out", default="bench-results/transport.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = min(args.duration, 0.15)
+        args.repeat = 1
+    if args.duration <= 0 or args.repeat < 1:
+        ap.error("--duration must be > 0 and --repeat >= 1")
     bad = [s for s in args.sizes if not 0 < s <= _RAW_MAX]
     if bad:
         ap.error(f"block sizes must be in 1..{_RAW_MAX} bytes: {bad}")

@@ -1,0 +1,48 @@
+"""The transport conformance matrix: which (server kind, client transport) pairs must agree.
+
+The integration tests in ``tests/integration/test_client_*.py`` run once per
+pair in :data:`TRANSPORT_PAIRS`, so every transport passes the same suite as
+the pure-Python reference (content byte for byte, exact eviction order,
+checksum corruption, concurrency, a killed and restarted shard). A transport
+joins the suite by appending its pair here; a server kind by adding the
+``start_pool`` keyword arguments that start it to :data:`SERVER_KINDS`.
+
+A pair whose client transport is not available in this process (see
+``kvfabric.transport.available()``) is skipped with the reason, never run
+against a silently different transport: the tests force the transport by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .servers import ServerPool, start_pool
+
+#: (server_kind, client_transport) pairs every test in the suite runs against.
+TRANSPORT_PAIRS: list[tuple[str, str]] = [
+    ("python", "tcp"),
+]
+
+#: server kind -> extra keyword arguments for :func:`kvfabric.testing.servers.start_pool`.
+SERVER_KINDS: dict[str, dict[str, Any]] = {
+    "python": {},
+}
+
+
+def pair_id(pair: tuple[str, str]) -> str:
+    """Test id of a pair: ``"python-tcp"``."""
+    return f"{pair[0]}-{pair[1]}"
+
+
+def start_pool_of(server_kind: str, n: int, **kwargs: Any) -> ServerPool:
+    """``start_pool(n, ...)`` for a server kind; ``KeyError`` for an unknown kind."""
+    if server_kind not in SERVER_KINDS:
+        raise KeyError(f"unknown server kind {server_kind!r}; known: {sorted(SERVER_KINDS)}")
+    merged = {**SERVER_KINDS[server_kind], **kwargs}
+    extra = list(SERVER_KINDS[server_kind].get("extra_args", ())) + list(kwargs.get("extra_args", ()))
+    if extra:
+        merged["extra_args"] = extra
+    return start_pool(n, **merged)
+
+
+__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "pair_id", "start_pool_of"]
