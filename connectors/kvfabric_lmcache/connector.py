@@ -1,0 +1,258 @@
+"""``KVFabricConnector``: LMCache's ``RemoteConnector`` backed by a ``kvfabric.Client``.
+
+LMCache's ``RemoteBackend`` runs the connector's coroutines on its own event
+loop thread and wraps it in ``InstrumentedRemoteConnector``, which releases
+the memory objects' reference counts after ``put``/``batched_put`` return, so
+this class never touches reference counts on the put path. Pool calls block
+(sockets), so every coroutine hands its call to a small thread pool
+(``io_threads``) and awaits it: a slow put never stalls a get on the loop.
+
+Batched forms are offered, and LMCache uses them:
+
+* ``batched_contains`` / ``batched_async_contains``: the leading hit count,
+  ``Client.lookup`` (one LOOKUP per shard, in parallel); with ``pin=True`` the
+  servers lease what they found for ``lease_ms`` so it is not evicted before
+  the load.
+* ``batched_get``: one ``Client.get`` (one GET per shard); each found object
+  is decoded (:mod:`.value`), a memory object is allocated with
+  ``local_cpu_backend.allocate(shapes, dtypes, fmt)`` and the bytes copied in.
+* ``batched_put``: one ``Client.put`` of header+bytes per chunk.
+
+Failures degrade to misses: a dead, slow or refusing shard is a miss inside
+the client already; a ``KVFabricError`` that still escapes (a closed client),
+a stored object that does not decode, or an allocation that fails under
+memory pressure all count (see :meth:`KVFabricConnector.stats`) and read as
+misses, with a warning logged. Programming errors (wrong key types) raise.
+
+``list()`` raises ``NotImplementedError``: the pool holds one-way hashed keys
+(:mod:`.keymap`) and cannot give LMCache's key strings back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional, TypeVar
+
+from kvfabric import KVFabricError
+from kvfabric.client import Client
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from . import value
+from .config import PluginSettings
+from .keymap import KeyMapper
+
+log = logging.getLogger("kvfabric.lmcache")
+
+T = TypeVar("T")
+
+_COUNTERS = (
+    "lookups", "lookup_hits", "gets", "get_hits", "get_misses", "bad_values", "alloc_failures",
+    "puts", "puts_stored", "puts_existed", "puts_dropped", "pool_errors",
+)
+
+
+class KVFabricConnector(RemoteConnector):
+    """See the module docstring. Built by :class:`~kvfabric_lmcache.adapter.KVFabricConnectorAdapter`."""
+
+    def __init__(
+        self,
+        client: Client,
+        keymap: KeyMapper,
+        settings: PluginSettings,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: Any,
+        config: Any,
+        metadata: Any,
+    ) -> None:
+        super().__init__(config, metadata)
+        self.client = client
+        self.keymap = keymap
+        self.settings = settings
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self._io = ThreadPoolExecutor(max_workers=settings.io_threads, thread_name_prefix="kvfabric-lmcache")
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._counts[k] += v
+
+    def stats(self) -> dict[str, Any]:
+        """This connector's counters plus the client's (``client.stats()["client"]``)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+        if not self._closed:
+            try:
+                out["client"] = self.client.stats()["client"]
+            except KVFabricError as e:
+                out["client"] = {"error": str(e)}
+        return out
+
+    def _guard(self, what: str, default: T, fn: Callable[[], T]) -> T:
+        """Run a pool call; a KVFabricError becomes ``default`` (a miss), counted and logged."""
+        try:
+            return fn()
+        except KVFabricError as e:
+            self._count(pool_errors=1)
+            log.warning("kvfabric-lmcache: %s failed, treated as a miss: %s", what, e)
+            return default
+
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn)
+
+    def __repr__(self) -> str:
+        return f"<KVFabricConnector servers={','.join(self.client.servers)}>"
+
+    # ------------------------------------------------------------------ contains
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        k = self.keymap(key)
+        return self._guard("exists", False, lambda: self.client.exists([k])[0])
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._off_loop(lambda: self.exists_sync(key))
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def _lookup(self, keys: list[CacheEngineKey], lease_ms: int) -> int:
+        if not keys:
+            return 0
+        ks = self.keymap.many(keys)
+        n = self._guard("lookup", 0, lambda: self.client.lookup(ks, lease_ms=lease_ms))
+        self._count(lookups=1, lookup_hits=n)
+        return n
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        """How many leading ``keys`` the pool holds (one LOOKUP per shard)."""
+        return self._lookup(list(keys), 0)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """Leading hit count; with ``pin`` the servers lease the hits for ``lease_ms``."""
+        lease = self.settings.lease_ms if pin else 0
+        return await self._off_loop(lambda: self._lookup(list(keys), lease))
+
+    # ------------------------------------------------------------------ get
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    def _fetch(self, keys: list[CacheEngineKey]) -> list[bytes | None]:
+        ks = self.keymap.many(keys)
+        return self._guard("get", [None] * len(ks), lambda: self.client.get(ks))
+
+    def _rebuild(self, raw: bytes | None) -> Optional[MemoryObj]:
+        """Stored object -> a new memory object holding its bytes; None (counted) when it cannot be."""
+        if raw is None:
+            return None
+        try:
+            meta, payload = value.decode(raw)
+        except value.ValueFormatError as e:
+            self._count(bad_values=1)
+            log.warning("kvfabric-lmcache: stored object rejected, treated as a miss: %s", e)
+            return None
+        # No busy loop: under memory pressure a retrieve misses instead of
+        # waiting for stores to drain (the pool promises never to stall the engine).
+        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt, busy_loop=False)
+        if obj is None:
+            self._count(alloc_failures=1)
+            log.warning("kvfabric-lmcache: no local memory for a %d-byte chunk, treated as a miss", meta.nbytes)
+            return None
+        dst = memoryview(obj.byte_array).cast("B")  # ctypes-backed, format '<B'
+        if len(dst) != meta.nbytes:
+            obj.ref_count_down()
+            self._count(bad_values=1)
+            log.warning("kvfabric-lmcache: stored chunk of %d bytes does not fit its declared shape (%d bytes)", meta.nbytes, len(dst))
+            return None
+        dst[:] = payload
+        return obj
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """Memory objects for ``keys`` in order; None for each miss."""
+        keys = list(keys)
+        raws = await self._off_loop(lambda: self._fetch(keys))
+        objs = [self._rebuild(r) for r in raws]
+        hits = sum(o is not None for o in objs)
+        self._count(gets=len(keys), get_hits=hits, get_misses=len(keys) - hits)
+        return objs
+
+    async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The leading run of found chunks; objects after the first miss are released."""
+        objs = await self.batched_get(keys)
+        out: list[MemoryObj] = []
+        for i, o in enumerate(objs):
+            if o is None:
+                for rest in objs[i + 1:]:
+                    if rest is not None:
+                        rest.ref_count_down()
+                break
+            out.append(o)
+        return out
+
+    # ------------------------------------------------------------------ put
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    def _store(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
+        if len(keys) != len(objs):
+            raise ValueError(f"{len(keys)} keys but {len(objs)} memory objects")
+        if not keys:
+            return
+        ks = self.keymap.many(keys)
+        values = [value.encode(o) for o in objs]
+        res = self._guard("put", None, lambda: self.client.put(ks, values))
+        if res is None:
+            self._count(puts=len(keys), puts_dropped=len(keys))
+        else:
+            self._count(puts=len(keys), puts_stored=res.stored, puts_existed=res.existed, puts_dropped=res.dropped)
+
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        """Store the chunks; reference counts stay with LMCache's wrapper (released after we return)."""
+        keys, objs = list(keys), list(memory_objs)
+        await self._off_loop(lambda: self._store(keys, objs))
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    # ------------------------------------------------------------------ misc
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        k = self.keymap(key)
+        return self._guard("delete", 0, lambda: self.client.delete([k])) > 0
+
+    async def list(self) -> list[str]:
+        raise NotImplementedError(
+            "a kvfabric pool stores one-way hashed keys and cannot list LMCache key strings"
+        )
+
+    async def close(self) -> None:
+        """Close the client and the I/O threads; later calls raise (LMCache does not make any)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._off_loop(self.client.close)
+        self._io.shutdown(wait=True)
+        log.info("kvfabric-lmcache: connector closed; stats %s", self.stats())
+
+
+__all__ = ["KVFabricConnector"]

@@ -1,0 +1,145 @@
+"""The object this plugin stores per LMCache chunk: a small header, then the chunk bytes.
+
+LMCache rebuilds a chunk with ``local_cpu_backend.allocate(shapes, dtypes, fmt)``,
+so the stored object carries that metadata in front of the raw bytes (one
+object per key: metadata and bytes can never disagree or be half-written)::
+
+    offset  size      field
+    0       4         magic  b"KFLC"
+    4       1         version (1)
+    5       1         reserved, 0
+    6       2         meta_len, u16 little-endian, 1..MAX_META_BYTES
+    8       meta_len  msgpack map {"fmt": int, "shapes": [[int, ...], ...],
+                                   "dtypes": [str, ...], "nbytes": int}
+    8+meta_len nbytes the chunk bytes (MemoryObj.byte_array)
+
+``fmt`` is ``MemoryFormat.value``; ``dtypes`` are torch dtype names without
+the ``torch.`` prefix, from the fixed table ``DTYPES``. Decoding checks the
+magic, version, the meta length against ``MAX_META_BYTES`` and the buffer
+before unpacking, group count (``MAX_GROUPS``), rank (``MAX_DIMS``), known
+dtypes and formats, and that ``nbytes`` is exactly what follows; anything
+else raises :class:`ValueFormatError`, which the connector counts and treats
+as a miss (never as KV).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import torch
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+
+MAGIC = b"KFLC"
+VERSION = 1
+_FIXED = struct.Struct("<4sBBH")
+HEADER_FIXED_BYTES = _FIXED.size  # 8
+MAX_META_BYTES = 1024
+MAX_GROUPS = 16
+MAX_DIMS = 8
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ValueFormatError(ValueError):
+    """A stored object is not a valid kvfabric-LMCache chunk (corrupt, foreign or newer)."""
+
+
+class ChunkMeta:
+    """Shapes, dtypes and format of one stored chunk, plus its byte count."""
+
+    __slots__ = ("fmt", "shapes", "dtypes", "nbytes")
+
+    def __init__(self, fmt: MemoryFormat, shapes: list[torch.Size], dtypes: list[torch.dtype], nbytes: int) -> None:
+        self.fmt = fmt
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return f"ChunkMeta(fmt={self.fmt.name}, shapes={[list(s) for s in self.shapes]}, dtypes={self.dtypes}, nbytes={self.nbytes})"
+
+
+def encode_header(memory_obj: MemoryObj) -> bytes:
+    """The header for ``memory_obj``. ValueError for a dtype outside ``DTYPES`` or too many groups/dims."""
+    shapes = [list(map(int, s)) for s in memory_obj.get_shapes()]
+    dtypes = memory_obj.get_dtypes()
+    if not 1 <= len(shapes) <= MAX_GROUPS or len(dtypes) != len(shapes):
+        raise ValueError(f"a chunk needs 1..{MAX_GROUPS} groups with one dtype each, got {len(shapes)} shapes, {len(dtypes)} dtypes")
+    names = []
+    for d in dtypes:
+        if d not in _DTYPE_NAMES:
+            raise ValueError(f"dtype {d} is not storable (known: {sorted(DTYPES)})")
+        names.append(_DTYPE_NAMES[d])
+    if any(len(s) > MAX_DIMS for s in shapes):
+        raise ValueError(f"a chunk shape has more than {MAX_DIMS} dimensions")
+    meta = msgpack.packb(
+        {"fmt": memory_obj.get_memory_format().value, "shapes": shapes, "dtypes": names, "nbytes": memory_obj.get_size()},
+        use_bin_type=True,
+    )
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"chunk metadata of {len(meta)} bytes exceeds MAX_META_BYTES={MAX_META_BYTES}")
+    return _FIXED.pack(MAGIC, VERSION, 0, len(meta)) + meta
+
+
+def encode(memory_obj: MemoryObj) -> bytearray:
+    """Header + chunk bytes in one new buffer (one copy of the chunk)."""
+    header = encode_header(memory_obj)
+    data = memory_obj.byte_array
+    out = bytearray(len(header) + len(data))
+    out[: len(header)] = header
+    out[len(header):] = data
+    return out
+
+
+def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
+    """(metadata, view of the chunk bytes inside ``buf``). ValueFormatError if invalid."""
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER_FIXED_BYTES:
+        raise ValueFormatError(f"object of {len(view)} bytes is shorter than the {HEADER_FIXED_BYTES}-byte header")
+    magic, version, reserved, meta_len = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise ValueFormatError(f"bad magic {bytes(magic)!r} (not written by kvfabric's LMCache plugin)")
+    if version != VERSION or reserved != 0:
+        raise ValueFormatError(f"unsupported value version {version} (reserved={reserved}); this plugin reads {VERSION}")
+    if not 1 <= meta_len <= MAX_META_BYTES or HEADER_FIXED_BYTES + meta_len > len(view):
+        raise ValueFormatError(f"meta_len {meta_len} out of range for an object of {len(view)} bytes")
+    try:
+        meta = msgpack.unpackb(view[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + meta_len], raw=False, max_array_len=MAX_GROUPS * (MAX_DIMS + 1))
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ValueFormatError(f"chunk metadata is not valid msgpack: {exc}") from None
+    if not isinstance(meta, dict) or set(meta) != {"fmt", "shapes", "dtypes", "nbytes"}:
+        raise ValueFormatError(f"chunk metadata has the wrong fields: {meta!r:.200}")
+    fmt_v, shapes, names, nbytes = meta["fmt"], meta["shapes"], meta["dtypes"], meta["nbytes"]
+    try:
+        fmt = MemoryFormat(fmt_v)
+    except ValueError:
+        raise ValueFormatError(f"unknown memory format {fmt_v!r}") from None
+    if (
+        not isinstance(shapes, list) or not isinstance(names, list)
+        or not 1 <= len(shapes) <= MAX_GROUPS or len(names) != len(shapes)
+        or not all(isinstance(s, list) and len(s) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in s) for s in shapes)
+        or not all(isinstance(n, str) and n in DTYPES for n in names)
+    ):
+        raise ValueFormatError(f"chunk metadata has bad shapes/dtypes: {shapes!r:.200} {names!r:.200}")
+    payload = view[HEADER_FIXED_BYTES + meta_len :]
+    if type(nbytes) is not int or nbytes != len(payload):
+        raise ValueFormatError(f"chunk metadata says {nbytes!r} bytes but {len(payload)} follow")
+    return ChunkMeta(fmt, [torch.Size(s) for s in shapes], [DTYPES[n] for n in names], nbytes), payload
+
+
+__all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_META_BYTES", "ValueFormatError", "decode", "encode", "encode_header"]
