@@ -1,0 +1,356 @@
+"""``kvfabric bench replay TRACE``: replay a trace against real pool servers, three hit-rate levels.
+
+By default it starts ``--shards`` local ``kvfabric serve`` processes per
+policy (``kvfabric.testing.servers``), each with an arena sized to hold its
+share of ``--capacity`` x the trace's unique blocks; ``--servers a:p,b:q``
+replays against running servers instead (their policy and capacity are what
+they are, read from STATS). For every request, in timestamp order (as fast as
+possible, or ``--timed`` with ``--speedup``):
+
+1. LOOKUP the prompt's block keys: the leading run the pool holds is the
+   *exists* level;
+2. GET those blocks into one preallocated buffer with a deadline of
+   ``--deadline-ms``: a block counts as *loaded* only if it arrived, whole,
+   with the bytes that were PUT for its key, and every earlier block did too;
+3. *useful*: the loaded blocks count only if the GET finished faster than
+   recomputing their tokens at ``--prefill-tokens-per-s`` would have;
+4. PUT the blocks from the run on, each with its parent (previous block's
+   key) so prefix-aware policies see the chain; payloads are
+   ``block_tokens x --bytes-per-token`` bytes derived from the key.
+
+Payload size: the default 16 bytes/token is Llama-3.1-8B's KV (32 layers x 8
+KV heads x 128 dims x K+V x 2 bytes = 131072 B/token) scaled down 8192x so a
+full Mooncake trace (~1.5 GB of PUTs at that size) replays in about a minute
+on two shared cores. Hit rates do not depend on the size (every block has
+the same size, capacity is set in blocks); latencies and the *useful* level
+do, and are optimistic at scaled sizes: pass ``--bytes-per-token 131072`` with
+``--limit`` for real-size transfers.
+
+The run also computes, from the trace alone, Belady's bound and the
+infinite-capacity hit rate at the same total capacity, the gap each policy
+closes between LRU and Belady, and (unless ``--no-check-sim``) replays the
+trace through :mod:`kvfabric.bench.simulate` with the same servers and key
+salt and reports whether the exists level matched request for request.
+Prints a table, writes JSON (``--json``). Exit status 2 on bad arguments or
+an unreadable trace, 1 when a server could not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ClientConfig
+from ..server.arena import PAGE_SIZE, pages_for
+from ..server.eviction import POLICIES
+from .belady import HitCount, belady, infinite
+from .simulate import gap_closed, shard_capacity, simulate
+from .traces import Trace, TraceError, block_keys, load_trace
+
+LLAMA31_8B_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+DEFAULT_BYTES_PER_TOKEN = 16
+DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
+
+
+@dataclass
+class ReplayOptions:
+    shards: int = 2
+    capacity: float = 0.1
+    policies: list[str] = field(default_factory=lambda: ["lru", "prefix-lfu"])
+    bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    deadline_ms: float = 500.0
+    timed: bool = False
+    speedup: float = 1.0
+    salt: int = 0
+    servers: list[str] | None = None
+    check_sim: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.shards < 1 or self.shards > 64:
+            raise ValueError(f"--shards must be in 1..64, got {self.shards}")
+        if not 0 < self.capacity <= 10:
+            raise ValueError(f"--capacity is a fraction of unique blocks in (0, 10], got {self.capacity}")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise ValueError(f"unknown policy {p!r}; known: {sorted(POLICIES)}")
+        if not 1 <= self.bytes_per_token <= LLAMA31_8B_BYTES_PER_TOKEN * 8:
+            raise ValueError(f"--bytes-per-token must be in 1..{LLAMA31_8B_BYTES_PER_TOKEN * 8}")
+        if not self.prefill_tokens_per_s > 0 or not self.deadline_ms > 0 or not self.speedup > 0:
+            raise ValueError("--prefill-tokens-per-s, --deadline-ms and --speedup must be > 0")
+
+
+def payload_for(key: bytes, nbytes: int) -> bytes:
+    """The bytes PUT under ``key``: the key repeated (so a GET can check it got this key's bytes)."""
+    reps = -(-nbytes // len(key))
+    return (key * reps)[:nbytes]
+
+
+def _pct(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"p50_ms": None, "p99_ms": None, "mean_ms": None}
+    a = np.asarray(xs) * 1000.0
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
+
+
+def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt: ReplayOptions,
+                   desc: str = "replay") -> dict[str, Any]:
+    """Replay ``trace`` against running servers; returns the three levels, bytes, latencies, throughput.
+
+    Server failures never raise (the client degrades them to misses, which
+    show up as lower loaded/useful levels and dropped puts); a programming
+    error in the client does.
+    """
+    from ..client import Client  # imported here: the offline commands need no sockets
+
+    levels = {"exists": HitCount(), "loaded": HitCount(), "useful": HitCount()}
+    lat: dict[str, list[float]] = {"lookup": [], "get": [], "put": []}
+    moved = {"get_bytes": 0, "put_bytes": 0, "puts_stored": 0, "puts_existed": 0, "puts_dropped": 0,
+             "corrupt_blocks": 0, "late_or_missing_blocks": 0}
+    max_blocks = max(len(r.hash_ids) for r in trace.requests)
+    buf = bytearray(max_blocks * block_bytes)
+    views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(max_blocks)]
+    bt = trace.block_tokens
+    bar = _progress(len(trace), desc, opt.progress)
+    cfg = ClientConfig(timeout_s=max(2.0, opt.deadline_ms / 1000.0 * 4), transport="auto")
+    t_start = time.perf_counter()
+    with Client(list(addresses), config=cfg) as client:
+        t_start = time.perf_counter()
+        ts0 = trace.requests[0].timestamp
+        for i, r in enumerate(trace.requests):
+            if opt.timed:
+                wait = (r.timestamp - ts0) / 1000.0 / opt.speedup - (time.perf_counter() - t_start)
+                if wait > 0:
+                    time.sleep(wait)
+            keys = block_keys(r.hash_ids, opt.salt)
+            t0 = time.perf_counter()
+            run = client.lookup(keys)
+            t1 = time.perf_counter()
+            lat["lookup"].append(t1 - t0)
+            loaded = 0
+            if run:
+                sizes = client.get_into(keys[:run], views[:run], timeout_s=opt.deadline_ms / 1000.0)
+                t2 = time.perf_counter()
+                lat["get"].append(t2 - t1)
+                for j in range(run):
+                    n = sizes[j]
+                    if n is None:
+                        moved["late_or_missing_blocks"] += run - j
+                        break
+                    moved["get_bytes"] += n
+                    if n != block_bytes or views[j] != payload_for(keys[j], block_bytes):
+                        moved["corrupt_blocks"] += 1
+                        break
+                    loaded += 1
+                get_s = t2 - t1
+            else:
+                t2 = t1
+                get_s = 0.0
+            tokens = sum(r.block_tokens(j, bt) for j in range(loaded))
+            useful = loaded if get_s <= tokens / opt.prefill_tokens_per_s else 0
+            if run < len(keys):
+                todo = keys[run:]
+                parents = [keys[j - 1] if j else None for j in range(run, len(keys))]
+                res = client.put(todo, [payload_for(k, block_bytes) for k in todo], parents=parents)
+                lat["put"].append(time.perf_counter() - t2)
+                moved["put_bytes"] += len(todo) * block_bytes
+                moved["puts_stored"] += res.stored
+                moved["puts_existed"] += res.existed
+                moved["puts_dropped"] += res.dropped
+            levels["exists"].add(trace, i, run)
+            levels["loaded"].add(trace, i, loaded)
+            levels["useful"].add(trace, i, useful)
+            bar.update(1)
+        wall = time.perf_counter() - t_start
+        server_stats = client.stats().get("servers", {})
+    bar.close()
+    return {
+        "levels": {k: v.as_dict() for k, v in levels.items()},
+        "exists_runs": levels["exists"].runs,
+        "latency": {k: _pct(v) for k, v in lat.items()},
+        "bytes": moved,
+        "wall_s": wall,
+        "requests_per_s": len(trace) / wall if wall > 0 else None,
+        "get_mb_per_s": moved["get_bytes"] / sum(lat["get"]) / 1e6 if sum(lat["get"]) > 0 else None,
+        "servers": {a: {k: s.get(k) for k in ("policy", "capacity", "objects", "evictions", "hits", "misses")}
+                    for a, s in server_stats.items() if isinstance(s, dict)},
+    }
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, on: bool):
+    if not on:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5, file=sys.stderr)
+
+
+def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
+    """Replay ``trace`` once per policy (own servers) or once against ``opt.servers``; adds bound and gap.
+
+    Raises ``ValueError`` for bad options and ``RuntimeError`` when a local
+    server does not start.
+    """
+    opt.validate()
+    block_bytes = trace.block_tokens * opt.bytes_per_token
+    slot = pages_for(block_bytes) * PAGE_SIZE
+    per_shard = shard_capacity(trace, opt.capacity, opt.shards)
+    report: dict[str, Any] = {
+        "trace": trace.name, "requests": len(trace), "total_blocks": trace.total_blocks,
+        "unique_blocks": trace.unique_blocks, "block_tokens": trace.block_tokens,
+        "bytes_per_token": opt.bytes_per_token, "block_bytes": block_bytes,
+        "prefill_tokens_per_s": opt.prefill_tokens_per_s, "deadline_ms": opt.deadline_ms,
+        "timed": opt.timed, "speedup": opt.speedup, "salt": opt.salt, "runs": [],
+    }
+    if opt.servers:
+        from ..client import Client
+
+        with Client(opt.servers) as c:
+            stats = c.stats().get("servers", {})
+        caps = [s.get("capacity", 0) // slot for s in stats.values() if isinstance(s, dict)]
+        if not caps:
+            raise RuntimeError(f"none of the servers {opt.servers} answered STATS")
+        policy = next(iter(stats.values())).get("policy", "?")
+        per_shard = min(caps)
+        out = replay_against(trace, opt.servers, block_bytes, opt, f"replay {policy}")
+        out.update(policy=policy, shards=len(opt.servers), blocks_per_shard=per_shard)
+        report["runs"].append(out)
+    else:
+        from ..testing.servers import start_pool
+
+        for pol in opt.policies:
+            with start_pool(opt.shards, capacity=per_shard * slot, policy=pol) as pool:
+                out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {pol}")
+                addresses = pool.addresses
+            out.update(policy=pol, shards=opt.shards, blocks_per_shard=per_shard)
+            if opt.check_sim:
+                sim = simulate(trace, pol, per_shard, addresses, salt=opt.salt)
+                diff = sum(1 for a, b in zip(sim.hits.runs, out["exists_runs"]) if a != b)
+                out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": diff}
+            report["runs"].append(out)
+    total = per_shard * (len(opt.servers) if opt.servers else opt.shards)
+    report["capacity_blocks"] = total
+    report["capacity_fraction"] = total / trace.unique_blocks
+    bound, inf = belady(trace, total), infinite(trace)
+    report["belady"] = bound.as_dict()
+    report["infinite"] = inf.as_dict()
+    lru = next((r for r in report["runs"] if r["policy"] == "lru"), None)
+    for r in report["runs"]:
+        r["gap_closed"] = None if lru is None else gap_closed(
+            r["levels"]["exists"]["block_hit_rate"], lru["levels"]["exists"]["block_hit_rate"], bound.block_hit_rate)
+        del r["exists_runs"]
+    return report
+
+
+def print_report(report: dict[str, Any], out=sys.stdout) -> None:
+    """The table: one row per policy, three levels (block / token hit rate), bound, gap, latencies."""
+    print(f"trace {report['trace']}: {report['requests']} requests, {report['total_blocks']} blocks "
+          f"({report['unique_blocks']} unique) of {report['block_tokens']} tokens; capacity "
+          f"{report['capacity_blocks']} blocks = {report['capacity_fraction']:.1%} of unique; "
+          f"{report['block_bytes']} B/block; belady {report['belady']['block_hit_rate']:.1%}, "
+          f"infinite {report['infinite']['block_hit_rate']:.1%} (block-level prefix hits)", file=out)
+    head = (f"{'policy':>11} {'exists':>13} {'loaded':>13} {'useful':>13} {'gap':>5} {'lookup p50/p99':>15} "
+            f"{'get p50/p99':>15} {'put p50/p99':>15} {'req/s':>6} {'GB moved':>8} {'sim':>5}")
+    print(head, file=out)
+    print(f"{'':>11} {'(blk / tok)':>13} {'(blk / tok)':>13} {'(blk / tok)':>13}", file=out)
+
+    def lv(x: dict) -> str:
+        return f"{x['block_hit_rate']:6.1%}/{x['token_hit_rate']:5.1%}"
+
+    def ms(x: dict) -> str:
+        if x["p50_ms"] is None:
+            return "-"
+        return f"{x['p50_ms']:.2f}/{x['p99_ms']:.2f}"
+
+    for r in report["runs"]:
+        g = r.get("gap_closed")
+        sim = r.get("sim")
+        simtxt = "-" if sim is None else ("ok" if sim["requests_differing"] == 0 else f"{sim['requests_differing']}d")
+        gb = (r["bytes"]["get_bytes"] + r["bytes"]["put_bytes"]) / 1e9
+        print(f"{r['policy']:>11} {lv(r['levels']['exists']):>13} {lv(r['levels']['loaded']):>13} "
+              f"{lv(r['levels']['useful']):>13} {'-' if g is None else f'{g:.0%}':>5} {ms(r['latency']['lookup']):>15} "
+              f"{ms(r['latency']['get']):>15} {ms(r['latency']['put']):>15} {r['requests_per_s']:>6.0f} {gb:>8.2f} "
+              f"{simtxt:>5}", file=out)
+    print("gap = share of the LRU-to-Belady gap closed (exists level); sim = offline simulator agrees "
+          "request by request", file=out)
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shards", type=int, default=2, help="local servers to start per policy (default 2)")
+    p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
+                   help="payload bytes per token (default 16 = Llama-3.1-8B's 131072 scaled 1/8192)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
+                   help="recompute rate for the useful level (default 8000)")
+    p.add_argument("--deadline-ms", type=float, default=500.0, help="GET deadline per request (default 500)")
+    p.add_argument("--timed", action="store_true", help="follow the trace's timestamps (default: as fast as possible)")
+    p.add_argument("--speedup", type=float, default=1.0, help="with --timed, replay this many times faster")
+    p.add_argument("--salt", type=int, default=None, help="key salt (default 0; random with --servers)")
+    p.add_argument("--no-check-sim", action="store_true", help="skip the offline simulator cross-check")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--block-tokens", type=int, default=None, help="tokens per trace block (default: the trace's, else 512)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+
+
+def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
+    servers = [s for s in (getattr(args, "servers", None) or "").split(",") if s] or None
+    salt = args.salt if args.salt is not None else (random.getrandbits(63) if servers else 0)
+    kw = dict(shards=args.shards, bytes_per_token=args.bytes_per_token, prefill_tokens_per_s=args.prefill_tokens_per_s,
+              deadline_ms=args.deadline_ms, timed=args.timed, speedup=args.speedup, salt=salt, servers=servers,
+              check_sim=not args.no_check_sim, progress=not args.no_progress)
+    kw.update(over)
+    return ReplayOptions(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvfabric bench replay",
+                                description="Replay a trace against real pool servers; three-level hit rates.")
+    p.add_argument("trace", help="trace file, or mooncake-conversation / mooncake-synthetic")
+    p.add_argument("--policy", action="append", choices=sorted(POLICIES),
+                   help="policy of the local servers (repeatable; default lru and prefix-lfu)")
+    p.add_argument("--capacity", type=float, default=0.1, help="pool capacity as a fraction of unique blocks (default 0.1)")
+    p.add_argument("--servers", default=None, help="replay against these running servers (host:port,...)")
+    p.add_argument("--json", default=None, help="write the report here (default bench-results/replay-<trace>.json)")
+    add_common_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        trace = load_trace(args.trace, args.block_tokens, args.limit)
+        opt = options_from_args(args, capacity=args.capacity, policies=args.policy or ["lru", "prefix-lfu"])
+        opt.validate()
+    except (TraceError, ValueError) as e:
+        print(f"kvfabric bench replay: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = run_replay(trace, opt)
+    except RuntimeError as e:
+        print(f"kvfabric bench replay: {e}", file=sys.stderr)
+        return 1
+    print_report(report)
+    path = Path(args.json or f"bench-results/replay-{trace.name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
