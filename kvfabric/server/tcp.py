@@ -8,10 +8,11 @@ BUSY error frame and is closed.
 
 Per frame:
 
-1. The 32-byte header is read (blocking while the connection is idle; once
-   its first byte arrives the rest of the frame must keep coming: every
-   ``recv``/``send`` of the frame gets ``stall_timeout_s`` of socket timeout,
-   so a peer that stalls mid-frame, or stops reading its reply, is dropped).
+1. The 32-byte header is read (waiting as long as it takes while the
+   connection is idle; once its first byte arrives the rest of the frame must
+   keep coming: the socket's SO_RCVTIMEO/SO_SNDTIMEO are ``stall_timeout_s``,
+   so a peer that makes no progress for that long mid-frame, or stops reading
+   its reply, is dropped).
 2. The header is checked against the limits *before* anything is allocated;
    the metadata buffer (``meta_len`` bytes) is then taken from a process-wide
    budget (``meta_budget_bytes``), so many peers announcing large metadata at
@@ -41,6 +42,7 @@ import logging
 import os
 import selectors
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -254,18 +256,26 @@ class TcpServer:
         header_view = memoryview(header_buf)
         scratch: list[bytearray] = []
         try:
+            # Blocking socket with kernel-side timeouts: a recv/send that makes
+            # no progress for stall_timeout_s fails with EAGAIN. One syscall
+            # can then move a whole object (MSG_WAITALL, a full sendmsg).
+            sock.settimeout(None)
+            tv = _timeval(self.stall_timeout_s)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             while True:
                 with conn.lock:
                     conn.idle = True
                     if self._stopping.is_set():
                         break
-                sock.settimeout(None)
-                n = sock.recv_into(header_view, HEADER_SIZE)
+                try:
+                    n = sock.recv_into(header_view, HEADER_SIZE)
+                except BlockingIOError:
+                    continue  # idle for stall_timeout_s: fine between frames; look at the stop flag
                 if n == 0:
                     break  # clean close between frames
                 with conn.lock:
                     conn.idle = False
-                sock.settimeout(self.stall_timeout_s)
                 if n < HEADER_SIZE:
                     _recv_exact(sock, header_view[n:])
                 if not self._frame(sock, session, header_buf, scratch):
@@ -367,8 +377,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     want = view.nbytes
     while got < want:
         try:
-            n = sock.recv_into(view[got:] if got else view)
-        except TimeoutError:
+            n = sock.recv_into(view[got:] if got else view, 0, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError):
             raise _Stalled() from None
         if n == 0:
             raise _PeerClosed()
@@ -396,7 +406,7 @@ def _send_all(sock: socket.socket, views: list[memoryview]) -> int:
     while i < len(views):
         try:
             n = sock.sendmsg(views[i : i + _IOV_MAX])
-        except TimeoutError:
+        except (BlockingIOError, TimeoutError):
             raise _Stalled() from None
         total += n
         while n:
@@ -429,6 +439,11 @@ def _lingering_close(sock: socket.socket, scratch: list[bytearray]) -> None:
             budget -= n
     except OSError:
         pass
+
+
+def _timeval(seconds: float) -> bytes:
+    sec = int(seconds)
+    return struct.pack("ll", sec, int((seconds - sec) * 1e6))
 
 
 def _shutdown_read(sock: socket.socket) -> None:
