@@ -97,12 +97,29 @@ def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str]]:
     return capacity, token, transports
 
 
+def _raise_fd_limit(want: int) -> None:
+    """Lift the soft open-files limit towards ``want`` (one fd per connection), within the hard limit."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and soft < want:
+            log.warning("open-files limit %d is below --max-connections + 64 = %d", soft, want)
+    except (ImportError, ValueError, OSError) as e:
+        log.warning("cannot raise the open-files limit: %s", e)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server; returns the exit status (0 after a clean SIGTERM/SIGINT shutdown)."""
     args = build_parser().parse_args(argv)
     capacity, token, transports = _options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     threading.stack_size(512 * 1024)  # many connection threads; they need little stack
+    _raise_fd_limit(args.max_connections + 64)
 
     store = Store(capacity, args.policy, memfd=args.memfd, max_lease_ms=args.max_lease_ms)
     handlers = Handlers(store, server_id="", transports=["tcp"], auth_token=token)

@@ -218,8 +218,9 @@ class TcpServer:
             sock, addr = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as e:  # e.g. EMFILE: keep the listener alive
+        except OSError as e:  # e.g. EMFILE: keep the listener alive, but do not spin on it
             log.warning("accept failed: %s", e)
+            self._stopping.wait(0.1)
             return
         peer = f"{addr[0]}:{addr[1]}"
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -234,7 +235,14 @@ class TcpServer:
             return
         self.handlers.counters.connection_opened()
         conn.thread = threading.Thread(target=self._serve_conn, args=(conn,), name=f"kvf-conn-{peer}", daemon=True)
-        conn.thread.start()
+        try:
+            conn.thread.start()
+        except RuntimeError as e:  # the OS refused another thread
+            log.warning("cannot start a thread for %s: %s", peer, e)
+            with self._conns_lock:
+                self._conns.discard(conn)
+            self.handlers.counters.connection_closed()
+            self._refuse(sock, peer)
 
     def _refuse(self, sock: socket.socket, peer: str) -> None:
         log.warning("refusing %s: %d connections open (max %d)", peer, len(self._conns), self.max_connections)
