@@ -75,7 +75,8 @@ class Slot:
 class Acquired:
     """Result of :meth:`Store.acquire`: per key, a size (-1 = miss), a checksum and a view.
 
-    ``views`` holds only the found objects, in key order. The views stay valid
+    ``views`` (and ``offsets``, their places in the arena) hold only the
+    found objects, in key order. The views stay valid
     (the objects pinned) until ``release()`` is called; call it exactly once,
     after the bytes have been sent. Calling it again is a no-op.
     """
@@ -83,6 +84,7 @@ class Acquired:
     sizes: list[int]
     checksums: list[int]
     views: list[memoryview]
+    offsets: list[int] = field(default_factory=list)  # arena offsets of the found objects (for native/shm planes)
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
@@ -251,7 +253,7 @@ class Store:
                 for e in pinned:
                     self._unpin(e)
 
-        return Acquired(sizes, sums, views, release)
+        return Acquired(sizes, sums, views, [e.offset for e in pinned], release)
 
     # ------------------------------------------------------- LOOKUP / EXISTS / DELETE
 

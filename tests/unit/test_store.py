@@ -187,6 +187,7 @@ def test_corrupt_bytes_are_a_miss_dropped_and_counted():
     got = s.acquire([key(0), key(1)])
     assert got.sizes == [-1, PAGE_SIZE]
     assert len(got.views) == 1 and bytes(got.views[0]) == obj(1)
+    assert got.offsets == [s.entry(key(1)).offset]
     got.release()
     st = s.stats()
     assert (st["checksum_failures"], st["misses"], st["hits"], st["objects"]) == (1, 1, 1, 1)
