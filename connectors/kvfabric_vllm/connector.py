@@ -1,0 +1,186 @@
+"""``KVFabricConnector``: vLLM's ``KVConnectorBase_V1`` wired to a kvfabric pool.
+
+Enable with ``"kv_connector": "KVFabricConnector", "kv_connector_module_path":
+"kvfabric_vllm.connector"`` in ``--kv-transfer-config`` (see ``config`` for
+``kv_connector_extra_config``). vLLM builds one instance with the SCHEDULER
+role (``scheduler.SchedulerSide``) and one per worker with the WORKER role
+(``worker.WorkerSide``); this class only routes vLLM's calls to them.
+
+Failure policy: configuration errors and unsupported models raise
+``kvfabric.ConfigError`` when vLLM builds the connector. After that nothing
+raises into vLLM: a pool that cannot be reached (at start or later), a dead
+shard, a checksum failure or a slow pool become misses or failed loads that
+vLLM recomputes. Failed loads are reported per block, which vLLM turns into a
+recompute only under ``kv_load_failure_policy="recompute"``; kvfabric is a
+cache, so the connector sets that policy (and says so in the log) when the
+flag left vLLM's default ``"fail"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from kvfabric import ConfigError, KVFabricError
+from kvfabric.client import Client
+
+from .config import KV_LAYOUT_VERSION, ConnectorConfig, make_namespace, parse_extra_config
+from .meta import KVFabricMetadata
+from .metrics import Counters, log
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVFabricConnector"]
+
+
+def _open_client(cfg: ConnectorConfig, counters: Counters) -> Client | None:
+    """A client on the pool, or None (connector runs without a pool) when it cannot be built."""
+    try:
+        return Client(config=cfg.client)
+    except KVFabricError as exc:
+        counters.fail("client_errors", "cannot use the pool %s: %s; serving without it",
+                      ",".join(cfg.client.servers), exc)
+        return None
+
+
+class KVFabricConnector(KVConnectorBase_V1):
+    """vLLM KV connector on a kvfabric pool (module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+            raise ConfigError("kvfabric: only models with one attention KV cache group are supported "
+                              f"(got {len(groups)} groups)")
+        spec = groups[0].kv_cache_spec
+        par = vllm_config.parallel_config
+        if par.pipeline_parallel_size != 1:
+            raise ConfigError("kvfabric: pipeline parallelism is not supported yet")
+        xfer = self._kv_transfer_config
+        self._cfg = parse_extra_config(xfer.kv_connector_extra_config, xfer.kv_role, spec.block_size)
+        if xfer.kv_load_failure_policy != "recompute":
+            log.warning("kvfabric: setting kv_load_failure_policy=recompute (was %r): a chunk that fails "
+                        "to load from the cache pool is recomputed, never fatal", xfer.kv_load_failure_policy)
+            xfer.kv_load_failure_policy = "recompute"
+        layer_names = list(groups[0].layer_names)
+        layout = (f"vllm/{kv_cache_config.kv_cache_layout}/heads={spec.num_kv_heads}/head={spec.head_size}"
+                  f"/head_v={spec.head_size_v}/block={spec.block_size}"
+                  f"/layers={len(layer_names)}/v{KV_LAYOUT_VERSION}")
+        mc = vllm_config.model_config
+        namespaces = [
+            make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),
+                           kv_layout=layout, tp_rank=r, tp_size=par.tensor_parallel_size)
+            for r in range(par.tensor_parallel_size)
+        ]
+        self._counters = Counters()
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        client = _open_client(self._cfg, self._counters)
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self._cfg, client, namespaces, spec.block_size, self._counters,
+                                        lambda: self._kv_cache_manager)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(self._cfg, client, get_tensor_model_parallel_rank(), spec.block_size,
+                                      layer_names, self._counters)
+        log.info("kvfabric connector (%s): servers %s, chunk %d tokens, namespace %s", role.name,
+                 ",".join(self._cfg.client.servers), self._cfg.chunk_tokens, namespaces[0])
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False   # a cache: a dropped save is only a future miss
+
+    def counters(self) -> dict[str, int]:
+        """This instance's counters (``metrics.COUNTER_NAMES``)."""
+        return self._counters.snapshot()
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def _meta(self) -> KVFabricMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVFabricMetadata), type(meta)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._meta()
+        if meta.loads:
+            self._worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads complete in start_load_kv, before the forward: on the CPU
+        # backend copies and compute share the same cores, so pipelining
+        # layer loads with attention would not overlap anything.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._meta()
+        if meta.saves:
+            self._worker.gather_layer(layer_name, meta.saves)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._meta()
+        if meta.saves:
+            self._worker.submit_saves(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Loads are synchronous and saves copy their bytes out during the
+        # step, so no request ever waits on this connector to free blocks.
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_failed_block_ids()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        try:
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        except KVFabricError as exc:
+            self._counters.fail("lookup_errors", "lookup failed: %s", exc)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        self._sched.request_finished(request)
+        return False, None

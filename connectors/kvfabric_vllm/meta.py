@@ -1,0 +1,46 @@
+"""What the scheduler-side connector tells the worker-side connector each step.
+
+Plain dataclasses of ints and bytes, so they pickle across processes (vLLM's
+multi-process executor sends them to every worker). Keys are per TP rank:
+``keys[r][i]`` is chunk ``i``'s key in rank ``r``'s namespace, because each
+rank stores only its own KV heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["LoadSpec", "SaveSpec", "KVFabricMetadata"]
+
+
+@dataclass
+class LoadSpec:
+    """Read ``len(block_ids)`` chunks from the pool into vLLM blocks, before this step's forward.
+
+    ``block_ids[i]`` are the vLLM blocks of chunk ``i`` (``chunk_tokens //
+    block_size`` each). The first ``skip_blocks`` blocks of chunk 0 are
+    already computed locally and are not written.
+    """
+
+    req_id: str
+    keys: list[list[bytes]]
+    block_ids: list[list[int]]
+    skip_blocks: int = 0
+
+
+@dataclass
+class SaveSpec:
+    """Gather chunks completed by this step from vLLM blocks and put them in the pool."""
+
+    req_id: str
+    keys: list[list[bytes]]
+    parents: list[list[bytes | None]]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KVFabricMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,226 @@
+"""Scheduler side: pool lookups, and per request which chunks to load and to save.
+
+Per request the scheduler keeps the chunk keys of its prompt (computed once,
+for every TP rank, by ``kvfabric.KeyHasher`` over the prompt token ids; never
+vLLM's own block hashes) and a lookup of how many leading chunks the pool
+holds.
+
+Lookup never blocks the scheduler for long: the first call starts the lookup
+on a background thread and waits at most ``lookup_wait_ms`` for it (a
+loopback lookup answers well within that); if it has not answered, vLLM is
+told "ask again later" (``None``) and skips the request for this step; past
+``lookup_timeout_ms`` the answer is "no hit". A lookup that fails is "no
+hit" too (counted, warned once). The lookup takes a lease so the chunks found
+are not evicted before the load.
+
+Loads: only whole chunks, only beyond vLLM's local hit, and never the last
+prompt token (vLLM must compute at least one token to sample from). The hit
+is loaded synchronously by the workers before the step's forward
+(``load_kv_async=False``); a chunk that then fails to load is reported
+through ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+
+Saves: after every step, the prompt chunks that became fully computed in
+that step (chunked prefill included) and that the pool did not already hold
+at lookup time are handed to the workers, which gather and put them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvfabric import KeyHasher, KVFabricError, Namespace
+
+from .config import ConnectorConfig
+from .meta import KVFabricMetadata, LoadSpec, SaveSpec
+from .metrics import Counters, log
+
+if TYPE_CHECKING:
+    from kvfabric.client import Client
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+
+@dataclass
+class _Req:
+    prompt_len: int
+    keys: list[list[bytes]]          # [rank][chunk] for every whole chunk of the prompt
+    lookup: Future | None = None
+    lookup_t0: float = 0.0
+    pool_run: int | None = None      # leading chunks the pool holds (None: not known yet)
+    local_computed: int = 0          # vLLM's local hit passed to the last lookup call
+    saved_upto: int = 0              # chunks [0, saved_upto) are in the pool or being put
+    load: LoadSpec | None = None     # planned by update_state_after_alloc, sent next meta
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    """The connector's scheduler half (see the module docstring)."""
+
+    def __init__(self, cfg: ConnectorConfig, client: Client | None, namespaces: Sequence[Namespace],
+                 block_size: int, counters: Counters,
+                 cache_manager: Callable[[], KVCacheManager | None]) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.namespaces = list(namespaces)
+        self.block_size = block_size
+        self.counters = counters
+        self._cache_manager = cache_manager
+        self._hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
+        self._reqs: dict[str, _Req] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfabric-lookup")
+
+    # ------------------------------------------------------------------ state
+
+    def _state(self, request: Request) -> _Req | None:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        tokens = request.prompt_token_ids
+        if tokens is None:           # prompt embeddings: no token ids to key on
+            return None
+        n_chunks = len(tokens) // self.cfg.chunk_tokens
+        keys = [self._hasher.prefix_keys(ns, tokens[: n_chunks * self.cfg.chunk_tokens]) for ns in self.namespaces]
+        st = _Req(prompt_len=len(tokens), keys=keys)
+        self._reqs[request.request_id] = st
+        return st
+
+    # ------------------------------------------------------------------ lookup
+
+    def _lookup_all_ranks(self, keys: list[list[bytes]]) -> int:
+        assert self.client is not None
+        timeout = self.cfg.lookup_timeout_ms / 1000
+        run = len(keys[0])
+        for rank_keys in keys:       # every rank must hold a chunk for it to be a hit
+            run = min(run, self.client.lookup(rank_keys[:run], lease_ms=self.cfg.lease_ms, timeout_s=timeout))
+            if run == 0:
+                break
+        return run
+
+    def _pool_run(self, st: _Req, n_chunks: int) -> int | None:
+        """Leading chunks held by the pool, or None while the lookup is still pending."""
+        if st.pool_run is not None:
+            return st.pool_run
+        if st.lookup is None:
+            self.counters.add("lookups")
+            st.lookup_t0 = time.monotonic()
+            st.lookup = self._pool.submit(self._lookup_all_ranks, [k[:n_chunks] for k in st.keys])
+            if self.cfg.lookup_wait_ms:
+                try:
+                    st.lookup.result(timeout=self.cfg.lookup_wait_ms / 1000)
+                except Exception:  # noqa: BLE001 - timeout or failure, both handled below
+                    pass
+        if st.lookup.done():
+            try:
+                st.pool_run = st.lookup.result()
+            except (KVFabricError, OSError) as exc:
+                self.counters.fail("lookup_errors", "pool lookup failed: %s", exc)
+                st.pool_run = 0
+        elif time.monotonic() - st.lookup_t0 > self.cfg.lookup_timeout_ms / 1000:
+            self.counters.fail("lookup_timeouts", "pool lookup took longer than %d ms",
+                               self.cfg.lookup_timeout_ms)
+            st.pool_run = 0
+        if st.pool_run is not None:
+            st.saved_upto = max(st.saved_upto, st.pool_run)
+        return st.pool_run
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.cfg.load or self.client is None:
+            return 0, False
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        chunk = self.cfg.chunk_tokens
+        n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
+        if n_load * chunk <= num_computed_tokens:
+            return 0, False
+        run = self._pool_run(st, n_load)
+        if run is None:
+            return None, False
+        st.local_computed = num_computed_tokens
+        hit = min(run, n_load) * chunk
+        ext = max(0, hit - num_computed_tokens)
+        if ext:
+            self.counters.add("lookup_hit_tokens", ext)
+        return ext, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        chunk, bs = self.cfg.chunk_tokens, self.block_size
+        start = st.local_computed
+        end = start + num_external_tokens
+        assert start % bs == 0 and end % chunk == 0, (start, end)
+        c0, c1 = start // chunk, end // chunk
+        block_ids = blocks.get_block_ids()[0]
+        per = chunk // bs
+        st.load = LoadSpec(
+            req_id=request.request_id,
+            keys=[k[c0:c1] for k in st.keys],
+            block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
+            skip_blocks=(start - c0 * chunk) // bs,
+        )
+        self.counters.add("scheduled_load_tokens", num_external_tokens)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVFabricMetadata:
+        meta = KVFabricMetadata()
+        for st in self._reqs.values():
+            if st.load is not None:
+                meta.loads.append(st.load)
+                st.load = None
+        if not self.cfg.save or self.client is None:
+            return meta
+        progress: list[tuple[str, int]] = [
+            (r.req_id, r.num_computed_tokens + so.num_scheduled_tokens.get(r.req_id, 0))
+            for r in so.scheduled_new_reqs
+        ]
+        cached = so.scheduled_cached_reqs
+        progress += [
+            (rid, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+            for i, rid in enumerate(cached.req_ids)
+        ]
+        manager = self._cache_manager()
+        for rid, computed in progress:
+            st = self._reqs.get(rid)
+            if st is None or st.pool_run is None and st.lookup is not None:
+                continue
+            done = min(computed, st.prompt_len) // self.cfg.chunk_tokens
+            if done <= st.saved_upto or manager is None:
+                continue
+            spec = self._save_spec(rid, st, st.saved_upto, done, manager.get_block_ids(rid)[0])
+            meta.saves.append(spec)
+            st.saved_upto = done
+        return meta
+
+    def _save_spec(self, rid: str, st: _Req, c0: int, c1: int, block_ids: list[int]) -> SaveSpec:
+        per = self.cfg.chunk_tokens // self.block_size
+        return SaveSpec(
+            req_id=rid,
+            keys=[k[c0:c1] for k in st.keys],
+            parents=[[k[c - 1] if c else None for c in range(c0, c1)] for k in st.keys],
+            block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
+        )
+
+    def request_finished(self, request: Request) -> None:
+        """Forget the request. Saves already gathered stay in flight; blocks can be freed now
+        because the workers copy a chunk out of vLLM's blocks during the step that completes it."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None and not st.lookup.done():
+            st.lookup.cancel()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.client is not None:
+            self.client.close()
+        log.info("kvfabric scheduler counters: %s", self.counters.snapshot())

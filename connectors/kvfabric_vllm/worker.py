@@ -1,0 +1,241 @@
+"""Worker side: copy between vLLM's paged KV blocks and pool chunks.
+
+Chunk object layout (``KV_LAYOUT_VERSION`` 1): for one TP rank, the pages of
+the chunk's ``P = chunk_tokens // block_size`` blocks, layer-major::
+
+    [layer 0: block 0 page, block 1 page, ... block P-1 page][layer 1: ...]...
+
+where a page is ``kv_layer[block_id]``, the block's ``[H, N, C]`` bytes in
+vLLM's per-layer view (blocks at dim 0; on the CPU backend ``C`` holds K then
+V). Layers are in the model order vLLM lists them in. The namespace binds
+the layout name, heads, head sizes, block size and layer count, so engines
+whose pages differ never share keys.
+
+Loads (``load``) run synchronously in ``start_load_kv``, before the forward
+that reads them: one batched ``Client.get_into`` per step straight into a
+staging tensor, then one ``index_copy_`` per layer into the blocks. A chunk
+that misses, has the wrong size, or a step whose read raises, is reported in
+``failed_block_ids`` and vLLM recomputes those tokens; the failure is counted
+and warned once, never raised into vLLM's step.
+
+Saves: ``gather_layer`` copies the chunks completed by this step out of a
+layer's blocks right after that layer's attention wrote them
+(``save_kv_layer``); ``submit_saves`` (``wait_for_save``) gathers any layer
+not seen yet and hands the staging tensors to one background thread that
+``put``s them. Since the bytes are copied out during the step, vLLM may
+free or reuse the blocks as soon as the step ends. Pending save bytes are
+bounded: past ``max_pending_save_bytes`` new chunks are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvfabric import ConfigError, KVFabricError
+
+from .config import ConnectorConfig
+from .meta import LoadSpec, SaveSpec
+from .metrics import Counters, log
+
+if TYPE_CHECKING:
+    from kvfabric.client import Client
+
+__all__ = ["WorkerSide"]
+
+
+class _Staged:
+    """One save spec's staging tensor and which layers are already gathered in it."""
+
+    def __init__(self, spec: SaveSpec, data: torch.Tensor, flat_ids: torch.Tensor) -> None:
+        self.spec = spec
+        self.data = data              # [n_chunks, L, P, *page_shape]
+        self.flat_ids = flat_ids      # the spec's block ids, chunk-major
+        self.layers: set[int] = set()
+
+
+class WorkerSide:
+    """The connector's worker half for one TP rank (see the module docstring)."""
+
+    def __init__(self, cfg: ConnectorConfig, client: Client | None, tp_rank: int, block_size: int,
+                 layer_names: Sequence[str], counters: Counters) -> None:
+        if cfg.chunk_tokens % block_size:
+            raise ConfigError(f"chunk_tokens {cfg.chunk_tokens} is not a multiple of block size {block_size}")
+        self.cfg = cfg
+        self.client = client
+        self.tp_rank = tp_rank
+        self.per_chunk = cfg.chunk_tokens // block_size
+        self.layer_names = list(layer_names)
+        self.counters = counters
+        self.layers: list[torch.Tensor] = []
+        self._index = {name: i for i, name in enumerate(self.layer_names)}
+        self._failed: set[int] = set()
+        self._staged: dict[int, _Staged] = {}   # id(spec) -> staging, for this step only
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-save")
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the per-layer KV tensors; raise ConfigError for a layout this connector cannot copy."""
+        missing = [n for n in self.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"kvfabric: vLLM registered no KV cache for layers {missing}")
+        layers = [kv_caches[n] for n in self.layer_names]
+        first = layers[0]
+        for name, kv in zip(self.layer_names, layers):
+            if kv.shape != first.shape or kv.dtype != first.dtype or kv.device != first.device:
+                raise ConfigError(f"kvfabric: layer {name} KV {tuple(kv.shape)}/{kv.dtype} differs from "
+                                  f"{tuple(first.shape)}/{first.dtype}; mixed layouts are not supported")
+            if not kv[0].is_contiguous():
+                raise ConfigError(f"kvfabric: layer {name}: a block's page is not contiguous "
+                                  f"(shape {tuple(kv.shape)}, strides {kv.stride()})")
+        self.layers = layers
+        self.page_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        self.chunk_bytes = len(layers) * self.per_chunk * first[0].numel() * first.element_size()
+        log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk", len(layers),
+                 self.page_shape, self.dtype, self.chunk_bytes, self.cfg.chunk_tokens)
+
+    # ------------------------------------------------------------------ loads
+
+    def load(self, specs: Iterable[LoadSpec]) -> None:
+        """Copy every spec's chunks into vLLM's blocks; failures land in ``failed_block_ids``."""
+        for spec in specs:
+            try:
+                self._load_one(spec)
+            except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
+                self.counters.fail("load_errors", "loading %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
+                self._failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+
+    def _blocks_to_write(self, spec: LoadSpec, chunks: Iterable[int]) -> list[int]:
+        out: list[int] = []
+        for i in chunks:
+            out.extend(spec.block_ids[i][spec.skip_blocks if i == 0 else 0 :])
+        return out
+
+    def _load_one(self, spec: LoadSpec) -> None:
+        n = len(spec.block_ids)
+        if n == 0:
+            return
+        if self.client is None:
+            raise KVFabricError("no pool client (the pool was unusable at start)")
+        keys = spec.keys[self.tp_rank]
+        if len(keys) != n or any(len(b) != self.per_chunk for b in spec.block_ids):
+            raise ValueError(f"malformed load spec for {spec.req_id}: {len(keys)} keys, {n} chunks")
+        raw = torch.empty((n, self.chunk_bytes), dtype=torch.uint8)
+        sizes = self.client.get_into(keys, [memoryview(raw[i].numpy()) for i in range(n)],
+                                     timeout_s=self.cfg.load_timeout_s)
+        good = [i for i, s in enumerate(sizes) if s == self.chunk_bytes]
+        bad = [i for i, s in enumerate(sizes) if s != self.chunk_bytes]
+        if bad:
+            self.counters.fail("load_failed_chunks", "%d of %d chunks were missing or malformed in the pool",
+                               len(bad), n, n=len(bad))
+            self._failed.update(self._blocks_to_write(spec, bad))
+        if not good:
+            return
+        data = raw.view(self.dtype).view(n, len(self.layers), self.per_chunk, *self.page_shape)
+        rows: list[int] = []
+        dst: list[int] = []
+        for i in good:
+            first = spec.skip_blocks if i == 0 else 0
+            rows.extend(i * self.per_chunk + j for j in range(first, self.per_chunk))
+            dst.extend(spec.block_ids[i][first:])
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.layers[0].device)
+        for li, kv in enumerate(self.layers):
+            src = data[:, li].reshape(n * self.per_chunk, *self.page_shape).index_select(0, rows_t)
+            kv.index_copy_(0, dst_t, src.to(kv.device))
+        self.counters.add("load_chunks", len(good))
+        self.counters.add("load_tokens", len(dst) * (self.cfg.chunk_tokens // self.per_chunk))
+
+    def take_failed_block_ids(self) -> set[int]:
+        out, self._failed = self._failed, set()
+        return out
+
+    # ------------------------------------------------------------------ saves
+
+    def _staging(self, spec: SaveSpec) -> _Staged:
+        st = self._staged.get(id(spec))
+        if st is None:
+            n = len(spec.block_ids)
+            data = torch.empty((n, len(self.layers), self.per_chunk, *self.page_shape), dtype=self.dtype)
+            ids = torch.tensor([b for blocks in spec.block_ids for b in blocks], dtype=torch.long,
+                               device=self.layers[0].device)
+            st = self._staged[id(spec)] = _Staged(spec, data, ids)
+        return st
+
+    def gather_layer(self, layer_name: str, specs: Iterable[SaveSpec]) -> None:
+        """Copy this step's completed chunks of one layer into staging (called per layer)."""
+        li = self._index.get(layer_name)
+        if li is None:
+            return
+        for spec in specs:
+            try:
+                self._gather(self._staging(spec), li)
+            except Exception as exc:  # noqa: BLE001
+                self.counters.fail("save_errors", "gathering KV for a save failed: %r", exc, exc=exc)
+
+    def _gather(self, st: _Staged, li: int) -> None:
+        if li in st.layers:
+            return
+        n = len(st.spec.block_ids)
+        st.data[:, li] = self.layers[li].index_select(0, st.flat_ids).view(n, self.per_chunk, *self.page_shape).cpu()
+        st.layers.add(li)
+
+    def submit_saves(self, specs: Iterable[SaveSpec]) -> None:
+        """Finish gathering and hand this step's chunks to the background putter."""
+        specs = list(specs)
+        try:
+            for spec in specs:
+                if self.client is None or not spec.block_ids:
+                    continue
+                st = self._staging(spec)
+                for li in range(len(self.layers)):
+                    self._gather(st, li)
+                nbytes = st.data.numel() * st.data.element_size()
+                with self._lock:
+                    if self._pending_bytes + nbytes > self.cfg.max_pending_save_bytes:
+                        over = True
+                    else:
+                        over = False
+                        self._pending_bytes += nbytes
+                if over:
+                    self.counters.fail("save_skipped_chunks", "saves are slower than prefill; skipping chunks "
+                                       "beyond %d pending bytes", self.cfg.max_pending_save_bytes,
+                                       n=len(spec.block_ids))
+                    continue
+                self._saver.submit(self._put, spec, st.data, nbytes)
+        except Exception as exc:  # noqa: BLE001
+            self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
+        finally:
+            self._staged.clear()
+
+    def _put(self, spec: SaveSpec, data: torch.Tensor, nbytes: int) -> None:
+        try:
+            assert self.client is not None
+            raw = data.view(len(spec.block_ids), -1).view(torch.uint8)
+            values = [memoryview(raw[i].numpy()) for i in range(raw.shape[0])]
+            res = self.client.put(spec.keys[self.tp_rank], values, parents=spec.parents[self.tp_rank],
+                                  timeout_s=self.cfg.save_timeout_s)
+            self.counters.add("save_chunks", res.stored + res.existed)
+            if res.dropped:
+                self.counters.fail("save_dropped_chunks", "the pool did not take %d chunks (down, full or slow)",
+                                   res.dropped, n=res.dropped)
+        except Exception as exc:  # noqa: BLE001 - a background save must never crash the worker
+            self.counters.fail("save_errors", "saving %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
+        finally:
+            with self._lock:
+                self._pending_bytes -= nbytes
+
+    def shutdown(self) -> None:
+        """Wait for queued saves (each bounded by ``save_timeout_s``), then close the client."""
+        self._saver.shutdown(wait=True)
+        if self.client is not None:
+            self.client.close()
+        log.info("kvfabric worker counters: %s", self.counters.snapshot())

@@ -1,0 +1,69 @@
+"""Run one vLLM engine (its own process) over token-id prompts and write what it produced.
+
+Used by the e2e tests so that every engine is an independently started
+process (its own PYTHONHASHSEED, its own connector instances)::
+
+    python engine_run.py --model DIR --prompts prompts.json --out result.json \
+        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp]
+
+``result.json``: ``{"outputs": [[token ids]...], "cached": [num_cached_tokens...],
+"counters": {...} | null}``. Counters are the connector's (``kvfabric_vllm.metrics``),
+readable only when the engine runs in this process (no ``--mp``).
+Exit status is non-zero (with vLLM's traceback) if the engine fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--servers", default="")
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--mp", action="store_true", help="vLLM's default multi-process engine core")
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if args.servers:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KVFabricConnector",
+            "kv_connector_module_path": "kvfabric_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"servers": args.servers.split(","), "chunk_tokens": args.chunk_tokens},
+        }
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              kv_cache_memory_bytes=256 << 20, max_model_len=4096, max_num_batched_tokens=1024,
+              seed=0, **kw)
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    outputs, cached = [], []
+    for p in prompts:   # one at a time: each request's lookup sees the previous one's saves
+        res = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
+        outputs.append(list(res.outputs[0].token_ids))
+        cached.append(res.num_cached_tokens or 0)
+    counters = None
+    if args.servers and not args.mp:
+        from kvfabric_vllm.metrics import all_counters
+
+        counters = all_counters()
+    llm.llm_engine.engine_core.shutdown() if args.mp else None
+    with open(args.out, "w") as f:
+        json.dump({"outputs": outputs, "cached": cached, "counters": counters}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
