@@ -295,7 +295,8 @@ def print_report(report: dict[str, Any], out=sys.stdout) -> None:
           "request by request", file=out)
 
 
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
+def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) -> None:
+    """Replay flags shared by replay, sweep and rag (rag's generator owns ``--block-tokens``)."""
     p.add_argument("--shards", type=int, default=2, help="local servers to start per policy (default 2)")
     p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
                    help="payload bytes per token (default 16 = Llama-3.1-8B's 131072 scaled 1/8192)")
@@ -307,7 +308,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--salt", type=int, default=None, help="key salt (default 0; random with --servers)")
     p.add_argument("--no-check-sim", action="store_true", help="skip the offline simulator cross-check")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--block-tokens", type=int, default=None, help="tokens per trace block (default: the trace's, else 512)")
+    if block_tokens:
+        p.add_argument("--block-tokens", type=int, default=None,
+                       help="tokens per trace block (default: the trace's, else 512)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
 
 

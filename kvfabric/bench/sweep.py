@@ -28,7 +28,7 @@ from typing import Any
 
 from ..server.eviction import POLICIES
 from .belady import belady, infinite
-from .replay import ReplayOptions, add_common_arguments, options_from_args, run_replay
+from .replay import ReplayOptions, add_common_arguments, options_from_args, print_report, run_replay
 from .simulate import default_servers, gap_closed, shard_capacity, simulate
 from .traces import Trace, TraceError, load_trace
 
@@ -51,6 +51,7 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
     inf = infinite(trace)
     sim_servers = default_servers(opt.shards)
     points = []
+    replays = []
     for frac in sorted(set(capacities) | set(real)):
         per = shard_capacity(trace, frac, opt.shards)
         total = per * opt.shards
@@ -66,6 +67,7 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
         if frac in real:
             rep = run_replay(trace, ReplayOptions(**{**opt.__dict__, "capacity": frac, "policies": policies,
                                                      "servers": None}))
+            replays.append(rep)
             for run in rep["runs"]:
                 row["real"][run["policy"]] = {k: run[k] for k in ("levels", "latency", "bytes", "requests_per_s",
                                                                    "gap_closed", "sim", "wall_s")}
@@ -79,7 +81,7 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
         points.append(row)
     return {"trace": trace.name, "requests": len(trace), "unique_blocks": trace.unique_blocks,
             "total_blocks": trace.total_blocks, "block_tokens": trace.block_tokens, "shards": opt.shards,
-            "bytes_per_token": opt.bytes_per_token, "points": points}
+            "bytes_per_token": opt.bytes_per_token, "points": points, "replays": replays}
 
 
 def print_sweep(result: dict[str, Any], out=sys.stdout) -> None:
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfabric bench sweep: {e}", file=sys.stderr)
         return 1
     for r in results:
+        for rep in r["replays"]:
+            print()
+            print_report(rep)
         print_sweep(r)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"results": results}, indent=1))
