@@ -137,4 +137,33 @@ def infinite(trace: Trace) -> HitCount:
     return res
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``kvfabric bench belady TRACE --capacity F ...``: print the bound and the infinite rate."""
+    import argparse
+    import sys
+
+    from .traces import TraceError, load_trace
+
+    p = argparse.ArgumentParser(prog="kvfabric bench belady", description="Belady (MIN) and infinite hit rates.")
+    p.add_argument("trace")
+    p.add_argument("--capacity", type=float, action="append", help="fraction of unique blocks (repeatable)")
+    p.add_argument("--block-tokens", type=int, default=None)
+    args = p.parse_args(argv)
+    try:
+        trace = load_trace(args.trace, args.block_tokens)
+        caps = args.capacity or [0.01, 0.05, 0.1, 0.25, 0.5]
+        if any(not c > 0 for c in caps):
+            raise ValueError("capacities must be > 0")
+    except (TraceError, ValueError) as e:
+        print(f"kvfabric bench belady: {e}", file=sys.stderr)
+        return 2
+    inf = infinite(trace)
+    print(f"{'capacity':>9} {'blocks':>8} {'belady':>7} {'(tokens)':>8} {'infinite':>8}")
+    for c in caps:
+        n = int(c * trace.unique_blocks)
+        b = belady(trace, n)
+        print(f"{c:>9.1%} {n:>8} {b.block_hit_rate:>7.1%} {b.token_hit_rate:>8.1%} {inf.block_hit_rate:>8.1%}")
+    return 0
+
+
 __all__ = ["HitCount", "NEVER", "belady", "infinite", "next_uses"]

@@ -258,6 +258,27 @@ def block_keys(ids: Sequence[int], salt: int = 0) -> list[bytes]:
     return [h(pack(i), seed=salt) for i in ids]
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``kvfabric bench traces FILE...``: validate traces and print their sizes."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="kvfabric bench traces", description="Validate traces and print their sizes.")
+    p.add_argument("traces", nargs="*", default=sorted(BUNDLED_TRACES), help="files or bundled names (default all bundled)")
+    p.add_argument("--block-tokens", type=int, default=None)
+    args = p.parse_args(argv)
+    for name in args.traces:
+        try:
+            t = load_trace(name, args.block_tokens)
+        except TraceError as e:
+            print(f"kvfabric bench traces: {e}", file=sys.stderr)
+            return 2
+        span = (t.requests[-1].timestamp - t.requests[0].timestamp) / 1000.0
+        print(f"{name}: {len(t)} requests over {span:.0f} s, {t.total_blocks} block accesses, "
+              f"{t.unique_blocks} unique blocks of {t.block_tokens} tokens, {t.total_tokens} prompt tokens")
+    return 0
+
+
 __all__ = [
     "BUNDLED_TRACES",
     "DEFAULT_BLOCK_TOKENS",
