@@ -24,6 +24,11 @@ SOURCES = [
     "csrc/kvf_module.c",
     "csrc/kvf_mpack.c",
     "csrc/kvf_conn.c",
+    "csrc/kvf_store.c",
+    "csrc/kvf_uring.c",
+    "csrc/kvf_server.c",
+    "csrc/kvf_ops.c",
+    "csrc/kvf_bench.c",
 ]
 
 

@@ -1,0 +1,602 @@
+/* kvf_ops.c: request handlers of the native server, run on the loop thread.
+ *
+ * Each handler parses the request's metadata with the bounds-checked msgpack
+ * reader, applies the same checks as kvfabric/protocol.py (in the same
+ * order, with the same error codes), and queues the reply. Errors after
+ * which the stream cannot be trusted (LENGTH_MISMATCH, PAYLOAD_TOO_LARGE,
+ * AUTH_FAILED, BAD_VERSION) answer and close; other errors consume the
+ * request's payload, answer and keep the connection.
+ *
+ * PUT and the shm RESERVE are "batches": objects are handled one at a time
+ * (kvf_ops_batch_step), because a slot may have to wait for the control
+ * thread to evict (the connection parks) and a PUT object is received
+ * straight into its slot before the next one is looked at.
+ */
+#define _GNU_SOURCE
+#include "kvf_server_int.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+
+static const char *const tr_names[3] = {"tcp", "native", "shm"};
+
+/* ---------------------------------------------------------------- errors */
+
+static void reject(struct conn *c, int code, const char *msg)
+{
+    if (kvf_err_is_fatal(code) || c->hdr.payload_len == 0) {
+        kvf_reply_error(c, code, msg);
+        kvf_conn_next_request(c);
+        return;
+    }
+    c->pend_code = code;
+    snprintf(c->pend_msg, sizeof c->pend_msg, "%s", msg);
+    c->batch_op = 0;
+    kvf_conn_drain(c, c->hdr.payload_len);
+}
+
+/* ---------------------------------------------------------------- batches */
+
+static int batch_alloc(struct batch *b, uint32_t cap, int keybuf)
+{
+    if (b->keys) return 0;
+    b->keys = calloc(cap, sizeof *b->keys);
+    b->klens = calloc(cap, 1);
+    b->sizes = calloc(cap, sizeof(uint64_t));
+    b->csums = calloc(cap, sizeof(uint64_t));
+    b->offs = calloc(cap, sizeof(uint64_t));
+    b->parents = calloc(cap, sizeof *b->parents);
+    b->plens = calloc(cap, 1);
+    b->status = calloc(cap, 1);
+    b->keybuf = keybuf ? malloc((size_t)cap * KVF_KEY_MAX) : NULL;
+    if (!b->keys || !b->klens || !b->sizes || !b->csums || !b->offs || !b->parents || !b->plens || !b->status ||
+        (keybuf && !b->keybuf)) {
+        kvf_batch_free(b);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+void kvf_batch_free(struct batch *b)
+{
+    free(b->keys); free(b->klens); free(b->sizes); free(b->csums); free(b->offs);
+    free(b->parents); free(b->plens); free(b->status); free(b->keybuf);
+    memset(b, 0, sizeof *b);
+}
+
+/* ---------------------------------------------------------------- parsing */
+
+struct meta {
+    const uint8_t *p;
+    size_t n;
+};
+
+/* keys -> b->keys/klens. Returns 0 or a wire error code. */
+static int parse_keys(struct conn *c, struct meta m, struct batch *b, uint32_t *n)
+{
+    struct kvf_mr r;
+    uint32_t cnt;
+    if (kvf_mr_find(m.p, m.n, "keys", &r) || kvf_mr_array(&r, &cnt)) return KVF_E_MALFORMED;
+    if (cnt > c->srv->cfg.max_keys) return KVF_E_TOO_MANY_KEYS;
+    for (uint32_t i = 0; i < cnt; i++) {
+        const uint8_t *k;
+        uint32_t kl;
+        if (kvf_mr_bin(&r, &k, &kl) || kl == 0 || kl > c->srv->cfg.max_key_bytes || kl > KVF_KEY_MAX)
+            return KVF_E_BAD_KEY;
+        b->keys[i] = k;
+        b->klens[i] = (uint8_t)kl;
+    }
+    *n = cnt;
+    return 0;
+}
+
+static int parse_uints(struct meta m, const char *name, uint64_t *out, uint32_t n)
+{
+    struct kvf_mr r;
+    uint32_t cnt;
+    if (kvf_mr_find(m.p, m.n, name, &r) || kvf_mr_array(&r, &cnt) || cnt != n) return KVF_E_MALFORMED;
+    for (uint32_t i = 0; i < n; i++)
+        if (kvf_mr_uint(&r, &out[i])) return KVF_E_MALFORMED;
+    return 0;
+}
+
+static int parse_uint(struct meta m, const char *name, uint64_t *v, int required)
+{
+    struct kvf_mr r;
+    if (kvf_mr_find(m.p, m.n, name, &r)) return required ? KVF_E_MALFORMED : 0;
+    return kvf_mr_uint(&r, v) ? KVF_E_MALFORMED : 0;
+}
+
+/* ---------------------------------------------------------------- simple ops */
+
+#define BEGIN(cap, nseg)                                  \
+    struct reply *rp = kvf_reply_new(c, (cap), (nseg));    \
+    if (!rp) { reject(c, KVF_E_INTERNAL, "out of memory"); return; } \
+    struct kvf_mw w;                                      \
+    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
+
+static void op_hello(struct conn *c, struct meta m)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_mr r;
+    int64_t version;
+    if (kvf_mr_find(m.p, m.n, "version", &r) || kvf_mr_int(&r, &version)) {
+        reject(c, KVF_E_MALFORMED, "missing field 'version'");
+        return;
+    }
+    if (version != KVF_VERSION) { reject(c, KVF_E_BAD_VERSION, "unsupported protocol version"); return; }
+    if (s->cfg.auth) {
+        const char *a;
+        uint32_t al;
+        if (kvf_mr_find(m.p, m.n, "auth", &r) || kvf_mr_str(&r, &a, &al) || al != strlen(s->cfg.auth) ||
+            memcmp(a, s->cfg.auth, al) != 0) {
+            reject(c, KVF_E_AUTH_FAILED, "authentication failed");
+            return;
+        }
+    }
+    c->authed = 1;
+    if (!c->is_unix && kvf_mr_find(m.p, m.n, "transports", &r) == 0) {
+        uint32_t n;
+        if (kvf_mr_array(&r, &n) == 0) {
+            for (uint32_t i = 0; i < n && i < 16; i++) {
+                const char *t;
+                uint32_t tl;
+                if (kvf_mr_str(&r, &t, &tl)) break;
+                if (tl == 6 && memcmp(t, "native", 6) == 0) c->transport = TR_NATIVE;
+            }
+        }
+    }
+    s->ctr.by_transport[c->transport]++;
+    BEGIN(s->cfg.hello_len, 0);
+    kvf_mw_raw(&w, s->cfg.hello_meta, s->cfg.hello_len);
+    kvf_reply_finish(c, rp, KVF_OP_HELLO, KVF_FLAG_REPLY, w.len, 0);
+    kvf_conn_next_request(c);
+}
+
+static void op_stats(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_store_stats ss;
+    kvf_store_stats(s->st, &ss);
+    size_t cap = 2048 + s->cfg.stats_extra_len;
+    BEGIN(cap, 0);
+    uint32_t nerr = 0;
+    for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
+    kvf_mw_map(&w, 23 + s->cfg.stats_extra_pairs);
+#define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
+    KV("objects", ss.objects);
+    KV("bytes_used", ss.bytes_used);
+    KV("capacity", ss.capacity);
+    KV("free_bytes", ss.free_bytes);
+    KV("pinned", ss.pinned);
+    KV("hits", s->ctr.hits);
+    KV("misses", s->ctr.misses);
+    KV("puts", s->ctr.puts);
+    KV("evictions", ss.evictions);
+    KV("checksum_failures", ss.checksum_failures);
+    KV("bytes_in", s->ctr.bytes_in);
+    KV("bytes_out", s->ctr.bytes_out);
+    KV("connections", s->ctr.connections);
+    KV("connections_total", s->ctr.connections_total);
+    KV("connections_rejected", s->ctr.rejected);
+    KV("events_dropped", ss.events_dropped);
+    KV("zc_sends", s->ctr.zc_sends);
+    KV("copy_sends", s->ctr.copy_sends);
+    KV("zc_copied_notifs", s->ctr.zc_copied_notifs);
+    kvf_mw_cstr(&w, "uptime_s");
+    kvf_mw_uint(&w, (uint64_t)((kvf_now_ms() - s->start_ms) / 1000));
+    kvf_mw_cstr(&w, "data_plane");
+    kvf_mw_cstr(&w, s->zerocopy ? (s->fixed ? "io_uring+send_zc+fixed" : "io_uring+send_zc") : "io_uring");
+    kvf_mw_cstr(&w, "transports_in_use");
+    kvf_mw_map(&w, 3);
+    for (int i = 0; i < 3; i++) { kvf_mw_cstr(&w, tr_names[i]); kvf_mw_uint(&w, s->ctr.by_transport[i]); }
+    kvf_mw_cstr(&w, "errors");
+    kvf_mw_map(&w, nerr);
+    for (int i = 1; i < 14; i++)
+        if (s->ctr.errors[i]) { kvf_mw_cstr(&w, kvf_err_names[i]); kvf_mw_uint(&w, s->ctr.errors[i]); }
+#undef KV
+    kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);
+    if (w.overflow) { kvf_reply_drop(c, rp); reject(c, KVF_E_INTERNAL, "stats too large"); return; }
+    kvf_reply_finish(c, rp, KVF_OP_STATS, KVF_FLAG_REPLY, w.len, 0);
+    kvf_conn_next_request(c);
+}
+
+static void op_keys(struct conn *c, struct meta m, int op)
+{
+    struct kvf_server *s = c->srv;
+    uint32_t n;
+    int e = parse_keys(c, m, &c->b, &n);
+    if (e) { reject(c, e, e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : "missing field 'keys'"); return; }
+    uint64_t lease_ms = 0;
+    if (op == KVF_OP_LOOKUP && (parse_uint(m, "lease_ms", &lease_ms, 0) || lease_ms > 3600000)) {
+        reject(c, KVF_E_MALFORMED, "lease_ms must be in 0..3600000");
+        return;
+    }
+    struct batch *b = &c->b;
+    if (op == KVF_OP_GET) {
+        BEGIN(32 + (size_t)n * 20, n);
+        uint32_t found = 0;
+        uint64_t payload = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t id;
+            uint64_t off, size, csum;
+            b->status[i] = 0;
+            if (kvf_store_acquire(s->st, b->keys[i], b->klens[i], &id, &off, &size, &csum) == 0) {
+                if (XXH3_64bits(s->base + off, size) != csum) {
+                    kvf_store_drop_corrupt(s->st, id);
+                    kvf_store_release(s->st, id);
+                } else {
+                    rp->segs[found].off = off;
+                    rp->segs[found].len = size;
+                    rp->segs[found].entry = id;
+                    found++;
+                    payload += size;
+                    b->sizes[i] = size;
+                    b->csums[i] = csum;
+                    b->status[i] = 1;
+                }
+            }
+            if (b->status[i]) s->ctr.hits++; else s->ctr.misses++;
+        }
+        rp->nseg = found;
+        kvf_mw_map(&w, 2);
+        kvf_mw_cstr(&w, "sizes");
+        kvf_mw_array(&w, n);
+        for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->sizes[i] : -1);
+        kvf_mw_cstr(&w, "checksums");
+        kvf_mw_array(&w, n);
+        for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
+        kvf_reply_finish(c, rp, KVF_OP_GET, KVF_FLAG_REPLY, w.len, payload);
+    } else if (op == KVF_OP_EXISTS) {
+        BEGIN(32 + (size_t)n, 0);
+        kvf_mw_map(&w, 1);
+        kvf_mw_cstr(&w, "present");
+        kvf_mw_array(&w, n);
+        for (uint32_t i = 0; i < n; i++) kvf_mw_bool(&w, kvf_store_exists(s->st, b->keys[i], b->klens[i]));
+        kvf_reply_finish(c, rp, KVF_OP_EXISTS, KVF_FLAG_REPLY, w.len, 0);
+    } else if (op == KVF_OP_LOOKUP) {
+        int64_t until = lease_ms ? kvf_now_ms() + (int64_t)lease_ms : 0;
+        uint32_t count = 0;
+        while (count < n && kvf_store_lookup(s->st, b->keys[count], b->klens[count], until)) count++;
+        BEGIN(32, 0);
+        kvf_mw_map(&w, 1);
+        kvf_mw_cstr(&w, "count");
+        kvf_mw_uint(&w, count);
+        kvf_reply_finish(c, rp, KVF_OP_LOOKUP, KVF_FLAG_REPLY, w.len, 0);
+    } else { /* DELETE */
+        uint32_t del = 0;
+        for (uint32_t i = 0; i < n; i++) del += (uint32_t)kvf_store_delete(s->st, b->keys[i], b->klens[i]);
+        BEGIN(32, 0);
+        kvf_mw_map(&w, 1);
+        kvf_mw_cstr(&w, "deleted");
+        kvf_mw_uint(&w, del);
+        kvf_reply_finish(c, rp, KVF_OP_DELETE, KVF_FLAG_REPLY, w.len, 0);
+    }
+    kvf_conn_next_request(c);
+}
+
+/* ---------------------------------------------------------------- PUT */
+
+static void op_put(struct conn *c, struct meta m)
+{
+    struct kvf_server *s = c->srv;
+    struct batch *b = &c->b;
+    uint32_t n;
+    int e = parse_keys(c, m, b, &n);
+    if (e) { reject(c, e, e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : "missing field 'keys'"); return; }
+    if (parse_uints(m, "sizes", b->sizes, n) || parse_uints(m, "checksums", b->csums, n)) {
+        reject(c, KVF_E_MALFORMED, "sizes and checksums must be lists of ints as long as keys");
+        return;
+    }
+    struct kvf_mr r;
+    for (uint32_t i = 0; i < n; i++) b->parents[i] = NULL, b->plens[i] = 0;
+    if (kvf_mr_find(m.p, m.n, "parents", &r) == 0 && !kvf_mr_is_nil(&r)) {
+        uint32_t cnt;
+        if (kvf_mr_array(&r, &cnt) || cnt != n) { reject(c, KVF_E_MALFORMED, "parents must be a list as long as keys"); return; }
+        for (uint32_t i = 0; i < n; i++) {
+            if (kvf_mr_is_nil(&r)) continue;
+            const uint8_t *p;
+            uint32_t pl;
+            if (kvf_mr_bin(&r, &p, &pl) || pl == 0 || pl > s->cfg.max_key_bytes || pl > KVF_KEY_MAX) {
+                reject(c, KVF_E_BAD_KEY, "parents must be keys or nil");
+                return;
+            }
+            b->parents[i] = p;
+            b->plens[i] = (uint8_t)pl;
+        }
+    }
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (b->sizes[i] > s->cfg.max_object) { reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit"); return; }
+        total += b->sizes[i];
+    }
+    if (total != c->hdr.payload_len) { reject(c, KVF_E_LENGTH_MISMATCH, "PUT payload length disagrees with its sizes"); return; }
+    b->n = n;
+    b->cur = 0;
+    b->park_round = 0;
+    c->batch_op = KVF_OP_PUT;
+    kvf_ops_batch_step(c);
+}
+
+static void finish_object(struct conn *c, uint32_t i)
+{
+    struct kvf_server *s = c->srv;
+    struct batch *b = &c->b;
+    if (XXH3_64bits(s->base + b->offs[i], b->sizes[i]) != b->csums[i]) {
+        kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
+        b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
+        return;
+    }
+    int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], b->csums[i], b->parents[i],
+                              b->plens[i]);
+    b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
+    if (rc == 0) s->ctr.puts++;
+}
+
+void kvf_ops_object_done(struct conn *c)
+{
+    finish_object(c, c->b.cur);
+    c->b.cur++;
+    kvf_ops_batch_step(c);
+}
+
+/* Reserve a slot for object i of batch b. 0 reserved, 1 answered (status set,
+ * nothing reserved), -1 parked (wait for the control thread). */
+static int reserve_one(struct conn *c, struct batch *b, uint32_t i)
+{
+    struct kvf_server *s = c->srv;
+    if (kvf_store_exists(s->st, b->keys[i], b->klens[i])) { b->status[i] = KVF_PUT_EXISTS; return 1; }
+    int rc = kvf_store_reserve(s->st, b->sizes[i], &b->offs[i]);
+    if (rc == -EFBIG) { b->status[i] = KVF_PUT_TOO_LARGE; return 1; }
+    if (rc == -ENOSPC) {
+        int exhausted;
+        uint64_t round = kvf_store_round(s->st, &exhausted);
+        if (b->park_round && b->park_round != round + 1 && exhausted) {
+            b->status[i] = KVF_PUT_NO_SPACE;
+            b->park_round = 0;
+            return 1;
+        }
+        b->park_round = round + 1;
+        kvf_conn_park(c, b->sizes[i]);
+        return -1;
+    }
+    b->park_round = 0;
+    return 0;
+}
+
+static void put_reply(struct conn *c, struct batch *b, int op, int with_offsets)
+{
+    BEGIN(48 + (size_t)b->n * 10, 0);
+    kvf_mw_map(&w, with_offsets ? 3 : 1);
+    if (with_offsets) {
+        kvf_mw_cstr(&w, "res");
+        kvf_mw_uint(&w, c->resv_id);
+        kvf_mw_cstr(&w, "offsets");
+        kvf_mw_array(&w, b->n);
+        for (uint32_t i = 0; i < b->n; i++)
+            kvf_mw_int(&w, b->status[i] == KVF_PUT_STORED ? (int64_t)b->offs[i] : -1);
+    }
+    kvf_mw_cstr(&w, "status");
+    kvf_mw_array(&w, b->n);
+    for (uint32_t i = 0; i < b->n; i++) kvf_mw_uint(&w, b->status[i]);
+    kvf_reply_finish(c, rp, (uint8_t)op, KVF_FLAG_REPLY, w.len, 0);
+}
+
+void kvf_ops_batch_step(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    if (c->batch_op == KVF_OP_SHM_RESERVE) {
+        struct batch *b = &c->resv;
+        for (; b->cur < b->n; b->cur++) {
+            int rc = reserve_one(c, b, b->cur);
+            if (rc < 0) return;
+            if (rc == 0) b->status[b->cur] = KVF_PUT_STORED; /* reserved: becomes STORED at commit */
+        }
+        c->resv_open = 1;
+        put_reply(c, b, KVF_OP_SHM_RESERVE, 1);
+        kvf_conn_next_request(c);
+        return;
+    }
+    struct batch *b = &c->b;
+    while (b->cur < b->n) {
+        uint32_t i = b->cur;
+        int rc = reserve_one(c, b, i);
+        if (rc < 0) return;
+        if (rc == 1) {
+            if (b->sizes[i]) { kvf_conn_drain(c, b->sizes[i]); return; }
+            b->cur++;
+            continue;
+        }
+        if (b->sizes[i] == 0) { finish_object(c, i); b->cur++; continue; }
+        kvf_conn_recv_into(c, s->base + b->offs[i], b->sizes[i], RS_OBJ);
+        return;
+    }
+    put_reply(c, b, KVF_OP_PUT, 0);
+    kvf_conn_next_request(c);
+}
+
+/* ---------------------------------------------------------------- shm */
+
+static void resv_abort(struct conn *c)
+{
+    struct batch *b = &c->resv;
+    if (!c->resv_open && c->batch_op != KVF_OP_SHM_RESERVE) return;
+    uint32_t upto = c->resv_open ? b->n : b->cur;
+    for (uint32_t i = 0; i < upto; i++)
+        if (b->status[i] == KVF_PUT_STORED) kvf_store_unreserve(c->srv->st, b->offs[i], b->sizes[i]);
+    c->resv_open = 0;
+}
+
+static void op_shm(struct conn *c, struct meta m, int op)
+{
+    struct kvf_server *s = c->srv;
+    if (!c->is_unix) { reject(c, KVF_E_UNKNOWN_OPCODE, "shm operations need a same-host (unix socket) connection"); return; }
+    if (op == KVF_OP_SHM_ATTACH) {
+        BEGIN(64, 0);
+        kvf_mw_map(&w, 1);
+        kvf_mw_cstr(&w, "capacity");
+        kvf_mw_uint(&w, kvf_store_capacity(s->st));
+        rp->pass_fd = kvf_store_memfd(s->st);
+        kvf_reply_finish(c, rp, (uint8_t)op, KVF_FLAG_REPLY, w.len, 0);
+        kvf_conn_next_request(c);
+        return;
+    }
+    if (op == KVF_OP_SHM_RELEASE) {
+        uint64_t id;
+        if (parse_uint(m, "lease", &id, 1)) { reject(c, KVF_E_MALFORMED, "missing field 'lease'"); return; }
+        for (uint32_t i = 0; i < c->nleases; i++) {
+            if (c->leases[i].id != id) continue;
+            for (uint32_t k = 0; k < c->leases[i].n; k++) kvf_store_release(s->st, c->leases[i].entries[k]);
+            free(c->leases[i].entries);
+            c->leases[i] = c->leases[--c->nleases];
+            break;
+        }
+        kvf_conn_next_request(c); /* no reply: the client does not wait for it */
+        return;
+    }
+    if (op == KVF_OP_SHM_LEASE) {
+        uint32_t n;
+        int e = parse_keys(c, m, &c->b, &n);
+        if (e) { reject(c, e, "bad keys"); return; }
+        if (c->nleases >= s->cfg.max_in_flight) { reject(c, KVF_E_BUSY, "too many open leases"); return; }
+        if (!c->leases && !(c->leases = calloc(s->cfg.max_in_flight, sizeof(struct lease)))) {
+            reject(c, KVF_E_INTERNAL, "out of memory");
+            return;
+        }
+        struct lease *l = &c->leases[c->nleases];
+        l->entries = malloc(sizeof(uint32_t) * (n ? n : 1));
+        if (!l->entries) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
+        l->id = ++c->next_lease;
+        l->n = 0;
+        c->nleases++;
+        BEGIN(48 + (size_t)n * 30, 0);
+        struct batch *b = &c->b;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t id;
+            b->status[i] = kvf_store_acquire(s->st, b->keys[i], b->klens[i], &id, &b->offs[i], &b->sizes[i],
+                                             &b->csums[i]) == 0;
+            if (b->status[i]) { l->entries[l->n++] = id; s->ctr.hits++; } else s->ctr.misses++;
+        }
+        kvf_mw_map(&w, 4);
+        kvf_mw_cstr(&w, "lease");
+        kvf_mw_uint(&w, l->id);
+        kvf_mw_cstr(&w, "offsets");
+        kvf_mw_array(&w, n);
+        for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->offs[i] : -1);
+        kvf_mw_cstr(&w, "sizes");
+        kvf_mw_array(&w, n);
+        for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->sizes[i] : -1);
+        kvf_mw_cstr(&w, "checksums");
+        kvf_mw_array(&w, n);
+        for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
+        kvf_reply_finish(c, rp, (uint8_t)op, KVF_FLAG_REPLY, w.len, 0);
+        kvf_conn_next_request(c);
+        return;
+    }
+    if (op == KVF_OP_SHM_RESERVE) {
+        resv_abort(c); /* one open reservation per connection */
+        if (batch_alloc(&c->resv, s->cfg.max_keys, 1)) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
+        struct batch *b = &c->resv;
+        uint32_t n;
+        int e = parse_keys(c, m, b, &n);
+        if (e) { reject(c, e, "bad keys"); return; }
+        if (parse_uints(m, "sizes", b->sizes, n)) { reject(c, KVF_E_MALFORMED, "sizes must be as long as keys"); return; }
+        for (uint32_t i = 0; i < n; i++) {
+            if (b->sizes[i] > s->cfg.max_object) { reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit"); return; }
+            memcpy(b->keybuf + (size_t)i * KVF_KEY_MAX, b->keys[i], b->klens[i]);
+            b->keys[i] = b->keybuf + (size_t)i * KVF_KEY_MAX;
+            b->status[i] = KVF_PUT_NO_SPACE;
+        }
+        b->n = n;
+        b->cur = 0;
+        b->park_round = 0;
+        c->resv_id++;
+        c->batch_op = KVF_OP_SHM_RESERVE;
+        kvf_ops_batch_step(c);
+        return;
+    }
+    /* COMMIT */
+    uint64_t id;
+    struct batch *b = &c->resv;
+    if (parse_uint(m, "res", &id, 1) || !c->resv_open || id != c->resv_id) {
+        reject(c, KVF_E_MALFORMED, "no open reservation with that id");
+        return;
+    }
+    uint64_t *cs = c->b.csums; /* scratch for the sent checksums */
+    if (batch_alloc(&c->b, s->cfg.max_keys, 0) || parse_uints(m, "checksums", (cs = c->b.csums), b->n)) {
+        reject(c, KVF_E_MALFORMED, "checksums must be as long as the reservation");
+        return;
+    }
+    for (uint32_t i = 0; i < b->n; i++) {
+        if (b->status[i] != KVF_PUT_STORED) continue;
+        if (XXH3_64bits(s->base + b->offs[i], b->sizes[i]) != cs[i]) {
+            kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
+            b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
+            continue;
+        }
+        int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], cs[i], NULL, 0);
+        b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
+        if (rc == 0) s->ctr.puts++;
+        s->ctr.bytes_in += b->sizes[i];
+    }
+    c->resv_open = 0;
+    put_reply(c, b, KVF_OP_SHM_COMMIT, 0);
+    kvf_conn_next_request(c);
+}
+
+void kvf_ops_conn_gone(struct conn *c)
+{
+    for (uint32_t i = 0; i < c->nleases; i++) {
+        for (uint32_t k = 0; k < c->leases[i].n; k++) kvf_store_release(c->srv->st, c->leases[i].entries[k]);
+        free(c->leases[i].entries);
+    }
+    free(c->leases);
+    c->leases = NULL;
+    c->nleases = 0;
+    resv_abort(c);
+    kvf_batch_free(&c->resv);
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+void kvf_ops_request(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    int op = c->hdr.opcode;
+    struct meta m = {c->meta, c->hdr.meta_len};
+    struct kvf_mr r = {m.p, m.p + m.n};
+    uint32_t nmap;
+    if (!c->authed && op != KVF_OP_HELLO) { reject(c, KVF_E_AUTH_FAILED, "authenticate with HELLO first"); return; }
+    if (op < KVF_OP_HELLO || (op > KVF_OP_STATS && (op < KVF_OP_SHM_ATTACH || op > KVF_OP_SHM_COMMIT))) {
+        reject(c, KVF_E_UNKNOWN_OPCODE, "unknown opcode");
+        return;
+    }
+    if (kvf_mr_map(&r, &nmap)) { reject(c, KVF_E_MALFORMED, "metadata must be a map"); return; }
+    if (batch_alloc(&c->b, s->cfg.max_keys, 0)) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
+    if (op != KVF_OP_PUT && c->hdr.payload_len) {
+        reject(c, KVF_E_LENGTH_MISMATCH, "this request carries no payload");
+        return;
+    }
+    switch (op) {
+    case KVF_OP_HELLO: op_hello(c, m); break;
+    case KVF_OP_PING: {
+        BEGIN(8, 0);
+        kvf_mw_map(&w, 0);
+        kvf_reply_finish(c, rp, KVF_OP_PING, KVF_FLAG_REPLY, w.len, 0);
+        kvf_conn_next_request(c);
+        break;
+    }
+    case KVF_OP_STATS: op_stats(c); break;
+    case KVF_OP_PUT: op_put(c, m); break;
+    case KVF_OP_GET:
+    case KVF_OP_EXISTS:
+    case KVF_OP_LOOKUP:
+    case KVF_OP_DELETE: op_keys(c, m, op); break;
+    default: op_shm(c, m, op); break;
+    }
+}

@@ -1,0 +1,565 @@
+/* kvf_server.c: the io_uring event loop of the native server (see kvf_server.h).
+ *
+ * user_data of every SQE is a pointer with a tag in its low 3 bits:
+ *   T_ACCEPT   &srv->tag_tcp / &srv->tag_unix  (listener)
+ *   T_EFD      &srv->tag_efd                   (eventfd: stop / space round done)
+ *   T_RECV     struct conn *                   (one recv in flight per conn)
+ *   T_SEND     struct conn *                   (copying send of a reply part)
+ *   T_ZC       struct reply *                  (SEND_ZC of an object; its
+ *              notification CQE carries the same user_data with F_NOTIF)
+ * A conn is destroyed only when it is closing and no SQE points at it; a
+ * reply outlives its conn until its last zero-copy notification, because the
+ * kernel may still read the slot's pages until then (the slot stays pinned).
+ */
+#define _GNU_SOURCE
+#include "kvf_server_int.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
+#define TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
+#define ZC_MIN 16384u          /* smaller objects are cheaper to copy than to pin */
+#define FIXED_CHUNK (1ull << 30) /* registered buffers are at most 1 GiB each */
+
+static struct io_uring_sqe *sqe_get(struct kvf_server *s)
+{
+    struct io_uring_sqe *q = kvf_ring_sqe(&s->ring);
+    if (!q) {
+        kvf_ring_submit_wait(&s->ring, 0, 0);
+        q = kvf_ring_sqe(&s->ring);
+    }
+    return q; /* NULL only if the kernel consumed nothing: callers treat it as -EBUSY */
+}
+
+/* ---------------------------------------------------------------- listeners */
+
+static void arm_accept(struct kvf_server *s, int fd, char *tag)
+{
+    struct io_uring_sqe *q = sqe_get(s);
+    if (!q) return;
+    q->opcode = IORING_OP_ACCEPT;
+    q->fd = fd;
+    q->accept_flags = SOCK_CLOEXEC;
+    q->user_data = TAG(tag, T_ACCEPT);
+}
+
+static void arm_efd(struct kvf_server *s)
+{
+    struct io_uring_sqe *q = sqe_get(s);
+    if (!q) return;
+    q->opcode = IORING_OP_READ;
+    q->fd = s->efd;
+    q->addr = (uint64_t)(uintptr_t)&s->efd_buf;
+    q->len = sizeof s->efd_buf;
+    q->user_data = TAG(&s->tag_efd, T_EFD);
+}
+
+/* ---------------------------------------------------------------- replies */
+
+struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg)
+{
+    struct reply *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->head = malloc(KVF_HEADER_SIZE + meta_cap);
+    r->segs = nseg ? calloc(nseg, sizeof(struct seg)) : NULL;
+    if (!r->head || (nseg && !r->segs)) { free(r->head); free(r->segs); free(r); return NULL; }
+    r->conn = c;
+    r->pass_fd = -1;
+    c->srv->live_replies++;
+    return r;
+}
+
+static void reply_try_free(struct kvf_server *s, struct reply *r)
+{
+    if (!r->done || r->notifs) return;
+    for (uint32_t i = 0; i < r->nseg; i++) kvf_store_release(s->st, r->segs[i].entry);
+    free(r->head);
+    free(r->segs);
+    free(r);
+    s->live_replies--;
+}
+
+static void start_send(struct conn *c);
+
+void kvf_reply_drop(struct conn *c, struct reply *r)
+{
+    r->done = 1;
+    r->nseg = 0;
+    reply_try_free(c->srv, r);
+}
+
+/* Queue a reply whose metadata (meta_len bytes) is already at head + 32. */
+void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
+                      uint64_t payload_len)
+{
+    kvf_header_pack((struct kvf_header *)r->head, opcode, flags, c->hdr.request_id, (uint32_t)meta_len,
+                    payload_len);
+    r->head_len = KVF_HEADER_SIZE + meta_len;
+    if (c->q_tail) c->q_tail->next = r; else c->q_head = r;
+    c->q_tail = r;
+    c->nreplies++;
+    start_send(c);
+}
+
+const char *const kvf_err_names[16] = {
+    "", "BAD_MAGIC", "BAD_VERSION", "UNKNOWN_OPCODE", "MALFORMED", "TOO_MANY_KEYS", "PAYLOAD_TOO_LARGE",
+    "META_TOO_LARGE", "LENGTH_MISMATCH", "AUTH_FAILED", "TOO_MANY_IN_FLIGHT", "BUSY", "INTERNAL", "BAD_KEY",
+};
+
+void kvf_reply_error(struct conn *c, int code, const char *msg)
+{
+    struct kvf_server *s = c->srv;
+    if (code > 0 && code < 16) s->ctr.errors[code]++;
+    if (kvf_err_is_fatal(code)) c->close_after_send = 1;
+    struct reply *r = kvf_reply_new(c, 64 + strlen(msg), 0);
+    if (!r) { c->closing = 1; return; }
+    struct kvf_mw w;
+    kvf_mw_init(&w, r->head + KVF_HEADER_SIZE, 64 + strlen(msg));
+    kvf_mw_map(&w, 2);
+    kvf_mw_cstr(&w, "code");
+    kvf_mw_int(&w, code);
+    kvf_mw_cstr(&w, "message");
+    kvf_mw_cstr(&w, msg);
+    kvf_reply_finish(c, r, c->hdr.opcode, KVF_FLAG_REPLY | KVF_FLAG_ERROR, w.len, 0);
+}
+
+/* ---------------------------------------------------------------- conns */
+
+static void conn_close(struct conn *c)
+{
+    if (c->closing) return;
+    c->closing = 1;
+    shutdown(c->fd, SHUT_RDWR); /* completes any recv/send in flight */
+}
+
+static void conn_destroy(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    if (c->parked) {
+        struct conn **pp = &s->parked;
+        while (*pp && *pp != c) pp = &(*pp)->park_next;
+        if (*pp) *pp = c->park_next;
+    }
+    for (struct reply *r = c->q_head, *n; r; r = n) {
+        n = r->next;
+        r->done = 1;
+        r->conn = NULL;
+        reply_try_free(s, r);
+    }
+    kvf_ops_conn_gone(c);
+    if (c->batch_op == KVF_OP_PUT && c->rs == RS_OBJ) /* a half-received object */
+        kvf_store_unreserve(s->st, c->b.offs[c->b.cur], c->b.sizes[c->b.cur]);
+    kvf_batch_free(&c->b);
+    close(c->fd);
+    free(c->meta);
+    free(c->scratch);
+    if (c->prev) c->prev->next = c->next; else s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->ctr.connections--;
+    free(c);
+}
+
+static void conn_check(struct conn *c)
+{
+    if (c->closing && c->refs == 0) conn_destroy(c);
+}
+
+static void post_recv(struct conn *c)
+{
+    struct io_uring_sqe *q = sqe_get(c->srv);
+    if (!q) { conn_close(c); return; }
+    uint64_t n = c->want - c->got;
+    if (n > (1u << 30)) n = 1u << 30;
+    q->opcode = IORING_OP_RECV;
+    q->fd = c->fd;
+    q->addr = (uint64_t)(uintptr_t)(c->rbuf + c->got);
+    q->len = (uint32_t)n;
+    q->msg_flags = MSG_WAITALL;
+    q->user_data = TAG(c, T_RECV);
+    c->refs++;
+    c->recv_posted = 1;
+}
+
+void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
+{
+    c->rs = stage;
+    c->rbuf = buf;
+    c->want = n;
+    c->got = 0;
+    post_recv(c);
+}
+
+void kvf_conn_drain(struct conn *c, uint64_t n)
+{
+    if (!c->scratch && !(c->scratch = malloc(1 << 16))) { conn_close(c); return; }
+    c->drain_left = n;
+    kvf_conn_recv_into(c, c->scratch, n < (1 << 16) ? n : (1 << 16), RS_DRAIN);
+}
+
+/* Ready for the next header, unless too many replies are queued. */
+void kvf_conn_next_request(struct conn *c)
+{
+    c->batch_op = 0;
+    if (c->closing) return;
+    if (c->close_after_send) { c->rs = RS_STOP; return; }
+    if (c->nreplies >= c->srv->cfg.max_in_flight) { c->rs = RS_BLOCKED; return; }
+    kvf_conn_recv_into(c, &c->hdr, KVF_HEADER_SIZE, RS_HDR);
+}
+
+void kvf_conn_park(struct conn *c, uint64_t bytes)
+{
+    struct kvf_server *s = c->srv;
+    c->rs = RS_PARKED;
+    c->parked = 1;
+    c->park_next = s->parked;
+    s->parked = c;
+    kvf_store_want_space(s->st, bytes);
+}
+
+static void on_header(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    int pre = s->cfg.auth && !c->authed;
+    int rc = kvf_header_check(&c->hdr, pre ? KVF_PRE_AUTH_META_BYTES : s->cfg.max_meta,
+                              pre ? 0 : s->cfg.max_payload);
+    if (rc == 0 && (c->hdr.flags & KVF_FLAG_REPLY)) rc = -KVF_E_MALFORMED;
+    if (rc) {
+        int code = -rc;
+        /* The stream cannot be trusted after a bad header: answer and close. */
+        c->close_after_send = 1;
+        if (code == KVF_E_BAD_MAGIC) c->hdr.request_id = 0;
+        kvf_reply_error(c, code, code == KVF_E_BAD_MAGIC ? "bad magic" : code == KVF_E_BAD_VERSION
+                                     ? "unsupported protocol version" : code == KVF_E_MALFORMED
+                                     ? "malformed header" : "frame exceeds the limits");
+        c->rs = RS_STOP;
+        return;
+    }
+    if (c->hdr.meta_len > c->meta_cap) {
+        uint8_t *m = realloc(c->meta, c->hdr.meta_len);
+        if (!m) { conn_close(c); return; }
+        c->meta = m;
+        c->meta_cap = c->hdr.meta_len;
+    }
+    if (c->hdr.meta_len) kvf_conn_recv_into(c, c->meta, c->hdr.meta_len, RS_META);
+    else kvf_ops_request(c);
+}
+
+static void on_recv(struct conn *c, int res)
+{
+    c->recv_posted = 0;
+    if (res <= 0 || c->closing) { conn_close(c); return; }
+    c->got += (uint64_t)res;
+    if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
+    if (c->got < c->want) { post_recv(c); return; }
+    switch (c->rs) {
+    case RS_HDR: on_header(c); break;
+    case RS_META: kvf_ops_request(c); break;
+    case RS_OBJ: kvf_ops_object_done(c); break;
+    case RS_DRAIN:
+        c->srv->ctr.bytes_in += c->want;
+        c->drain_left -= c->want;
+        if (c->drain_left) {
+            kvf_conn_recv_into(c, c->scratch, c->drain_left < (1 << 16) ? c->drain_left : (1 << 16), RS_DRAIN);
+        } else if (c->batch_op) {
+            c->b.cur++;
+            kvf_ops_batch_step(c);
+        } else { /* the request was rejected; its payload is consumed, answer now */
+            kvf_reply_error(c, c->pend_code, c->pend_msg);
+            kvf_conn_next_request(c);
+        }
+        break;
+    default: break;
+    }
+}
+
+/* ---------------------------------------------------------------- sending */
+
+static void start_send(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    while (!c->send_posted && c->q_head && !c->closing) {
+        struct reply *r = c->q_head;
+        if (r->head_off < r->head_len) {
+            struct io_uring_sqe *q = sqe_get(s);
+            if (!q) { conn_close(c); return; }
+            q->fd = c->fd;
+            q->user_data = TAG(c, T_SEND);
+            if (r->pass_fd >= 0) {
+                r->iov.iov_base = r->head;
+                r->iov.iov_len = r->head_len;
+                memset(&r->mh, 0, sizeof r->mh);
+                r->mh.msg_iov = &r->iov;
+                r->mh.msg_iovlen = 1;
+                r->mh.msg_control = r->cmsg.buf;
+                r->mh.msg_controllen = sizeof r->cmsg.buf;
+                struct cmsghdr *cm = CMSG_FIRSTHDR(&r->mh);
+                cm->cmsg_level = SOL_SOCKET;
+                cm->cmsg_type = SCM_RIGHTS;
+                cm->cmsg_len = CMSG_LEN(sizeof(int));
+                memcpy(CMSG_DATA(cm), &r->pass_fd, sizeof(int));
+                q->opcode = IORING_OP_SENDMSG;
+                q->addr = (uint64_t)(uintptr_t)&r->mh;
+                q->msg_flags = MSG_NOSIGNAL;
+                r->pass_fd = -1; /* sent with the whole head (small); a short send is an error */
+            } else {
+                q->opcode = IORING_OP_SEND;
+                q->addr = (uint64_t)(uintptr_t)(r->head + r->head_off);
+                q->len = (uint32_t)(r->head_len - r->head_off);
+                q->msg_flags = MSG_NOSIGNAL | (r->nseg ? MSG_MORE : 0);
+            }
+            c->refs++;
+            c->send_posted = 1;
+            return;
+        }
+        while (r->seg < r->nseg && r->seg_off == r->segs[r->seg].len) { r->seg++; r->seg_off = 0; }
+        if (r->seg < r->nseg) {
+            struct seg *g = &r->segs[r->seg];
+            uint64_t off = g->off + r->seg_off, n = g->len - r->seg_off;
+            uint64_t chunk_end = (off / FIXED_CHUNK + 1) * FIXED_CHUNK;
+            if (off + n > chunk_end) n = chunk_end - off;
+            if (n > (1u << 30)) n = 1u << 30;
+            struct io_uring_sqe *q = sqe_get(s);
+            if (!q) { conn_close(c); return; }
+            q->fd = c->fd;
+            q->addr = (uint64_t)(uintptr_t)(s->base + off);
+            q->len = (uint32_t)n;
+            q->msg_flags = MSG_NOSIGNAL | (r->seg + 1 < r->nseg || off + n < g->off + g->len ? MSG_MORE : 0);
+            if (s->zerocopy && !c->is_unix && n >= ZC_MIN) {
+                q->opcode = IORING_OP_SEND_ZC;
+                if (s->fixed) {
+                    q->ioprio = IORING_RECVSEND_FIXED_BUF;
+                    q->buf_index = (uint16_t)(off / FIXED_CHUNK);
+                }
+                q->user_data = TAG(r, T_ZC);
+                s->ctr.zc_sends++;
+            } else {
+                q->opcode = IORING_OP_SEND;
+                q->user_data = TAG(c, T_SEND);
+                s->ctr.copy_sends++;
+            }
+            c->refs++;
+            c->send_posted = 1;
+            return;
+        }
+        /* reply fully sent */
+        c->q_head = r->next;
+        if (!c->q_head) c->q_tail = NULL;
+        c->nreplies--;
+        r->done = 1;
+        r->conn = NULL;
+        reply_try_free(s, r);
+        if (c->close_after_send && !c->q_head) { conn_close(c); return; }
+        if (c->rs == RS_BLOCKED && c->nreplies < s->cfg.max_in_flight) kvf_conn_next_request(c);
+    }
+}
+
+static void on_sent(struct conn *c, int res)
+{
+    c->send_posted = 0;
+    struct reply *r = c->q_head;
+    if (res < 0 || c->closing || !r) { conn_close(c); return; }
+    if (r->head_off < r->head_len) {
+        r->head_off += (size_t)res;
+    } else {
+        r->seg_off += (uint64_t)res;
+        c->srv->ctr.bytes_out += (uint64_t)res;
+    }
+    start_send(c);
+}
+
+/* ---------------------------------------------------------------- accept */
+
+static void on_accept(struct kvf_server *s, char *tag, int res)
+{
+    int is_unix = tag == &s->tag_unix;
+    if (!s->stop) arm_accept(s, is_unix ? s->cfg.unix_fd : s->cfg.tcp_fd, tag);
+    if (res < 0) return;
+    if (s->stop || s->ctr.connections >= s->cfg.max_conns) {
+        s->ctr.rejected++;
+        close(res);
+        return;
+    }
+    struct conn *c = calloc(1, sizeof *c);
+    if (!c) { close(res); return; }
+    c->srv = s;
+    c->fd = res;
+    c->is_unix = is_unix;
+    c->transport = is_unix ? TR_SHM : TR_TCP;
+    c->authed = s->cfg.auth == NULL;
+    if (!is_unix) {
+        int one = 1;
+        setsockopt(res, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    }
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    s->ctr.connections++;
+    s->ctr.connections_total++;
+    kvf_conn_next_request(c);
+}
+
+/* ---------------------------------------------------------------- loop */
+
+static void retry_parked(struct kvf_server *s)
+{
+    int exhausted;
+    uint64_t round = kvf_store_round(s->st, &exhausted);
+    if (round == s->seen_round) return;
+    s->seen_round = round;
+    struct conn *list = s->parked;
+    s->parked = NULL;
+    while (list) {
+        struct conn *c = list;
+        list = c->park_next;
+        c->parked = 0;
+        c->park_next = NULL;
+        if (c->closing) { conn_check(c); continue; }
+        kvf_ops_batch_step(c);
+    }
+}
+
+static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
+{
+    uint64_t ud = cqe->user_data;
+    int tag = (int)(ud & 7);
+    void *p = (void *)(uintptr_t)(ud & ~(uint64_t)7);
+    switch (tag) {
+    case T_ACCEPT: on_accept(s, p, cqe->res); break;
+    case T_EFD:
+        if (!s->stop) arm_efd(s);
+        retry_parked(s);
+        break;
+    case T_RECV: {
+        struct conn *c = p;
+        c->refs--;
+        on_recv(c, cqe->res);
+        conn_check(c);
+        break;
+    }
+    case T_SEND: {
+        struct conn *c = p;
+        c->refs--;
+        on_sent(c, cqe->res);
+        conn_check(c);
+        break;
+    }
+    case T_ZC: {
+        struct reply *r = p;
+        if (cqe->flags & IORING_CQE_F_NOTIF) {
+            if (cqe->res & IORING_NOTIF_USAGE_ZC_COPIED) s->ctr.zc_copied_notifs++;
+            r->notifs--;
+            reply_try_free(s, r);
+            break;
+        }
+        if (cqe->flags & IORING_CQE_F_MORE) r->notifs++;
+        struct conn *c = r->conn;
+        c->refs--;
+        on_sent(c, cqe->res);
+        conn_check(c);
+        break;
+    }
+    default: break;
+    }
+}
+
+int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
+{
+    if (!cfg->store || (cfg->tcp_fd < 0 && cfg->unix_fd < 0) || !cfg->max_in_flight || !cfg->max_conns)
+        return -EINVAL;
+    struct kvf_server *s = calloc(1, sizeof *s);
+    if (!s) return -ENOMEM;
+    s->cfg = *cfg;
+    s->st = cfg->store;
+    s->base = kvf_store_base(s->st);
+    int rc = kvf_ring_init(&s->ring, 1024);
+    if (rc) { free(s); return rc; }
+    s->efd = eventfd(0, EFD_CLOEXEC);
+    if (s->efd < 0) { rc = -errno; kvf_ring_exit(&s->ring); free(s); return rc; }
+    int zc = kvf_ring_probe_op(&s->ring, IORING_OP_SEND_ZC);
+    if (cfg->zerocopy == 1 && !zc) { close(s->efd); kvf_ring_exit(&s->ring); free(s); return -EOPNOTSUPP; }
+    s->zerocopy = cfg->zerocopy != 0 && zc;
+    if (s->zerocopy) {
+        uint64_t cap = kvf_store_capacity(s->st);
+        unsigned n = (unsigned)((cap + FIXED_CHUNK - 1) / FIXED_CHUNK);
+        struct iovec iov[64];
+        if (n <= 64) {
+            for (unsigned i = 0; i < n; i++) {
+                iov[i].iov_base = s->base + (uint64_t)i * FIXED_CHUNK;
+                uint64_t left = cap - (uint64_t)i * FIXED_CHUNK;
+                iov[i].iov_len = left < FIXED_CHUNK ? left : FIXED_CHUNK;
+            }
+            s->fixed = kvf_ring_register_buffers(&s->ring, iov, n) == 0;
+        }
+    }
+    s->ctr.zerocopy = s->zerocopy;
+    s->ctr.fixed_buffers = s->fixed;
+    s->start_ms = kvf_now_ms();
+    *out = s;
+    return 0;
+}
+
+int kvf_server_run(struct kvf_server *s)
+{
+    if (s->cfg.tcp_fd >= 0) arm_accept(s, s->cfg.tcp_fd, &s->tag_tcp);
+    if (s->cfg.unix_fd >= 0) arm_accept(s, s->cfg.unix_fd, &s->tag_unix);
+    arm_efd(s);
+    int64_t stop_at = 0;
+    for (;;) {
+        if (s->stop) {
+            if (!stop_at) {
+                stop_at = kvf_now_ms() + 2000;
+                for (struct conn *c = s->conns; c; c = c->next) conn_close(c);
+                /* listeners: the owner closes the fds; cancel our accepts */
+                struct io_uring_sqe *q;
+                if ((q = sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = TAG(&s->tag_tcp, T_ACCEPT); }
+                if ((q = sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = TAG(&s->tag_unix, T_ACCEPT); }
+            }
+            if ((!s->conns && !s->live_replies) || kvf_now_ms() > stop_at) break;
+        }
+        int rc = kvf_ring_submit_wait(&s->ring, 1, s->stop ? 50 : 1000);
+        if (rc && rc != -ETIME) return rc;
+        struct io_uring_cqe *cqe;
+        while ((cqe = kvf_ring_peek(&s->ring))) {
+            struct io_uring_cqe copy = *cqe;
+            kvf_ring_cqe_seen(&s->ring);
+            dispatch(s, &copy);
+        }
+        if (s->parked) retry_parked(s);
+    }
+    return 0;
+}
+
+void kvf_server_stop(struct kvf_server *s)
+{
+    s->stop = 1;
+    uint64_t one = 1;
+    if (write(s->efd, &one, sizeof one) < 0) { /* the 1 s wait timeout sees s->stop anyway */ }
+}
+
+void kvf_server_wake(struct kvf_server *s)
+{
+    uint64_t one = 1;
+    if (write(s->efd, &one, sizeof one) < 0) { /* counter saturated: a wake is pending anyway */ }
+}
+
+void kvf_server_counters(struct kvf_server *s, struct kvf_server_counters *c) { *c = s->ctr; }
+
+void kvf_server_free(struct kvf_server *s)
+{
+    if (!s) return;
+    /* run() has returned: anything left (stuck notifications) is dropped here */
+    while (s->conns) {
+        struct conn *c = s->conns;
+        c->refs = 0;
+        conn_destroy(c);
+    }
+    kvf_ring_exit(&s->ring);
+    close(s->efd);
+    free(s);
+}

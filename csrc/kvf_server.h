@@ -1,0 +1,61 @@
+/* kvf_server.h: the io_uring data plane of the native pool server.
+ *
+ * One thread runs kvf_server_run(): it accepts connections on a TCP listener
+ * (and, for same-host clients, a unix listener), reads each request header
+ * and metadata, receives PUT objects straight into arena slots reserved for
+ * them, verifies and commits them, and sends GET replies from the slots with
+ * IORING_OP_SEND_ZC when the kernel supports it (the arena registered as
+ * fixed buffers), keeping each slot pinned until the kernel's notification
+ * says it is done with the pages. Requests on one connection are read and
+ * answered in order while earlier replies are still being sent; at most
+ * max_in_flight replies are queued per connection before reading pauses.
+ *
+ * No Python runs per frame: decisions arrive as data (limits, the pre-encoded
+ * HELLO reply, which keys to evict via kvf_store_evict from the control
+ * thread). All functions return 0 or -errno.
+ */
+#ifndef KVF_SERVER_H
+#define KVF_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvf_store.h"
+
+struct kvf_server_cfg {
+    int tcp_fd;  /* listening TCP socket, or -1 */
+    int unix_fd; /* listening unix socket for shm clients, or -1 */
+    struct kvf_store *store;
+    uint32_t max_conns;
+    uint32_t max_keys, max_key_bytes, max_meta, max_in_flight;
+    uint64_t max_payload, max_object;
+    const char *auth; /* NULL: no authentication */
+    const uint8_t *hello_meta; /* msgpack map sent as the HELLO reply */
+    size_t hello_len;
+    const uint8_t *stats_extra; /* msgpack key/value pairs appended to STATS */
+    size_t stats_extra_len;
+    uint32_t stats_extra_pairs;
+    int zerocopy; /* -1 auto (probe), 0 never, 1 required (-EOPNOTSUPP if absent) */
+};
+
+struct kvf_server_counters {
+    uint64_t hits, misses, puts, bytes_in, bytes_out, connections, connections_total, rejected;
+    uint64_t zc_sends, copy_sends, zc_copied_notifs;
+    uint64_t errors[16];
+    uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
+    int zerocopy, fixed_buffers;
+};
+
+struct kvf_server;
+
+int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg);
+/* Run the loop on this thread until kvf_server_stop(). */
+int kvf_server_run(struct kvf_server *s);
+/* Any thread: ask the loop to stop (run returns once connections are closed). */
+void kvf_server_stop(struct kvf_server *s);
+/* Any thread: wake the loop after an eviction round (kvf_store_space_done). */
+void kvf_server_wake(struct kvf_server *s);
+void kvf_server_counters(struct kvf_server *s, struct kvf_server_counters *c);
+void kvf_server_free(struct kvf_server *s);
+
+#endif

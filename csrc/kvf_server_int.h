@@ -1,0 +1,126 @@
+/* kvf_server_int.h: state shared by the loop (kvf_server.c) and the request
+ * handlers (kvf_ops.c). Not part of the extension's interface. */
+#ifndef KVF_SERVER_INT_H
+#define KVF_SERVER_INT_H
+
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include "kvf_mpack.h"
+#include "kvf_protocol.h"
+#include "kvf_server.h"
+#include "kvf_store.h"
+#include "kvf_uring.h"
+
+enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP };
+enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
+
+struct seg {
+    uint64_t off, len;
+    uint32_t entry; /* pinned store entry, released when the reply is done */
+};
+
+/* One queued reply. Freed when fully sent (or orphaned by a closed
+ * connection) and every zero-copy notification has arrived. */
+struct reply {
+    struct reply *next;
+    struct conn *conn;
+    uint8_t *head; /* header + metadata */
+    size_t head_len, head_off;
+    struct seg *segs;
+    uint32_t nseg, seg;
+    uint64_t seg_off;
+    uint32_t notifs;     /* zero-copy notifications outstanding */
+    int done;            /* sent or orphaned */
+    int pass_fd;         /* >= 0: send with SCM_RIGHTS (shm attach) */
+    struct msghdr mh;
+    struct iovec iov;
+    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } cmsg;
+};
+
+struct lease {
+    uint32_t id, n;
+    uint32_t *entries;
+};
+
+/* Batch state of a PUT (objects arriving) or shm RESERVE (slots handed out). */
+struct batch {
+    uint32_t n, cur;
+    const uint8_t **keys;
+    uint8_t *klens;
+    uint64_t *sizes, *csums, *offs;
+    const uint8_t **parents;
+    uint8_t *plens;
+    uint8_t *status;
+    uint8_t *keybuf; /* RESERVE: keys copied out of the meta buffer */
+    uint64_t park_round;
+};
+
+struct conn {
+    struct kvf_server *srv;
+    struct conn *prev, *next;      /* all connections */
+    struct conn *park_next;        /* waiting for space */
+    int fd, is_unix, closing, close_after_send, authed, transport, parked;
+    uint32_t refs;                 /* SQEs in flight that point at this conn */
+    enum rs rs;
+    struct kvf_header hdr;
+    uint8_t *meta;
+    uint32_t meta_cap;
+    uint8_t *rbuf;                 /* where the current recv goes */
+    uint64_t want, got;
+    uint64_t drain_left;           /* RS_DRAIN: bytes still to discard */
+    int pend_code;                 /* error to answer once a rejected payload is drained */
+    char pend_msg[160];
+    int recv_posted, send_posted;
+    uint8_t *scratch;              /* drain target */
+    int batch_op;                  /* KVF_OP_PUT or KVF_OP_SHM_RESERVE, 0 = none */
+    struct batch b;
+    struct reply *q_head, *q_tail;
+    uint32_t nreplies;
+    /* shm */
+    struct lease *leases;
+    uint32_t nleases, next_lease;
+    struct batch resv;             /* one open reservation (shm PUT) */
+    uint32_t resv_id;
+    int resv_open;
+};
+
+struct kvf_server {
+    struct kvf_server_cfg cfg;
+    struct kvf_store *st;
+    uint8_t *base;
+    struct kvf_ring ring;
+    int efd;
+    uint64_t efd_buf;
+    volatile int stop;
+    int zerocopy, fixed;
+    struct conn *conns;
+    struct conn *parked;
+    uint64_t seen_round;
+    int64_t start_ms;
+    struct kvf_server_counters ctr;
+    uint64_t live_replies;
+    char tag_tcp, tag_unix, tag_efd; /* addresses used as user_data for listeners */
+};
+
+/* kvf_server.c */
+extern const char *const kvf_err_names[16];
+struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);
+void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
+                      uint64_t payload_len);
+void kvf_reply_error(struct conn *c, int code, const char *msg);
+void kvf_reply_drop(struct conn *c, struct reply *r); /* never queued */
+void kvf_conn_drain(struct conn *c, uint64_t n);
+void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
+void kvf_conn_next_request(struct conn *c);
+void kvf_conn_park(struct conn *c, uint64_t bytes);
+
+/* kvf_ops.c */
+void kvf_ops_request(struct conn *c);          /* header + meta are in */
+void kvf_ops_batch_step(struct conn *c);       /* continue a PUT/RESERVE */
+void kvf_ops_object_done(struct conn *c);      /* a PUT object landed in its slot */
+void kvf_ops_conn_gone(struct conn *c);        /* free leases and reservations */
+void kvf_batch_free(struct batch *b);
+
+#endif

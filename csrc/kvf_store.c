@@ -1,0 +1,544 @@
+/* kvf_store.c: arena, page allocator, index and event ring (see kvf_store.h).
+ *
+ * Allocator (segregated fit, boundary tags): free runs of pages are kept in
+ * 32 bins by floor(log2(npages)), as doubly linked lists threaded through
+ * per-page arrays. run_len[start] holds a free run's length at its first page
+ * and run_start[end] its first page at its last page (NONE elsewhere), so a
+ * freed run merges with free neighbours in O(1). An allocation of n pages
+ * scans a few runs of n's own bin for a fit, else takes the head of any larger
+ * bin (all fit) and splits it. Every object wastes < 1 page; with one object
+ * size (the KV-cache case) freed slots are reused exactly.
+ *
+ * Index: chained hash table of entry indices; entries live in a growable
+ * array and are recycled through a free list.
+ */
+#define _GNU_SOURCE
+#include "kvf_store.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+
+#define NONE 0xffffffffu
+#define NBINS 32
+#define BIN_SCAN 16
+
+enum { E_FREE = 0, E_LIVE = 1, E_DEAD = 2 };
+
+struct entry {
+    uint8_t key[KVF_KEY_MAX];
+    uint8_t klen, state;
+    uint32_t pins;
+    uint32_t next; /* hash chain or free list */
+    uint64_t off, size, csum;
+    int64_t lease_until_ms;
+};
+
+struct kvf_store {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int memfd;
+    uint8_t *base;
+    uint64_t capacity;
+    uint32_t npages, free_pages;
+    uint32_t *run_len, *run_start, *fnext, *fprev;
+    uint32_t bins[NBINS];
+    struct entry *ents;
+    uint32_t nents, ents_cap, ent_free;
+    uint32_t *buckets;
+    uint32_t nbuckets; /* power of two */
+    uint64_t objects, bytes_used, evictions, checksum_failures, events_dropped;
+    struct kvf_event *ring;
+    uint32_t ring_cap, ring_head, ring_len;
+    uint64_t want_bytes, round;
+    int exhausted;
+};
+
+int64_t kvf_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static inline int bin_of(uint32_t n) { return 31 - __builtin_clz(n); }
+
+/* ---------------------------------------------------------------- allocator */
+
+static void add_free(struct kvf_store *st, uint32_t start, uint32_t n)
+{
+    int b = bin_of(n);
+    st->run_len[start] = n;
+    st->run_start[start + n - 1] = start;
+    st->fprev[start] = NONE;
+    st->fnext[start] = st->bins[b];
+    if (st->bins[b] != NONE) st->fprev[st->bins[b]] = start;
+    st->bins[b] = start;
+    st->free_pages += n;
+}
+
+static void remove_free(struct kvf_store *st, uint32_t start)
+{
+    uint32_t n = st->run_len[start];
+    int b = bin_of(n);
+    if (st->fprev[start] != NONE) st->fnext[st->fprev[start]] = st->fnext[start];
+    else st->bins[b] = st->fnext[start];
+    if (st->fnext[start] != NONE) st->fprev[st->fnext[start]] = st->fprev[start];
+    st->run_len[start] = 0;
+    st->run_start[start + n - 1] = NONE;
+    st->free_pages -= n;
+}
+
+static uint32_t alloc_pages(struct kvf_store *st, uint32_t n)
+{
+    int b = bin_of(n);
+    uint32_t found = NONE;
+    int k = 0;
+    for (uint32_t s = st->bins[b]; s != NONE && k < BIN_SCAN; s = st->fnext[s], k++) {
+        if (st->run_len[s] >= n) { found = s; break; }
+    }
+    for (int bb = b + 1; found == NONE && bb < NBINS; bb++)
+        if (st->bins[bb] != NONE) found = st->bins[bb];
+    if (found == NONE) return NONE;
+    uint32_t len = st->run_len[found];
+    remove_free(st, found);
+    if (len > n) add_free(st, found + n, len - n);
+    return found;
+}
+
+static void free_pages(struct kvf_store *st, uint32_t start, uint32_t n)
+{
+    if (start > 0 && st->run_start[start - 1] != NONE) {
+        uint32_t ls = st->run_start[start - 1];
+        uint32_t ln = st->run_len[ls];
+        remove_free(st, ls);
+        start = ls;
+        n += ln;
+    }
+    uint32_t end = start + n;
+    if (end < st->npages && st->run_len[end]) {
+        uint32_t rn = st->run_len[end];
+        remove_free(st, end);
+        n += rn;
+    }
+    add_free(st, start, n);
+}
+
+static inline uint32_t pages_for(uint64_t size) { return size ? (uint32_t)((size + KVF_PAGE - 1) / KVF_PAGE) : 1; }
+
+/* ---------------------------------------------------------------- index */
+
+static inline uint32_t bucket(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+{
+    return (uint32_t)XXH3_64bits(key, klen) & (st->nbuckets - 1);
+}
+
+static uint32_t find(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+{
+    for (uint32_t i = st->buckets[bucket(st, key, klen)]; i != NONE; i = st->ents[i].next) {
+        struct entry *e = &st->ents[i];
+        if (e->klen == klen && memcmp(e->key, key, klen) == 0) return i;
+    }
+    return NONE;
+}
+
+static int grow_buckets(struct kvf_store *st)
+{
+    uint32_t nb = st->nbuckets * 2;
+    uint32_t *b = malloc(sizeof(uint32_t) * nb);
+    if (!b) return -ENOMEM;
+    memset(b, 0xff, sizeof(uint32_t) * nb);
+    free(st->buckets);
+    st->buckets = b;
+    st->nbuckets = nb;
+    for (uint32_t i = 0; i < st->nents; i++) {
+        struct entry *e = &st->ents[i];
+        if (e->state != E_LIVE) continue;
+        uint32_t h = bucket(st, e->key, e->klen);
+        e->next = b[h];
+        b[h] = i;
+    }
+    return 0;
+}
+
+static uint32_t new_entry(struct kvf_store *st)
+{
+    if (st->ent_free != NONE) {
+        uint32_t i = st->ent_free;
+        st->ent_free = st->ents[i].next;
+        return i;
+    }
+    if (st->nents == st->ents_cap) {
+        uint32_t cap = st->ents_cap ? st->ents_cap * 2 : 1024;
+        struct entry *e = realloc(st->ents, sizeof(struct entry) * cap);
+        if (!e) return NONE;
+        st->ents = e;
+        st->ents_cap = cap;
+    }
+    return st->nents++;
+}
+
+static void unlink_entry(struct kvf_store *st, uint32_t id)
+{
+    struct entry *e = &st->ents[id];
+    uint32_t *pp = &st->buckets[bucket(st, e->key, e->klen)];
+    while (*pp != id) pp = &st->ents[*pp].next;
+    *pp = e->next;
+    st->objects--;
+    st->bytes_used -= e->size;
+}
+
+static void release_entry(struct kvf_store *st, uint32_t id)
+{
+    struct entry *e = &st->ents[id];
+    free_pages(st, (uint32_t)(e->off / KVF_PAGE), pages_for(e->size));
+    e->state = E_FREE;
+    e->next = st->ent_free;
+    st->ent_free = id;
+}
+
+/* Unindex; free now unless pinned (then on last release). */
+static void remove_entry(struct kvf_store *st, uint32_t id)
+{
+    unlink_entry(st, id);
+    if (st->ents[id].pins) st->ents[id].state = E_DEAD;
+    else release_entry(st, id);
+}
+
+static inline int pinned(struct entry *e, int64_t now)
+{
+    return e->pins > 0 || e->lease_until_ms > now;
+}
+
+/* ---------------------------------------------------------------- events */
+
+static void event(struct kvf_store *st, int type, const uint8_t *key, uint32_t klen, uint64_t size,
+                  const uint8_t *parent, uint32_t plen)
+{
+    if (st->ring_len == st->ring_cap) {
+        st->events_dropped++;
+        pthread_cond_signal(&st->cv);
+        return;
+    }
+    struct kvf_event *ev = &st->ring[(st->ring_head + st->ring_len) % st->ring_cap];
+    st->ring_len++;
+    ev->type = (uint8_t)type;
+    ev->klen = (uint8_t)klen;
+    ev->plen = (uint8_t)(parent ? plen : 0);
+    ev->size = size;
+    memcpy(ev->key, key, klen);
+    if (parent && plen) memcpy(ev->parent, parent, plen);
+    if (st->ring_len * 2 >= st->ring_cap) pthread_cond_signal(&st->cv);
+}
+
+/* ---------------------------------------------------------------- API */
+
+int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring)
+{
+    if (capacity < KVF_PAGE || capacity / KVF_PAGE >= NONE || event_ring == 0) return -EINVAL;
+    struct kvf_store *st = calloc(1, sizeof *st);
+    if (!st) return -ENOMEM;
+    st->memfd = -1;
+    int rc = -ENOMEM;
+    st->npages = (uint32_t)(capacity / KVF_PAGE);
+    st->capacity = (uint64_t)st->npages * KVF_PAGE;
+    st->memfd = memfd_create("kvfabric-arena", MFD_CLOEXEC);
+    if (st->memfd < 0) { rc = -errno; goto fail; }
+    if (ftruncate(st->memfd, (off_t)st->capacity)) { rc = -errno; goto fail; }
+    st->base = mmap(NULL, st->capacity, PROT_READ | PROT_WRITE, MAP_SHARED, st->memfd, 0);
+    if (st->base == MAP_FAILED) { st->base = NULL; rc = -errno; goto fail; }
+    rc = -ENOMEM;
+    st->run_len = calloc(st->npages, sizeof(uint32_t));
+    st->run_start = malloc(st->npages * sizeof(uint32_t));
+    st->fnext = malloc(st->npages * sizeof(uint32_t));
+    st->fprev = malloc(st->npages * sizeof(uint32_t));
+    st->nbuckets = 1024;
+    st->buckets = malloc(st->nbuckets * sizeof(uint32_t));
+    st->ring_cap = event_ring;
+    st->ring = malloc(sizeof(struct kvf_event) * event_ring);
+    if (!st->run_len || !st->run_start || !st->fnext || !st->fprev || !st->buckets || !st->ring) goto fail;
+    memset(st->run_start, 0xff, st->npages * sizeof(uint32_t));
+    memset(st->buckets, 0xff, st->nbuckets * sizeof(uint32_t));
+    for (int b = 0; b < NBINS; b++) st->bins[b] = NONE;
+    st->ent_free = NONE;
+    add_free(st, 0, st->npages);
+    pthread_mutex_init(&st->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&st->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    *out = st;
+    return 0;
+fail:
+    st->capacity = st->base ? st->capacity : 0;
+    kvf_store_free(st);
+    return rc;
+}
+
+void kvf_store_free(struct kvf_store *st)
+{
+    if (!st) return;
+    if (st->base) munmap(st->base, st->capacity);
+    if (st->memfd >= 0) close(st->memfd);
+    free(st->run_len); free(st->run_start); free(st->fnext); free(st->fprev);
+    free(st->buckets); free(st->ents); free(st->ring);
+    free(st);
+}
+
+uint8_t *kvf_store_base(struct kvf_store *st) { return st->base; }
+int kvf_store_memfd(struct kvf_store *st) { return st->memfd; }
+uint64_t kvf_store_capacity(struct kvf_store *st) { return st->capacity; }
+
+int kvf_store_reserve(struct kvf_store *st, uint64_t size, uint64_t *off)
+{
+    if (size > st->capacity) return -EFBIG;
+    uint32_t n = pages_for(size);
+    pthread_mutex_lock(&st->mu);
+    uint32_t p = alloc_pages(st, n);
+    pthread_mutex_unlock(&st->mu);
+    if (p == NONE) return -ENOSPC;
+    *off = (uint64_t)p * KVF_PAGE;
+    return 0;
+}
+
+void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size)
+{
+    pthread_mutex_lock(&st->mu);
+    free_pages(st, (uint32_t)(off / KVF_PAGE), pages_for(size));
+    pthread_mutex_unlock(&st->mu);
+}
+
+int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
+                     uint64_t csum, const uint8_t *parent, uint32_t plen)
+{
+    if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
+    pthread_mutex_lock(&st->mu);
+    if (find(st, key, klen) != NONE) {
+        free_pages(st, (uint32_t)(off / KVF_PAGE), pages_for(size));
+        pthread_mutex_unlock(&st->mu);
+        return 1;
+    }
+    if (st->objects >= st->nbuckets && grow_buckets(st)) { /* keep chains long rather than fail */ }
+    uint32_t id = new_entry(st);
+    if (id == NONE) {
+        free_pages(st, (uint32_t)(off / KVF_PAGE), pages_for(size));
+        pthread_mutex_unlock(&st->mu);
+        return -ENOMEM;
+    }
+    struct entry *e = &st->ents[id];
+    memcpy(e->key, key, klen);
+    e->klen = (uint8_t)klen;
+    e->state = E_LIVE;
+    e->pins = 0;
+    e->off = off;
+    e->size = size;
+    e->csum = csum;
+    e->lease_until_ms = 0;
+    uint32_t h = bucket(st, key, klen);
+    e->next = st->buckets[h];
+    st->buckets[h] = id;
+    st->objects++;
+    st->bytes_used += size;
+    event(st, KVF_EV_INSERT, key, klen, size, parent, plen);
+    pthread_mutex_unlock(&st->mu);
+    return 0;
+}
+
+int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,
+                      uint64_t *size, uint64_t *csum)
+{
+    pthread_mutex_lock(&st->mu);
+    uint32_t i = find(st, key, klen);
+    if (i == NONE) { pthread_mutex_unlock(&st->mu); return -ENOENT; }
+    struct entry *e = &st->ents[i];
+    e->pins++;
+    *id = i; *off = e->off; *size = e->size; *csum = e->csum;
+    event(st, KVF_EV_ACCESS, key, klen, 0, NULL, 0);
+    pthread_mutex_unlock(&st->mu);
+    return 0;
+}
+
+void kvf_store_release(struct kvf_store *st, uint32_t id)
+{
+    pthread_mutex_lock(&st->mu);
+    struct entry *e = &st->ents[id];
+    if (e->pins) e->pins--;
+    if (e->pins == 0 && e->state == E_DEAD) release_entry(st, id);
+    pthread_mutex_unlock(&st->mu);
+}
+
+void kvf_store_drop_corrupt(struct kvf_store *st, uint32_t id)
+{
+    pthread_mutex_lock(&st->mu);
+    struct entry *e = &st->ents[id];
+    if (e->state == E_LIVE) {
+        st->checksum_failures++;
+        event(st, KVF_EV_REMOVE, e->key, e->klen, 0, NULL, 0);
+        unlink_entry(st, id);
+        e->state = E_DEAD; /* the caller holds a pin; freed on release */
+    }
+    pthread_mutex_unlock(&st->mu);
+}
+
+int kvf_store_exists(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+{
+    pthread_mutex_lock(&st->mu);
+    int r = find(st, key, klen) != NONE;
+    pthread_mutex_unlock(&st->mu);
+    return r;
+}
+
+int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, int64_t lease_until_ms)
+{
+    pthread_mutex_lock(&st->mu);
+    uint32_t i = find(st, key, klen);
+    if (i != NONE) {
+        struct entry *e = &st->ents[i];
+        if (lease_until_ms > e->lease_until_ms) e->lease_until_ms = lease_until_ms;
+        event(st, KVF_EV_ACCESS, key, klen, 0, NULL, 0);
+    }
+    pthread_mutex_unlock(&st->mu);
+    return i != NONE;
+}
+
+int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+{
+    pthread_mutex_lock(&st->mu);
+    uint32_t i = find(st, key, klen);
+    if (i != NONE) {
+        event(st, KVF_EV_REMOVE, key, klen, 0, NULL, 0);
+        remove_entry(st, i);
+    }
+    pthread_mutex_unlock(&st->mu);
+    return i != NONE;
+}
+
+int kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+{
+    pthread_mutex_lock(&st->mu);
+    uint32_t i = find(st, key, klen);
+    int rc = 0;
+    if (i == NONE) rc = -ENOENT;
+    else if (pinned(&st->ents[i], kvf_now_ms())) rc = -EBUSY;
+    else { remove_entry(st, i); st->evictions++; }
+    pthread_mutex_unlock(&st->mu);
+    return rc;
+}
+
+int kvf_store_is_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+{
+    pthread_mutex_lock(&st->mu);
+    uint32_t i = find(st, key, klen);
+    int r = i != NONE && pinned(&st->ents[i], kvf_now_ms());
+    pthread_mutex_unlock(&st->mu);
+    return r;
+}
+
+uint32_t kvf_store_drain(struct kvf_store *st, struct kvf_event *out, uint32_t max)
+{
+    pthread_mutex_lock(&st->mu);
+    uint32_t n = st->ring_len < max ? st->ring_len : max;
+    for (uint32_t k = 0; k < n; k++) out[k] = st->ring[(st->ring_head + k) % st->ring_cap];
+    st->ring_head = (st->ring_head + n) % st->ring_cap;
+    st->ring_len -= n;
+    pthread_mutex_unlock(&st->mu);
+    return n;
+}
+
+void kvf_store_stats(struct kvf_store *st, struct kvf_store_stats *s)
+{
+    pthread_mutex_lock(&st->mu);
+    s->objects = st->objects;
+    s->bytes_used = st->bytes_used;
+    s->capacity = st->capacity;
+    s->free_bytes = (uint64_t)st->free_pages * KVF_PAGE;
+    s->evictions = st->evictions;
+    s->checksum_failures = st->checksum_failures;
+    s->events_dropped = st->events_dropped;
+    int64_t now = kvf_now_ms();
+    uint64_t p = 0;
+    for (uint32_t i = 0; i < st->nents; i++)
+        if (st->ents[i].state == E_LIVE && pinned(&st->ents[i], now)) p++;
+    s->pinned = p;
+    pthread_mutex_unlock(&st->mu);
+}
+
+void kvf_store_each(struct kvf_store *st, void (*fn)(const uint8_t *, uint32_t, uint64_t, void *), void *arg)
+{
+    pthread_mutex_lock(&st->mu);
+    for (uint32_t i = 0; i < st->nents; i++)
+        if (st->ents[i].state == E_LIVE) fn(st->ents[i].key, st->ents[i].klen, st->ents[i].size, arg);
+    pthread_mutex_unlock(&st->mu);
+}
+
+void kvf_store_want_space(struct kvf_store *st, uint64_t bytes)
+{
+    pthread_mutex_lock(&st->mu);
+    if (bytes > st->want_bytes) st->want_bytes = bytes;
+    pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+}
+
+uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->want_bytes == 0 && st->ring_len * 2 < st->ring_cap && timeout_ms > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_sec += timeout_ms / 1000;
+        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+        pthread_cond_timedwait(&st->cv, &st->mu, &ts);
+    }
+    uint64_t w = st->want_bytes;
+    pthread_mutex_unlock(&st->mu);
+    return w;
+}
+
+uint64_t kvf_store_space_done(struct kvf_store *st, int exhausted)
+{
+    pthread_mutex_lock(&st->mu);
+    st->want_bytes = 0;
+    st->exhausted = exhausted;
+    uint64_t r = ++st->round;
+    pthread_mutex_unlock(&st->mu);
+    return r;
+}
+
+uint64_t kvf_store_round(struct kvf_store *st, int *exhausted)
+{
+    pthread_mutex_lock(&st->mu);
+    uint64_t r = st->round;
+    *exhausted = st->exhausted;
+    pthread_mutex_unlock(&st->mu);
+    return r;
+}
+
+int kvf_store_check(struct kvf_store *st)
+{
+    pthread_mutex_lock(&st->mu);
+    uint64_t total = 0;
+    int bad = 0;
+    for (int b = 0; b < NBINS; b++) {
+        for (uint32_t s = st->bins[b]; s != NONE; s = st->fnext[s]) {
+            uint32_t n = st->run_len[s];
+            if (n == 0 || bin_of(n) != b || st->run_start[s + n - 1] != s) bad = 1;
+            if (s + n < st->npages && st->run_len[s + n]) bad = 1; /* unmerged neighbour */
+            total += n;
+        }
+    }
+    if (total != st->free_pages) bad = 1;
+    uint64_t used = 0;
+    for (uint32_t i = 0; i < st->nents; i++)
+        if (st->ents[i].state != E_FREE) used += pages_for(st->ents[i].size);
+    if (used > (uint64_t)st->npages - st->free_pages) bad = 1;
+    pthread_mutex_unlock(&st->mu);
+    return bad ? -EFAULT : 0;
+}

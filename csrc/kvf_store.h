@@ -1,0 +1,100 @@
+/* kvf_store.h: the native server's arena, allocator and index.
+ *
+ * The arena is one memfd of `capacity` bytes mapped MAP_SHARED, so that the
+ * same pages can be registered with io_uring and mapped by same-host (shm)
+ * clients. Space is handed out in runs of 4 KiB pages by a segregated-fit
+ * allocator with boundary tags (neighbouring free runs always merge).
+ *
+ * The index maps key -> entry {offset, size, checksum, pins, lease}. A pinned
+ * entry (pins > 0: being sent, leased by an shm client; or lease_until in the
+ * future: LOOKUP lease) is never evicted; deleting a pinned entry unindexes it
+ * and frees its slot when the last pin drops.
+ *
+ * Python decides what to evict: the store records INSERT/ACCESS/REMOVE events
+ * in a bounded ring that a control thread drains in batches into the
+ * eviction policy, and asks for space (kvf_store_want_space) when an
+ * allocation fails; the control thread then evicts keys by name.
+ *
+ * Locking: every function takes the store mutex itself. Returns: 0 or
+ * -errno as documented per function.
+ */
+#ifndef KVF_STORE_H
+#define KVF_STORE_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVF_PAGE 4096u
+#define KVF_KEY_MAX 64u
+
+enum kvf_event_type { KVF_EV_INSERT = 1, KVF_EV_ACCESS = 2, KVF_EV_REMOVE = 3 };
+
+struct kvf_event {
+    uint8_t type, klen, plen, _pad;
+    uint32_t _pad2;
+    uint64_t size;
+    uint8_t key[KVF_KEY_MAX];
+    uint8_t parent[KVF_KEY_MAX];
+};
+
+struct kvf_store_stats {
+    uint64_t objects, bytes_used, capacity, free_bytes, evictions, checksum_failures, events_dropped;
+    uint64_t pinned;
+};
+
+struct kvf_store;
+
+/* Create the arena (memfd + mmap) and index. -EINVAL for a capacity below one
+ * page, -ENOMEM / other -errno when the memory cannot be had. */
+int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring);
+void kvf_store_free(struct kvf_store *st);
+uint8_t *kvf_store_base(struct kvf_store *st);
+int kvf_store_memfd(struct kvf_store *st);
+uint64_t kvf_store_capacity(struct kvf_store *st);
+
+/* Allocate a slot for `size` bytes. -EFBIG if it can never fit, -ENOSPC if
+ * it does not fit now (the caller asks for space and retries). */
+int kvf_store_reserve(struct kvf_store *st, uint64_t size, uint64_t *off);
+void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size);
+/* Index a reserved, filled slot. Returns 0 (stored) or 1 (key already held:
+ * the slot is freed). Records an INSERT event. */
+int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
+                     uint64_t csum, const uint8_t *parent, uint32_t plen);
+/* Pin an entry for reading. -ENOENT on a miss. Records an ACCESS event. */
+int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,
+                      uint64_t *size, uint64_t *csum);
+void kvf_store_release(struct kvf_store *st, uint32_t id);
+/* Unindex a pinned entry whose bytes failed their checksum (counts it). */
+void kvf_store_drop_corrupt(struct kvf_store *st, uint32_t id);
+int kvf_store_exists(struct kvf_store *st, const uint8_t *key, uint32_t klen);
+/* 1 held (lease extended to lease_until_ms when > 0, ACCESS recorded), 0 not. */
+int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, int64_t lease_until_ms);
+/* 1 deleted, 0 absent. Records REMOVE. */
+int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen);
+/* Evict on the policy's word: 0 done, -ENOENT absent, -EBUSY pinned. */
+int kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen);
+int kvf_store_is_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen);
+/* Copy up to `max` events out; returns how many. */
+uint32_t kvf_store_drain(struct kvf_store *st, struct kvf_event *out, uint32_t max);
+void kvf_store_stats(struct kvf_store *st, struct kvf_store_stats *s);
+/* Every indexed key, for resynchronising the policy after dropped events:
+ * calls fn(key, klen, size, arg) under the lock. */
+void kvf_store_each(struct kvf_store *st, void (*fn)(const uint8_t *, uint32_t, uint64_t, void *), void *arg);
+
+/* Space requests between the data plane and the control thread. */
+void kvf_store_want_space(struct kvf_store *st, uint64_t bytes);
+/* Control thread: wait up to timeout_ms for events or a space request.
+ * Returns the bytes wanted (0 when only events or the timeout woke it). */
+uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms);
+/* Control thread: an eviction round finished; exhausted=1 means nothing more
+ * could be evicted. Returns the new round number. */
+uint64_t kvf_store_space_done(struct kvf_store *st, int exhausted);
+/* Data plane: round number and whether the last round was exhausted. */
+uint64_t kvf_store_round(struct kvf_store *st, int *exhausted);
+int64_t kvf_now_ms(void);
+
+/* Allocator self-check for tests: 0 when free lists and tags agree. */
+int kvf_store_check(struct kvf_store *st);
+
+#endif

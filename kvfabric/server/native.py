@@ -1,0 +1,315 @@
+"""The native pool server: the io_uring data plane of csrc/ with Python deciding eviction.
+
+Run it as ``python -m kvfabric.server.native serve --host 127.0.0.1 --port 0
+--capacity 4GiB --policy lru [--transports tcp,native,shm]`` (the options of
+``kvfabric serve``); it prints the same ``kvfabric serve: listening on
+HOST:PORT`` line once listening and exits 0 after SIGTERM/SIGINT.
+
+Division of work
+----------------
+* C (``kvfabric._native.Server``, csrc/kvf_server.c + kvf_ops.c + kvf_store.c)
+  owns the arena (a memfd), the index, the allocator and every byte: it
+  accepts, parses frames, receives PUT objects straight into arena slots,
+  verifies and commits them, and sends GET replies from the slots
+  (``IORING_OP_SEND_ZC`` from registered buffers when the kernel has it). No
+  Python runs per frame.
+* Python (this module) owns the decisions: configuration, the HELLO reply,
+  logging, and eviction. A control thread waits (GIL released) for the data
+  plane's INSERT/ACCESS/REMOVE events, feeds them in batches to the
+  :mod:`kvfabric.server.eviction` policy, and evicts the policy's victims by
+  key when free space falls below the low watermark or a PUT is waiting for
+  space; it then tells C the round is done, and parked PUTs retry (an
+  exhausted round, where everything left is pinned, answers them NO_SPACE).
+
+Same-host clients (``shm`` in ``--transports``) are served on a unix socket
+in the abstract namespace whose name is in the HELLO reply (``shm_socket``);
+see :mod:`kvfabric.transport.shm`.
+
+Failure: a missing extension or an io_uring that cannot be set up makes
+:class:`NativeServer` raise :class:`~kvfabric.errors.TransportUnavailable`
+(never a silent fallback to the Python server); ``main`` then exits 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from .. import __version__, protocol
+from ..errors import ConfigError, KVFabricError, TransportUnavailable
+from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
+from .eviction import EvictionPolicy, make_policy
+
+try:
+    from .. import _native
+except ImportError as _e:  # pragma: no cover - depends on the build
+    _native = None
+    _IMPORT_ERROR = str(_e)
+
+log = logging.getLogger("kvfabric.server.native")
+
+LISTENING_PREFIX = "kvfabric serve: listening on "
+EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
+_DRAIN_BATCH = 4096
+
+
+class NativeServer:
+    """One native pool server in this process: C data-plane thread + Python control thread.
+
+    ``transports`` is what HELLO advertises; ``shm`` adds the unix listener.
+    ``low_watermark``/``high_watermark`` are fractions of the capacity: when
+    free space drops below the low one the control thread evicts until the
+    high one is free. Raises ``TransportUnavailable`` when the extension or
+    io_uring is unavailable, ``ConfigError`` for bad options, ``OSError``
+    when the port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        capacity: int,
+        policy: str = "lru",
+        auth_token: str | None = None,
+        transports: Sequence[str] = ("tcp", "native", "shm"),
+        server_id: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        max_connections: int = 1024,
+        zerocopy: str = "auto",
+        low_watermark: float = 0.02,
+        high_watermark: float = 0.05,
+    ) -> None:
+        if _native is None:
+            raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
+        if zerocopy not in ("auto", "on", "off"):
+            raise ConfigError(f"zerocopy must be auto|on|off, got {zerocopy!r}")
+        if not 0 <= low_watermark <= high_watermark < 1:
+            raise ConfigError("watermarks must satisfy 0 <= low <= high < 1")
+        unknown = set(transports) - {"tcp", "native", "shm"}
+        if unknown:
+            raise ConfigError(f"unknown transports {sorted(unknown)}")
+        self.policy: EvictionPolicy = make_policy(policy)
+        self._sizes: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._tcp = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self.host, self.port = self._tcp.getsockname()[:2]
+        self.server_id = server_id or f"{self.host}:{self.port}"
+        self._unix: socket.socket | None = None
+        self.shm_socket: str | None = None
+        if "shm" in transports:
+            self.shm_socket = f"\0kvfabric-shm-{os.getpid()}-{self.port}"
+            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._unix.bind(self.shm_socket)
+            self._unix.listen(256)
+        self.transports = tuple(t for t in ("shm", "native", "tcp") if t in transports or t == "tcp")
+        hello = HelloReply(
+            server=f"kvfabric-native/{__version__}", server_id=self.server_id, transports=self.transports,
+            limits=limits, capacity=capacity,
+        ).to_meta()
+        if self.shm_socket:
+            hello["shm_socket"] = self.shm_socket
+        extra = {"policy": self.policy.name, "transports": list(self.transports), "server_id": self.server_id}
+        extra_bytes = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in extra.items())
+        try:
+            self._srv = _native.Server(
+                self._tcp.fileno(), self._unix.fileno() if self._unix else -1, capacity,
+                hello_meta=protocol.encode_meta(hello), stats_extra=extra_bytes, stats_extra_pairs=len(extra),
+                auth=auth_token, max_conns=max_connections, max_keys=limits.max_keys_per_batch,
+                max_key_bytes=limits.max_key_bytes, max_meta=limits.max_meta_bytes,
+                max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
+                max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
+            )
+        except (OSError, KVFabricError) as e:
+            self._close_sockets()
+            raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
+        self.capacity = capacity
+        self._low = int(capacity * low_watermark)
+        self._high = int(capacity * high_watermark)
+        self._stop = threading.Event()
+        self._events_dropped = 0
+        self._loop_error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> NativeServer:
+        """Start the data-plane and control threads; returns self."""
+        for target, name in ((self._run_loop, "kvf-io_uring"), (self._control, "kvf-control")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        st = self._srv.stats()
+        log.warning(
+            "native server %s: capacity %d, policy %s, transports %s, send_zc %s, fixed buffers %s",
+            self.server_id, self.capacity, self.policy.name, ",".join(self.transports), st["zerocopy"],
+            st["fixed_buffers"],
+        )
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, close connections, join the threads (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._srv.stop()
+        for t in self._threads:
+            t.join(10)
+        self._close_sockets()
+
+    def __enter__(self) -> NativeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """Data-plane and store counters (what STATS reports, as a dict)."""
+        out = self._srv.stats()
+        out.update(policy=self.policy.name, transports=list(self.transports), server_id=self.server_id)
+        return out
+
+    def _close_sockets(self) -> None:
+        for s in (self._tcp, self._unix):
+            if s is not None:
+                s.close()
+
+    def _run_loop(self) -> None:
+        try:
+            self._srv.run()
+        except BaseException as e:  # noqa: BLE001 - reported, then the process stops
+            self._loop_error = e
+            log.error("io_uring loop failed: %s", e)
+            self._stop.set()
+
+    # ------------------------------------------------------------------ control thread
+
+    def _control(self) -> None:
+        """Feed events to the policy; evict on low space or a waiting PUT. Runs until stop()."""
+        while not self._stop.is_set():
+            want = self._srv.wait(100)
+            self._apply_events()
+            st = self._srv.stats()
+            if st["events_dropped"] != self._events_dropped:
+                self._events_dropped = st["events_dropped"]
+                self._resync()
+            free = st["free_bytes"]
+            if want or free < self._low:
+                exhausted = self._evict(max(self._high, free + want) if want else self._high)
+                if want:
+                    self._srv.space_done(exhausted)
+
+    def _apply_events(self) -> None:
+        policy = self.policy
+        while True:
+            events = self._srv.drain(_DRAIN_BATCH)
+            for kind, key, size, parent in events:
+                if kind == EV_INSERT:
+                    self._sizes[key] = size
+                    policy.on_insert(key, size, parent)
+                elif kind == EV_ACCESS:
+                    policy.on_access(key)
+                elif self._sizes.pop(key, None) is not None:
+                    policy.on_remove(key)
+            if len(events) < _DRAIN_BATCH:
+                return
+
+    def _resync(self) -> None:
+        """Events were dropped (ring full): make the policy track exactly the indexed keys."""
+        held = dict(self._srv.keys())
+        for key in list(self._sizes):
+            if key not in held:
+                del self._sizes[key]
+                self.policy.on_remove(key)
+        for key, size in held.items():
+            if key not in self._sizes:
+                self._sizes[key] = size
+                self.policy.on_insert(key, size, None)
+        log.warning("eviction events were dropped; policy resynchronised with %d keys", len(held))
+
+    def _evict(self, target_free: int) -> bool:
+        """Evict the policy's victims until ``target_free`` bytes are free; True if it ran out."""
+        is_pinned = self._srv.is_pinned
+        kept: list[bytes] = []
+        exhausted = False
+        while self._srv.stats()["free_bytes"] < target_free:
+            victim = self.policy.evict(is_pinned)
+            if victim is None:
+                exhausted = True
+                break
+            size = self._sizes.pop(victim, 0)
+            if not self._srv.evict(victim) and self._srv.is_pinned(victim):
+                kept.append(victim)  # pinned since the policy looked: keep tracking it
+                self._sizes[victim] = size
+        for key in kept:
+            self.policy.on_insert(key, self._sizes[key], None)
+        return exhausted
+
+
+def start_transport(ctx: Any) -> Any:
+    """``kvfabric serve --transports tcp,native`` plug-in hook: not how the native server runs.
+
+    The native data plane owns its index and arena in C (so that no Python runs
+    per frame); it cannot share the Python server's store. Raises ConfigError
+    saying how to run it instead.
+    """
+    raise ConfigError(
+        "the native data plane is a server of its own: run `python -m kvfabric.server.native serve ...` "
+        "(same options as `kvfabric serve`)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvfabric.server.native [serve] [kvfabric serve options]``; returns the exit status."""
+    from .main import _options, build_parser
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["serve"]:
+        args_in = args_in[1:]
+    parser = build_parser("python -m kvfabric.server.native serve")
+    parser.add_argument("--zerocopy", default="auto", choices=["auto", "on", "off"],
+                        help="IORING_OP_SEND_ZC for GET replies (default: when the kernel has it)")
+    parser.set_defaults(transports="tcp,native,shm")
+    args = parser.parse_args(args_in)
+    capacity, token, transports = _options(args)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = NativeServer(
+            args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
+            server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
+        )
+    except (TransportUnavailable, ConfigError, OSError) as e:
+        print(f"kvfabric serve: the native server cannot start: {e}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(f"{LISTENING_PREFIX}{server.address}", flush=True)
+    while not done.wait(0.5):
+        if server._loop_error is not None:
+            server.stop()
+            return 1
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
