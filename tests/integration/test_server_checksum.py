@@ -1,0 +1,62 @@
+"""Corrupt an object inside a running server's arena; the server must report a miss, never the bytes.
+
+The test writes into the server process's memory through ``/proc/PID/mem``
+(allowed for a child process). It finds the object by content: PUT payloads
+are received straight into the arena, so a random object appears exactly
+once in the server's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from kvfabric import protocol as P
+from kvfabric.testing import start_server
+from kvfabric.transport.tcp import connect
+
+
+def find_in_process(pid: int, needle: bytes) -> list[int]:
+    """Addresses of ``needle`` in the writable anonymous mappings of ``pid``."""
+    hits = []
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+        for line in maps:
+            fields = line.split()
+            if not fields[1].startswith("rw") or len(fields) > 5:
+                continue  # only anonymous writable memory
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                data = mem.read(end - start)
+            except OSError:
+                continue
+            hits += [start + m.start() for m in re.finditer(re.escape(needle), data)]
+    return hits
+
+
+def test_corrupted_object_is_a_miss_dropped_and_counted():
+    with start_server(capacity="4MiB") as srv:
+        try:
+            open(f"/proc/{srv.pid}/mem", "rb").close()
+        except OSError as e:
+            pytest.skip(f"cannot open the server's memory here: {e}")
+        c = connect(srv.address, timeout_s=10)
+        good, bad = os.urandom(50_000), os.urandom(50_000)
+        msg = P.PutRequest([b"good", b"bad"], [len(good), len(bad)], [P.checksum(good), P.checksum(bad)])
+        assert c.request(msg, [good, bad]).msg.status == [0, 0]
+        where = find_in_process(srv.pid, bad[:4096])
+        assert len(where) == 1, f"object found {len(where)} times in server memory (expected once, in the arena)"
+        with open(f"/proc/{srv.pid}/mem", "r+b") as mem:
+            mem.seek(where[0] + 1234)
+            byte = mem.read(1)
+            mem.seek(where[0] + 1234)
+            mem.write(bytes([byte[0] ^ 0x40]))
+        reply = c.request(P.GetRequest([b"bad", b"good"]))
+        assert reply.msg.sizes == [-1, len(good)]
+        assert bytes(reply.payload) == good
+        st = c.request(P.StatsRequest()).msg.stats
+        assert st["checksum_failures"] == 1 and st["objects"] == 1
+        assert c.request(P.ExistsRequest([b"bad"])).msg.present == [False]  # dropped, not kept
+        c.close()
