@@ -176,8 +176,8 @@ class _Shard:
     def _connect(self, timeout_s: float) -> transport.Connection:
         cfg = self._client.config
         conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(timeout_s, 0.001)))
-        if self.transport != conn.name:
-            log.info("kvfabric: %s uses transport %s", self.address, conn.name)
+        if self.transport is not None and self.transport != conn.name:
+            log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)
         self.transport = conn.name
         lim = conn.hello.limits
         self.limits = lim

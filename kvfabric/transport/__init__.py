@@ -50,6 +50,7 @@ _TRANSPORTS: tuple[_Entry, ...] = (
 )
 
 _modules: dict[str, ModuleType | str] = {}  # name -> module, or the reason it is unusable
+_logged: set[tuple[str, str]] = set()  # (address, transport) choices already logged by auto
 
 
 def names() -> list[str]:
@@ -115,7 +116,9 @@ def connect(name: str, address: str, config: ClientConfig, *, client_name: str =
         except TransportUnavailable as e:
             reasons.append(f"{tname}: {e}")
             continue
-        log.info("kvfabric: transport %s chosen for %s%s", tname, address,
-                 f" (skipped {'; '.join(reasons)})" if reasons else "")
+        if (address, tname) not in _logged:  # once per server, not per pooled connection
+            _logged.add((address, tname))
+            log.info("kvfabric: transport %s chosen for %s%s", tname, address,
+                     f" (skipped {'; '.join(reasons)})" if reasons else "")
         return conn
     raise TransportUnavailable(f"no transport can reach {address}: {'; '.join(reasons)}")
