@@ -1,0 +1,190 @@
+"""Real LMCache engines (CPU stand-in for the GPU connector) over real kvfabric server processes.
+
+Every engine here runs with LMCache's local CPU cache off (``local_cpu: false``),
+so a hit can only come from the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+
+from kvfabric.client import Client
+from kvfabric_lmcache.keymap import KeyMapper
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache_helpers import HIDDEN, LAYERS, DTYPE, engine_config, kvfabric_connector, wait_until
+
+pytestmark = pytest.mark.lmcache
+
+TOKENS = 1000  # three full 256-token chunks and one of 232 (save_unfull_chunk)
+CHUNKS = 4
+
+
+def prompt(seed: int, n: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and a ``[2, L, n, D]`` KV tensor with random bits (every byte matters)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32000, (n,), generator=g)
+    kv = torch.randint(-(2**15), 2**15, (2, LAYERS, n, HIDDEN), dtype=torch.int16, generator=g).view(DTYPE)
+    return tokens, kv
+
+
+def url_of(pool, **opts) -> str:
+    q = "&".join(f"{k}={v}" for k, v in opts.items())
+    return "kvfabric://" + ",".join(pool.addresses) + (f"?{q}" if q else "")
+
+
+def chunk_keys(engine, tokens) -> list[CacheEngineKey]:
+    return [key for _, _, key in engine.token_database.process_tokens(tokens)]
+
+
+def store_and_wait(engine, tokens, kv) -> None:
+    conn = kvfabric_connector(engine)
+    before = conn.stats()["puts"]
+    engine.store(tokens, kv=kv)
+    wait_until(lambda: conn.stats()["puts"] >= before + CHUNKS, what="the engine's puts to reach the pool")
+
+
+def test_second_engine_retrieves_bit_identical_kv_from_two_servers(pool, engines) -> None:
+    tokens, kv = prompt(seed=1)
+    name1, e1 = engines(engine_config(url_of(pool)))
+    store_and_wait(e1, tokens, kv)
+    assert kvfabric_connector(e1).stats()["puts_stored"] == CHUNKS
+
+    with Client(pool.addresses) as probe:
+        per_server = {a: s["objects"] for a, s in probe.stats()["servers"].items()}
+    assert sum(per_server.values()) == CHUNKS
+    assert all(n > 0 for n in per_server.values()), f"this prompt's chunks should land on both shards: {per_server}"
+
+    LMCacheEngineBuilder.destroy(name1)  # nothing of the first engine survives but the pool
+    _, e2 = engines(engine_config(url_of(pool)))
+    assert e2.lookup(tokens) == TOKENS
+    out = torch.zeros_like(kv)
+    mask = e2.retrieve(tokens, kv=out)
+    assert int(mask.sum()) == TOKENS
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))  # bit-identical, NaN payloads included
+
+    st = kvfabric_connector(e2).stats()
+    assert (st["get_hits"], st["get_misses"], st["bad_values"], st["pool_errors"]) == (CHUNKS, 0, 0, 0)
+    assert st["client"]["hits"] >= CHUNKS
+
+
+def test_a_different_model_or_prompt_does_not_hit(pool, engines) -> None:
+    tokens, kv = prompt(seed=2)
+    _, e1 = engines(engine_config(url_of(pool)))
+    store_and_wait(e1, tokens, kv)
+    other_tokens, _ = prompt(seed=3)
+    assert e1.lookup(other_tokens) == 0
+    # Same prompt, one token changed in the second chunk: only the first chunk still matches.
+    edited = tokens.clone()
+    edited[300] = (edited[300] + 1) % 32000
+    assert e1.lookup(edited) == 256
+
+
+def test_pool_killed_after_store_lookups_zero_retrieves_miss_nothing_raises(pool, engines) -> None:
+    tokens, kv = prompt(seed=4)
+    _, e1 = engines(engine_config(url_of(pool, timeout_s=0.5, connect_timeout_s=0.2)))
+    store_and_wait(e1, tokens, kv)
+    assert e1.lookup(tokens) == TOKENS
+    for server in pool:
+        server.kill()
+
+    assert e1.lookup(tokens) == 0
+    out = torch.zeros_like(kv)
+    mask = e1.retrieve(tokens, kv=out)
+    assert int(mask.sum()) == 0
+    assert torch.count_nonzero(out.view(torch.int16)) == 0  # nothing half-written
+    conn = kvfabric_connector(e1)
+    before = conn.stats()
+    tokens5, kv5 = prompt(seed=5)
+    e1.store(tokens5, kv=kv5)  # puts to a dead pool are counted drops
+    wait_until(lambda: conn.stats()["puts"] >= before["puts"] + CHUNKS, what="dropped puts to be counted")
+    after = conn.stats()
+    assert after["puts_dropped"] - before["puts_dropped"] == CHUNKS
+    assert after["puts_stored"] == before["puts_stored"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pool_never_reachable_engine_still_runs(engines) -> None:
+    url = f"kvfabric://127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}?timeout_s=0.5&connect_timeout_s=0.2"
+    _, e = engines(engine_config(url))
+    kvfabric_connector(e)  # the plugin was built although no server answers
+    tokens, kv = prompt(seed=6)
+    e.store(tokens, kv=kv)
+    assert e.lookup(tokens) == 0
+    assert int(e.retrieve(tokens, kv=torch.zeros_like(kv)).sum()) == 0
+
+
+def test_corrupt_stored_object_is_a_counted_miss_never_kv(pool, engines) -> None:
+    tokens, kv = prompt(seed=7)
+    _, e1 = engines(engine_config(url_of(pool)))
+    store_and_wait(e1, tokens, kv)
+    conn = kvfabric_connector(e1)
+    last = conn.keymap(chunk_keys(e1, tokens)[-1])
+    # Replace the last chunk by an object that is not a valid chunk (bytes of the right size, no header).
+    assert conn.client.delete([last]) == 1
+    assert conn.client.put([last], [bytes(1000)]).stored == 1
+
+    _, e2 = engines(engine_config(url_of(pool)))
+    out = torch.zeros_like(kv)
+    mask = e2.retrieve(tokens, kv=out)
+    assert int(mask.sum()) == 768
+    assert torch.equal(out[:, :, :768].view(torch.int16), kv[:, :, :768].view(torch.int16))
+    assert torch.count_nonzero(out[:, :, 768:].view(torch.int16)) == 0
+    assert kvfabric_connector(e2).stats()["bad_values"] == 1
+
+
+def test_connector_async_and_single_key_paths(pool, engines) -> None:
+    tokens, kv = prompt(seed=8)
+    _, e = engines(engine_config(url_of(pool)))
+    store_and_wait(e, tokens, kv)
+    conn = kvfabric_connector(e)
+    loop = e.storage_manager.storage_backends["RemoteBackend-kvfabric"].loop
+    keys = chunk_keys(e, tokens)
+    missing = CacheEngineKey(keys[0].model_name, keys[0].world_size, keys[0].worker_id, 12345, keys[0].dtype)
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=20)
+
+    assert run(conn.batched_async_contains("lookup-1", keys, pin=True)) == CHUNKS
+    assert run(conn.batched_async_contains("lookup-2", [keys[0], missing, keys[1]])) == 1
+    assert conn.batched_contains(keys[:2] + [missing]) == 2
+    assert run(conn.exists(keys[2])) and conn.exists_sync(keys[3]) and not conn.exists_sync(missing)
+
+    objs = run(conn.batched_get_non_blocking("lookup-1", [keys[0], keys[1], missing, keys[2]]))
+    try:
+        assert len(objs) == 2
+        assert torch.equal(objs[1].tensor.view(torch.int16), kv[:, :, 256:512].view(torch.int16))
+    finally:
+        for o in objs:
+            o.ref_count_down()
+    single = run(conn.get(keys[3]))
+    try:
+        assert list(single.tensor.shape) == [2, LAYERS, TOKENS - 768, HIDDEN]
+        assert torch.equal(single.tensor.view(torch.int16), kv[:, :, 768:].view(torch.int16))
+    finally:
+        single.ref_count_down()
+    assert run(conn.get(missing)) is None
+
+    assert conn.remove_sync(keys[3]) and not conn.exists_sync(keys[3])
+    with pytest.raises(NotImplementedError, match="cannot list"):
+        run(conn.list())
+
+
+def test_keys_are_the_same_in_a_fresh_mapper(pool, engines) -> None:
+    """The key of a chunk depends on config only, so another process (another mapper) finds it."""
+    tokens, kv = prompt(seed=9)
+    _, e = engines(engine_config(url_of(pool)))
+    store_and_wait(e, tokens, kv)
+    conn = kvfabric_connector(e)
+    fresh = KeyMapper(conn.keymap.hasher.__class__(), chunk_tokens=256)
+    with Client(pool.addresses) as c:
+        assert c.lookup(fresh.many(chunk_keys(e, tokens))) == CHUNKS
