@@ -6,6 +6,7 @@ detail unless docs/ARCHITECTURE.md names it.
 
 from __future__ import annotations
 
+from .client import Client, PutResult
 from .config import ClientConfig, parse_servers, parse_size
 from .errors import (
     ChecksumError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockKey",
     "ChecksumError",
+    "Client",
     "ClientConfig",
     "ConfigError",
     "ConnectionClosed",
@@ -36,6 +38,7 @@ __all__ = [
     "KeyHasher",
     "Namespace",
     "ProtocolError",
+    "PutResult",
     "RemoteError",
     "TransportError",
     "TransportUnavailable",
