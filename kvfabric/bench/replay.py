@@ -262,8 +262,9 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
     return report
 
 
-def print_report(report: dict[str, Any], out=sys.stdout) -> None:
+def print_report(report: dict[str, Any], out=None) -> None:
     """The table: one row per policy, three levels (block / token hit rate), bound, gap, latencies."""
+    out = out or sys.stdout
     print(f"trace {report['trace']}: {report['requests']} requests, {report['total_blocks']} blocks "
           f"({report['unique_blocks']} unique) of {report['block_tokens']} tokens; capacity "
           f"{report['capacity_blocks']} blocks = {report['capacity_fraction']:.1%} of unique; "

@@ -46,8 +46,9 @@ def _floats(text: str) -> list[float]:
 
 
 def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real: list[float],
-                opt: ReplayOptions, log=sys.stderr) -> dict[str, Any]:
+                opt: ReplayOptions, log=None) -> dict[str, Any]:
     """Simulated grid + Belady/infinite for every capacity, real replays at ``real``; a JSON-able dict."""
+    log = log or sys.stderr
     inf = infinite(trace)
     sim_servers = default_servers(opt.shards)
     points = []
@@ -84,7 +85,8 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
             "bytes_per_token": opt.bytes_per_token, "points": points, "replays": replays}
 
 
-def print_sweep(result: dict[str, Any], out=sys.stdout) -> None:
+def print_sweep(result: dict[str, Any], out=None) -> None:
+    out = out or sys.stdout
     pols = list(result["points"][0]["sim"]) if result["points"] else []
     print(f"\n{result['trace']}: {result['requests']} requests, {result['unique_blocks']} unique blocks, "
           f"{result['shards']} shard(s); block-level prefix hit rate (gap closed LRU->Belady); "

@@ -1,0 +1,76 @@
+"""The RAG trace generator: determinism, prefix structure, tenants, follow-ups, parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.bench.ragtrace import RagConfig, _Interner, block_ids, generate, main
+from kvfabric.bench.traces import load_trace
+
+
+def test_block_ids_pieces_and_partial_block():
+    intern = _Interner()
+    a, n = block_ids([("sys", 10), ("d1", 7)], 8, "root", intern)
+    assert n == 17 and len(a) == 3  # 8 + 8 + 1 (partial)
+    b, _ = block_ids([("sys", 10), ("d1", 7), ("q", 5)], 8, "root", intern)
+    assert b[:2] == a[:2] and b[2] != a[2]  # the partial block differs once it grows
+    c, _ = block_ids([("sys", 10), ("d2", 7)], 8, "root", intern)
+    assert c[0] == a[0] and c[1] != a[1]  # block 1 mixes sys and the document
+    d, _ = block_ids([("sys", 10), ("d1", 7)], 8, "other-tenant", intern)
+    assert not set(d) & set(a)
+
+
+def test_deterministic_for_a_seed():
+    cfg = RagConfig(requests=200, seed=3)
+    assert [r.to_json() for r in generate(cfg)] == [r.to_json() for r in generate(cfg)]
+    other = generate(RagConfig(requests=200, seed=4))
+    assert [r.hash_ids for r in other] != [r.hash_ids for r in generate(cfg)]
+
+
+def test_structure_followups_tenants_and_reuse():
+    cfg = RagConfig(requests=600, seed=1, tenants=3, followup_prob=0.5, max_turns=3)
+    t = generate(cfg)
+    assert len(t) == 600 and t.block_tokens == cfg.block_tokens
+    ts = [r.timestamp for r in t]
+    assert ts == sorted(ts)
+    by_session: dict[str, list] = {}
+    for r in t:
+        by_session.setdefault(r.session, []).append(r)
+        assert r.tenant in {"t0", "t1", "t2"}
+        assert len(r.hash_ids) == -(-r.input_length // cfg.block_tokens)
+    multi = [rs for rs in by_session.values() if len(rs) > 1]
+    assert multi and max(len(rs) for rs in multi) <= cfg.max_turns
+    for rs in multi:  # a follow-up holds every whole block of the previous turn as its prefix
+        for prev, nxt in zip(rs, rs[1:]):
+            whole = prev.input_length // cfg.block_tokens
+            assert nxt.hash_ids[:whole] == prev.hash_ids[:whole]
+            assert nxt.input_length > prev.input_length
+    ids_by_tenant: dict[str, set] = {}
+    for r in t:
+        ids_by_tenant.setdefault(r.tenant, set()).update(r.hash_ids)
+    sets = list(ids_by_tenant.values())
+    assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1:])
+    assert t.unique_blocks < t.total_blocks  # popular documents and templates repeat
+
+
+def test_more_skew_more_reuse():
+    def reuse(zipf):
+        t = generate(RagConfig(requests=400, seed=2, zipf=zipf, followup_prob=0.0))
+        return 1 - t.unique_blocks / t.total_blocks
+
+    assert reuse(1.4) > reuse(0.2)
+
+
+@pytest.mark.parametrize("kw", [dict(requests=0), dict(top_k=5000), dict(zipf=-1), dict(followup_prob=2),
+                                dict(doc_tokens_min=10, doc_tokens_max=5), dict(rate=0)])
+def test_bad_parameters(kw):
+    with pytest.raises(ValueError):
+        generate(RagConfig(**kw))
+
+
+def test_cli_writes_a_loadable_trace(tmp_path, capsys):
+    out = tmp_path / "rag.jsonl"
+    assert main(["--out", str(out), "--requests", "50", "--block-tokens", "128", "--tenants", "1"]) == 0
+    t = load_trace(out)
+    assert len(t) == 50 and t.block_tokens == 128
+    assert main(["--out", str(out), "--requests", "-1"]) == 2
