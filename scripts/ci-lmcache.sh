@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# LMCache plugin tests on real LMCache 0.5.6, from a fresh clone; scripts/test-all calls this.
+#
+# Idempotent: creates .venvs/lmcache on first use (CPU torch pinned first: an
+# unpinned torch would pull a multi-GB CUDA build, then lmcache==0.5.6), installs
+# this checkout of kvfabric into it (editable) unless it is already there, and
+# runs tests/e2e/lmcache (real `kvfabric serve` processes on loopback, real
+# LMCache engines with a CPU stand-in for the GPU connector). Extra arguments go
+# to pytest. Runtime once the virtualenv exists: under a minute.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venvs/lmcache
+TORCH_PIN=torch==2.13.0
+LMCACHE_PIN=lmcache==0.5.6
+
+have_engine() {
+  "$VENV/bin/python" - <<'PYEOF' 2>/dev/null
+import importlib.metadata as md
+assert md.version("lmcache") == "0.5.6", md.version("lmcache")
+assert md.version("torch").startswith("2.13.0"), md.version("torch")
+import pytest, pytest_timeout  # noqa: F401
+PYEOF
+}
+
+if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
+  echo "ci-lmcache: building $VENV ($TORCH_PIN, $LMCACHE_PIN)"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
+  "$VENV/bin/python" -m pip install -q "$LMCACHE_PIN" "$TORCH_PIN"
+  "$VENV/bin/python" -m pip install -q pytest pytest-timeout
+  have_engine || { echo "ci-lmcache: $VENV does not hold $LMCACHE_PIN + $TORCH_PIN"; exit 1; }
+fi
+
+# kvfabric from this checkout (editable), unless the venv already points here.
+if ! "$VENV/bin/python" -c "import os, kvfabric, kvfabric_lmcache; r=os.path.realpath('.'); assert os.path.realpath(kvfabric.__file__).startswith(r + os.sep) and os.path.realpath(kvfabric_lmcache.__file__).startswith(r + os.sep)" 2>/dev/null; then
+  echo "ci-lmcache: installing kvfabric (editable) into $VENV"
+  "$VENV/bin/python" -m pip install -q --no-deps -e .
+  "$VENV/bin/python" -m pip install -q xxhash msgpack numpy
+fi
+
+exec timeout 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/lmcache "$@"
