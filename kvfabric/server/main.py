@@ -59,6 +59,7 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", default=None, help="read the auth token from this file")
     p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections (default 1024)")
     p.add_argument("--stall-timeout", type=float, default=10.0, help="seconds a peer may stall mid-frame (default 10)")
+    p.add_argument("--min-rate", default="1MiB", help="slowest accepted transfer rate per frame, bytes/s (default 1MiB)")
     p.add_argument("--max-lease-ms", type=int, default=DEFAULT_MAX_LEASE_MS, help="cap on LOOKUP leases")
     p.add_argument("--transports", default="tcp", help="comma-separated transports to offer (default tcp)")
     p.add_argument("--server-id", default=None, help="id reported in HELLO/STATS (default host:port)")
@@ -67,11 +68,17 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
     return p
 
 
-def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str]]:
+def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str], int]:
     try:
         capacity = parse_size(args.capacity)
     except ConfigError as e:
         raise SystemExit(f"kvfabric serve: --capacity: {e}") from None
+    try:
+        min_rate = parse_size(args.min_rate)
+    except ConfigError as e:
+        raise SystemExit(f"kvfabric serve: --min-rate: {e}") from None
+    if min_rate < 1:
+        raise SystemExit("kvfabric serve: --min-rate must be >= 1 byte/s")
     if capacity < 4096:
         raise SystemExit("kvfabric serve: --capacity must be at least 4KiB")
     if args.policy not in POLICIES:
@@ -94,7 +101,7 @@ def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str]]:
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if "tcp" not in transports:
         raise SystemExit("kvfabric serve: --transports must include tcp (the control path and fallback)")
-    return capacity, token, transports
+    return capacity, token, transports, min_rate
 
 
 def _raise_fd_limit(want: int) -> None:
@@ -116,14 +123,17 @@ def _raise_fd_limit(want: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the server; returns the exit status (0 after a clean SIGTERM/SIGINT shutdown)."""
     args = build_parser().parse_args(argv)
-    capacity, token, transports = _options(args)
+    capacity, token, transports, min_rate = _options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     threading.stack_size(512 * 1024)  # many connection threads; they need little stack
     _raise_fd_limit(args.max_connections + 64)
 
     store = Store(capacity, args.policy, memfd=args.memfd, max_lease_ms=args.max_lease_ms)
     handlers = Handlers(store, server_id="", transports=["tcp"], auth_token=token)
-    tcp = TcpServer(handlers, args.host, args.port, max_connections=args.max_connections, stall_timeout_s=args.stall_timeout)
+    tcp = TcpServer(
+        handlers, args.host, args.port,
+        max_connections=args.max_connections, stall_timeout_s=args.stall_timeout, min_rate=min_rate,
+    )
     try:
         host, port = tcp.start()
     except OSError as e:

@@ -12,7 +12,9 @@ Per frame:
    connection is idle; once its first byte arrives the rest of the frame must
    keep coming: the socket's SO_RCVTIMEO/SO_SNDTIMEO are ``stall_timeout_s``,
    so a peer that makes no progress for that long mid-frame, or stops reading
-   its reply, is dropped).
+   its reply, is dropped). A frame (and a reply) must also be complete within
+   ``stall_timeout_s + its size / min_rate`` (default 1 MiB/s), so a peer
+   that trickles a byte now and then cannot hold a connection forever.
 2. The header is checked against the limits *before* anything is allocated;
    the metadata buffer (``meta_len`` bytes) is then taken from a process-wide
    budget (``meta_budget_bytes``), so many peers announcing large metadata at
@@ -44,6 +46,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from .. import protocol
@@ -120,6 +123,7 @@ class TcpServer:
         *,
         max_connections: int = 1024,
         stall_timeout_s: float = 10.0,
+        min_rate: float = 1024 * 1024,
         meta_budget_bytes: int = 64 * 1024 * 1024,
         backlog: int = 512,
     ) -> None:
@@ -127,6 +131,9 @@ class TcpServer:
             raise ValueError("max_connections must be >= 1")
         if stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
+        if min_rate <= 0:
+            raise ValueError("min_rate must be > 0")
+        self.min_rate = float(min_rate)
         self.handlers = handlers
         self.host = host
         self.port = port
@@ -285,7 +292,7 @@ class TcpServer:
                 with conn.lock:
                     conn.idle = False
                 if n < HEADER_SIZE:
-                    _recv_exact(sock, header_view[n:])
+                    _recv_exact(sock, header_view[n:], time.monotonic() + self.stall_timeout_s)
                 if not self._frame(sock, session, header_buf, scratch):
                     _lingering_close(sock, scratch)
                     break
@@ -320,6 +327,10 @@ class TcpServer:
             return self._send_reply(sock, reply, HEADER_SIZE)
 
         bytes_in = HEADER_SIZE + header.meta_len + header.payload_len
+        # The whole frame must arrive within the stall timeout plus its size
+        # at the minimum rate: bounds a peer that trickles bytes just fast
+        # enough to dodge the per-call no-progress timeout.
+        deadline = time.monotonic() + self.stall_timeout_s + bytes_in / self.min_rate
         if not self._meta_budget.acquire(header.meta_len, self.stall_timeout_s):
             exc = ProtocolError(ErrorCode.BUSY, "server metadata buffers exhausted; retry")
             reply = h.error_reply(session, opcode, request_id, exc)
@@ -328,20 +339,20 @@ class TcpServer:
         meta = None
         try:
             meta = bytearray(header.meta_len)
-            _recv_exact(sock, memoryview(meta))
+            _recv_exact(sock, memoryview(meta), deadline)
             try:
                 msg = h.decode(session, header, meta)
             except ProtocolError as e:
                 reply = h.error_reply(session, opcode, request_id, e)
                 if not reply.close:
-                    _drain(sock, header.payload_len, scratch)
+                    _drain(sock, header.payload_len, scratch, deadline)
                 return self._send_reply(sock, reply, bytes_in)
         finally:
             del meta
             self._meta_budget.release(header.meta_len)
 
         if isinstance(msg, PutRequest):
-            reply = self._receive_put(sock, session, header, msg, scratch)
+            reply = self._receive_put(sock, session, header, msg, scratch, deadline)
         else:
             try:
                 reply = h.handle(session, header, msg)
@@ -352,15 +363,17 @@ class TcpServer:
                 reply = h.error_reply(session, opcode, request_id, ProtocolError(ErrorCode.INTERNAL, f"internal error: {e}"))
         return self._send_reply(sock, reply, bytes_in)
 
-    def _receive_put(self, sock: socket.socket, session: Session, header: Any, msg: PutRequest, scratch: list[bytearray]) -> Reply:
+    def _receive_put(
+        self, sock: socket.socket, session: Session, header: Any, msg: PutRequest, scratch: list[bytearray], deadline: float
+    ) -> Reply:
         ingest = self.handlers.begin_put(session, header, msg)
         try:
             for i, size in enumerate(msg.sizes):
                 view = ingest.reserve(i)
                 if view is None:
-                    _drain(sock, size, scratch)
+                    _drain(sock, size, scratch, deadline)
                 else:
-                    _recv_exact(sock, view)
+                    _recv_exact(sock, view, deadline)
                     ingest.complete(i)
             return ingest.reply()
         except BaseException:
@@ -369,7 +382,9 @@ class TcpServer:
 
     def _send_reply(self, sock: socket.socket, reply: Reply, bytes_in: int) -> bool:
         try:
-            sent = _send_all(sock, [memoryview(reply.head), *reply.payload])
+            views = [memoryview(reply.head), *reply.payload]
+            nbytes = sum(v.nbytes for v in views)
+            sent = _send_all(sock, views, time.monotonic() + self.stall_timeout_s + nbytes / self.min_rate)
         finally:
             reply.release()
         self.handlers.counters.traffic(bytes_in, sent)
@@ -379,11 +394,13 @@ class TcpServer:
 # ---------------------------------------------------------------------- socket helpers
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; raises _PeerClosed on EOF, _Stalled on timeout."""
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``sock``; raises _PeerClosed on EOF, _Stalled on a timeout or past ``deadline``."""
     got = 0
     want = view.nbytes
     while got < want:
+        if got and time.monotonic() > deadline:
+            raise _Stalled()
         try:
             n = sock.recv_into(view[got:] if got else view, 0, socket.MSG_WAITALL)
         except (BlockingIOError, TimeoutError):
@@ -393,7 +410,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _drain(sock: socket.socket, nbytes: int, scratch: list[bytearray]) -> None:
+def _drain(sock: socket.socket, nbytes: int, scratch: list[bytearray], deadline: float) -> None:
     """Read and discard ``nbytes`` (a payload that is not being stored)."""
     if not nbytes:
         return
@@ -402,16 +419,24 @@ def _drain(sock: socket.socket, nbytes: int, scratch: list[bytearray]) -> None:
     view = memoryview(scratch[0])
     while nbytes:
         n = min(nbytes, _SCRATCH)
-        _recv_exact(sock, view[:n])
+        _recv_exact(sock, view[:n], deadline)
         nbytes -= n
+        if nbytes and time.monotonic() > deadline:
+            raise _Stalled()
 
 
-def _send_all(sock: socket.socket, views: list[memoryview]) -> int:
-    """``sendmsg`` all of ``views`` (resuming partial sends); returns bytes sent."""
+def _send_all(sock: socket.socket, views: list[memoryview], deadline: float) -> int:
+    """``sendmsg`` all of ``views`` (resuming partial sends); returns bytes sent.
+
+    Raises _Stalled when a send makes no progress for the socket's timeout or
+    the whole reply is not out by ``deadline``.
+    """
     views = [v for v in views if v.nbytes]
     total = 0
     i = 0
     while i < len(views):
+        if total and time.monotonic() > deadline:
+            raise _Stalled()
         try:
             n = sock.sendmsg(views[i : i + _IOV_MAX])
         except (BlockingIOError, TimeoutError):

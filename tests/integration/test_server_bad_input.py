@@ -22,7 +22,8 @@ STALL_S = 0.5
 
 @pytest.fixture(scope="module")
 def server():
-    with start_server(capacity="8MiB", extra_args=["--stall-timeout", str(STALL_S)]) as srv:
+    args = ["--stall-timeout", str(STALL_S), "--min-rate", "64KiB"]
+    with start_server(capacity="8MiB", extra_args=args) as srv:
         yield srv
         assert srv.alive
 
@@ -295,6 +296,36 @@ def test_stall_mid_payload_is_dropped_and_slot_freed(server):
     with connect(server) as s:
         meta, _ = request(s, P.Op.EXISTS, {"keys": [b"stall"]})
         assert meta["present"] == [False]
+
+
+def test_trickling_peer_is_dropped_at_the_frame_deadline(server):
+    """One byte every 0.1 s never trips the no-progress timeout, but the frame deadline
+    (stall timeout + size / min rate = 0.5 s + ~1 s here) ends it."""
+    import select
+
+    data = os.urandom(64 * 1024)
+    with connect(server) as s:
+        meta = {"keys": [b"trickle"], "sizes": [len(data)], "checksums": [P.checksum(data)]}
+        head = frame(P.Op.PUT, meta, b"", payload_len=len(data))
+        s.sendall(head)
+        closed = False
+        deadline = time.monotonic() + 30
+        for i in range(len(data)):
+            if time.monotonic() > deadline:
+                break
+            try:
+                s.send(data[i : i + 1])
+            except OSError:
+                closed = True
+                break
+            if select.select([s], [], [], 0.1)[0]:
+                try:
+                    closed = s.recv(1) == b""
+                except ConnectionResetError:
+                    closed = True
+                break
+        assert closed, "a trickling peer kept its connection"
+    assert_serving(server)
 
 
 def test_bad_checksum_put_is_rejected_connection_usable(server):
