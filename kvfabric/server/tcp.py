@@ -144,7 +144,8 @@ class TcpServer:
         self._listener: socket.socket | None = None
         self._conns: set[_Conn] = set()
         self._conns_lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stop_requested = False  # set by stop(), possibly from a signal handler
+        self._stopping = threading.Event()  # seen by connection threads
         self._stopped = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._accept_thread: threading.Thread | None = None
@@ -179,18 +180,19 @@ class TcpServer:
         sel.register(self._listener, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
         try:
-            while not self._stopping.is_set():
+            while not self._stop_requested:
                 for key, _ in sel.select():
-                    if key.fileobj is self._listener and not self._stopping.is_set():
+                    if key.fileobj is self._listener and not self._stop_requested:
                         self._accept()
         finally:
+            self._stopping.set()
             sel.close()
             self._listener.close()
             self._stopped.set()
 
     def stop(self) -> None:
         """Make ``serve_forever`` return. Safe to call from a signal handler (takes no lock)."""
-        self._stopping.set()
+        self._stop_requested = True
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -204,6 +206,7 @@ class TcpServer:
         abandoned to the process exit (they are daemon threads).
         """
         self.stop()
+        self._stopping.set()
         if self._accept_thread is not None and threading.current_thread() is not self._accept_thread:
             self._stopped.wait(5.0)  # the accept loop has closed the listener
         with self._conns_lock:
@@ -227,7 +230,7 @@ class TcpServer:
             return
         except OSError as e:  # e.g. EMFILE: keep the listener alive, but do not spin on it
             log.warning("accept failed: %s", e)
-            self._stopping.wait(0.1)
+            time.sleep(0.1)
             return
         peer = f"{addr[0]}:{addr[1]}"
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
