@@ -33,7 +33,7 @@ if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
 fi
 
 # kvfabric from this checkout (editable), unless the venv already points here.
-if ! "$VENV/bin/python" -c "import os, kvfabric, kvfabric_lmcache; r=os.path.realpath('.'); assert os.path.realpath(kvfabric.__file__).startswith(r + os.sep) and os.path.realpath(kvfabric_lmcache.__file__).startswith(r + os.sep)" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import os, importlib.util as u; r=os.path.realpath('.') + os.sep; assert all(os.path.realpath(u.find_spec(m).origin).startswith(r) for m in ('kvfabric', 'kvfabric_lmcache'))" 2>/dev/null; then
   echo "ci-lmcache: installing kvfabric (editable) into $VENV"
   "$VENV/bin/python" -m pip install -q --no-deps -e .
   "$VENV/bin/python" -m pip install -q xxhash msgpack numpy
