@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         handlers.transports.append(name)
 
+    received: list[int] = []
+
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal %d: shutting down", signum)
+        received.append(signum)  # no locks, no logging here: the main thread may hold them
         tcp.stop()  # serve_forever returns; close() below lets in-flight frames finish
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{LISTENING_PREFIX}{host}:{port}", flush=True)
     tcp.serve_forever()
+    log.info("signal %s: shutting down", received[0] if received else "?")
     for p in plugins:
         p.close()
     tcp.close()  # waits for in-flight frames (up to the stall timeout + 1 s)
