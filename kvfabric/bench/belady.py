@@ -28,6 +28,7 @@ next-use table.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .traces import Trace
@@ -122,6 +123,37 @@ def belady(trace: Trace, capacity: int) -> HitCount:
     return res
 
 
+def reuse_oracle(trace: Trace, capacity: int) -> HitCount:
+    """LRU given a perfect reuse predictor: blocks never used again are evicted first.
+
+    Not a bound (MIN is); a reference for what knowing only *whether* a block
+    returns, not *when*, is worth. The gap between this and MIN is the part of
+    the bound no online policy can reach by predicting reuse alone.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
+    nu = next_uses(trace)
+    live: OrderedDict[int, None] = OrderedDict()
+    dead: OrderedDict[int, None] = OrderedDict()
+    res = HitCount()
+    j = 0
+    for i, r in enumerate(trace.requests):
+        run = 0
+        for h in r.hash_ids:
+            if h not in live and h not in dead:
+                break
+            run += 1
+        res.add(trace, i, run)
+        for h in r.hash_ids:
+            live.pop(h, None)
+            dead.pop(h, None)
+            (dead if nu[j] == NEVER else live)[h] = None
+            j += 1
+            while len(live) + len(dead) > capacity:
+                (dead if dead else live).popitem(last=False)
+    return res
+
+
 def infinite(trace: Trace) -> HitCount:
     """Prefix hits with unbounded capacity (every block seen before is held)."""
     seen: set[int] = set()
@@ -158,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfabric bench belady: {e}", file=sys.stderr)
         return 2
     inf = infinite(trace)
-    print(f"{'capacity':>9} {'blocks':>8} {'belady':>7} {'(tokens)':>8} {'infinite':>8}")
+    print(f"{'capacity':>9} {'blocks':>8} {'belady':>7} {'(tokens)':>8} {'reuse-oracle':>12} {'infinite':>8}")
     for c in caps:
         n = int(c * trace.unique_blocks)
         b = belady(trace, n)
-        print(f"{c:>9.1%} {n:>8} {b.block_hit_rate:>7.1%} {b.token_hit_rate:>8.1%} {inf.block_hit_rate:>8.1%}")
+        o = reuse_oracle(trace, n)
+        print(f"{c:>9.1%} {n:>8} {b.block_hit_rate:>7.1%} {b.token_hit_rate:>8.1%} {o.block_hit_rate:>12.1%} "
+              f"{inf.block_hit_rate:>8.1%}")
     return 0
 
 
-__all__ = ["HitCount", "NEVER", "belady", "infinite", "next_uses"]
+__all__ = ["HitCount", "NEVER", "belady", "infinite", "next_uses", "reuse_oracle"]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..server.eviction import POLICIES
-from .belady import belady, infinite
+from .belady import belady, infinite, reuse_oracle
 from .replay import ReplayOptions, add_common_arguments, options_from_args, print_report, run_replay
 from .simulate import default_servers, gap_closed, shard_capacity, simulate
 from .traces import Trace, TraceError, load_trace
@@ -59,6 +59,7 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
         bound = belady(trace, total)
         row: dict[str, Any] = {"capacity_fraction": frac, "capacity_blocks": total,
                                "belady": bound.block_hit_rate, "infinite": inf.block_hit_rate,
+                               "reuse_oracle": reuse_oracle(trace, total).block_hit_rate,
                                "belady_tokens": bound.token_hit_rate, "infinite_tokens": inf.token_hit_rate,
                                "sim": {}, "real": {}}
         print(f"[sweep] {trace.name} capacity {frac:.0%}: simulating {', '.join(policies)}", file=log)
@@ -90,8 +91,8 @@ def print_sweep(result: dict[str, Any], out=None) -> None:
     pols = list(result["points"][0]["sim"]) if result["points"] else []
     print(f"\n{result['trace']}: {result['requests']} requests, {result['unique_blocks']} unique blocks, "
           f"{result['shards']} shard(s); block-level prefix hit rate (gap closed LRU->Belady); "
-          f"R = measured on real servers, else simulated", file=out)
-    print(f"{'capacity':>8} " + " ".join(f"{p:>17}" for p in pols) + f" {'belady':>7} {'infinite':>8}", file=out)
+          f"R = measured on real servers, else simulated; oracle = LRU + perfect reuse predictor", file=out)
+    print(f"{'capacity':>8} " + " ".join(f"{p:>17}" for p in pols) + f" {'oracle':>7} {'belady':>7} {'infinite':>8}", file=out)
     for row in result["points"]:
         cells = []
         for p in pols:
@@ -103,7 +104,7 @@ def print_sweep(result: dict[str, Any], out=None) -> None:
             gtxt = "" if g is None or p == "lru" else f"({g:+.0%})"
             cells.append(f"{rate:6.1%}{tag}{gtxt:>9}")
         print(f"{row['capacity_fraction']:>8.0%} " + " ".join(f"{c:>17}" for c in cells)
-              + f" {row['belady']:>7.1%} {row['infinite']:>8.1%}", file=out)
+              + f" {row['reuse_oracle']:>7.1%} {row['belady']:>7.1%} {row['infinite']:>8.1%}", file=out)
 
 
 def plot(results: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
@@ -120,6 +121,8 @@ def plot(results: list[dict[str, Any]], path: str | Path, title: str = "") -> No
         xs = [p["capacity_fraction"] * 100 for p in pts]
         ax.plot(xs, [p["infinite"] * 100 for p in pts], "k:", label="infinite")
         ax.plot(xs, [p["belady"] * 100 for p in pts], "k--", label="Belady (offline bound)")
+        ax.plot(xs, [p["reuse_oracle"] * 100 for p in pts], "-.", color="0.55",
+                label="LRU + perfect reuse predictor (offline)")
         for i, pol in enumerate(pts[0]["sim"] if pts else []):
             color = f"C{i}"
             ax.plot(xs, [p["sim"][pol]["block_hit_rate"] * 100 for p in pts], "-", color=color, label=pol)

@@ -90,3 +90,16 @@ def test_next_uses():
 def test_negative_capacity_rejected():
     with pytest.raises(ValueError):
         belady(Trace([Request(0, 16, 1, [0])], 16), -1)
+
+
+def test_reuse_oracle_example_and_below_belady():
+    from kvfabric.bench.belady import reuse_oracle
+    from kvfabric.bench.simulate import simulate
+
+    # capacity 2: the one-off 5 is evicted first, so [0, 1] survives.
+    t = Trace([Request(0, 32, 1, [0, 1]), Request(1, 16, 1, [5]), Request(2, 32, 1, [0, 1])], 16)
+    assert reuse_oracle(t, 2).runs == [0, 0, 2]
+    assert simulate(t, "lru", 2).hits.runs == [0, 0, 0]  # LRU evicted 0, so 1 is no prefix hit
+    trace = tree_trace(random.Random(9), 40, 200)
+    for cap in (3, 8, 20):
+        assert reuse_oracle(trace, cap).hit_blocks <= belady(trace, cap).hit_blocks
