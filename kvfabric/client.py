@@ -587,7 +587,7 @@ class Client:
                     msg = protocol.GetRequest(keys=[keys[i] for i in chunk])
                     bufs = None if views is None else [views[i] for i in chunk]
                     reply = conn.request(msg, recv_buffers=bufs, deadline=deadline)
-                    got = bad = nbytes = off = 0
+                    bad = nbytes = off = 0
                     payload = memoryview(reply.payload if reply.payload is not None else b"")
                     for i, n, ck in zip(chunk, reply.msg.sizes, reply.msg.checksums):
                         if n < 0:
@@ -601,7 +601,6 @@ class Client:
                         if out is not None:
                             out[i] = bytes(data)
                         sizes[i] = n
-                        got += 1
                     self._counters.add(requests=1, bytes_in=nbytes, checksum_failures=bad)
                     if bad:
                         log.warning("kvfabric: %d objects from %s failed their checksum", bad, shard.address)

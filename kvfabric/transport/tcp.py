@@ -141,13 +141,11 @@ class TcpConnection(Connection):
         head = protocol.encode_request(msg, rid)
         try:
             self._send([memoryview(head), *parts], deadline)
-            return self._read_reply(msg, rid, recv_buffers, deadline)
+            reply, problem = self._read_reply(msg, rid, recv_buffers, deadline)
         except RemoteError as e:
             if e.code in FATAL_CODES:
                 self.close()
             raise
-        except (ValueError, TypeError):
-            raise  # a caller's buffer could not take an object; stream consumed, still usable
         except KVFabricError:
             self.close()
             raise
@@ -158,9 +156,14 @@ class TcpConnection(Connection):
             self.close()
             raise TransportError(f"{msg.op.name} to {self.address} failed: {e}") from e
         except BaseException:
-            # KeyboardInterrupt and the like mid-frame: the stream is out of step.
+            # KeyboardInterrupt, or any surprise mid-frame: the stream is out of step.
             self.close()
             raise
+        if problem is not None:
+            # A caller's buffer could not take an object; the frame was consumed
+            # in full, so the connection stays usable.
+            raise ValueError(problem)
+        return reply
 
     # ------------------------------------------------------------------ internals
 
@@ -213,7 +216,7 @@ class TcpConnection(Connection):
 
     def _read_reply(
         self, msg: Message, rid: int, recv_buffers: Sequence[Any] | None, deadline: float | None
-    ) -> Reply:
+    ) -> tuple[Reply, str | None]:
         self._recv_into(memoryview(self._header), deadline)
         header = protocol.unpack_header(self._header, self._limits)
         if header.request_id != rid:
@@ -226,17 +229,15 @@ class TcpConnection(Connection):
             raise ProtocolError(protocol.ErrorCode.MALFORMED, "error reply with a payload")
         reply = protocol.decode_reply(header, meta, msg.op, self._limits)
         if not isinstance(reply, GetReply) or header.payload_len == 0:
-            return Reply(reply)
+            return Reply(reply), None
         if recv_buffers is None:
             payload = bytearray(header.payload_len)
             self._recv_into(memoryview(payload), deadline)
-            return Reply(reply, payload)
+            return Reply(reply, payload), None
         sinks, problem = get_sinks(reply.sizes, recv_buffers, header.payload_len)
         for nbytes, view in sinks:
             if view is None:
                 self._drain(nbytes, deadline)
             elif nbytes:
                 self._recv_into(view, deadline)
-        if problem is not None:
-            raise ValueError(problem)
-        return Reply(reply)
+        return Reply(reply), problem
