@@ -148,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             module = importlib.import_module(f"kvfabric.server.{name}")
-            plugins.append(module.start_transport(ctx))
+            start = getattr(module, "start_transport", None)
+            if start is None:
+                raise RuntimeError(
+                    f"kvfabric.server.{name} has no start_transport(ctx) plug-in for this server"
+                    f" (if it is a server of its own, run: python -m kvfabric.server.{name} serve ...)"
+                )
+            plugins.append(start(ctx))
         except Exception as e:
             print(f"kvfabric serve: transport {name!r} is not available: {e}", file=sys.stderr)
             for p in plugins:
