@@ -96,6 +96,7 @@ class ServerCounters:
         self.bytes_out = 0
         self.requests = 0
         self.errors: dict[str, int] = {}
+        self.drops: dict[str, int] = {}  # connections dropped without an error reply, by reason
 
     def connection_opened(self) -> None:
         with self._lock:
@@ -116,6 +117,11 @@ class ServerCounters:
             self.bytes_out += bytes_out
             self.requests += requests
 
+    def dropped(self, reason: str) -> None:
+        """A connection was closed mid-frame: ``stalled``, ``peer_closed`` or ``io_error``."""
+        with self._lock:
+            self.drops[reason] = self.drops.get(reason, 0) + 1
+
     def error(self, code: ErrorCode) -> None:
         with self._lock:
             self.errors[code.name] = self.errors.get(code.name, 0) + 1
@@ -130,6 +136,7 @@ class ServerCounters:
                 "bytes_out": self.bytes_out,
                 "requests": self.requests,
                 "errors": dict(self.errors),
+                "drops": dict(self.drops),
             }
 
 

@@ -300,12 +300,16 @@ class TcpServer:
                     _lingering_close(sock, scratch)
                     break
         except _Stalled:
-            log.info("dropping %s: stalled mid-frame for %.3gs", conn.peer, self.stall_timeout_s)
+            self.handlers.counters.dropped("stalled")
+            log.info("dropping %s: stalled mid-frame (no progress for %.3gs or under the minimum rate)", conn.peer, self.stall_timeout_s)
         except _PeerClosed:
+            self.handlers.counters.dropped("peer_closed")
             log.info("%s closed the connection mid-frame", conn.peer)
         except OSError as e:
+            self.handlers.counters.dropped("io_error")
             log.info("connection %s failed: %s", conn.peer, e)
         except Exception:
+            self.handlers.counters.dropped("internal")
             log.exception("connection %s: unexpected error", conn.peer)
         finally:
             try:

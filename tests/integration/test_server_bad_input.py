@@ -277,10 +277,12 @@ def test_payload_shorter_than_announced_frees_its_slot(server):
 
 
 def test_stall_mid_header_is_dropped(server):
+    before = stats(server)["drops"].get("stalled", 0)
     with connect(server) as s:
         s.sendall(frame(P.Op.PING, {})[:5])
         expect_closed(s)  # after the stall timeout
         assert_serving(server)
+    assert stats(server)["drops"]["stalled"] == before + 1
 
 
 def test_stall_mid_payload_is_dropped_and_slot_freed(server):
