@@ -216,9 +216,13 @@ class TcpServer:
                 if c.idle:
                     _shutdown_read(c.sock)
         grace = self.stall_timeout_s + 1.0 if grace_s is None else grace_s
+        deadline = time.monotonic() + grace  # one grace period for all threads together
         for c in conns:
             if c.thread is not None:
-                c.thread.join(grace)
+                c.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = sum(1 for c in conns if c.thread is not None and c.thread.is_alive())
+        if stuck:
+            log.warning("%d connection(s) still busy after %.3gs; leaving them to the process exit", stuck, grace)
 
     # ------------------------------------------------------------------ accept
 
