@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="IORING_OP_SEND_ZC for GET replies (default: when the kernel has it)")
     parser.set_defaults(transports="tcp,native,shm")
     args = parser.parse_args(args_in)
-    capacity, token, transports = _options(args)
+    capacity, token, transports = _options(args)[:3]  # shared validation with `kvfabric serve`
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
