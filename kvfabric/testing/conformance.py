@@ -21,11 +21,16 @@ from .servers import ServerPool, start_pool
 #: (server_kind, client_transport) pairs every test in the suite runs against.
 TRANSPORT_PAIRS: list[tuple[str, str]] = [
     ("python", "tcp"),
+    ("python", "native"),
+    ("native", "tcp"),
+    ("native", "native"),
+    ("native", "shm"),
 ]
 
 #: server kind -> extra keyword arguments for :func:`kvfabric.testing.servers.start_pool`.
 SERVER_KINDS: dict[str, dict[str, Any]] = {
     "python": {},
+    "native": {"module": "kvfabric.server.native"},  # csrc/ io_uring data plane
 }
 
 
