@@ -1,9 +1,13 @@
-"""The store: exact eviction order through the store, pins, leases, delete-while-pinned, checksums."""
+"""The store: exact eviction order through the store, pins, leases, delete-while-pinned, checksums;
+and the transport-independent handlers over it (no sockets)."""
 
 import pytest
 
+from kvfabric import protocol as P
+from kvfabric.errors import ErrorCode, ProtocolError
 from kvfabric.protocol import PutStatus, checksum
 from kvfabric.server.arena import PAGE_SIZE
+from kvfabric.server.handlers import Handlers
 from kvfabric.server.store import Slot, Store
 
 
@@ -248,3 +252,94 @@ def test_parent_is_passed_to_policy():
 def test_unknown_policy_name():
     with pytest.raises(ValueError, match="unknown eviction policy"):
         Store(4 * PAGE_SIZE, "nope")
+
+
+# ---------------------------------------------------------------- handlers over a store (no sockets)
+
+
+def _request(h, session, msg, rid=1):
+    head = P.encode_request(msg, rid)
+    header = h.parse_header(session, head[: P.HEADER_SIZE])
+    return header, h.decode(session, header, head[P.HEADER_SIZE :])
+
+
+def _reply_meta(reply):
+    header = P.unpack_header(reply.head[: P.HEADER_SIZE])
+    return header, P.decode_meta(reply.head[P.HEADER_SIZE :])
+
+
+def test_handlers_put_ingest_fills_slots_then_get_serves_views():
+    h = Handlers(make(8), server_id="test")
+    session = h.new_session("peer")
+    vals = [b"a" * 5000, b"b" * 7000, b"a" * 5000]
+    keys = [b"k1", b"k2", b"k1"]  # duplicate key inside one batch
+    header, msg = _request(h, session, P.PutRequest(keys, [len(v) for v in vals], [P.checksum(v) for v in vals]))
+    ingest = h.begin_put(session, header, msg)
+    for i, v in enumerate(vals):
+        view = ingest.reserve(i)
+        if view is not None:
+            view[:] = v
+            ingest.complete(i)
+    rheader, meta = _reply_meta(ingest.reply())
+    assert rheader.request_id == 1 and meta["status"] == [P.PutStatus.STORED, P.PutStatus.STORED, P.PutStatus.EXISTS]
+    header, msg = _request(h, session, P.GetRequest([b"k2", b"zz", b"k1"]), rid=2)
+    reply = h.handle(session, header, msg)
+    _, meta = _reply_meta(reply)
+    assert meta["sizes"] == [7000, -1, 5000]
+    assert [bytes(v) for v in reply.payload] == [vals[1], vals[0]]
+    assert h.store.stats()["pinned"] == 2
+    reply.release()
+    assert h.store.stats()["pinned"] == 0
+    h.store.check()
+
+
+def test_handlers_abort_returns_the_reserved_slot():
+    h = Handlers(make(8), server_id="test")
+    session = h.new_session("peer")
+    header, msg = _request(h, session, P.PutRequest([b"x"], [9000], [0]))
+    ingest = h.begin_put(session, header, msg)
+    assert ingest.reserve(0) is not None
+    assert h.store.arena.used_bytes == 3 * PAGE_SIZE
+    ingest.abort()  # the stream broke mid-payload
+    assert h.store.arena.used_bytes == 0 and len(h.store) == 0
+
+
+def test_handlers_require_auth_before_anything_but_hello():
+    h = Handlers(make(8), server_id="test", auth_token="tok")
+    session = h.new_session("peer")
+    with pytest.raises(ProtocolError) as e:
+        _request(h, session, P.PingRequest())
+    assert e.value.code == ErrorCode.AUTH_FAILED and e.value.fatal
+    big = P.ExistsRequest([b"k" * 16] * 400)  # metadata over the pre-auth 4 KiB
+    with pytest.raises(ProtocolError) as e:
+        _request(h, session, big)
+    assert e.value.code == ErrorCode.META_TOO_LARGE
+    header, msg = _request(h, session, P.HelloRequest(auth="wrong"))
+    with pytest.raises(ProtocolError) as e:
+        h.handle(session, header, msg)
+    assert e.value.code == ErrorCode.AUTH_FAILED
+    header, msg = _request(h, session, P.HelloRequest(auth="tok"))
+    _, meta = _reply_meta(h.handle(session, header, msg))
+    assert meta["server_id"] == "test" and meta["capacity"] == 8 * PAGE_SIZE
+    header, msg = _request(h, session, big)  # full limits once authenticated
+    _, meta = _reply_meta(h.handle(session, header, msg))
+    assert meta["present"] == [False] * 400
+
+
+def test_handlers_error_reply_counts_and_marks_fatal_codes():
+    h = Handlers(make(8), server_id="test")
+    r = h.error_reply(None, 99, 5, ProtocolError(ErrorCode.UNKNOWN_OPCODE, "nope"))
+    header, meta = _reply_meta(r)
+    assert header.is_error and header.request_id == 5 and meta["code"] == ErrorCode.UNKNOWN_OPCODE and not r.close
+    assert h.error_reply(None, 1, 6, ProtocolError(ErrorCode.BAD_MAGIC, "x")).close
+    assert h.stats()["errors"] == {"UNKNOWN_OPCODE": 1, "BAD_MAGIC": 1}
+
+
+def test_get_reply_is_capped_at_the_payload_limit():
+    s = make(8)
+    for i in range(4):
+        s.put(key(i), obj(i))
+    got = s.acquire([key(i) for i in range(4)], max_bytes=2 * PAGE_SIZE + 1)
+    assert got.sizes == [PAGE_SIZE, PAGE_SIZE, -1, -1]
+    got.release()
+    assert s.stats()["pinned"] == 0
