@@ -38,9 +38,9 @@ def test_lru_eviction_order_through_the_client(make_pool, make_client):
     rng = np.random.default_rng(6)
     rng.shuffle(order)
     for i in order[: SLOTS // 2]:
-        assert client.get([resident[i]]) == [value]
+        assert client.get([resident[i]]) == [value], repr(client.stats())
     for i in order[SLOTS // 2 :]:
-        assert client.lookup([resident[i]]) == 1
+        assert client.lookup([resident[i]]) == 1, repr(client.stats())
     client.exists(resident[::-1])  # must not change the order
     lru_order = [resident[i] for i in order]  # least recently used first
 
@@ -67,7 +67,7 @@ def test_getting_a_block_protects_it_from_eviction(make_pool, make_client):
     value = b"\x5a" * BLOCK
     client.put(keys[:SLOTS], [value] * SLOTS)
     buf = bytearray(BLOCK)
-    assert client.get_into([keys[0]], [buf]) == [BLOCK]  # oldest becomes most recent
+    assert client.get_into([keys[0]], [buf]) == [BLOCK], repr(client.stats())  # oldest becomes most recent
     client.put([keys[SLOTS]], [value])
     present = client.exists(keys)
     assert present[0] and not present[1] and all(present[2:])
