@@ -39,7 +39,7 @@ static struct io_uring_sqe *sqe_get(struct kvf_server *s)
 
 /* ---------------------------------------------------------------- listeners */
 
-static void arm_accept(struct kvf_server *s, int fd, char *tag)
+static void arm_accept(struct kvf_server *s, int fd, uint64_t *tag)
 {
     struct io_uring_sqe *q = sqe_get(s);
     if (!q) return;
@@ -375,7 +375,7 @@ static void on_sent(struct conn *c, int res)
 
 /* ---------------------------------------------------------------- accept */
 
-static void on_accept(struct kvf_server *s, char *tag, int res)
+static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
 {
     int is_unix = tag == &s->tag_unix;
     if (!s->stop) arm_accept(s, is_unix ? s->cfg.unix_fd : s->cfg.tcp_fd, tag);

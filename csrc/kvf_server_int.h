@@ -101,7 +101,7 @@ struct kvf_server {
     int64_t start_ms;
     struct kvf_server_counters ctr;
     uint64_t live_replies;
-    char tag_tcp, tag_unix, tag_efd; /* addresses used as user_data for listeners */
+    uint64_t tag_tcp, tag_unix, tag_efd; /* 8-aligned addresses used as user_data for listeners */
 };
 
 /* kvf_server.c */

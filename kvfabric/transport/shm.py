@@ -1,0 +1,332 @@
+"""The ``shm`` transport: same-host clients read and write the server's arena directly.
+
+How it works
+------------
+The native server (:mod:`kvfabric.server.native`) keeps its arena in a
+``memfd``. A same-host client connects to the server's TCP address, learns
+from the HELLO reply that it offers ``shm`` and the name of its unix socket
+(``shm_socket``, abstract namespace), connects there, says HELLO again, and
+asks for the arena (``SHM_ATTACH``): the reply carries the memfd
+(``SCM_RIGHTS``), which the client maps shared.
+
+* GET = ``SHM_LEASE`` (the server pins the found objects and answers their
+  offsets, sizes and checksums), one ``memcpy`` per object from the arena
+  into the caller's buffer with the GIL released (``_native.copy_out``), then
+  ``SHM_RELEASE`` (no reply awaited). One round trip plus one copy.
+* PUT = ``SHM_RESERVE`` (slots reserved for the objects that are not held
+  yet; a reserved slot is in no index, so nobody can read it), one copy per
+  object into its slot (``_native.copy_in``), then ``SHM_COMMIT`` with the
+  checksums: the server verifies each slot against its checksum before it
+  indexes it. Two round trips plus one copy.
+* Everything else (EXISTS, LOOKUP, DELETE, STATS, PING) is the ordinary
+  frame on the unix socket.
+
+Leases and reservations belong to the unix connection: when a client dies
+(or closes without releasing) the server releases its leases and frees its
+reserved slots as the connection closes.
+
+Trust: a process that maps the arena can write any byte of it. shm is for
+clients on the same host that the operator trusts as much as the server (the
+engine processes of one deployment); checksums still catch torn or corrupted
+objects (the client verifies every GET), but not a malicious writer that
+also forges checksums. Use ``tcp``/``native`` across trust boundaries.
+
+``connect`` raises :class:`~kvfabric.errors.TransportUnavailable` when the
+server is not on this host, does not offer ``shm``, or the extension is
+missing, so ``auto`` moves on to the next transport.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import mmap
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import protocol
+from ..errors import (
+    DeadlineExceeded,
+    NativeError,
+    ProtocolError,
+    TransportError,
+    TransportUnavailable,
+)
+from ..protocol import (
+    GetReply,
+    GetRequest,
+    Header,
+    HelloReply,
+    HelloRequest,
+    Message,
+    PutReply,
+    PutRequest,
+)
+from .base import Reply, parse_address
+from .native import NativeConnection
+from .native import probe as _native_probe
+
+try:
+    from .. import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+__all__ = ["ShmConnection", "connect", "probe", "OP_SHM_ATTACH", "OP_SHM_LEASE", "OP_SHM_RELEASE",
+           "OP_SHM_RESERVE", "OP_SHM_COMMIT"]
+
+# Same-host control opcodes (csrc/kvf_protocol.h); valid only on the unix socket.
+OP_SHM_ATTACH = 32
+OP_SHM_LEASE = 33
+OP_SHM_RELEASE = 34
+OP_SHM_RESERVE = 35
+OP_SHM_COMMIT = 36
+
+
+def probe() -> str | None:
+    """``None`` when shm can be used from this process (the C extension is built)."""
+    return _native_probe()
+
+
+def _is_local(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def connect(
+    address: str,
+    *,
+    timeout_s: float,
+    auth_token: str | None = None,
+    client_name: str = "kvfabric",
+) -> ShmConnection:
+    """Attach to the arena of the native server at ``address`` ("host:port", same host).
+
+    Raises ``TransportUnavailable`` (not on this host, no ``shm`` offered,
+    extension missing), ``TransportError``/``DeadlineExceeded`` when the server
+    cannot be reached in time, ``RemoteError`` when it refuses the HELLO.
+    """
+    reason = probe()
+    if reason is not None:
+        raise TransportUnavailable(reason)
+    host, port = parse_address(address)
+    if not _is_local(host):
+        raise TransportUnavailable(f"shm needs a server on this host; {address} is not a loopback address")
+    deadline = time.monotonic() + timeout_s
+    hello_meta = _tcp_hello(address, host, port, client_name, auth_token, deadline)
+    path = hello_meta.get("shm_socket")
+    if "shm" not in hello_meta.get("transports", ()) or not isinstance(path, str):
+        raise TransportUnavailable(f"server {address} does not offer shm")
+    usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    usock.settimeout(max(deadline - time.monotonic(), 0.001))
+    try:
+        usock.connect(path)
+    except OSError as e:
+        usock.close()
+        raise TransportUnavailable(f"cannot reach the shm socket of {address} (another host or namespace?): {e}") from e
+    conn = ShmConnection(usock, address)
+    try:
+        conn.hello = conn._hello(client_name, auth_token, deadline)
+        conn._attach(deadline)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _tcp_hello(address: str, host: str, port: int, client_name: str, auth_token: str | None, deadline: float) -> dict:
+    """HELLO over TCP, returning the raw reply metadata (it names the shm socket)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+    except TimeoutError as e:
+        raise DeadlineExceeded(f"connect to {address} timed out") from e
+    except OSError as e:
+        raise TransportError(f"cannot connect to {address}: {e}") from e
+    try:
+        sock.settimeout(None)
+        msg = HelloRequest(client=client_name, transports=("shm",), auth=auth_token)
+        lim = protocol.DEFAULT_LIMITS
+        try:
+            opcode, flags, rid, meta, plen, _ = _native.request(
+                sock.fileno(), int(msg.op), 1, protocol.encode_meta(msg.to_meta()), [], None,
+                lim.max_meta_bytes, lim.max_payload_bytes, deadline=deadline)
+        except NativeError as e:
+            raise TransportError(f"HELLO to {address} failed: {e}") from e
+        protocol.decode_reply(Header(opcode, flags, rid, len(meta), plen), meta, msg.op, lim)  # raises on errors
+        return protocol.decode_meta(meta, lim)
+    finally:
+        sock.close()
+
+
+class ShmConnection(NativeConnection):
+    """A unix-socket connection plus the mapped arena. Not thread-safe."""
+
+    name = "shm"
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        super().__init__(sock, address)
+        self._arena: mmap.mmap | None = None
+        self._view: memoryview | None = None
+
+    def close(self) -> None:
+        view, self._view = self._view, None
+        arena, self._arena = self._arena, None
+        if view is not None:
+            view.release()
+        if arena is not None:
+            try:
+                arena.close()
+            except BufferError:  # a caller still holds a view: the mapping goes with the object
+                pass
+        super().close()
+
+    def request(
+        self,
+        msg: Message,
+        payload_parts: Sequence[Any] = (),
+        recv_buffers: Sequence[Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Reply:
+        if isinstance(msg, GetRequest):
+            return self._get(msg, recv_buffers, deadline)
+        if isinstance(msg, PutRequest):
+            return self._put(msg, payload_parts, deadline)
+        return super().request(msg, payload_parts, recv_buffers, deadline=deadline)
+
+    # ------------------------------------------------------------------ shm ops
+
+    def _control(self, opcode: int, meta: dict, deadline: float | None, *, reply: bool = True) -> dict | None:
+        """One shm control frame (and its reply's metadata). Failures close the connection."""
+        if self._sock is None or self._view is None and opcode != OP_SHM_ATTACH:
+            from ..errors import ConnectionClosed
+
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        rid = self._next_id
+        self._next_id += 1
+        dl = 0.0 if deadline is None else deadline
+        lim = self._limits
+        try:
+            if not reply:
+                _native.send_frame(self._fd, opcode, 0, rid, protocol.encode_meta(meta), [], dl)
+                return None
+            opc, flags, got, mbytes, plen, _ = _native.request(
+                self._fd, opcode, rid, protocol.encode_meta(meta), [], None, lim.max_meta_bytes, 0, deadline=dl)
+            if got != rid or opc != opcode or plen:
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"unexpected reply to shm op {opcode}")
+            if flags & protocol.FLAG_ERROR:
+                protocol.decode_reply(Header(opc, flags, got, len(mbytes), plen), mbytes, protocol.Op.PING, lim)
+            return protocol.decode_meta(mbytes, lim)
+        except NativeError as e:
+            self.close()
+            raise TransportError(f"shm op to {self.address} failed: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach(self, deadline: float) -> None:
+        sock = self._sock
+        assert sock is not None
+        rid = self._next_id
+        self._next_id += 1
+        meta = protocol.encode_meta({})
+        _native.send_frame(self._fd, OP_SHM_ATTACH, 0, rid, meta, [], deadline)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            head, fds, _flags, _addr = socket.recv_fds(sock, protocol.HEADER_SIZE, 1)
+            try:
+                while len(head) < protocol.HEADER_SIZE:
+                    more = sock.recv(protocol.HEADER_SIZE - len(head))
+                    if not more:
+                        raise TransportError(f"{self.address} closed the shm socket during attach")
+                    head += more
+                header = protocol.unpack_header(head)
+                mbytes = b""
+                while len(mbytes) < header.meta_len:
+                    more = sock.recv(header.meta_len - len(mbytes))
+                    if not more:
+                        raise TransportError(f"{self.address} closed the shm socket during attach")
+                    mbytes += more
+                if header.is_error:
+                    protocol.decode_reply(header, mbytes, protocol.Op.PING)  # raises RemoteError
+                meta = protocol.decode_meta(mbytes)
+                if len(fds) != 1 or header.request_id != rid or type(meta.get("capacity")) is not int:
+                    raise ProtocolError(protocol.ErrorCode.MALFORMED, "shm attach reply without the arena")
+                self._arena = mmap.mmap(fds[0], meta["capacity"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                for fd in fds:
+                    import os
+
+                    os.close(fd)
+        except TimeoutError as e:
+            raise DeadlineExceeded(f"shm attach to {self.address} timed out") from e
+        except OSError as e:
+            raise TransportError(f"shm attach to {self.address} failed: {e}") from e
+        finally:
+            sock.settimeout(None)
+        self._view = memoryview(self._arena)
+
+    def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None) -> Reply:
+        n = len(msg.keys)
+        if recv_buffers is not None and len(recv_buffers) != n:
+            raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
+        meta = self._control(OP_SHM_LEASE, {"keys": list(msg.keys)}, deadline)
+        assert meta is not None
+        try:
+            offsets, sizes, sums = meta["offsets"], meta["sizes"], meta["checksums"]
+            if not (len(offsets) == len(sizes) == len(sums) == n):
+                self.close()
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
+            payload = None
+            if recv_buffers is None:
+                total = sum(s for s in sizes if s > 0)
+                payload = bytearray(total)
+                pv = memoryview(payload)
+                bufs, pos = [], 0
+                for s in sizes:
+                    bufs.append(pv[pos:pos + max(s, 0)])
+                    pos += max(s, 0)
+            else:
+                bufs = list(recv_buffers)
+            _native.copy_out(self._view, offsets, sizes, bufs, False)  # ValueError: nothing copied
+        finally:
+            if self._sock is not None:
+                self._control(OP_SHM_RELEASE, {"lease": meta.get("lease", 0)}, deadline, reply=False)
+        return Reply(GetReply(sizes=sizes, checksums=sums), payload)
+
+    def _put(self, msg: PutRequest, payload_parts: Sequence[Any], deadline: float | None) -> Reply:
+        parts = [memoryview(p).cast("B") for p in payload_parts]
+        if sum(p.nbytes for p in parts) != msg.payload_len():
+            raise ValueError(f"payload parts hold {sum(p.nbytes for p in parts)} bytes, the message announces "
+                             f"{msg.payload_len()}")
+        meta = self._control(OP_SHM_RESERVE, {"keys": list(msg.keys), "sizes": list(msg.sizes)}, deadline)
+        assert meta is not None
+        offsets = meta.get("offsets")
+        if not isinstance(offsets, list) or len(offsets) != len(msg.keys):
+            self.close()
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, "reserve reply does not match the keys")
+        # Cut the parts (any split) into pieces that each land in one slot.
+        dest, src = [], []
+        pi, po = 0, 0
+        for size, off in zip(msg.sizes, offsets):
+            left, at = size, off
+            while left:
+                p = parts[pi]
+                take = min(left, p.nbytes - po)
+                if off >= 0:
+                    dest.append(at)
+                    src.append(p[po:po + take])
+                at += take
+                left -= take
+                po += take
+                if po == p.nbytes:
+                    pi, po = pi + 1, 0
+            while pi < len(parts) and parts[pi].nbytes == 0:
+                pi += 1
+        _native.copy_in(self._view, dest, src)
+        done = self._control(OP_SHM_COMMIT, {"res": meta["res"], "checksums": list(msg.checksums)}, deadline)
+        assert done is not None
+        return Reply(PutReply(status=done["status"]))
