@@ -47,6 +47,7 @@ class _Entry:
 _TRANSPORTS: tuple[_Entry, ...] = (
     _Entry("tcp", "kvfabric.transport.tcp", rank=100),
     _Entry("native", "kvfabric.transport.native", rank=50),
+    _Entry("shm", "kvfabric.transport.shm", rank=10),
 )
 
 _modules: dict[str, ModuleType | str] = {}  # name -> module, or the reason it is unusable
