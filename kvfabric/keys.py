@@ -30,15 +30,16 @@ Golden vectors in ``tests/unit/test_keys.py`` pin this spec.
 
 from __future__ import annotations
 
+import array
 import enum
 import hashlib
 import hmac
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
 import msgpack
-import numpy as np
 import xxhash
 
 from .errors import ConfigError
@@ -125,10 +126,24 @@ def _sorted(obj: Any) -> Any:
 def pack_tokens(tokens: Any) -> bytes:
     """Token ids as little-endian uint32 bytes.
 
-    Accepts a sequence of ints, a numpy array or anything ``np.asarray`` takes
-    (a CPU torch tensor). Raises ``ValueError`` for ids outside 0..2**32-1 and
-    ``TypeError`` for non-integer input.
+    Accepts a list/tuple/range of ints, a numpy array or anything
+    ``np.asarray`` takes (a CPU torch tensor). Raises ``ValueError`` for ids
+    outside 0..2**32-1 and ``TypeError`` for non-integer input. Python
+    sequences are packed with :mod:`array` (numpy is imported only for other
+    inputs, which keeps it out of the server's import path).
     """
+    if isinstance(tokens, (list, tuple, range)):
+        try:
+            packed = array.array("I", tokens)
+        except OverflowError:
+            raise ValueError("token ids must be in 0..2**32-1") from None
+        except TypeError as exc:
+            raise TypeError(f"token ids must be integers: {exc}") from None
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed.tobytes()
+    import numpy as np
+
     arr = np.asarray(tokens)
     if arr.size == 0:
         return b""
@@ -141,6 +156,9 @@ def pack_tokens(tokens: Any) -> bytes:
         if lo < 0 or hi > 0xFFFFFFFF:
             raise ValueError(f"token ids must be in 0..2**32-1, got range {lo}..{hi}")
     return arr.astype("<u4", copy=False).tobytes()
+
+
+assert array.array("I").itemsize == 4, "kvfabric needs a 4-byte C unsigned int"
 
 
 class KeyHasher:
