@@ -291,7 +291,11 @@ class ShmConnection(NativeConnection):
                     pos += max(s, 0)
             else:
                 bufs = list(recv_buffers)
-            _native.copy_out(self._view, offsets, sizes, bufs, False)  # ValueError: nothing copied
+                for i, (size, b) in enumerate(zip(sizes, bufs)):
+                    nbytes = memoryview(b).nbytes
+                    if size > nbytes:  # checked before anything is copied; the lease is released below
+                        raise ValueError(f"GET buffer {i} holds {nbytes} bytes, the object has {size}")
+            _native.copy_out(self._view, offsets, sizes, bufs, False)
         finally:
             if self._sock is not None:
                 self._control(OP_SHM_RELEASE, {"lease": meta.get("lease", 0)}, deadline, reply=False)
