@@ -1,0 +1,58 @@
+"""The golden conversation shared by the Python protocol module and the C data plane.
+
+``CASES`` is a fixed sequence of requests to a fresh server and the exact
+reply each must produce. ``golden_frames.json`` (checked in) holds their bytes;
+``test_golden.py`` checks that :mod:`kvfabric.protocol` still encodes exactly
+those bytes and that the C server (csrc/) answers with exactly those bytes.
+Regenerate the file only for a deliberate wire change:
+``python tests/native/native_golden.py > tests/native/golden_frames.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvfabric import protocol as p
+
+K1 = bytes(range(16))
+K2 = bytes(range(16, 48))
+MISSING = b"\xff" * 16
+ABC = b"abc"
+
+# (name, request message, request payload, reply message, reply payload)
+CASES = [
+    ("ping", p.PingRequest(), b"", p.PingReply(), b""),
+    ("put", p.PutRequest(keys=[K1, K2], sizes=[3, 0], checksums=[p.checksum(ABC), p.checksum(b"")],
+                         parents=[None, K1]), ABC, p.PutReply(status=[0, 0]), b""),
+    ("put_again", p.PutRequest(keys=[K1], sizes=[3], checksums=[p.checksum(ABC)]), ABC,
+     p.PutReply(status=[1]), b""),
+    ("put_bad_checksum", p.PutRequest(keys=[MISSING], sizes=[3], checksums=[1]), ABC, p.PutReply(status=[4]), b""),
+    ("get", p.GetRequest(keys=[K1, MISSING, K2]), b"",
+     p.GetReply(sizes=[3, -1, 0], checksums=[p.checksum(ABC), 0, p.checksum(b"")]), ABC),
+    ("exists", p.ExistsRequest(keys=[K1, MISSING]), b"", p.ExistsReply(present=[True, False]), b""),
+    ("lookup", p.LookupRequest(keys=[K1, K2, MISSING, K1]), b"", p.LookupReply(count=2), b""),
+    ("delete", p.DeleteRequest(keys=[K2, MISSING]), b"", p.DeleteReply(deleted=1), b""),
+]
+
+CHECKSUM_INPUTS = [b"", b"a", b"abc", bytes(range(256)) * 17, b"\x00" * 4096]
+
+
+def frames() -> dict:
+    """Every golden frame as hex, as protocol.py encodes it today."""
+    out = {"cases": [], "checksums": []}
+    for i, (name, req, req_payload, rep, rep_payload) in enumerate(CASES, start=1):
+        out["cases"].append({
+            "name": name,
+            "request": (p.encode_request(req, i) + req_payload).hex(),
+            "reply": (p.encode_reply(rep, i) + rep_payload).hex(),
+        })
+    for data in CHECKSUM_INPUTS:
+        out["checksums"].append({"data": data.hex(), "xxh3_64": p.checksum(data)})
+    out["error_unknown_opcode"] = p.encode_error(99, 7, p.ErrorCode.UNKNOWN_OPCODE, "unknown opcode").hex()
+    return out
+
+
+if __name__ == "__main__":
+    json.dump(frames(), sys.stdout, indent=1)
+    sys.stdout.write("\n")
