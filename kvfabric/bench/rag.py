@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..server.eviction import POLICIES
 from . import ragtrace
-from .replay import add_common_arguments, options_from_args
+from .replay import add_common_arguments, exit_on_sigterm, options_from_args
 from .sweep import _floats, plot, print_sweep, print_report, sweep_trace
 from .traces import write_trace
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ragtrace.add_arguments(p)
     add_common_arguments(p, block_tokens=False)
     args = p.parse_args(argv)
+    exit_on_sigterm()
     policies = [x for x in args.policies.split(",") if x]
     t0 = time.perf_counter()
     try:

@@ -10,7 +10,7 @@ possible, or ``--timed`` with ``--speedup``):
 1. LOOKUP the prompt's block keys: the leading run the pool holds is the
    *exists* level;
 2. GET those blocks into one preallocated buffer with a deadline of
-   ``--deadline-ms``: a block counts as *loaded* only if it arrived, whole,
+   ``--deadline-ms`` (LOOKUP and PUT get ``--timeout-s``): a block counts as *loaded* only if it arrived, whole,
    with the bytes that were PUT for its key, and every earlier block did too;
 3. *useful*: the loaded blocks count only if the GET finished faster than
    recomputing their tokens at ``--prefill-tokens-per-s`` would have;
@@ -68,7 +68,8 @@ class ReplayOptions:
     policies: list[str] = field(default_factory=lambda: ["lru", "prefix-lfu"])
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
-    deadline_ms: float = 500.0
+    deadline_ms: float = 2000.0
+    timeout_s: float = 30.0
     timed: bool = False
     speedup: float = 1.0
     salt: int = 0
@@ -88,6 +89,8 @@ class ReplayOptions:
             raise ValueError(f"--bytes-per-token must be in 1..{LLAMA31_8B_BYTES_PER_TOKEN * 8}")
         if not self.prefill_tokens_per_s > 0 or not self.deadline_ms > 0 or not self.speedup > 0:
             raise ValueError("--prefill-tokens-per-s, --deadline-ms and --speedup must be > 0")
+        if not 0 < self.timeout_s <= 3600:
+            raise ValueError("--timeout-s must be in (0, 3600]")
 
 
 def payload_for(key: bytes, nbytes: int) -> bytes:
@@ -122,7 +125,11 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
     views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(max_blocks)]
     bt = trace.block_tokens
     bar = _progress(len(trace), desc, opt.progress)
-    cfg = ClientConfig(timeout_s=max(2.0, opt.deadline_ms / 1000.0 * 4), transport="auto")
+    # LOOKUP and PUT get a generous timeout: a shard that misses it is marked
+    # down and its keys miss / its puts drop, which would charge CPU
+    # contention on this machine to the eviction policy. GET has the
+    # request's deadline (the loaded level).
+    cfg = ClientConfig(timeout_s=opt.timeout_s, transport="auto")
     t_start = time.perf_counter()
     with Client(list(addresses), config=cfg) as client:
         t_start = time.perf_counter()
@@ -172,7 +179,8 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
             levels["useful"].add(trace, i, useful)
             bar.update(1)
         wall = time.perf_counter() - t_start
-        server_stats = client.stats().get("servers", {})
+        all_stats = client.stats()
+        server_stats = all_stats.get("servers", {})
     bar.close()
     return {
         "levels": {k: v.as_dict() for k, v in levels.items()},
@@ -182,6 +190,7 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
         "wall_s": wall,
         "requests_per_s": len(trace) / wall if wall > 0 else None,
         "get_mb_per_s": moved["get_bytes"] / sum(lat["get"]) / 1e6 if sum(lat["get"]) > 0 else None,
+        "client": {k: v for k, v in all_stats.get("client", {}).items() if isinstance(v, (int, float))},
         "servers": {a: {k: s.get(k) for k in ("policy", "capacity", "objects", "evictions", "hits", "misses")}
                     for a, s in server_stats.items() if isinstance(s, dict)},
     }
@@ -220,7 +229,7 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         "unique_blocks": trace.unique_blocks, "block_tokens": trace.block_tokens,
         "bytes_per_token": opt.bytes_per_token, "block_bytes": block_bytes,
         "prefill_tokens_per_s": opt.prefill_tokens_per_s, "deadline_ms": opt.deadline_ms,
-        "timed": opt.timed, "speedup": opt.speedup, "salt": opt.salt, "runs": [],
+        "timed": opt.timed, "speedup": opt.speedup, "salt": opt.salt, "timeout_s": opt.timeout_s, "runs": [],
     }
     if opt.servers:
         from ..client import Client
@@ -296,6 +305,13 @@ def print_report(report: dict[str, Any], out=None) -> None:
           "request by request", file=out)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so ``with start_pool(...)`` stops the local servers on the way out."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) -> None:
     """Replay flags shared by replay, sweep and rag (rag's generator owns ``--block-tokens``)."""
     p.add_argument("--shards", type=int, default=2, help="local servers to start per policy (default 2)")
@@ -303,7 +319,8 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
                    help="payload bytes per token (default 16 = Llama-3.1-8B's 131072 scaled 1/8192)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
                    help="recompute rate for the useful level (default 8000)")
-    p.add_argument("--deadline-ms", type=float, default=500.0, help="GET deadline per request (default 500)")
+    p.add_argument("--deadline-ms", type=float, default=2000.0, help="GET deadline per request (default 2000)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="LOOKUP/PUT timeout (default 30)")
     p.add_argument("--timed", action="store_true", help="follow the trace's timestamps (default: as fast as possible)")
     p.add_argument("--speedup", type=float, default=1.0, help="with --timed, replay this many times faster")
     p.add_argument("--salt", type=int, default=None, help="key salt (default 0; random with --servers)")
@@ -319,7 +336,8 @@ def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
     servers = [s for s in (getattr(args, "servers", None) or "").split(",") if s] or None
     salt = args.salt if args.salt is not None else (random.getrandbits(63) if servers else 0)
     kw = dict(shards=args.shards, bytes_per_token=args.bytes_per_token, prefill_tokens_per_s=args.prefill_tokens_per_s,
-              deadline_ms=args.deadline_ms, timed=args.timed, speedup=args.speedup, salt=salt, servers=servers,
+              deadline_ms=args.deadline_ms, timeout_s=args.timeout_s, timed=args.timed, speedup=args.speedup,
+              salt=salt, servers=servers,
               check_sim=not args.no_check_sim, progress=not args.no_progress)
     kw.update(over)
     return ReplayOptions(**kw)
@@ -336,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report here (default bench-results/replay-<trace>.json)")
     add_common_arguments(p)
     args = p.parse_args(argv)
+    exit_on_sigterm()
     try:
         trace = load_trace(args.trace, args.block_tokens, args.limit)
         opt = options_from_args(args, capacity=args.capacity, policies=args.policy or ["lru", "prefix-lfu"])

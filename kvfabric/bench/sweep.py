@@ -28,7 +28,14 @@ from typing import Any
 
 from ..server.eviction import POLICIES
 from .belady import belady, infinite, reuse_oracle
-from .replay import ReplayOptions, add_common_arguments, options_from_args, print_report, run_replay
+from .replay import (
+    ReplayOptions,
+    add_common_arguments,
+    exit_on_sigterm,
+    options_from_args,
+    print_report,
+    run_replay,
+)
 from .simulate import default_servers, gap_closed, shard_capacity, simulate
 from .traces import Trace, TraceError, load_trace
 
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default="bench-results/sweep.png")
     add_common_arguments(p)
     args = p.parse_args(argv)
+    exit_on_sigterm()
     policies = [x for x in args.policies.split(",") if x]
     try:
         for pol in policies:
