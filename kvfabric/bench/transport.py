@@ -19,8 +19,12 @@ threads and server-process counts), in separate processes on loopback:
   same bytes. This is the bar for the pure-Python ``tcp`` transport;
   the target is GET 1 MiB, one thread, >= 0.5x.
 
-Other ceilings (a C socket loop, memcpy) register themselves with
-:func:`register_ceiling`; every figure is printed as a ratio to
+Ceilings and transports are measured interleaved, cell by cell, ``--repeat``
+times each, and the median is reported, so a figure and the ceiling it is
+divided by were taken seconds apart under the same machine load.
+
+Other ceilings (a C socket loop, memcpy) subclass :class:`Ceiling` and
+register with :func:`register_ceiling`; every figure is printed as a ratio to
 ``python-socket`` and, in the JSON, to every ceiling measured.
 
 Prints a table; writes JSON (``--out``, default bench-results/transport.json).
