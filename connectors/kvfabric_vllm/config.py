@@ -12,9 +12,9 @@ chunk_tokens       256       tokens per pool object; a multiple of vLLM's block 
 model_id           (model)   id bound into keys; set it when engines load the same
                              weights from different paths
 tenant             ""        bound into keys: caches of different tenants never mix
-lookup_timeout_ms  200       after this the lookup answers "no hit" (scheduler
+lookup_timeout_ms  1000      after this the lookup answers "no hit" (scheduler
                              never waits longer; it is asked again meanwhile)
-lookup_wait_ms     5         how long the scheduler waits inline for a lookup
+lookup_wait_ms     20        how long the scheduler waits inline for a lookup
                              before answering "ask me later"
 lease_ms           30000     the pool pins what a lookup found for this long
 load_timeout_s     5.0       deadline of one step's pool reads (then recompute)
@@ -55,8 +55,8 @@ class ConnectorConfig:
     chunk_tokens: int = 256
     model_id: str | None = None
     tenant: str = ""
-    lookup_timeout_ms: int = 200
-    lookup_wait_ms: int = 5
+    lookup_timeout_ms: int = 1000
+    lookup_wait_ms: int = 20
     lease_ms: int = 30_000
     load_timeout_s: float = 5.0
     save_timeout_s: float = 10.0
@@ -120,14 +120,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     if not isinstance(tenant, str):
         raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {tenant!r}")
     load_default, save_default = _ROLES[kv_role]
-    lookup_timeout_ms = _int(extra, "lookup_timeout_ms", 200, 1, 60_000)
+    lookup_timeout_ms = _int(extra, "lookup_timeout_ms", 1000, 1, 60_000)
     return ConnectorConfig(
         client=client,
         chunk_tokens=chunk,
         model_id=model_id,
         tenant=tenant,
         lookup_timeout_ms=lookup_timeout_ms,
-        lookup_wait_ms=_int(extra, "lookup_wait_ms", min(5, lookup_timeout_ms), 0, lookup_timeout_ms),
+        lookup_wait_ms=_int(extra, "lookup_wait_ms", min(20, lookup_timeout_ms), 0, lookup_timeout_ms),
         lease_ms=_int(extra, "lease_ms", 30_000, 0, 3_600_000),
         load_timeout_s=_float(extra, "load_timeout_s", 5.0, 0, 600),
         save_timeout_s=_float(extra, "save_timeout_s", 10.0, 0, 600),

@@ -8,8 +8,9 @@ holds.
 Lookup never blocks the scheduler for long: the first call starts the lookup
 on a background thread and waits at most ``lookup_wait_ms`` for it (a
 loopback lookup answers well within that); if it has not answered, vLLM is
-told "ask again later" (``None``) and skips the request for this step; past
-``lookup_timeout_ms`` the answer is "no hit". A lookup that fails is "no
+told "ask again later" (``None``) and skips the request for this step (each
+later call waits at most 2 ms more); past ``lookup_timeout_ms`` the answer
+is "no hit". A lookup that fails is "no
 hit" too (counted, warned once). The lookup takes a lease so the chunks found
 are not evicted before the load.
 
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
+
+_POLL_WAIT_S = 0.002   # per later call while a lookup is pending
 
 
 @dataclass
@@ -111,11 +114,17 @@ class SchedulerSide:
             self.counters.add("lookups")
             st.lookup_t0 = time.monotonic()
             st.lookup = self._pool.submit(self._lookup_all_ranks, [k[:n_chunks] for k in st.keys])
-            if self.cfg.lookup_wait_ms:
-                try:
-                    st.lookup.result(timeout=self.cfg.lookup_wait_ms / 1000)
-                except Exception:  # noqa: BLE001 - timeout or failure, both handled below
-                    pass
+            wait_s = self.cfg.lookup_wait_ms / 1000
+        else:
+            # vLLM asks again at its next step; when nothing else is running
+            # that is at once, so wait a little (GIL released) instead of
+            # letting the engine loop spin against the lookup thread.
+            wait_s = min(_POLL_WAIT_S, self.cfg.lookup_wait_ms / 1000)
+        if wait_s and not st.lookup.done():
+            try:
+                st.lookup.result(timeout=wait_s)
+            except Exception:  # noqa: BLE001 - timeout or failure, both handled below
+                pass
         if st.lookup.done():
             try:
                 st.pool_run = st.lookup.result()

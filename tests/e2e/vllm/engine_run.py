@@ -59,7 +59,9 @@ def main() -> int:
         from kvfabric_vllm.metrics import all_counters
 
         counters = all_counters()
-    llm.llm_engine.engine_core.shutdown() if args.mp else None
+    # Shut the engine down here so the connector's pending saves are flushed
+    # (its shutdown waits for them) before this process reports and exits.
+    llm.llm_engine.engine_core.shutdown()
     with open(args.out, "w") as f:
         json.dump({"outputs": outputs, "cached": cached, "counters": counters}, f)
     return 0

@@ -1,0 +1,83 @@
+"""Fixtures for the end-to-end tests on real vLLM (run in .venvs/vllm: scripts/ci-vllm.sh).
+
+Every engine runs in its own process (``engine_run.py``), so "a second,
+independently started engine" really is one. The tiny model is built once
+per session in a temporary directory (no download). The cold reference is
+one engine without the connector over every prompt of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs real vLLM: run scripts/ci-vllm.sh")
+
+from kvfabric_vllm.tinymodel import build_tiny_llama, random_prompt  # noqa: E402
+
+HERE = Path(__file__).parent
+CHUNK = 256
+PROMPT_TOKENS = 1500
+# whole chunks that can be loaded: the last prompt token is always computed
+LOADABLE = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
+PROMPTS = {name: random_prompt(PROMPT_TOKENS, seed=seed) for seed, name in
+           enumerate(["single", "spread", "killed", "down", "mp_new", "openai"], start=11)}
+ENGINE_TIMEOUT_S = 420
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+class EngineRunner:
+    """Runs ``engine_run.py`` in a fresh process and returns its result dict."""
+
+    def __init__(self, model: str, workdir: Path) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.n = 0
+
+    def __call__(self, names: list[str], servers: list[str] | None = None, *, mp: bool = False,
+                 max_tokens: int = 12) -> dict:
+        self.n += 1
+        prompts = self.workdir / f"prompts{self.n}.json"
+        out = self.workdir / f"result{self.n}.json"
+        prompts.write_text(json.dumps([PROMPTS[n] for n in names]))
+        cmd = [sys.executable, str(HERE / "engine_run.py"), "--model", self.model, "--prompts", str(prompts),
+               "--out", str(out), "--chunk-tokens", str(CHUNK), "--max-tokens", str(max_tokens)]
+        if servers:
+            cmd += ["--servers", ",".join(servers)]
+        if mp:
+            cmd.append("--mp")
+        env = dict(os.environ, PYTHONHASHSEED=str(self.n))  # engines must not depend on it
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env)
+        if proc.returncode != 0:
+            raise AssertionError(f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        result = json.loads(out.read_text())
+        result["log"] = proc.stderr
+        return dict(result, by_name=dict(zip(names, zip(result["outputs"], result["cached"]))))
+
+
+@pytest.fixture(scope="session")
+def run_engine(tiny_model, tmp_path_factory) -> EngineRunner:
+    return EngineRunner(tiny_model, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="session")
+def cold(run_engine) -> dict[str, list[int]]:
+    """Greedy outputs of an engine without any connector, per prompt name."""
+    names = list(PROMPTS)
+    res = run_engine(names)
+    assert res["cached"] == [0] * len(names)
+    return {n: out for n, out in zip(names, res["outputs"])}

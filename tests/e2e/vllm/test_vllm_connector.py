@@ -1,0 +1,76 @@
+"""End-to-end: real vLLM engines (CPU, float32, tiny random Llama) on real pool servers.
+
+Prefix caching is off in every engine, so any cached token came from the pool.
+Every engine is its own process (``engine_run.py``); ``cold`` is an engine
+without the connector.
+"""
+
+from __future__ import annotations
+
+from kvfabric.client import Client
+from kvfabric.testing.servers import start_pool
+
+from conftest import CHUNK, LOADABLE, PROMPTS
+
+SAVED = len(PROMPTS["single"]) // CHUNK   # whole chunks a 1500-token prompt saves
+LOADED = LOADABLE // CHUNK                # whole chunks it can load (last token computed)
+
+
+def pool_stats(addresses: list[str]) -> dict[str, dict]:
+    with Client(addresses) as c:
+        return c.stats()["servers"]
+
+
+def test_second_engine_loads_prefix_then_multiprocess_engine(run_engine, cold):
+    with start_pool(1, capacity="64MiB") as pool:
+        a = run_engine(["single"], pool.addresses)
+        assert a["cached"] == [0]                   # empty pool: a cold run
+        assert a["outputs"] == [cold["single"]]
+        assert a["counters"]["save_chunks"] == SAVED
+
+        b = run_engine(["single"], pool.addresses)  # independent process, other PYTHONHASHSEED
+        assert b["cached"][0] >= LOADABLE, b["counters"]
+        assert b["outputs"] == [cold["single"]]
+        assert b["counters"]["load_chunks"] == LOADED
+        assert b["counters"]["load_failed_chunks"] == 0
+
+        # vLLM's default mode: engine core (scheduler + worker) in a child process
+        before = pool_stats(pool.addresses)[pool.addresses[0]]
+        m = run_engine(["single", "mp_new"], pool.addresses, mp=True)
+        assert m["cached"][0] >= LOADABLE
+        assert m["outputs"] == [cold["single"], cold["mp_new"]]
+        after = pool_stats(pool.addresses)[pool.addresses[0]]
+        assert after["hits"] - before["hits"] >= LOADED
+        assert after["objects"] - before["objects"] == SAVED   # it saved its new prompt too
+
+
+def test_two_servers_chunks_spread_then_shard_killed(run_engine, cold):
+    with start_pool(2, capacity="64MiB") as pool:
+        a = run_engine(["spread", "killed"], pool.addresses)
+        assert a["cached"] == [0, 0]
+        stats = pool_stats(pool.addresses)
+        assert all(s["objects"] > 0 for s in stats.values()), stats   # chunks on both servers
+        assert sum(s["objects"] for s in stats.values()) == 2 * SAVED
+
+        b = run_engine(["spread"], pool.addresses)
+        assert b["cached"][0] >= LOADABLE, b["counters"]
+        assert b["outputs"] == [cold["spread"]]
+        hits = {addr: s["hits"] for addr, s in pool_stats(pool.addresses).items()}
+        assert all(h > 0 for h in hits.values()), hits  # the load read from both servers
+
+        pool[1].kill()   # a shard dies between the runs
+        c = run_engine(["killed"], pool.addresses)
+        assert c["outputs"] == [cold["killed"]]     # identical to cold, nothing raised
+        assert c["cached"][0] < LOADABLE            # the dead shard's chunks were recomputed
+        assert c["counters"]["load_errors"] == 0
+
+
+def test_pool_down_serves_identically(run_engine, cold):
+    with start_pool(1, capacity="16MiB") as pool:
+        dead = pool.addresses
+    # the server is gone: its port refuses connections from the start
+    r = run_engine(["down", "single"], dead)
+    assert r["outputs"] == [cold["down"], cold["single"]]
+    assert r["cached"] == [0, 0]
+    assert r["counters"]["save_dropped_chunks"] == 2 * SAVED   # counted ...
+    assert r["log"].count("the pool did not take") == 1      # ... and warned once
