@@ -27,6 +27,11 @@ TRANSPORT_PAIRS: list[tuple[str, str]] = [
     ("native", "shm"),
 ]
 
+#: client transports whose GET reply payloads travel in the TCP byte stream
+#: (so a proxy on that stream can corrupt them); ``shm`` copies from a shared
+#: arena instead, and its corruption check has to be exercised on the arena.
+SOCKET_PAYLOAD_TRANSPORTS: frozenset[str] = frozenset({"tcp", "native"})
+
 #: server kind -> extra keyword arguments for :func:`kvfabric.testing.servers.start_pool`.
 SERVER_KINDS: dict[str, dict[str, Any]] = {
     "python": {},
@@ -50,4 +55,4 @@ def start_pool_of(server_kind: str, n: int, **kwargs: Any) -> ServerPool:
     return start_pool(n, **merged)
 
 
-__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "pair_id", "start_pool_of"]
+__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "SOCKET_PAYLOAD_TRANSPORTS", "pair_id", "start_pool_of"]
