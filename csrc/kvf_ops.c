@@ -323,11 +323,13 @@ static void op_put(struct conn *c, struct meta m)
     kvf_ops_batch_step(c);
 }
 
-static void finish_object(struct conn *c, uint32_t i)
+/* received: the object arrived through RS_OBJ and was hashed chunk by chunk */
+static void finish_object(struct conn *c, uint32_t i, int received)
 {
     struct kvf_server *s = c->srv;
     struct batch *b = &c->b;
-    if (XXH3_64bits(s->base + b->offs[i], b->sizes[i]) != b->csums[i]) {
+    uint64_t sum = received ? kvf_conn_obj_digest(c) : XXH3_64bits(s->base + b->offs[i], b->sizes[i]);
+    if (sum != b->csums[i]) {
         kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
         b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
         return;
@@ -340,7 +342,7 @@ static void finish_object(struct conn *c, uint32_t i)
 
 void kvf_ops_object_done(struct conn *c)
 {
-    finish_object(c, c->b.cur);
+    finish_object(c, c->b.cur, 1);
     c->b.cur++;
     kvf_ops_batch_step(c);
 }
@@ -412,7 +414,7 @@ void kvf_ops_batch_step(struct conn *c)
             b->cur++;
             continue;
         }
-        if (b->sizes[i] == 0) { finish_object(c, i); b->cur++; continue; }
+        if (b->sizes[i] == 0) { finish_object(c, i, 0); b->cur++; continue; }
         kvf_conn_recv_into(c, s->base + b->offs[i], b->sizes[i], RS_OBJ);
         return;
     }

@@ -22,6 +22,9 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+
 enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
 #define TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
 #define ZC_MIN 16384u          /* smaller objects are cheaper to copy than to pin */
@@ -157,6 +160,7 @@ static void conn_destroy(struct conn *c)
         kvf_store_unreserve(s->st, c->b.offs[c->b.cur], c->b.sizes[c->b.cur]);
     kvf_batch_free(&c->b);
     close(c->fd);
+    if (c->xxh) XXH3_freeState(c->xxh);
     free(c->meta);
     free(c->scratch);
     if (c->prev) c->prev->next = c->next; else s->conns = c->next;
@@ -176,6 +180,7 @@ static void post_recv(struct conn *c)
     if (!q) { conn_close(c); return; }
     uint64_t n = c->want - c->got;
     if (n > (1u << 30)) n = 1u << 30;
+    if (c->rs == RS_OBJ && n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
     q->opcode = IORING_OP_RECV;
     q->fd = c->fd;
     q->addr = (uint64_t)(uintptr_t)(c->rbuf + c->got);
@@ -188,6 +193,10 @@ static void post_recv(struct conn *c)
 
 void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
 {
+    if (stage == RS_OBJ) {
+        if (!c->xxh && !(c->xxh = XXH3_createState())) { conn_close(c); return; }
+        XXH3_64bits_reset(c->xxh);
+    }
     c->rs = stage;
     c->rbuf = buf;
     c->want = n;
@@ -211,6 +220,8 @@ void kvf_conn_next_request(struct conn *c)
     if (c->nreplies >= c->srv->cfg.max_in_flight) { c->rs = RS_BLOCKED; return; }
     kvf_conn_recv_into(c, &c->hdr, KVF_HEADER_SIZE, RS_HDR);
 }
+
+uint64_t kvf_conn_obj_digest(struct conn *c) { return XXH3_64bits_digest(c->xxh); }
 
 void kvf_conn_park(struct conn *c, uint64_t bytes)
 {
@@ -254,6 +265,7 @@ static void on_recv(struct conn *c, int res)
 {
     c->recv_posted = 0;
     if (res <= 0 || c->closing) { conn_close(c); return; }
+    if (c->rs == RS_OBJ) XXH3_64bits_update(c->xxh, c->rbuf + c->got, (size_t)res);
     c->got += (uint64_t)res;
     if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
     if (c->got < c->want) { post_recv(c); return; }

@@ -14,6 +14,10 @@
 #include "kvf_uring.h"
 
 enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP };
+
+/* A PUT object is received in chunks of this size, each hashed while it is
+ * still in cache and while the next one is on its way. */
+#define KVF_OBJ_CHUNK (256u << 10)
 enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
 
 struct seg {
@@ -70,6 +74,7 @@ struct conn {
     uint8_t *rbuf;                 /* where the current recv goes */
     uint64_t want, got;
     uint64_t drain_left;           /* RS_DRAIN: bytes still to discard */
+    void *xxh;                     /* XXH3 state: a PUT object is hashed chunk by chunk as it lands */
     int pend_code;                 /* error to answer once a rejected payload is drained */
     char pend_msg[160];
     int recv_posted, send_posted;
@@ -115,6 +120,7 @@ void kvf_conn_drain(struct conn *c, uint64_t n);
 void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
 void kvf_conn_next_request(struct conn *c);
 void kvf_conn_park(struct conn *c, uint64_t bytes);
+uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
 
 /* kvf_ops.c */
 void kvf_ops_request(struct conn *c);          /* header + meta are in */

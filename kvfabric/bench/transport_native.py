@@ -1,0 +1,270 @@
+"""``kvfabric bench transport-native``: the native and shm data paths against their C ceilings.
+
+One client, loopback, GET and PUT of ``--size`` blocks (default 1 MiB),
+``--batch`` blocks per request (default 1). Measured in one run, interleaved
+cell by cell (``--repeat`` times, median reported) so every figure and the
+ceiling it is divided by were taken seconds apart under the same load:
+
+ceilings
+  * ``c-socket``: a C client thread and a C server thread on loopback TCP
+    doing the same request/reply exchange with plain blocking send/recv
+    (``_native.socket_ceiling``): what any socket transport can reach here;
+  * ``memcpy``: one thread copying the block between two warm buffers
+    (``_native.memcpy_ceiling``): what a one-copy shm path can reach;
+  * ``python-socket``: the pure-Python socket loop of ``kvfabric bench
+    transport`` (the reference for ``tcp``).
+
+paths (each against a fresh server process)
+  * ``tcp``: pure-Python client, Python server (the reference);
+  * ``tcp>native``: pure-Python client, native (io_uring) server;
+  * ``native``: C client, native server;
+  * ``native>py``: C client, Python server;
+  * ``shm``: same-host client, native server.
+
+The client side is the transport's ``Connection.request`` (checksums of PUT
+objects are computed once up front; GET replies land in a reused buffer and
+are not re-hashed), so the figures are the transport's, not the client's
+routing or hashing. For each path the server process's CPU time (utime +
+stime from /proc) is divided by the bytes moved: server CPU seconds per GB.
+
+Targets (issue 3): native >= 0.9x c-socket, shm >= 0.5x memcpy, both above
+tcp. Prints a table; writes JSON (``--out``, default
+bench-results/transport_native.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .. import protocol
+from ..config import ClientConfig, parse_size
+
+MiB = 1 << 20
+
+# path name -> (server module, client transport)
+PATHS = {
+    "tcp": ("kvfabric", "tcp"),
+    "tcp>native": ("kvfabric.server.native", "tcp"),
+    "native": ("kvfabric.server.native", "native"),
+    "native>py": ("kvfabric", "native"),
+    "shm": ("kvfabric.server.native", "shm"),
+}
+
+
+@dataclass
+class Row:
+    name: str
+    op: str
+    size: int
+    batch: int
+    gbps: float = 0.0
+    p50_us: float = 0.0
+    server_cpu_s_per_gb: float | None = None
+    samples: list[float] = field(default_factory=list)
+    ratio: dict[str, float] = field(default_factory=dict)
+
+
+def _proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Path:
+    """A server process and one connection to it with the path's transport."""
+
+    def __init__(self, name: str, size: int, batch: int, capacity: str) -> None:
+        from .. import transport
+        from ..testing.servers import start_server
+
+        module, tname = PATHS[name]
+        self.name, self.size, self.batch = name, size, batch
+        self.server = start_server(capacity=capacity, module=module,
+                                   extra_args=["--transports", "tcp,native,shm"] if module != "kvfabric" else [])
+        try:
+            self.conn = transport.connect(tname, self.server.address, ClientConfig(connect_timeout_s=10))
+        except BaseException:
+            self.server.kill()
+            raise
+        rng = np.random.default_rng(7)
+        self.values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
+        self.sums = [protocol.checksum(v) for v in self.values]
+        self.dest = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
+        self.get_keys = [os.urandom(16) for _ in range(batch)]
+        self._put(self.get_keys)
+
+    def _put(self, keys: list[bytes]) -> int:
+        msg = protocol.PutRequest(keys=keys, sizes=[self.size] * len(keys), checksums=self.sums[: len(keys)])
+        status = self.conn.request(msg, self.values[: len(keys)]).msg.status
+        if any(s not in (0, 1) for s in status):
+            raise RuntimeError(f"{self.name}: PUT failed with status {status}")
+        return self.size * len(keys)
+
+    def measure(self, op: str, duration: float) -> tuple[float, float, float, float]:
+        """(seconds, bytes, server cpu seconds, p50 latency s) of repeated requests for ``duration``."""
+        get = protocol.GetRequest(keys=self.get_keys)
+        lat = []
+        moved = 0
+        cpu0 = _proc_cpu_s(self.server.pid)
+        t0 = time.perf_counter()
+        end = t0 + duration
+        while True:
+            a = time.perf_counter()
+            if op == "get":
+                rep = self.conn.request(get, recv_buffers=self.dest).msg
+                if min(rep.sizes) < 0:
+                    raise RuntimeError(f"{self.name}: GET missed")
+                moved += self.size * self.batch
+            else:
+                moved += self._put([os.urandom(16) for _ in range(self.batch)])
+            b = time.perf_counter()
+            lat.append(b - a)
+            if b >= end and len(lat) >= 3:
+                break
+        secs = time.perf_counter() - t0
+        return secs, moved, _proc_cpu_s(self.server.pid) - cpu0, statistics.median(lat)
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        finally:
+            self.server.stop()
+
+
+def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock) -> tuple[float, float]:
+    """(GB/s, p50 us) of one ceiling cell."""
+    from .. import _native
+
+    nbytes = size * batch
+    if name == "python-socket":
+        cell = pysock.measure(op, nbytes, 1, duration)
+        return cell.gbps, cell.p50_us
+    # calibrate the iteration count to about `duration` seconds
+    fn = (lambda it: _native.memcpy_ceiling(nbytes, it)) if name == "memcpy" else (
+        lambda it: _native.socket_ceiling(nbytes, it, op == "put"))
+    probe = fn(4)
+    iters = max(4, int(duration / max(probe / 4, 1e-6)))
+    secs = fn(iters)
+    return nbytes * iters / secs / 1e9, secs / iters * 1e6
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import transport
+    from .transport import PythonSocketCeiling
+
+    avail = set(transport.available())
+    names = [n for n in args.paths if PATHS[n][1] in avail]
+    skipped = {n: transport.unavailable().get(PATHS[n][1], "unavailable") for n in args.paths if n not in names}
+    ceilings = ["c-socket", "memcpy", "python-socket"]
+    paths = {}
+    pysock = PythonSocketCeiling()
+    pysock.open(1)
+    rows: list[Row] = []
+    try:
+        for n in names:
+            paths[n] = _Path(n, args.size, args.batch, args.capacity)
+        for op in ("get", "put"):
+            samples: dict[str, list[tuple[float, float, float | None]]] = {}
+            for _ in range(args.repeat):
+                for c in ceilings:
+                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock)
+                    samples.setdefault(c, []).append((gbps, p50, None))
+                for n, pth in paths.items():
+                    secs, moved, cpu, p50 = pth.measure(op, args.duration)
+                    samples.setdefault(n, []).append((moved / secs / 1e9, p50 * 1e6, cpu / (moved / 1e9)))
+            med = {}
+            for name, vals in samples.items():
+                ranked = sorted(vals, key=lambda v: v[0])
+                g, p50, cpu = ranked[(len(ranked) - 1) // 2]
+                row = Row(name, op, args.size, args.batch, g, p50, cpu, [v[0] for v in vals])
+                med[name] = row
+                rows.append(row)
+            for name in paths:
+                for c in ceilings:
+                    med[name].ratio[c] = med[name].gbps / med[c].gbps
+    finally:
+        pysock.close()
+        for p in paths.values():
+            p.close()
+    by = {(r.name, r.op): r for r in rows}
+    targets = []
+    for op in ("get", "put"):
+        if ("native", op) in by:
+            r = by[("native", op)].ratio["c-socket"]
+            targets.append({"cell": f"native {op}", "vs": "c-socket", "ratio": r, "goal": 0.9, "met": r >= 0.9})
+        if ("shm", op) in by:
+            r = by[("shm", op)].ratio["memcpy"]
+            targets.append({"cell": f"shm {op}", "vs": "memcpy", "ratio": r, "goal": 0.5, "met": r >= 0.5})
+        if ("tcp", op) in by:
+            for n in ("native", "shm"):
+                if (n, op) in by:
+                    ok = by[(n, op)].gbps > by[("tcp", op)].gbps
+                    targets.append({"cell": f"{n} {op}", "vs": "tcp", "ratio": by[(n, op)].gbps / by[("tcp", op)].gbps,
+                                    "goal": ">1", "met": ok})
+    return {
+        "benchmark": "transport-native",
+        "meta": {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": platform.python_version(),
+                 "kernel": platform.release(), "cpus": os.cpu_count(), "size": args.size, "batch": args.batch,
+                 "duration_s": args.duration, "repeat": args.repeat, "statistic": "median of repeats",
+                 "clients": 1, "argv": sys.argv[1:], "skipped": skipped},
+        "rows": [asdict(r) for r in rows],
+        "targets": targets,
+    }
+
+
+def print_table(report: dict) -> None:
+    m = report["meta"]
+    print(f"block {m['size'] // 1024} KiB x {m['batch']} per request, one client, loopback, "
+          f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus")
+    hdr = f"{'path':<12} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/py-sock':>8} {'srv CPU s/GB':>12}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in report["rows"]:
+        ratio = r["ratio"]
+        cpu = r["server_cpu_s_per_gb"]
+        print(f"{r['name']:<12} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} "
+              f"{ratio.get('c-socket', float('nan')):>9.2f} {ratio.get('memcpy', float('nan')):>8.2f} "
+              f"{ratio.get('python-socket', float('nan')):>8.2f} {'' if cpu is None else f'{cpu:.3f}':>12}")
+    for t in report["targets"]:
+        print(f"target {t['cell']} vs {t['vs']}: {t['ratio']:.2f}x (goal {t['goal']}): {'met' if t['met'] else 'NOT met'}")
+    for n, why in report["meta"]["skipped"].items():
+        print(f"skipped {n}: {why}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench transport-native", description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=parse_size, default=MiB, help="block size (default 1MiB)")
+    ap.add_argument("--batch", type=int, default=1, help="blocks per request (default 1)")
+    ap.add_argument("--paths", type=lambda s: s.split(","), default=list(PATHS), help=f"comma list of {list(PATHS)}")
+    ap.add_argument("--duration", type=float, default=1.0, help="seconds per cell")
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported")
+    ap.add_argument("--capacity", default="256MiB", help="capacity of each server")
+    ap.add_argument("--out", default="bench-results/transport_native.json")
+    args = ap.parse_args(argv)
+    bad = [p for p in args.paths if p not in PATHS]
+    if bad or args.batch < 1 or not 0 < args.size <= 64 * MiB or args.duration <= 0 or args.repeat < 1:
+        ap.error(f"bad arguments (unknown paths {bad}?)")
+    try:
+        from .. import _native  # noqa: F401
+    except ImportError as e:
+        ap.error(f"the C extension is not built: {e}")
+    report = run(args)
+    print_table(report)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
