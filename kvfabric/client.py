@@ -164,6 +164,10 @@ class _Shard:
         self._cond = threading.Condition()
         self._idle: list[transport.Connection] = []
         self._open = 0  # idle + checked out
+        # Bumped when the shard is marked down: connections opened before that
+        # are closed when released instead of going back to the pool.
+        self._gen = 0
+        self._conn_gen: dict[int, int] = {}  # id(conn) -> generation it was opened in
         self.down_until = 0.0  # 0.0: up; else monotonic time of the next reconnect attempt
         self.backoff = client.config.reconnect_backoff_s
         self.last_error = ""
@@ -203,7 +207,11 @@ class _Shard:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Busy()
-            return self._connect(min(self._client.config.connect_timeout_s, left))
+            gen = self._gen
+            conn = self._connect(min(self._client.config.connect_timeout_s, left))
+            with self._cond:
+                self._conn_gen[id(conn)] = gen
+            return conn
         except BaseException:
             with self._cond:
                 self._open -= 1
@@ -212,8 +220,9 @@ class _Shard:
 
     def release(self, conn: transport.Connection) -> None:
         with self._cond:
-            if conn.closed or self._client.closed:
+            if conn.closed or self._client.closed or self._conn_gen.get(id(conn)) != self._gen:
                 conn.close()
+                self._conn_gen.pop(id(conn), None)
                 self._open -= 1
             else:
                 self._idle.append(conn)
@@ -226,8 +235,11 @@ class _Shard:
             if self.down_until:
                 return
             self.down_until = time.monotonic() + self.backoff
+            self._gen += 1
             idle, self._idle = self._idle, []
             self._open -= len(idle)
+            for c in idle:
+                self._conn_gen.pop(id(c), None)
             self._cond.notify_all()
         for c in idle:
             c.close()
@@ -238,13 +250,16 @@ class _Shard:
         """One reconnect attempt (reconnector thread only). True when the shard is up again."""
         try:
             conn = self._connect(self._client.config.connect_timeout_s)
-        except KVFabricError as e:
+        except Exception as e:  # whatever it is, the shard stays down and is retried later
+            if not isinstance(e, KVFabricError):
+                log.exception("kvfabric: unexpected error reconnecting %s", self.address)
             with self._cond:
                 self.last_error = f"{type(e).__name__}: {e}"
                 self.backoff = min(self.backoff * 2, self._client.config.reconnect_backoff_max_s)
                 self.down_until = time.monotonic() + self.backoff
             return False
         with self._cond:
+            self._conn_gen[id(conn)] = self._gen
             self._idle.append(conn)
             self._open += 1
             self.down_until = 0.0
@@ -258,6 +273,8 @@ class _Shard:
         with self._cond:
             idle, self._idle = self._idle, []
             self._open -= len(idle)
+            for c in idle:
+                self._conn_gen.pop(id(c), None)
             self._cond.notify_all()
         for c in idle:
             c.close()
