@@ -464,6 +464,21 @@ class Client:
             raise error
         return results
 
+    def _scatter(self, groups: dict[int, list[int]], make_job: Callable[[_Shard, list[int]], Any], deadline: float) -> dict[int, bool]:
+        """One job per shard of ``groups`` (``make_job(shard, key_indices)``), run by :meth:`_fan_out`."""
+        order = list(groups)
+        jobs = [(self._shards[s], make_job(self._shards[s], groups[s])) for s in order]
+        return dict(zip(order, self._fan_out(jobs, deadline)))
+
+    @staticmethod
+    def _by_owner(owners: list[list[int]], rank: int | None = None, idx: Sequence[int] | None = None) -> dict[int, list[int]]:
+        """Key indices per shard, in key order: the owner at ``rank``, or every owner (``rank=None``)."""
+        groups: dict[int, list[int]] = {}
+        for i in range(len(owners)) if idx is None else idx:
+            for s in owners[i] if rank is None else owners[i][rank : rank + 1]:
+                groups.setdefault(s, []).append(i)
+        return groups
+
     def _chunks(self, shard: _Shard, idx: list[int], nbytes: Callable[[int], int] | None = None) -> list[list[int]]:
         max_keys = min(self.config.max_batch_keys, shard.limits.max_keys_per_batch)
         return plan_chunks(idx, max_keys, shard.limits.max_payload_bytes, nbytes)
@@ -525,21 +540,17 @@ class Client:
         deadline = self._deadline(timeout_s)
         sums = [_checksum(v) for v in views]
         owners = self._owners(keys)
-        reps = self.config.replicas
-        status: list[list[int]] = [[-1] * reps for _ in keys]  # -1: not stored by that owner
-        per_shard: dict[int, list[tuple[int, int]]] = {}
-        for i, row in enumerate(owners):
-            for r, s in enumerate(row):
-                per_shard.setdefault(s, []).append((i, r))
+        status: list[list[int]] = [[-1] * self.config.replicas for _ in keys]  # -1: not stored by that owner
 
-        def job_for(shard: _Shard, items: list[tuple[int, int]]):
+        def job_for(shard: _Shard, idx: list[int]):
             def job(conn: transport.Connection, deadline: float) -> None:
-                too_big = [(i, r) for i, r in items if views[i].nbytes > shard.limits.max_object_bytes]
-                ok = [(i, r) for i, r in items if views[i].nbytes <= shard.limits.max_object_bytes]
-                for i, r in too_big:
-                    status[i][r] = PutStatus.TOO_LARGE
-                pos = {i: (i, r) for i, r in ok}
-                for chunk in self._chunks(shard, [i for i, _ in ok], lambda i: views[i].nbytes):
+                fits = []
+                for i in idx:
+                    if views[i].nbytes > shard.limits.max_object_bytes:
+                        status[i][owners[i].index(shard.index)] = PutStatus.TOO_LARGE
+                    else:
+                        fits.append(i)
+                for chunk in self._chunks(shard, fits, lambda i: views[i].nbytes):
                     msg = protocol.PutRequest(
                         keys=[keys[i] for i in chunk],
                         sizes=[views[i].nbytes for i in chunk],
@@ -550,11 +561,11 @@ class Client:
                     if len(reply.status) != len(chunk):
                         raise protocol.ProtocolError(ErrorCode.MALFORMED, "PUT reply status count mismatch")
                     for i, st in zip(chunk, reply.status):
-                        status[i][pos[i][1]] = st
+                        status[i][owners[i].index(shard.index)] = st
                     self._counters.add(requests=1, bytes_out=msg.payload_len())
             return job
 
-        self._fan_out([(self._shards[s], job_for(self._shards[s], items)) for s, items in per_shard.items()], deadline)
+        self._scatter(self._by_owner(owners), job_for, deadline)
         result, replica_drops = combine_puts(status)
         self._counters.add(puts_stored=result.stored, puts_existed=result.existed, dropped_puts=result.dropped,
                            replica_puts_dropped=replica_drops)
@@ -627,10 +638,7 @@ class Client:
         for rank in range(self.config.replicas):
             if not pending or time.monotonic() >= deadline:
                 break
-            groups: dict[int, list[int]] = {}
-            for i in pending:
-                groups.setdefault(owners[i][rank], []).append(i)
-            self._fan_out([(self._shards[s], job_for(self._shards[s], idx)) for s, idx in groups.items()], deadline)
+            self._scatter(self._by_owner(owners, rank, pending), job_for, deadline)
             pending = [i for i in pending if sizes[i] is None]
         self._counters.add(hits=len(keys) - len(pending), misses=len(pending))
         return sizes
@@ -644,11 +652,6 @@ class Client:
         return present
 
     def _presence(self, keys: list[bytes], present: list[bool], deadline: float) -> None:
-        per_shard: dict[int, list[int]] = {}
-        for i, row in enumerate(self._owners(keys)):
-            for s in row:
-                per_shard.setdefault(s, []).append(i)
-
         def job_for(shard: _Shard, idx: list[int]):
             def job(conn: transport.Connection, deadline: float) -> None:
                 for chunk in self._chunks(shard, idx):
@@ -661,7 +664,7 @@ class Client:
                             present[i] = True
             return job
 
-        self._fan_out([(self._shards[s], job_for(self._shards[s], idx)) for s, idx in per_shard.items()], deadline)
+        self._scatter(self._by_owner(self._owners(keys)), job_for, deadline)
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, *, timeout_s: float | None = None) -> int:
         """Length of the longest leading run of ``keys`` that the pool holds.
@@ -701,11 +704,9 @@ class Client:
                         return
             return job
 
-        jobs = [(self._shards[s], job_for(self._shards[s], idx)) for s, idx in groups.items()]
-        ok = self._fan_out(jobs, deadline)
-        for (shard, _), good in zip(jobs, ok):
-            if not good:
-                first_missing[shard.index] = groups[shard.index][0]
+        for s, good in self._scatter(groups, job_for, deadline).items():
+            if not good:  # a failing shard holds nothing, as far as this call knows
+                first_missing[s] = groups[s][0]
         run = leading_run(len(keys), list(first_missing.values()))
         self._counters.add(hits=run, misses=len(keys) - run)
         return run
@@ -716,10 +717,6 @@ class Client:
         self._check_open()
         keys = self._keys(keys)
         deadline = self._deadline(timeout_s)
-        per_shard: dict[int, list[int]] = {}
-        for i, row in enumerate(self._owners(keys)):
-            for s in row:
-                per_shard.setdefault(s, []).append(i)
         deleted = [0] * len(self._shards)
 
         def job_for(shard: _Shard, idx: list[int]):
@@ -730,7 +727,7 @@ class Client:
                     self._counters.add(requests=1)
             return job
 
-        self._fan_out([(self._shards[s], job_for(self._shards[s], idx)) for s, idx in per_shard.items()], deadline)
+        self._scatter(self._by_owner(self._owners(keys)), job_for, deadline)
         return sum(deleted)
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
