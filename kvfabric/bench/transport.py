@@ -42,7 +42,6 @@ import subprocess
 import sys
 import threading
 import time
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
