@@ -161,6 +161,7 @@ static void conn_destroy(struct conn *c)
     kvf_batch_free(&c->b);
     close(c->fd);
     if (c->xxh) XXH3_freeState(c->xxh);
+    if (c->xxh_tx) XXH3_freeState(c->xxh_tx);
     free(c->meta);
     free(c->scratch);
     if (c->prev) c->prev->next = c->next; else s->conns = c->next;
@@ -292,6 +293,27 @@ static void on_recv(struct conn *c, int res)
 
 /* ---------------------------------------------------------------- sending */
 
+/* Hash the next chunk of a streamed-verified GET object. Returns 0, or -1
+ * after a checksum mismatch: the object is dropped and the connection closed
+ * before the object's last bytes go out. */
+static int verify_chunk(struct conn *c, struct seg *g)
+{
+    struct kvf_server *s = c->srv;
+    if (!g->verify || g->hashed >= g->len) return 0;
+    if (!c->xxh_tx && !(c->xxh_tx = XXH3_createState())) { conn_close(c); return -1; }
+    if (g->hashed == 0) XXH3_64bits_reset(c->xxh_tx);
+    uint64_t n = g->len - g->hashed;
+    if (n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
+    XXH3_64bits_update(c->xxh_tx, s->base + g->off + g->hashed, (size_t)n);
+    g->hashed += n;
+    if (g->hashed == g->len && XXH3_64bits_digest(c->xxh_tx) != g->csum) {
+        kvf_store_drop_corrupt(s->st, g->entry);
+        conn_close(c);
+        return -1;
+    }
+    return 0;
+}
+
 static void start_send(struct conn *c)
 {
     struct kvf_server *s = c->srv;
@@ -332,7 +354,8 @@ static void start_send(struct conn *c)
         while (r->seg < r->nseg && r->seg_off == r->segs[r->seg].len) { r->seg++; r->seg_off = 0; }
         if (r->seg < r->nseg) {
             struct seg *g = &r->segs[r->seg];
-            uint64_t off = g->off + r->seg_off, n = g->len - r->seg_off;
+            if (g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
+            uint64_t off = g->off + r->seg_off, n = g->hashed - r->seg_off;
             uint64_t chunk_end = (off / FIXED_CHUNK + 1) * FIXED_CHUNK;
             if (off + n > chunk_end) n = chunk_end - off;
             if (n > (1u << 30)) n = 1u << 30;
@@ -357,6 +380,11 @@ static void start_send(struct conn *c)
             }
             c->refs++;
             c->send_posted = 1;
+            if (g->hashed < g->len) {
+                /* hash the next chunk while the kernel sends this one */
+                kvf_ring_submit_wait(&s->ring, 0, 0);
+                if (verify_chunk(c, g)) return;
+            }
             return;
         }
         /* reply fully sent */

@@ -22,7 +22,10 @@ enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
 
 struct seg {
     uint64_t off, len;
-    uint32_t entry; /* pinned store entry, released when the reply is done */
+    uint32_t entry;  /* pinned store entry, released when the reply is done */
+    int verify;      /* large object: checksum verified chunk by chunk while it is sent */
+    uint64_t csum;   /* expected checksum when verify is set */
+    uint64_t hashed; /* bytes hashed so far; never more than this is sent */
 };
 
 /* One queued reply. Freed when fully sent (or orphaned by a closed
@@ -75,6 +78,7 @@ struct conn {
     uint64_t want, got;
     uint64_t drain_left;           /* RS_DRAIN: bytes still to discard */
     void *xxh;                     /* XXH3 state: a PUT object is hashed chunk by chunk as it lands */
+    void *xxh_tx;                  /* XXH3 state of the GET object being verified while sent */
     int pend_code;                 /* error to answer once a rejected payload is drained */
     char pend_msg[160];
     int recv_posted, send_posted;
