@@ -362,7 +362,7 @@ class Client:
                 if e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
                     raise
                 shard.mark_down(e)
-            except KVFabricError as e:
+            except (KVFabricError, _Busy) as e:  # _Busy: connect_timeout_s passed before this shard got a thread
                 shard.mark_down(e)
 
         for f in [self._pool.submit(first, s) for s in self._shards]:
