@@ -69,6 +69,7 @@ struct conn {
     struct conn *prev, *next;      /* all connections */
     struct conn *park_next;        /* waiting for space */
     int fd, is_unix, closing, close_after_send, authed, transport, parked;
+    int zc;                        /* GET objects go out with SEND_ZC (see on_accept) */
     uint32_t refs;                 /* SQEs in flight that point at this conn */
     enum rs rs;
     struct kvf_header hdr;

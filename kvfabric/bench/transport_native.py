@@ -17,7 +17,9 @@ ceilings
 paths (each against a fresh server process)
   * ``tcp``: pure-Python client, Python server (the reference);
   * ``tcp>native``: pure-Python client, native (io_uring) server;
-  * ``native``: C client, native server;
+  * ``native``: C client, native server (copying sends: loopback peer);
+  * ``native+zc``: the same with ``--zerocopy on`` (SEND_ZC forced even on
+    loopback, where the receiver copies out of the pinned pages anyway);
   * ``native>py``: C client, Python server;
   * ``shm``: same-host client, native server.
 
@@ -50,13 +52,14 @@ from ..config import ClientConfig, parse_size
 
 MiB = 1 << 20
 
-# path name -> (server module, client transport)
+# path name -> (server module, client transport, extra server arguments)
 PATHS = {
-    "tcp": ("kvfabric", "tcp"),
-    "tcp>native": ("kvfabric.server.native", "tcp"),
-    "native": ("kvfabric.server.native", "native"),
-    "native>py": ("kvfabric", "native"),
-    "shm": ("kvfabric.server.native", "shm"),
+    "tcp": ("kvfabric", "tcp", []),
+    "tcp>native": ("kvfabric.server.native", "tcp", []),
+    "native": ("kvfabric.server.native", "native", []),
+    "native+zc": ("kvfabric.server.native", "native", ["--zerocopy", "on"]),
+    "native>py": ("kvfabric", "native", []),
+    "shm": ("kvfabric.server.native", "shm", []),
 }
 
 
@@ -86,10 +89,9 @@ class _Path:
         from .. import transport
         from ..testing.servers import start_server
 
-        module, tname = PATHS[name]
+        module, tname, extra = PATHS[name]
         self.name, self.size, self.batch = name, size, batch
-        self.server = start_server(capacity=capacity, module=module,
-                                   extra_args=["--transports", "tcp,native,shm"] if module != "kvfabric" else [])
+        self.server = start_server(capacity=capacity, module=module, extra_args=extra)
         try:
             self.conn = transport.connect(tname, self.server.address, ClientConfig(connect_timeout_s=10))
         except BaseException:

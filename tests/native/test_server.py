@@ -178,9 +178,16 @@ def test_stats_report_the_data_plane_and_transports(server):
     c.close()
 
 
-def test_zero_copy_sends_are_used_for_large_objects(server):
+def test_zero_copy_sends_are_used_for_large_objects(make_server, server):
     if not server.stats()["zerocopy"]:
         pytest.skip("this kernel has no IORING_OP_SEND_ZC")
+    c = tcp.connect(server.address, timeout_s=5)  # auto: loopback peers get copying sends
+    val = b"z" * MiB
+    c.request(p.PutRequest([b"big"], [MiB], [p.checksum(val)]), [val])
+    assert c.request(p.GetRequest([b"big"])).payload == val
+    assert server.stats()["zc_sends"] == 0
+    c.close()
+    server = make_server(zerocopy="on")  # forced: zero-copy even on loopback
     c = tcp.connect(server.address, timeout_s=5)
     val = b"z" * MiB
     c.request(p.PutRequest([b"big"], [MiB], [p.checksum(val)]), [val])
