@@ -13,8 +13,8 @@ Batched forms are offered, and LMCache uses them:
   ``Client.lookup`` (one LOOKUP per shard, in parallel); with ``pin=True`` the
   servers lease what they found for ``lease_ms`` so it is not evicted before
   the load.
-* ``batched_get``: one ``Client.get`` (one GET per shard); each found object
-  is decoded (:mod:`.value`), a memory object is allocated with
+* ``batched_get``: one ``Client.get_into`` (one GET per shard) into fresh
+  buffers of a full chunk plus header; each found object is decoded (:mod:`.value`), a memory object is allocated with
   ``local_cpu_backend.allocate(shapes, dtypes, fmt)`` and the bytes copied in.
 * ``batched_put``: one ``Client.put`` of header+bytes per chunk.
 
@@ -36,6 +36,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, TypeVar
 
+import numpy as np
 from kvfabric import KVFabricError
 from kvfabric.client import Client
 from lmcache.utils import CacheEngineKey
@@ -87,10 +88,14 @@ class KVFabricConnector(RemoteConnector):
             for k, v in kw.items():
                 self._counts[k] += v
 
-    def stats(self) -> dict[str, Any]:
-        """This connector's counters plus the client's (``client.stats()["client"]``)."""
+    def counts(self) -> dict[str, int]:
+        """This connector's counters (no I/O)."""
         with self._lock:
-            out: dict[str, Any] = dict(self._counts)
+            return dict(self._counts)
+
+    def stats(self) -> dict[str, Any]:
+        """This connector's counters plus the client's (``client.stats()["client"]``; asks the servers)."""
+        out: dict[str, Any] = self.counts()
         if not self._closed:
             try:
                 out["client"] = self.client.stats()["client"]
@@ -150,11 +155,28 @@ class KVFabricConnector(RemoteConnector):
     def support_batched_get(self) -> bool:
         return True
 
-    def _fetch(self, keys: list[CacheEngineKey]) -> list[bytes | None]:
-        ks = self.keymap.many(keys)
-        return self._guard("get", [None] * len(ks), lambda: self.client.get(ks))
+    def _fetch(self, keys: list[CacheEngineKey]) -> list[Any]:
+        """Stored objects for ``keys`` (None = miss), received straight into fresh buffers.
 
-    def _rebuild(self, raw: bytes | None) -> Optional[MemoryObj]:
+        Each buffer holds a full chunk plus the largest header; an object
+        larger than that is not one this configuration wrote, so that batch
+        is fetched again with ``Client.get`` and the odd object is rejected
+        by the decoder (a counted miss).
+        """
+        ks = self.keymap.many(keys)
+        cap = self.full_chunk_size_bytes + value.MAX_HEADER_BYTES
+        bufs = [np.empty(cap, dtype=np.uint8) for _ in ks]
+
+        def fetch() -> list[Any]:
+            try:
+                sizes = self.client.get_into(ks, bufs)
+            except ValueError:  # some object does not fit `cap`
+                return self.client.get(ks)
+            return [None if n is None else memoryview(b)[:n] for b, n in zip(bufs, sizes)]
+
+        return self._guard("get", [None] * len(ks), fetch)
+
+    def _rebuild(self, raw: Any) -> Optional[MemoryObj]:
         """Stored object -> a new memory object holding its bytes; None (counted) when it cannot be."""
         if raw is None:
             return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import struct
 
 import msgpack
+import numpy as np
 import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
@@ -37,6 +38,7 @@ HEADER_FIXED_BYTES = _FIXED.size  # 8
 MAX_META_BYTES = 1024
 MAX_GROUPS = 16
 MAX_DIMS = 8
+MAX_HEADER_BYTES = HEADER_FIXED_BYTES + MAX_META_BYTES
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -96,12 +98,17 @@ def encode_header(memory_obj: MemoryObj) -> bytes:
     return _FIXED.pack(MAGIC, VERSION, 0, len(meta)) + meta
 
 
-def encode(memory_obj: MemoryObj) -> bytearray:
-    """Header + chunk bytes in one new buffer (one copy of the chunk)."""
+def encode(memory_obj: MemoryObj) -> np.ndarray:
+    """Header + chunk bytes in one new uint8 array (one copy of the chunk).
+
+    numpy's uninitialised allocation and slice copy run at memcpy speed;
+    a ``bytearray`` would zero-fill first and copy LMCache's ctypes-backed
+    ``'<B'`` memoryview element by element.
+    """
     header = encode_header(memory_obj)
-    data = memory_obj.byte_array
-    out = bytearray(len(header) + len(data))
-    out[: len(header)] = header
+    data = np.frombuffer(memory_obj.byte_array, dtype=np.uint8)
+    out = np.empty(len(header) + data.size, dtype=np.uint8)
+    out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
     out[len(header):] = data
     return out
 
@@ -142,4 +149,4 @@ def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
     return ChunkMeta(fmt, [torch.Size(s) for s in shapes], [DTYPES[n] for n in names], nbytes), payload
 
 
-__all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_META_BYTES", "ValueFormatError", "decode", "encode", "encode_header"]
+__all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_HEADER_BYTES", "MAX_META_BYTES", "ValueFormatError", "decode", "encode", "encode_header"]

@@ -12,6 +12,7 @@ import socket
 import pytest
 import torch
 
+from kvfabric import sharding
 from kvfabric.client import Client
 from kvfabric_lmcache.keymap import KeyMapper
 from lmcache.utils import CacheEngineKey
@@ -33,8 +34,17 @@ def prompt(seed: int, n: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def url_of(pool, **opts) -> str:
-    q = "&".join(f"{k}={v}" for k, v in opts.items())
-    return "kvfabric://" + ",".join(pool.addresses) + (f"?{q}" if q else "")
+    """The pool's URL; generous deadlines by default, so a loaded CI machine is not a "dead shard"."""
+    opts = {"timeout_s": 10, "connect_timeout_s": 5, **opts}
+    return "kvfabric://" + ",".join(pool.addresses) + "?" + "&".join(f"{k}={v}" for k, v in opts.items())
+
+
+def pool_engine(engines, pool, **opts):
+    """An engine on ``pool`` whose client has every shard up (it reconnects in the background otherwise)."""
+    name, engine = engines(engine_config(url_of(pool, **opts)))
+    client = kvfabric_connector(engine).client
+    wait_until(lambda: all(s["up"] for s in client.stats()["client"]["shards"].values()), what="all shards up")
+    return name, engine
 
 
 def chunk_keys(engine, tokens) -> list[CacheEngineKey]:
@@ -43,24 +53,30 @@ def chunk_keys(engine, tokens) -> list[CacheEngineKey]:
 
 def store_and_wait(engine, tokens, kv) -> None:
     conn = kvfabric_connector(engine)
-    before = conn.stats()["puts"]
+    before = conn.counts()
     engine.store(tokens, kv=kv)
-    wait_until(lambda: conn.stats()["puts"] >= before + CHUNKS, what="the engine's puts to reach the pool")
+    wait_until(lambda: conn.counts()["puts"] >= before["puts"] + CHUNKS, what="the engine's puts to reach the pool")
+    assert conn.counts()["puts_stored"] - before["puts_stored"] == CHUNKS
 
 
 def test_second_engine_retrieves_bit_identical_kv_from_two_servers(pool, engines) -> None:
-    tokens, kv = prompt(seed=1)
-    name1, e1 = engines(engine_config(url_of(pool)))
+    name1, e1 = pool_engine(engines, pool)
+    # Placement depends on the servers' (random) ports: pick a prompt whose chunks land on both shards.
+    keymap = kvfabric_connector(e1).keymap
+    for seed in range(1, 100):
+        tokens, kv = prompt(seed)
+        if len(sharding.group_by_owner(keymap.many(chunk_keys(e1, tokens)), pool.addresses)) == 2:
+            break
     store_and_wait(e1, tokens, kv)
     assert kvfabric_connector(e1).stats()["puts_stored"] == CHUNKS
 
     with Client(pool.addresses) as probe:
         per_server = {a: s["objects"] for a, s in probe.stats()["servers"].items()}
     assert sum(per_server.values()) == CHUNKS
-    assert all(n > 0 for n in per_server.values()), f"this prompt's chunks should land on both shards: {per_server}"
+    assert all(n > 0 for n in per_server.values()), f"both shards hold chunks: {per_server}"
 
     LMCacheEngineBuilder.destroy(name1)  # nothing of the first engine survives but the pool
-    _, e2 = engines(engine_config(url_of(pool)))
+    _, e2 = pool_engine(engines, pool)
     assert e2.lookup(tokens) == TOKENS
     out = torch.zeros_like(kv)
     mask = e2.retrieve(tokens, kv=out)
@@ -74,7 +90,7 @@ def test_second_engine_retrieves_bit_identical_kv_from_two_servers(pool, engines
 
 def test_a_different_model_or_prompt_does_not_hit(pool, engines) -> None:
     tokens, kv = prompt(seed=2)
-    _, e1 = engines(engine_config(url_of(pool)))
+    _, e1 = pool_engine(engines, pool)
     store_and_wait(e1, tokens, kv)
     other_tokens, _ = prompt(seed=3)
     assert e1.lookup(other_tokens) == 0
@@ -86,7 +102,7 @@ def test_a_different_model_or_prompt_does_not_hit(pool, engines) -> None:
 
 def test_pool_killed_after_store_lookups_zero_retrieves_miss_nothing_raises(pool, engines) -> None:
     tokens, kv = prompt(seed=4)
-    _, e1 = engines(engine_config(url_of(pool, timeout_s=0.5, connect_timeout_s=0.2)))
+    _, e1 = pool_engine(engines, pool, timeout_s=0.5, connect_timeout_s=0.2)
     store_and_wait(e1, tokens, kv)
     assert e1.lookup(tokens) == TOKENS
     for server in pool:
@@ -98,11 +114,11 @@ def test_pool_killed_after_store_lookups_zero_retrieves_miss_nothing_raises(pool
     assert int(mask.sum()) == 0
     assert torch.count_nonzero(out.view(torch.int16)) == 0  # nothing half-written
     conn = kvfabric_connector(e1)
-    before = conn.stats()
+    before = conn.counts()
     tokens5, kv5 = prompt(seed=5)
     e1.store(tokens5, kv=kv5)  # puts to a dead pool are counted drops
-    wait_until(lambda: conn.stats()["puts"] >= before["puts"] + CHUNKS, what="dropped puts to be counted")
-    after = conn.stats()
+    wait_until(lambda: conn.counts()["puts"] >= before["puts"] + CHUNKS, what="dropped puts to be counted")
+    after = conn.counts()
     assert after["puts_dropped"] - before["puts_dropped"] == CHUNKS
     assert after["puts_stored"] == before["puts_stored"]
 
@@ -123,17 +139,18 @@ def test_pool_never_reachable_engine_still_runs(engines) -> None:
     assert int(e.retrieve(tokens, kv=torch.zeros_like(kv)).sum()) == 0
 
 
-def test_corrupt_stored_object_is_a_counted_miss_never_kv(pool, engines) -> None:
+@pytest.mark.parametrize("garbage_bytes", [1000, 600_000])  # fits the receive buffer / larger than a chunk
+def test_corrupt_stored_object_is_a_counted_miss_never_kv(pool, engines, garbage_bytes: int) -> None:
     tokens, kv = prompt(seed=7)
-    _, e1 = engines(engine_config(url_of(pool)))
+    _, e1 = pool_engine(engines, pool)
     store_and_wait(e1, tokens, kv)
     conn = kvfabric_connector(e1)
     last = conn.keymap(chunk_keys(e1, tokens)[-1])
-    # Replace the last chunk by an object that is not a valid chunk (bytes of the right size, no header).
+    # Replace the last chunk by an object that is not a valid chunk (no header).
     assert conn.client.delete([last]) == 1
-    assert conn.client.put([last], [bytes(1000)]).stored == 1
+    assert conn.client.put([last], [bytes(garbage_bytes)]).stored == 1
 
-    _, e2 = engines(engine_config(url_of(pool)))
+    _, e2 = pool_engine(engines, pool)
     out = torch.zeros_like(kv)
     mask = e2.retrieve(tokens, kv=out)
     assert int(mask.sum()) == 768
@@ -144,7 +161,7 @@ def test_corrupt_stored_object_is_a_counted_miss_never_kv(pool, engines) -> None
 
 def test_connector_async_and_single_key_paths(pool, engines) -> None:
     tokens, kv = prompt(seed=8)
-    _, e = engines(engine_config(url_of(pool)))
+    _, e = pool_engine(engines, pool)
     store_and_wait(e, tokens, kv)
     conn = kvfabric_connector(e)
     loop = e.storage_manager.storage_backends["RemoteBackend-kvfabric"].loop
@@ -182,7 +199,7 @@ def test_connector_async_and_single_key_paths(pool, engines) -> None:
 def test_keys_are_the_same_in_a_fresh_mapper(pool, engines) -> None:
     """The key of a chunk depends on config only, so another process (another mapper) finds it."""
     tokens, kv = prompt(seed=9)
-    _, e = engines(engine_config(url_of(pool)))
+    _, e = pool_engine(engines, pool)
     store_and_wait(e, tokens, kv)
     conn = kvfabric_connector(e)
     fresh = KeyMapper(conn.keymap.hasher.__class__(), chunk_tokens=256)
