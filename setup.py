@@ -15,6 +15,7 @@ pure-Python ``tcp`` transport is used (a transport forced by
 from __future__ import annotations
 
 import os
+import platform
 import sys
 
 from setuptools import Extension, setup
@@ -29,7 +30,13 @@ SOURCES = [
     "csrc/kvf_server.c",
     "csrc/kvf_ops.c",
     "csrc/kvf_bench.c",
+    "csrc/kvf_hash.c",
 ]
+DEFINES = []
+if platform.machine() in ("x86_64", "AMD64"):
+    # run-time SSE2/AVX2/AVX-512 selection for the object checksum (vendored xxHash)
+    SOURCES.append("csrc/third_party/xxhash/xxh_x86dispatch.c")
+    DEFINES.append(("KVF_XXH_DISPATCH", "1"))
 
 
 class OptionalBuildExt(build_ext):
@@ -60,7 +67,8 @@ if sys.platform.startswith("linux"):
         Extension(
             "kvfabric._native",
             sources=SOURCES,
-            include_dirs=["csrc"],
+            include_dirs=["csrc", "csrc/third_party/xxhash"],
+            define_macros=DEFINES,
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-fvisibility=hidden"],
             extra_link_args=["-pthread"],

@@ -15,8 +15,7 @@
 #include "kvf_mpack.h"
 #include "kvf_protocol.h"
 
-#define XXH_INLINE_ALL
-#include "third_party/xxhash/xxhash.h"
+#include "kvf_hash.h"
 
 static PyObject *ErrTransport, *ErrClosed, *ErrDeadline, *ErrProtocol, *ErrNative, *ErrorCodeEnum;
 
@@ -365,7 +364,7 @@ static PyObject *py_xxh3(PyObject *self, PyObject *arg)
     if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS)) return NULL;
     uint64_t h;
     Py_BEGIN_ALLOW_THREADS
-    h = XXH3_64bits(b.buf, (size_t)b.len);
+    h = kvf_hash(b.buf, (size_t)b.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLongLong(h);
@@ -708,7 +707,7 @@ static PyObject *py_copy_out(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] < 0) continue;
         memcpy(bs.views[i].buf, (char *)arena.buf + offs[i], (size_t)sizes[i]);
-        if (verify) sums[i] = XXH3_64bits(bs.views[i].buf, (size_t)sizes[i]);
+        if (verify) sums[i] = kvf_hash(bs.views[i].buf, (size_t)sizes[i]);
     }
     Py_END_ALLOW_THREADS
     out = PyList_New(n);

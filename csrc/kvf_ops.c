@@ -20,8 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "third_party/xxhash/xxhash.h"
+#include "kvf_hash.h"
 
 static const char *const tr_names[3] = {"tcp", "native", "shm"};
 
@@ -232,7 +231,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
                  * checksum matched (a mismatch closes the connection: the client
                  * sees a broken reply, i.e. a miss, never wrong bytes). */
                 int stream = size > KVF_OBJ_CHUNK;
-                if (!stream && XXH3_64bits(s->base + off, size) != csum) {
+                if (!stream && kvf_hash(s->base + off, size) != csum) {
                     kvf_store_drop_corrupt(s->st, id);
                     kvf_store_release(s->st, id);
                 } else {
@@ -336,7 +335,7 @@ static void finish_object(struct conn *c, uint32_t i, int received)
 {
     struct kvf_server *s = c->srv;
     struct batch *b = &c->b;
-    uint64_t sum = received ? kvf_conn_obj_digest(c) : XXH3_64bits(s->base + b->offs[i], b->sizes[i]);
+    uint64_t sum = received ? kvf_conn_obj_digest(c) : kvf_hash(s->base + b->offs[i], b->sizes[i]);
     if (sum != b->csums[i]) {
         kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
         b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
@@ -544,7 +543,7 @@ static void op_shm(struct conn *c, struct meta m, int op)
     }
     for (uint32_t i = 0; i < b->n; i++) {
         if (b->status[i] != KVF_PUT_STORED) continue;
-        if (XXH3_64bits(s->base + b->offs[i], b->sizes[i]) != cs[i]) {
+        if (kvf_hash(s->base + b->offs[i], b->sizes[i]) != cs[i]) {
             kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
             b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
             continue;

@@ -22,8 +22,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include "third_party/xxhash/xxhash.h"
+#include "kvf_hash.h"
 
 enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
 #define TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
@@ -160,8 +159,8 @@ static void conn_destroy(struct conn *c)
         kvf_store_unreserve(s->st, c->b.offs[c->b.cur], c->b.sizes[c->b.cur]);
     kvf_batch_free(&c->b);
     close(c->fd);
-    if (c->xxh) XXH3_freeState(c->xxh);
-    if (c->xxh_tx) XXH3_freeState(c->xxh_tx);
+    if (c->xxh) kvf_hash_free(c->xxh);
+    if (c->xxh_tx) kvf_hash_free(c->xxh_tx);
     free(c->meta);
     free(c->scratch);
     if (c->prev) c->prev->next = c->next; else s->conns = c->next;
@@ -195,8 +194,8 @@ static void post_recv(struct conn *c)
 void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
 {
     if (stage == RS_OBJ) {
-        if (!c->xxh && !(c->xxh = XXH3_createState())) { conn_close(c); return; }
-        XXH3_64bits_reset(c->xxh);
+        if (!c->xxh && !(c->xxh = kvf_hash_new())) { conn_close(c); return; }
+        kvf_hash_reset(c->xxh);
     }
     c->rs = stage;
     c->rbuf = buf;
@@ -222,7 +221,7 @@ void kvf_conn_next_request(struct conn *c)
     kvf_conn_recv_into(c, &c->hdr, KVF_HEADER_SIZE, RS_HDR);
 }
 
-uint64_t kvf_conn_obj_digest(struct conn *c) { return XXH3_64bits_digest(c->xxh); }
+uint64_t kvf_conn_obj_digest(struct conn *c) { return kvf_hash_digest(c->xxh); }
 
 void kvf_conn_park(struct conn *c, uint64_t bytes)
 {
@@ -266,7 +265,7 @@ static void on_recv(struct conn *c, int res)
 {
     c->recv_posted = 0;
     if (res <= 0 || c->closing) { conn_close(c); return; }
-    if (c->rs == RS_OBJ) XXH3_64bits_update(c->xxh, c->rbuf + c->got, (size_t)res);
+    if (c->rs == RS_OBJ) kvf_hash_update(c->xxh, c->rbuf + c->got, (size_t)res);
     c->got += (uint64_t)res;
     if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
     if (c->got < c->want) { post_recv(c); return; }
@@ -300,13 +299,13 @@ static int verify_chunk(struct conn *c, struct seg *g)
 {
     struct kvf_server *s = c->srv;
     if (!g->verify || g->hashed >= g->len) return 0;
-    if (!c->xxh_tx && !(c->xxh_tx = XXH3_createState())) { conn_close(c); return -1; }
-    if (g->hashed == 0) XXH3_64bits_reset(c->xxh_tx);
+    if (!c->xxh_tx && !(c->xxh_tx = kvf_hash_new())) { conn_close(c); return -1; }
+    if (g->hashed == 0) kvf_hash_reset(c->xxh_tx);
     uint64_t n = g->len - g->hashed;
     if (n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
-    XXH3_64bits_update(c->xxh_tx, s->base + g->off + g->hashed, (size_t)n);
+    kvf_hash_update(c->xxh_tx, s->base + g->off + g->hashed, (size_t)n);
     g->hashed += n;
-    if (g->hashed == g->len && XXH3_64bits_digest(c->xxh_tx) != g->csum) {
+    if (g->hashed == g->len && kvf_hash_digest(c->xxh_tx) != g->csum) {
         kvf_store_drop_corrupt(s->st, g->entry);
         conn_close(c);
         return -1;
