@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,8 @@ class EngineRunner:
         self.n = 0
 
     def __call__(self, names: list[str], servers: list[str] | None = None, *, mp: bool = False,
-                 max_tokens: int = 12) -> dict:
+                 max_tokens: int = 12, between=None) -> dict:
+        """Run the prompts in one engine; ``between(i)`` runs (in the test) before prompt ``i >= 1``."""
         self.n += 1
         prompts = self.workdir / f"prompts{self.n}.json"
         out = self.workdir / f"result{self.n}.json"
@@ -60,12 +62,29 @@ class EngineRunner:
             cmd += ["--servers", ",".join(servers)]
         if mp:
             cmd.append("--mp")
+        if between is not None:
+            cmd.append("--pause")
         env = dict(os.environ, PYTHONHASHSEED=str(self.n))  # engines must not depend on it
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env)
-        if proc.returncode != 0:
-            raise AssertionError(f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env=env)
+            try:
+                for line in proc.stdout:        # vLLM's own stdout lines are skipped
+                    if line.startswith("KVF-PAUSE "):
+                        between(int(line.split()[1]))
+                        proc.stdin.write("\n")
+                        proc.stdin.flush()
+                rc = proc.wait(ENGINE_TIMEOUT_S)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            err.seek(0)
+            log = err.read()
+        if rc != 0:
+            raise AssertionError(f"engine failed ({rc}):\n{log[-6000:]}")
         result = json.loads(out.read_text())
-        result["log"] = proc.stderr
+        result["log"] = log
         return dict(result, by_name=dict(zip(names, zip(result["outputs"], result["cached"]))))
 
 

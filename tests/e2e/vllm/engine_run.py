@@ -4,7 +4,7 @@ Used by the e2e tests so that every engine is an independently started
 process (its own PYTHONHASHSEED, its own connector instances)::
 
     python engine_run.py --model DIR --prompts prompts.json --out result.json \
-        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp]
+        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp] [--pause]
 
 ``result.json``: ``{"outputs": [[token ids]...], "cached": [num_cached_tokens...],
 "counters": {...} | null}``. Counters are the connector's (``kvfabric_vllm.metrics``),
@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--mp", action="store_true", help="vLLM's default multi-process engine core")
+    ap.add_argument("--pause", action="store_true",
+                    help="before each prompt after the first, print 'KVF-PAUSE i' and wait for a line on stdin")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
 
@@ -50,7 +52,10 @@ def main() -> int:
         prompts = json.load(f)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     outputs, cached = [], []
-    for p in prompts:   # one at a time: each request's lookup sees the previous one's saves
+    for i, p in enumerate(prompts):   # one at a time: each lookup sees the previous saves
+        if args.pause and i:
+            print(f"KVF-PAUSE {i}", flush=True)
+            sys.stdin.readline()
         res = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
         outputs.append(list(res.outputs[0].token_ids))
         cached.append(res.num_cached_tokens or 0)
