@@ -32,6 +32,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is in the stopped state (SIGSTOP is asynchronous)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for t in tasks:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return all(s in ("T", "t") for s in states)
+
+
 def _data(n: int, seed: int):
     rng = np.random.default_rng(seed)
     keys = [rng.bytes(16) for _ in range(n)]
@@ -131,6 +144,7 @@ def test_stalled_shard_hits_the_deadline_then_recovers(make_pool, make_client):
     stalled = pool[2]
     os.kill(stalled.pid, signal.SIGSTOP)
     try:
+        assert _wait_for(lambda: _stopped(stalled.pid), 5.0)
         got = client.get(keys)  # the stalled shard's keys miss once the deadline passes
         assert [g is None for g in got] == [o == 2 for o in owner]
         assert client.lookup(keys) <= min(i for i, o in enumerate(owner) if o == 2)
