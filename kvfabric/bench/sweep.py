@@ -145,7 +145,7 @@ def plot(results: list[dict[str, Any]], path: str | Path, title: str = "") -> No
         ax.set_ylabel("block-level prefix hit rate (%)")
         ax.set_title(f"{res['trace']} ({res['requests']} requests, {res['shards']} shard(s))")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title + "\nlines: offline simulation of the server's policies; circles: measured on real servers",
                      fontsize=9)
