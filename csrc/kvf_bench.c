@@ -7,7 +7,8 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -66,10 +67,13 @@ static void *sock_server(void *arg)
     return NULL;
 }
 
+/* The server side runs in a forked child process (only syscalls and _exit
+ * there; its buffer is allocated before the fork), so client and server are
+ * two processes like a real client and pool server. */
 int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, double *secs)
 {
     if (nbytes == 0 || iters == 0) return -EINVAL;
-    int rc = 0, ls = -1, cs = -1, ss = -1;
+    int rc = 0, ls = -1, cs = -1;
     struct sockaddr_in a;
     socklen_t al = sizeof a;
     memset(&a, 0, sizeof a);
@@ -80,18 +84,29 @@ int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, double *secs)
     memset(cbuf, 3, nbytes);
     memset(sbuf, 4, nbytes);
     if ((ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 || bind(ls, (struct sockaddr *)&a, sizeof a) ||
-        listen(ls, 1) || getsockname(ls, (struct sockaddr *)&a, &al) ||
-        (cs = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 || connect(cs, (struct sockaddr *)&a, sizeof a) ||
-        (ss = accept4(ls, NULL, NULL, SOCK_CLOEXEC)) < 0) {
+        listen(ls, 1) || getsockname(ls, (struct sockaddr *)&a, &al)) {
         rc = -errno;
+        goto out;
+    }
+    pid_t pid = fork();
+    if (pid < 0) { rc = -errno; goto out; }
+    if (pid == 0) {
+        int ss = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+        if (ss < 0) _exit(1);
+        int one = 1;
+        setsockopt(ss, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        struct sock_job j = {ss, nbytes, iters, put, 0, sbuf};
+        sock_server(&j);
+        _exit(j.rc ? 1 : 0);
+    }
+    if ((cs = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 || connect(cs, (struct sockaddr *)&a, sizeof a)) {
+        rc = -errno;
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
         goto out;
     }
     int one = 1;
     setsockopt(cs, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    setsockopt(ss, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct sock_job j = {ss, nbytes, iters, put, 0, sbuf};
-    pthread_t th;
-    if ((rc = -pthread_create(&th, NULL, sock_server, &j))) goto out;
     char hdr[32];
     memset(hdr, 0, sizeof hdr);
     kvf_set_deadline(0);
@@ -109,12 +124,13 @@ int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, double *secs)
         }
     }
     *secs = now_s() - t0;
-    if (rc) shutdown(cs, SHUT_RDWR);
-    pthread_join(th, NULL);
-    if (!rc) rc = j.rc;
+    close(cs);
+    cs = -1;
+    int status = 0;
+    if (waitpid(pid, &status, 0) < 0 && !rc) rc = -errno;
+    if (!rc && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) rc = -EIO;
 out:
     if (cs >= 0) close(cs);
-    if (ss >= 0) close(ss);
     if (ls >= 0) close(ls);
     free(cbuf);
     free(sbuf);

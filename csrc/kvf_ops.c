@@ -230,7 +230,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
                  * chunk as it is sent, its last chunk held back until the whole
                  * checksum matched (a mismatch closes the connection: the client
                  * sees a broken reply, i.e. a miss, never wrong bytes). */
-                int stream = size > KVF_OBJ_CHUNK;
+                int stream = size > KVF_VERIFY_WHOLE;
                 if (!stream && kvf_hash(s->base + off, size) != csum) {
                     kvf_store_drop_corrupt(s->st, id);
                     kvf_store_release(s->st, id);

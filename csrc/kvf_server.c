@@ -83,6 +83,7 @@ static void reply_try_free(struct kvf_server *s, struct reply *r)
     for (uint32_t i = 0; i < r->nseg; i++) kvf_store_release(s->st, r->segs[i].entry);
     free(r->head);
     free(r->segs);
+    free(r->iovs);
     free(r);
     s->live_replies--;
 }
@@ -313,90 +314,118 @@ static int verify_chunk(struct conn *c, struct seg *g)
     return 0;
 }
 
+/* Consume n sent bytes of reply r: head first, then the segments in order. */
+static void advance_reply(struct kvf_server *s, struct reply *r, uint64_t n)
+{
+    size_t h = r->head_len - r->head_off;
+    size_t take = n < h ? (size_t)n : h;
+    r->head_off += take;
+    n -= take;
+    while (n && r->seg < r->nseg) {
+        struct seg *g = &r->segs[r->seg];
+        uint64_t t = g->len - r->seg_off < n ? g->len - r->seg_off : n;
+        r->seg_off += t;
+        n -= t;
+        s->ctr.bytes_out += t;
+        if (r->seg_off == g->len) { r->seg++; r->seg_off = 0; }
+    }
+}
+
+/* Copying send: one SENDMSG of the head and as many verified segments as fit
+ * (KVF_SEND_IOV iovecs), straight from the arena. */
+static void post_sendmsg(struct conn *c, struct reply *r, struct io_uring_sqe *q)
+{
+    struct kvf_server *s = c->srv;
+    int n = 0;
+    uint64_t total = 0;
+    if (r->head_off < r->head_len) {
+        r->iovs[n].iov_base = r->head + r->head_off;
+        r->iovs[n].iov_len = r->head_len - r->head_off;
+        total += r->iovs[n++].iov_len;
+    }
+    for (uint32_t k = r->seg; k < r->nseg && n < KVF_SEND_IOV && total < (1u << 30); k++) {
+        struct seg *g = &r->segs[k];
+        uint64_t from = k == r->seg ? r->seg_off : 0;
+        if (c->zc && g->len >= ZC_MIN) break; /* goes out zero-copy, on its own */
+        if (g->hashed > from) {
+            r->iovs[n].iov_base = s->base + g->off + from;
+            r->iovs[n].iov_len = g->hashed - from;
+            total += r->iovs[n++].iov_len;
+        }
+        if (g->hashed < g->len) break; /* the rest waits for its checksum */
+    }
+    memset(&r->mh, 0, sizeof r->mh);
+    r->mh.msg_iov = r->iovs;
+    r->mh.msg_iovlen = (size_t)n;
+    if (r->pass_fd >= 0) {
+        r->mh.msg_control = r->cmsg.buf;
+        r->mh.msg_controllen = sizeof r->cmsg.buf;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&r->mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &r->pass_fd, sizeof(int));
+        r->pass_fd = -1; /* attached to the first byte, sent once */
+    }
+    q->opcode = IORING_OP_SENDMSG;
+    q->fd = c->fd;
+    q->addr = (uint64_t)(uintptr_t)&r->mh;
+    q->msg_flags = MSG_NOSIGNAL;
+    q->user_data = TAG(c, T_SEND);
+    s->ctr.copy_sends++;
+}
+
 static void start_send(struct conn *c)
 {
     struct kvf_server *s = c->srv;
     while (!c->send_posted && c->q_head && !c->closing) {
         struct reply *r = c->q_head;
-        if (r->head_off < r->head_len) {
-            struct io_uring_sqe *q = sqe_get(s);
-            if (!q) { conn_close(c); return; }
-            q->fd = c->fd;
-            q->user_data = TAG(c, T_SEND);
-            if (r->pass_fd >= 0) {
-                r->iov.iov_base = r->head;
-                r->iov.iov_len = r->head_len;
-                memset(&r->mh, 0, sizeof r->mh);
-                r->mh.msg_iov = &r->iov;
-                r->mh.msg_iovlen = 1;
-                r->mh.msg_control = r->cmsg.buf;
-                r->mh.msg_controllen = sizeof r->cmsg.buf;
-                struct cmsghdr *cm = CMSG_FIRSTHDR(&r->mh);
-                cm->cmsg_level = SOL_SOCKET;
-                cm->cmsg_type = SCM_RIGHTS;
-                cm->cmsg_len = CMSG_LEN(sizeof(int));
-                memcpy(CMSG_DATA(cm), &r->pass_fd, sizeof(int));
-                q->opcode = IORING_OP_SENDMSG;
-                q->addr = (uint64_t)(uintptr_t)&r->mh;
-                q->msg_flags = MSG_NOSIGNAL;
-                r->pass_fd = -1; /* sent with the whole head (small); a short send is an error */
-            } else {
-                q->opcode = IORING_OP_SEND;
-                q->addr = (uint64_t)(uintptr_t)(r->head + r->head_off);
-                q->len = (uint32_t)(r->head_len - r->head_off);
-                q->msg_flags = MSG_NOSIGNAL | (r->nseg ? MSG_MORE : 0);
-            }
-            c->refs++;
-            c->send_posted = 1;
-            return;
-        }
         while (r->seg < r->nseg && r->seg_off == r->segs[r->seg].len) { r->seg++; r->seg_off = 0; }
-        if (r->seg < r->nseg) {
-            struct seg *g = &r->segs[r->seg];
-            if (g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
+        if (r->head_off == r->head_len && r->seg >= r->nseg) {
+            /* reply fully sent */
+            c->q_head = r->next;
+            if (!c->q_head) c->q_tail = NULL;
+            c->nreplies--;
+            r->done = 1;
+            r->conn = NULL;
+            reply_try_free(s, r);
+            if (c->close_after_send && !c->q_head) { conn_close(c); return; }
+            if (c->rs == RS_BLOCKED && c->nreplies < s->cfg.max_in_flight) kvf_conn_next_request(c);
+            continue;
+        }
+        struct seg *g = r->seg < r->nseg ? &r->segs[r->seg] : NULL;
+        if (g && g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
+        if (!r->iovs && !(r->iovs = malloc(sizeof(struct iovec) * KVF_SEND_IOV))) { conn_close(c); return; }
+        struct io_uring_sqe *q = sqe_get(s);
+        if (!q) { conn_close(c); return; }
+        if (r->head_off == r->head_len && g && c->zc && g->len >= ZC_MIN) {
             uint64_t off = g->off + r->seg_off, n = g->hashed - r->seg_off;
             uint64_t chunk_end = (off / FIXED_CHUNK + 1) * FIXED_CHUNK;
             if (off + n > chunk_end) n = chunk_end - off;
-            if (n > (1u << 30)) n = 1u << 30;
-            struct io_uring_sqe *q = sqe_get(s);
-            if (!q) { conn_close(c); return; }
+            q->opcode = IORING_OP_SEND_ZC;
             q->fd = c->fd;
             q->addr = (uint64_t)(uintptr_t)(s->base + off);
             q->len = (uint32_t)n;
             q->msg_flags = MSG_NOSIGNAL | (r->seg + 1 < r->nseg || off + n < g->off + g->len ? MSG_MORE : 0);
-            if (c->zc && n >= ZC_MIN) {
-                q->opcode = IORING_OP_SEND_ZC;
-                if (s->fixed) {
-                    q->ioprio = IORING_RECVSEND_FIXED_BUF;
-                    q->buf_index = (uint16_t)(off / FIXED_CHUNK);
-                }
-                q->user_data = TAG(r, T_ZC);
-                s->ctr.zc_sends++;
-            } else {
-                q->opcode = IORING_OP_SEND;
-                q->user_data = TAG(c, T_SEND);
-                s->ctr.copy_sends++;
+            if (s->fixed) {
+                q->ioprio = IORING_RECVSEND_FIXED_BUF;
+                q->buf_index = (uint16_t)(off / FIXED_CHUNK);
             }
-            c->refs++;
-            c->send_posted = 1;
-            if (g->hashed < g->len) {
-                /* hash the rest while the kernel sends this first chunk; the
-                 * rest then goes out in one send once it has matched */
-                kvf_ring_submit_wait(&s->ring, 0, 0);
-                while (g->hashed < g->len)
-                    if (verify_chunk(c, g)) return;
-            }
-            return;
+            q->user_data = TAG(r, T_ZC);
+            s->ctr.zc_sends++;
+        } else {
+            post_sendmsg(c, r, q);
         }
-        /* reply fully sent */
-        c->q_head = r->next;
-        if (!c->q_head) c->q_tail = NULL;
-        c->nreplies--;
-        r->done = 1;
-        r->conn = NULL;
-        reply_try_free(s, r);
-        if (c->close_after_send && !c->q_head) { conn_close(c); return; }
-        if (c->rs == RS_BLOCKED && c->nreplies < s->cfg.max_in_flight) kvf_conn_next_request(c);
+        c->refs++;
+        c->send_posted = 1;
+        if (g && g->hashed < g->len) {
+            /* hash the rest while the kernel sends what is verified; the rest
+             * then goes out once it has matched */
+            kvf_ring_submit_wait(&s->ring, 0, 0);
+            while (g->hashed < g->len)
+                if (verify_chunk(c, g)) return;
+        }
+        return;
     }
 }
 
@@ -405,12 +434,7 @@ static void on_sent(struct conn *c, int res)
     c->send_posted = 0;
     struct reply *r = c->q_head;
     if (res < 0 || c->closing || !r) { conn_close(c); return; }
-    if (r->head_off < r->head_len) {
-        r->head_off += (size_t)res;
-    } else {
-        r->seg_off += (uint64_t)res;
-        c->srv->ctr.bytes_out += (uint64_t)res;
-    }
+    advance_reply(c->srv, r, (uint64_t)res);
     start_send(c);
 }
 

@@ -18,6 +18,10 @@ enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP };
 /* A PUT object is received in chunks of this size, each hashed while it is
  * still in cache and while the next one is on its way. */
 #define KVF_OBJ_CHUNK (256u << 10)
+/* GET objects up to this size are verified before their reply is queued;
+ * larger ones chunk by chunk while they are sent (bounded loop stalls). */
+#define KVF_VERIFY_WHOLE (4u << 20)
+#define KVF_SEND_IOV 64
 enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
 
 struct seg {
@@ -42,7 +46,7 @@ struct reply {
     int done;            /* sent or orphaned */
     int pass_fd;         /* >= 0: send with SCM_RIGHTS (shm attach) */
     struct msghdr mh;
-    struct iovec iov;
+    struct iovec *iovs;  /* KVF_SEND_IOV entries, for SENDMSG */
     union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } cmsg;
 };
 
