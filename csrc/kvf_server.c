@@ -266,6 +266,7 @@ static void on_recv(struct conn *c, int res)
 {
     c->recv_posted = 0;
     if (res <= 0 || c->closing) { conn_close(c); return; }
+    c->progress_ms = kvf_now_ms();
     if (c->rs == RS_OBJ) kvf_hash_update(c->xxh, c->rbuf + c->got, (size_t)res);
     c->got += (uint64_t)res;
     if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
@@ -434,6 +435,7 @@ static void on_sent(struct conn *c, int res)
     c->send_posted = 0;
     struct reply *r = c->q_head;
     if (res < 0 || c->closing || !r) { conn_close(c); return; }
+    c->progress_ms = kvf_now_ms();
     advance_reply(c->srv, r, (uint64_t)res);
     start_send(c);
 }
@@ -486,10 +488,27 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
     s->conns = c;
     s->ctr.connections++;
     s->ctr.connections_total++;
+    c->progress_ms = kvf_now_ms();
     kvf_conn_next_request(c);
 }
 
 /* ---------------------------------------------------------------- loop */
+
+/* Drop peers that stall mid-frame or stop reading their replies (a slow
+ * reader or writer would otherwise hold slots and pins forever). Idle
+ * connections between requests are left alone. */
+static void sweep_stalled(struct kvf_server *s, int64_t now)
+{
+    if (!s->cfg.stall_ms) return;
+    for (struct conn *c = s->conns; c; c = c->next) {
+        if (c->closing || now - c->progress_ms < (int64_t)s->cfg.stall_ms) continue;
+        int mid_frame = c->rs == RS_META || c->rs == RS_OBJ || c->rs == RS_DRAIN || (c->rs == RS_HDR && c->got > 0);
+        if (mid_frame || c->send_posted) {
+            s->ctr.stalled++;
+            conn_close(c);
+        }
+    }
+}
 
 static void retry_parked(struct kvf_server *s)
 {
@@ -594,7 +613,7 @@ int kvf_server_run(struct kvf_server *s)
     if (s->cfg.tcp_fd >= 0) arm_accept(s, s->cfg.tcp_fd, &s->tag_tcp);
     if (s->cfg.unix_fd >= 0) arm_accept(s, s->cfg.unix_fd, &s->tag_unix);
     arm_efd(s);
-    int64_t stop_at = 0;
+    int64_t stop_at = 0, last_sweep = kvf_now_ms();
     for (;;) {
         if (s->stop) {
             if (!stop_at) {
@@ -607,7 +626,7 @@ int kvf_server_run(struct kvf_server *s)
             }
             if ((!s->conns && !s->live_replies) || kvf_now_ms() > stop_at) break;
         }
-        int rc = kvf_ring_submit_wait(&s->ring, 1, s->stop ? 50 : 1000);
+        int rc = kvf_ring_submit_wait(&s->ring, 1, s->stop ? 50 : 500);
         if (rc && rc != -ETIME) return rc;
         struct io_uring_cqe *cqe;
         while ((cqe = kvf_ring_peek(&s->ring))) {
@@ -616,6 +635,11 @@ int kvf_server_run(struct kvf_server *s)
             dispatch(s, &copy);
         }
         if (s->parked) retry_parked(s);
+        int64_t now = kvf_now_ms();
+        if (now - last_sweep >= 500) {
+            last_sweep = now;
+            sweep_stalled(s, now);
+        }
     }
     return 0;
 }

@@ -36,11 +36,12 @@ struct kvf_server_cfg {
     size_t stats_extra_len;
     uint32_t stats_extra_pairs;
     int zerocopy; /* -1 auto (probe), 0 never, 1 required (-EOPNOTSUPP if absent) */
+    uint32_t stall_ms; /* a peer stalled this long mid-frame (or not reading a reply) is dropped; 0 = never */
 };
 
 struct kvf_server_counters {
     uint64_t hits, misses, puts, bytes_in, bytes_out, connections, connections_total, rejected;
-    uint64_t zc_sends, copy_sends, zc_copied_notifs;
+    uint64_t zc_sends, copy_sends, zc_copied_notifs, stalled;
     uint64_t errors[16];
     uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
     int zerocopy, fixed_buffers;

@@ -74,6 +74,7 @@ struct conn {
     struct conn *park_next;        /* waiting for space */
     int fd, is_unix, closing, close_after_send, authed, transport, parked;
     int zc;                        /* GET objects go out with SEND_ZC (see on_accept) */
+    int64_t progress_ms;           /* last time a frame or a reply made progress */
     uint32_t refs;                 /* SQEs in flight that point at this conn */
     enum rs rs;
     struct kvf_header hdr;

@@ -67,7 +67,8 @@ class NativeServer:
     ``transports`` is what HELLO advertises; ``shm`` adds the unix listener.
     ``low_watermark``/``high_watermark`` are fractions of the capacity: when
     free space drops below the low one the control thread evicts until the
-    high one is free. Raises ``TransportUnavailable`` when the extension or
+    high one is free. A peer that stalls mid-frame, or stops reading a reply,
+    for ``stall_timeout_s`` is disconnected (idle connections are kept). Raises ``TransportUnavailable`` when the extension or
     io_uring is unavailable, ``ConfigError`` for bad options, ``OSError``
     when the port cannot be bound.
     """
@@ -87,6 +88,7 @@ class NativeServer:
         zerocopy: str = "auto",
         low_watermark: float = 0.02,
         high_watermark: float = 0.05,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -127,6 +129,7 @@ class NativeServer:
                 max_key_bytes=limits.max_key_bytes, max_meta=limits.max_meta_bytes,
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
+                stall_ms=max(0, int(stall_timeout_s * 1000)),
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
@@ -290,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         server = NativeServer(
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
+            stall_timeout_s=args.stall_timeout,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the native server cannot start: {e}", file=sys.stderr)

@@ -203,3 +203,22 @@ def test_forcing_zerocopy_where_it_is_missing_is_an_error_not_a_fallback(make_se
         pytest.skip("SEND_ZC exists here; nothing to refuse")
     with pytest.raises(TransportUnavailable):
         make_server(zerocopy="on")
+
+
+def test_a_peer_stalling_mid_frame_is_dropped_and_its_slot_freed(make_server):
+    srv = make_server(stall_timeout_s=0.3)
+    free = srv.stats()["free_bytes"]
+    from conftest import Raw
+
+    r = Raw(srv.address)
+    frame = put_frame(1, [b"slow"], [b"s" * 100000])
+    r.send(frame[: len(frame) - 50000])  # header, metadata and half the object, then nothing
+    assert wait_for(lambda: srv.stats()["free_bytes"] < free)  # a slot is reserved for it
+    assert r.closed_by_peer()
+    assert wait_for(lambda: srv.stats()["free_bytes"] == free)
+    idle = Raw(srv.address)  # an idle connection between requests is kept
+    time.sleep(0.8)
+    idle.send(p.encode_request(p.PingRequest(), 9))
+    assert p.unpack_header(idle.recv_frame()).request_id == 9
+    r.close()
+    idle.close()
