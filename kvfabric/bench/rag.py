@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     print_sweep(result)
     result["generator"] = asdict(cfg)
     (out / "rag.json").write_text(json.dumps(result, indent=1, default=str))
-    plot([result], out / "rag.png", f"kvfabric bench rag, {opt.shards} shard(s)")
+    try:
+        plot([result], out / "rag.png", f"kvfabric bench rag, {opt.shards} shard(s)")
+    except ImportError:
+        print(f"kvfabric bench rag: wrote {out / 'rag.json'}, but the PNG needs matplotlib "
+              "(pip install 'kvfabric[bench]')", file=sys.stderr)
+        return 1
     print(f"\nwrote {out / 'rag.json'} and {out / 'rag.png'} in {time.perf_counter() - t0:.0f} s")
     return 0
 

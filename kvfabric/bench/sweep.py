@@ -197,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         print_sweep(r)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"results": results}, indent=1))
-    plot(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s)")
+    try:
+        plot(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s)")
+    except ImportError:
+        print(f"kvfabric bench sweep: wrote {args.json}, but the PNG needs matplotlib "
+              "(pip install 'kvfabric[bench]')", file=sys.stderr)
+        return 1
     print(f"wrote {args.json} and {args.png}")
     return 0
 
