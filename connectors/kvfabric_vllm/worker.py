@@ -13,7 +13,7 @@ whose pages differ never share keys.
 
 Loads (``load``) run synchronously in ``start_load_kv``, before the forward
 that reads them: one batched ``Client.get_into`` per step straight into a
-staging tensor, then one ``index_copy_`` per layer into the blocks. A chunk
+staging tensor, then one ``copy_`` per page into the blocks. A chunk
 that misses, has the wrong size, or a step whose read raises, is reported in
 ``failed_block_ids`` and vLLM recomputes those tokens; the failure is counted
 and warned once, never raised into vLLM's step.
@@ -51,10 +51,9 @@ __all__ = ["WorkerSide"]
 class _Staged:
     """One save spec's staging tensor and which layers are already gathered in it."""
 
-    def __init__(self, spec: SaveSpec, data: torch.Tensor, flat_ids: torch.Tensor) -> None:
+    def __init__(self, spec: SaveSpec, data: torch.Tensor) -> None:
         self.spec = spec
         self.data = data              # [n_chunks, L, P, *page_shape]
-        self.flat_ids = flat_ids      # the spec's block ids, chunk-major
         self.layers: set[int] = set()
 
 
@@ -140,19 +139,19 @@ class WorkerSide:
         if not good:
             return
         data = raw.view(self.dtype).view(n, len(self.layers), self.per_chunk, *self.page_shape)
-        rows: list[int] = []
-        dst: list[int] = []
+        pages = 0
+        # One copy_ per page: pages are contiguous on both sides, and unlike
+        # index_copy_ this does not fan out to torch's intra-op threads, which
+        # compete with vLLM's own compute threads for the same cores.
         for i in good:
             first = spec.skip_blocks if i == 0 else 0
-            rows.extend(i * self.per_chunk + j for j in range(first, self.per_chunk))
-            dst.extend(spec.block_ids[i][first:])
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.layers[0].device)
-        for li, kv in enumerate(self.layers):
-            src = data[:, li].reshape(n * self.per_chunk, *self.page_shape).index_select(0, rows_t)
-            kv.index_copy_(0, dst_t, src.to(kv.device))
+            for li, kv in enumerate(self.layers):
+                src = data[i, li]
+                for j in range(first, self.per_chunk):
+                    kv[spec.block_ids[i][j]].copy_(src[j])
+            pages += self.per_chunk - first
         self.counters.add("load_chunks", len(good))
-        self.counters.add("load_tokens", len(dst) * (self.cfg.chunk_tokens // self.per_chunk))
+        self.counters.add("load_tokens", pages * (self.cfg.chunk_tokens // self.per_chunk))
 
     def take_failed_block_ids(self) -> set[int]:
         out, self._failed = self._failed, set()
@@ -165,9 +164,7 @@ class WorkerSide:
         if st is None:
             n = len(spec.block_ids)
             data = torch.empty((n, len(self.layers), self.per_chunk, *self.page_shape), dtype=self.dtype)
-            ids = torch.tensor([b for blocks in spec.block_ids for b in blocks], dtype=torch.long,
-                               device=self.layers[0].device)
-            st = self._staged[id(spec)] = _Staged(spec, data, ids)
+            st = self._staged[id(spec)] = _Staged(spec, data)
         return st
 
     def gather_layer(self, layer_name: str, specs: Iterable[SaveSpec]) -> None:
@@ -184,8 +181,11 @@ class WorkerSide:
     def _gather(self, st: _Staged, li: int) -> None:
         if li in st.layers:
             return
-        n = len(st.spec.block_ids)
-        st.data[:, li] = self.layers[li].index_select(0, st.flat_ids).view(n, self.per_chunk, *self.page_shape).cpu()
+        kv = self.layers[li]
+        for i, blocks in enumerate(st.spec.block_ids):
+            dst = st.data[i, li]
+            for j, b in enumerate(blocks):
+                dst[j].copy_(kv[b])
         st.layers.add(li)
 
     def submit_saves(self, specs: Iterable[SaveSpec]) -> None:

@@ -1,0 +1,186 @@
+"""TTFT on real vLLM: cold prefill vs a kvfabric pool hit vs vLLM's own local prefix-cache hit.
+
+Runs in the vLLM virtualenv (``scripts/ci-vllm.sh`` builds it)::
+
+    .venvs/vllm/bin/python benchmarks/vllm_ttft.py [--lengths 512,1500,3000,6000] [--repeats 3]
+        [--servers-n 2] [--model DIR] [--out bench-results/vllm_ttft.json]
+
+One run, same machine, same model (the tiny random Llama of
+``kvfabric_vllm.tinymodel`` unless ``--model``; float32, eager), each engine
+in its own process, one after the other:
+
+* **pool** engine: the kvfabric connector on ``--servers-n`` fresh
+  ``kvfabric serve`` processes, vLLM's prefix cache OFF. Per length and repeat
+  a fresh random prompt is sent twice: the first request is a **cold**
+  prefill (the pool is empty for it; it saves its chunks), then, once its
+  saves are in the pool, the same prompt again is a **pool hit** (all whole
+  chunks loaded from the pool, the tail and one token computed).
+* **local** engine: no connector, vLLM's prefix cache ON. The same twice-sent
+  prompts give a second **cold** figure (vLLM without kvfabric) and the
+  **local prefix-cache hit**: the ceiling a remote pool can approach, since
+  the KV is already in vLLM's own blocks.
+
+TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` (prefill plus
+the first token), median over repeats. Each engine first serves a warm-up
+prompt. Ratios printed: ``pool_hit / local_hit`` (target <= 1.5) and
+``cold / pool_hit`` (target >= 4 at >= 1500 tokens). The JSON holds every
+sample, the cached-token counts vLLM reported, and the connector's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+CHUNK = 256
+
+
+def _engine(model: str, servers: list[str] | None, max_len: int):
+    from vllm import LLM
+
+    kw = {}
+    if servers:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KVFabricConnector",
+            "kv_connector_module_path": "kvfabric_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": CHUNK},
+        }
+    return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=not servers,
+               kv_cache_memory_bytes=512 << 20, max_model_len=max_len, max_num_batched_tokens=max_len,
+               seed=0, **kw)
+
+
+def _child(args: argparse.Namespace) -> int:
+    """One engine in this process: time cold then hit for every (length, repeat)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvfabric_vllm.metrics import all_counters
+    from kvfabric_vllm.tinymodel import random_prompt
+
+    servers = args.servers.split(",") if args.servers else None
+    lengths = [int(x) for x in args.lengths.split(",")]
+    llm = _engine(args.model, servers, max(lengths) + 16)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def timed(tokens: list[int]) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        return time.perf_counter() - t0, out.num_cached_tokens or 0
+
+    def saves_settled(expected: int, timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all_counters()["save_chunks"] >= expected:
+                return True
+            time.sleep(0.01)
+        return False
+
+    timed(random_prompt(300, seed=999))          # warm-up
+    samples = []
+    saved = all_counters()["save_chunks"] if servers else 0
+    for n in lengths:
+        for r in range(args.repeats):
+            prompt = random_prompt(n, seed=1000 * n + r)
+            cold_s, cold_cached = timed(prompt)
+            if servers:
+                saved += n // CHUNK
+                if not saves_settled(saved):
+                    print(f"warning: saves of the {n}-token prompt did not settle", file=sys.stderr)
+            hit_s, hit_cached = timed(prompt)
+            samples.append({"tokens": n, "repeat": r, "cold_s": cold_s, "cold_cached": cold_cached,
+                            "hit_s": hit_s, "hit_cached": hit_cached})
+    result = {"samples": samples, "counters": all_counters() if servers else None}
+    llm.llm_engine.engine_core.shutdown()
+    Path(args.child_out).write_text(json.dumps(result))
+    return 0
+
+
+def _run_child(argv: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "kvfabric.bench.vllm_ttft", *argv, "--child-out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm_ttft", description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="512,1500,3000,6000")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--servers-n", type=int, default=2)
+    ap.add_argument("--capacity", default="512MiB", help="per pool server")
+    ap.add_argument("--model", default=None, help="model dir (default: build the tiny Llama)")
+    ap.add_argument("--out", default="bench-results/vllm_ttft.json")
+    # internal: one engine process
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--servers", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child_out:
+        return _child(args)
+
+    from kvfabric.testing.servers import start_pool
+    from kvfabric_vllm.tinymodel import build_tiny_llama
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if min(lengths) <= CHUNK or args.repeats < 1 or args.servers_n < 1:
+        raise SystemExit(f"lengths must exceed {CHUNK} tokens; repeats and servers-n >= 1")
+    with tempfile.TemporaryDirectory(prefix="kvf-ttft-") as tmp:
+        model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
+        common = ["--model", model, "--lengths", args.lengths, "--repeats", str(args.repeats)]
+        with start_pool(args.servers_n, capacity=args.capacity) as pool:
+            pooled = _run_child(common + ["--servers", ",".join(pool.addresses)], Path(tmp) / "pool.json")
+        local = _run_child(common, Path(tmp) / "local.json")
+
+    rows = []
+    print(f"vLLM TTFT (ms, median of {args.repeats}), tiny Llama fp32 on CPU, {args.servers_n} pool servers, "
+          f"chunk {CHUNK} tokens")
+    hdr = (f"{'tokens':>7} {'cold':>8} {'cold+kvf':>9} {'pool hit':>9} {'local hit':>10} "
+           f"{'pool/local':>11} {'cold/pool':>10} {'loaded':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n in lengths:
+        ps = [s for s in pooled["samples"] if s["tokens"] == n]
+        ls = [s for s in local["samples"] if s["tokens"] == n]
+        row = {
+            "tokens": n,
+            "cold_ms": 1e3 * _median([s["cold_s"] for s in ls]),
+            "cold_with_connector_ms": 1e3 * _median([s["cold_s"] for s in ps]),
+            "pool_hit_ms": 1e3 * _median([s["hit_s"] for s in ps]),
+            "local_hit_ms": 1e3 * _median([s["hit_s"] for s in ls]),
+            "pool_hit_cached_tokens": min(s["hit_cached"] for s in ps),
+            "local_hit_cached_tokens": min(s["hit_cached"] for s in ls),
+        }
+        row["pool_over_local"] = row["pool_hit_ms"] / row["local_hit_ms"]
+        row["cold_over_pool"] = row["cold_ms"] / row["pool_hit_ms"]
+        rows.append(row)
+        print(f"{n:>7} {row['cold_ms']:>8.1f} {row['cold_with_connector_ms']:>9.1f} {row['pool_hit_ms']:>9.1f} "
+              f"{row['local_hit_ms']:>10.1f} {row['pool_over_local']:>10.2f}x {row['cold_over_pool']:>9.2f}x "
+              f"{row['pool_hit_cached_tokens']:>7}")
+    print("cold: no connector; cold+kvf: connector on, pool empty for the prompt (includes its saves); "
+          "loaded: tokens vLLM reported cached on the pool hit")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "pool_engine": pooled, "local_engine": local},
+                              indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
