@@ -512,11 +512,21 @@ static PyObject *Server_wait(ServerObject *self, PyObject *arg)
     NEED_SRV(self);
     int ms = (int)PyLong_AsLong(arg);
     if (ms == -1 && PyErr_Occurred()) return NULL;
-    uint64_t want;
+    uint64_t want, free_bytes, dropped;
     Py_BEGIN_ALLOW_THREADS
-    want = kvf_store_wait(self->st, ms);
+    want = kvf_store_wait(self->st, ms, &free_bytes, &dropped);
     Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(want);
+    return Py_BuildValue("(KKK)", (unsigned long long)want, (unsigned long long)free_bytes,
+                         (unsigned long long)dropped);
+}
+
+static PyObject *Server_set_low(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    kvf_store_set_low(self->st, b);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Server_drain(ServerObject *self, PyObject *arg)
@@ -550,16 +560,16 @@ static int key_arg(PyObject *arg, Py_buffer *b)
     return 0;
 }
 
-PyDoc_STRVAR(evict_doc, "evict(key) -> bool: True when evicted; False when absent or pinned");
+PyDoc_STRVAR(evict_doc, "evict(key) -> int: bytes freed (whole pages); 0 when absent or pinned");
 
 static PyObject *Server_evict(ServerObject *self, PyObject *arg)
 {
     NEED_SRV(self);
     Py_buffer b;
     if (key_arg(arg, &b)) return NULL;
-    int rc = kvf_store_evict(self->st, b.buf, (uint32_t)b.len);
+    int64_t rc = kvf_store_evict(self->st, b.buf, (uint32_t)b.len);
     PyBuffer_Release(&b);
-    return PyBool_FromLong(rc == 0);
+    return PyLong_FromLongLong(rc > 0 ? rc : 0);
 }
 
 static PyObject *Server_is_pinned(ServerObject *self, PyObject *arg)
@@ -633,7 +643,10 @@ static PyObject *Server_memfd(ServerObject *self, void *closure)
 static PyMethodDef Server_methods[] = {
     {"run", (PyCFunction)Server_run, METH_NOARGS, "run the io_uring loop on this thread until stop() (GIL released)"},
     {"stop", (PyCFunction)Server_stop, METH_NOARGS, "ask the loop to stop; run() returns once connections closed"},
-    {"wait", (PyCFunction)Server_wait, METH_O, "wait(timeout_ms) -> bytes wanted (0: events or timeout), GIL released"},
+    {"wait", (PyCFunction)Server_wait, METH_O,
+     "wait(timeout_ms) -> (bytes wanted, free bytes, events dropped ever); wakes on events, a waiting PUT\n"
+     "or free space below the low watermark; GIL released"},
+    {"set_low_watermark", (PyCFunction)Server_set_low, METH_O, "free bytes below which an allocation wakes wait()"},
     {"drain", (PyCFunction)Server_drain, METH_O, "drain(max) -> [(type, key, size, parent|None)] (1 insert, 2 access, 3 remove)"},
     {"evict", (PyCFunction)Server_evict, METH_O, evict_doc},
     {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},

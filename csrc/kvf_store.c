@@ -56,8 +56,8 @@ struct kvf_store {
     uint64_t objects, bytes_used, evictions, checksum_failures, events_dropped;
     struct kvf_event *ring;
     uint32_t ring_cap, ring_head, ring_len;
-    uint64_t want_bytes, round;
-    int exhausted;
+    uint64_t want_bytes, round, low_bytes;
+    int exhausted, low_signaled;
 };
 
 int64_t kvf_now_ms(void)
@@ -302,6 +302,10 @@ int kvf_store_reserve(struct kvf_store *st, uint64_t size, uint64_t *off)
     uint32_t n = pages_for(size);
     pthread_mutex_lock(&st->mu);
     uint32_t p = alloc_pages(st, n);
+    if (p != NONE && (uint64_t)st->free_pages * KVF_PAGE < st->low_bytes && !st->low_signaled) {
+        st->low_signaled = 1;
+        pthread_cond_signal(&st->cv);
+    }
     pthread_mutex_unlock(&st->mu);
     if (p == NONE) return -ENOSPC;
     *off = (uint64_t)p * KVF_PAGE;
@@ -420,14 +424,18 @@ int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen)
     return i != NONE;
 }
 
-int kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
+int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
     pthread_mutex_lock(&st->mu);
     uint32_t i = find(st, key, klen);
-    int rc = 0;
+    int64_t rc;
     if (i == NONE) rc = -ENOENT;
     else if (pinned(&st->ents[i], kvf_now_ms())) rc = -EBUSY;
-    else { remove_entry(st, i); st->evictions++; }
+    else {
+        rc = (int64_t)pages_for(st->ents[i].size) * KVF_PAGE;
+        remove_entry(st, i);
+        st->evictions++;
+    }
     pthread_mutex_unlock(&st->mu);
     return rc;
 }
@@ -486,10 +494,18 @@ void kvf_store_want_space(struct kvf_store *st, uint64_t bytes)
     pthread_mutex_unlock(&st->mu);
 }
 
-uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms)
+void kvf_store_set_low(struct kvf_store *st, uint64_t bytes)
 {
     pthread_mutex_lock(&st->mu);
-    if (st->want_bytes == 0 && st->ring_len * 2 < st->ring_cap && timeout_ms > 0) {
+    st->low_bytes = bytes;
+    pthread_mutex_unlock(&st->mu);
+}
+
+uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms, uint64_t *free_bytes, uint64_t *dropped)
+{
+    pthread_mutex_lock(&st->mu);
+    int low = (uint64_t)st->free_pages * KVF_PAGE < st->low_bytes;
+    if (st->want_bytes == 0 && !low && st->ring_len * 2 < st->ring_cap && timeout_ms > 0) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         ts.tv_sec += timeout_ms / 1000;
@@ -498,6 +514,9 @@ uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms)
         pthread_cond_timedwait(&st->cv, &st->mu, &ts);
     }
     uint64_t w = st->want_bytes;
+    *free_bytes = (uint64_t)st->free_pages * KVF_PAGE;
+    *dropped = st->events_dropped;
+    if (*free_bytes >= st->low_bytes) st->low_signaled = 0; /* re-arm */
     pthread_mutex_unlock(&st->mu);
     return w;
 }
@@ -506,6 +525,7 @@ uint64_t kvf_store_space_done(struct kvf_store *st, int exhausted)
 {
     pthread_mutex_lock(&st->mu);
     st->want_bytes = 0;
+    st->low_signaled = 0;
     st->exhausted = exhausted;
     uint64_t r = ++st->round;
     pthread_mutex_unlock(&st->mu);

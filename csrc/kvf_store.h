@@ -72,8 +72,8 @@ int kvf_store_exists(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, int64_t lease_until_ms);
 /* 1 deleted, 0 absent. Records REMOVE. */
 int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen);
-/* Evict on the policy's word: 0 done, -ENOENT absent, -EBUSY pinned. */
-int kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen);
+/* Evict on the policy's word: bytes freed (whole pages, > 0), -ENOENT absent, -EBUSY pinned. */
+int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 int kvf_store_is_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 /* Copy up to `max` events out; returns how many. */
 uint32_t kvf_store_drain(struct kvf_store *st, struct kvf_event *out, uint32_t max);
@@ -84,9 +84,12 @@ void kvf_store_each(struct kvf_store *st, void (*fn)(const uint8_t *, uint32_t, 
 
 /* Space requests between the data plane and the control thread. */
 void kvf_store_want_space(struct kvf_store *st, uint64_t bytes);
-/* Control thread: wait up to timeout_ms for events or a space request.
- * Returns the bytes wanted (0 when only events or the timeout woke it). */
-uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms);
+/* Free space below which an allocation wakes the control thread. */
+void kvf_store_set_low(struct kvf_store *st, uint64_t bytes);
+/* Control thread: wait up to timeout_ms for events, a space request or free
+ * space below the low watermark. Returns the bytes wanted (0 when none) and
+ * sets *free_bytes and *dropped (events lost to a full ring, ever). */
+uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms, uint64_t *free_bytes, uint64_t *dropped);
 /* Control thread: an eviction round finished; exhausted=1 means nothing more
  * could be evicted. Returns the new round number. */
 uint64_t kvf_store_space_done(struct kvf_store *st, int exhausted);

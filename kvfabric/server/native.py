@@ -201,18 +201,18 @@ class NativeServer:
 
     def _control(self) -> None:
         """Feed events to the policy; evict on low space or a waiting PUT. Runs until stop()."""
+        srv = self._srv
+        srv.set_low_watermark(self._low)
         while not self._stop.is_set():
-            want = self._srv.wait(100)
+            want, free, dropped = srv.wait(100)
             self._apply_events()
-            st = self._srv.stats()
-            if st["events_dropped"] != self._events_dropped:
-                self._events_dropped = st["events_dropped"]
+            if dropped != self._events_dropped:
+                self._events_dropped = dropped
                 self._resync()
-            free = st["free_bytes"]
             if want or free < self._low:
-                exhausted = self._evict(max(self._high, free + want) if want else self._high)
+                exhausted = self._evict(free, max(self._high, free + want) if want else self._high)
                 if want:
-                    self._srv.space_done(exhausted)
+                    srv.space_done(exhausted)
 
     def _apply_events(self) -> None:
         policy = self.policy
@@ -242,18 +242,20 @@ class NativeServer:
                 self.policy.on_insert(key, size, None)
         log.warning("eviction events were dropped; policy resynchronised with %d keys", len(held))
 
-    def _evict(self, target_free: int) -> bool:
+    def _evict(self, free: int, target_free: int) -> bool:
         """Evict the policy's victims until ``target_free`` bytes are free; True if it ran out."""
         is_pinned = self._srv.is_pinned
         kept: list[bytes] = []
         exhausted = False
-        while self._srv.stats()["free_bytes"] < target_free:
+        while free < target_free:
             victim = self.policy.evict(is_pinned)
             if victim is None:
                 exhausted = True
                 break
             size = self._sizes.pop(victim, 0)
-            if not self._srv.evict(victim) and self._srv.is_pinned(victim):
+            freed = self._srv.evict(victim)
+            free += freed
+            if not freed and self._srv.is_pinned(victim):
                 kept.append(victim)  # pinned since the policy looked: keep tracking it
                 self._sizes[victim] = size
         for key in kept:
