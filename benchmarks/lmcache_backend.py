@@ -8,30 +8,33 @@ What one run measures, all through LMCache 0.5.6's real ``LMCacheEngine``
 (chunk size 256 tokens, local CPU cache off so every hit is remote, naive
 serde, the CPU stand-in GPU connector of ``kvfabric_lmcache.cpu_kv``):
 
-* **store**: ``engine.store(tokens, kv=...)`` of a ``--tokens`` prompt, timed
-  until a lookup through the same engine reports the whole prompt in the
-  backend (LMCache's puts are asynchronous; this is time-to-visible);
-* **retrieve**: a second engine (empty, same config) does ``lookup`` then
-  ``retrieve`` of that prompt into a zeroed tensor; the result is checked
-  bit-identical, so a figure never counts a miss or wrong bytes;
-* **lookup**: one ``engine.lookup`` of the stored prompt (latency).
+* **store**: ``engine.store(tokens, kv=...)`` of a new ``--tokens`` prompt,
+  timed until every put has finished (LMCache's puts are asynchronous: the
+  plugin's put counter for kvfabric, LMCache's ``RemoteBackend.put_tasks``
+  draining for ``lm://``);
+* **lookup**: ``engine.lookup`` of that prompt (latency; must be a full hit);
+* **retrieve**: ``engine.retrieve`` of it into a zeroed tensor, checked
+  bit-identical, so a figure never counts a miss or wrong bytes. With the
+  local CPU cache off the engine keeps no copy itself: every byte comes back
+  from the backend.
 
-Backends, each fresh: ``kvfabric://`` with 1 and with 2 ``kvfabric serve``
-processes, and ``lm://`` with one ``python -m lmcache.v1.server`` process. Each
-repeat stores a new prompt (fresh keys; nothing is deduplicated).
+Backends, side by side in one process: ``kvfabric://`` with 1 and with 2
+``kvfabric serve`` processes, and ``lm://`` with one
+``python -m lmcache.v1.server`` process. Ceilings, for the same bytes:
 
-Ceilings measured in the same run, for the same chunk objects:
+* ``memcpy``: one CPU copy of the prompt's KV each way (the engine itself
+  copies at least this much per store and per retrieve);
+* ``kvfabric client``: ``Client.put`` / ``lookup`` / ``get_into`` of the
+  plugin's own chunk objects (header + bytes) to the same servers, no LMCache:
+  what the pool's transport gives the plugin.
 
-* ``memcpy``: one CPU copy of the prompt's KV bytes (the engine's own copy
-  in/out of its memory objects costs at least this);
-* ``kvfabric client``: ``Client.put`` / ``Client.get`` of the same chunk
-  bytes (with the plugin's header) to the same servers, no LMCache: what the
-  pool's transport gives the plugin.
+Rounds are interleaved (every round runs every row once, after one warm-up
+round) so load on a shared machine spreads evenly; figures are medians.
 
 KV size per token comes from ``--model`` (layers x KV heads x head size x 2
 (K and V) x 2 bytes): llama3-8b 128 KiB, qwen2.5-7b 56 KiB, llama2-7b 512 KiB,
 tiny 2 KiB. Prints a table; writes JSON (``--out``, default
-bench-results/lmcache_backend.json). Medians over ``--repeats``.
+bench-results/lmcache_backend.json).
 """
 
 from __future__ import annotations
@@ -154,110 +157,150 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench_backend(label: str, url: str, eng: Engines, kv, prompts, cpu_gb: float) -> dict[str, Any]:
-    """Store each prompt with one engine, retrieve it with a fresh one; time both; verify the bytes."""
-    import torch
+class Target:
+    """One row of the table: ``round(tokens)`` stores and retrieves one prompt, returns (store_s, retrieve_s, lookup_s)."""
 
-    nbytes = kv.numel() * kv.element_size()
-    n = kv.shape[2]
-    store_s, retrieve_s, lookup_s, hit_tokens = [], [], [], []
-    name_s, e_store = eng.build(engine_config(url, cpu_gb))
-    try:
-        for tokens in prompts:
-            t0 = time.perf_counter()
-            e_store.store(tokens, kv=kv)
-            deadline = t0 + 120
-            while e_store.lookup(tokens) < n:  # puts are asynchronous: wait until all are visible
-                if time.perf_counter() > deadline:
-                    raise RuntimeError(f"{label}: stored chunks not visible after 120 s")
-                time.sleep(0.002)
-            store_s.append(time.perf_counter() - t0)
-    finally:
-        eng.destroy(name_s)
-    name_r, e_load = eng.build(engine_config(url, cpu_gb))
-    out = torch.empty_like(kv)
-    try:
-        for tokens in prompts:
-            t0 = time.perf_counter()
-            found = e_load.lookup(tokens)
-            lookup_s.append(time.perf_counter() - t0)
-            out.zero_()
-            t0 = time.perf_counter()
-            mask = e_load.retrieve(tokens, kv=out)
-            retrieve_s.append(time.perf_counter() - t0)
-            got = int(mask.sum())
-            hit_tokens.append(got)
-            if found != n or got != n or not torch.equal(out.view(torch.int16), kv.view(torch.int16)):
-                raise RuntimeError(f"{label}: retrieve was not a full bit-identical hit (lookup {found}, retrieved {got} of {n})")
-        transport = None
-        if url.startswith("kvfabric://"):
-            conn = e_load.storage_manager.storage_backends["RemoteBackend-kvfabric"].connection.getWrappedConnector()
-            shards = conn.client.stats()["client"].get("shards", {})
-            transport = sorted({s.get("transport") for s in shards.values()} - {None}) or None
-    finally:
-        eng.destroy(name_r)
-    return {
-        "backend": label, "url": url, "transport": transport, "bytes": nbytes, "tokens": n,
-        "store_s": store_s, "retrieve_s": retrieve_s, "lookup_s": lookup_s,
-        "store_gbps": nbytes / _median(store_s) / 1e9, "retrieve_gbps": nbytes / _median(retrieve_s) / 1e9,
-        "lookup_ms": _median(lookup_s) * 1e3,
-    }
+    label = ""
+    transport: list[str] | None = None
+
+    def close(self) -> None:
+        pass
 
 
-def bench_memcpy(kv, repeats: int) -> dict[str, Any]:
-    import torch
+class MemcpyCeiling(Target):
+    """One CPU copy of the prompt's KV bytes each way (the engine copies at least this much)."""
 
-    dst = torch.empty_like(kv)
-    dst.copy_(kv)  # fault the pages in first
-    ts = []
-    for _ in range(max(3, repeats)):
+    label = "ceiling: memcpy"
+
+    def __init__(self, kv) -> None:
+        import torch
+
+        self.kv = kv
+        self.dst = torch.empty_like(kv)
+        self.dst.copy_(kv)  # fault the pages in first
+
+    def round(self, tokens) -> tuple[float, float, None]:
         t0 = time.perf_counter()
-        dst.copy_(kv)
-        ts.append(time.perf_counter() - t0)
-    nbytes = kv.numel() * kv.element_size()
-    return {"backend": "ceiling: memcpy", "bytes": nbytes, "copy_s": ts, "store_gbps": nbytes / _median(ts) / 1e9,
-            "retrieve_gbps": nbytes / _median(ts) / 1e9}
+        self.dst.copy_(self.kv)
+        t1 = time.perf_counter()
+        self.dst.copy_(self.kv)
+        return t1 - t0, time.perf_counter() - t1, None
 
 
-def bench_client(addresses: list[str], kv, repeats: int) -> dict[str, Any]:
-    """kvfabric Client put/get of the plugin's own chunk objects (header + bytes), no LMCache."""
-    import numpy as np
-    from kvfabric.client import Client
-    from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
-    from lmcache.v1.memory_management import MemoryFormat
+class ClientCeiling(Target):
+    """``kvfabric.Client`` put/get of the plugin's own chunk objects (header + bytes), no LMCache."""
 
-    from kvfabric_lmcache import value
+    def __init__(self, addresses: list[str], kv) -> None:
+        import numpy as np
+        from kvfabric import ClientConfig
+        from kvfabric.client import Client
+        from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
+        from lmcache.v1.memory_management import MemoryFormat
 
-    n = kv.shape[2]
-    bounds = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
-    alloc = MixedMemoryAllocator(kv[:, :, :CHUNK].numel() * kv.element_size() + (64 << 20))
-    objs = []
-    for s, e in bounds:
-        o = alloc.allocate(kv[:, :, s:e].shape, kv.dtype, MemoryFormat.KV_2LTD)
-        o.tensor.copy_(kv[:, :, s:e])
-        objs.append(value.encode(o))  # exactly what the plugin sends
-        o.ref_count_down()
-    alloc.close()
-    nbytes = kv.numel() * kv.element_size()
-    put_s, get_s = [], []
-    with Client(addresses, config=None) as c:
-        transport = sorted(set(c.transports.values()) - {None})
-        bufs = [np.empty(len(v), dtype=np.uint8) for v in objs]
-        for r in range(max(1, repeats)):
-            keys = [uuid.uuid4().bytes for _ in objs]
-            t0 = time.perf_counter()
-            res = c.put(keys, objs)
-            put_s.append(time.perf_counter() - t0)
-            if res.stored != len(keys):
-                raise RuntimeError(f"client ceiling: only {res.stored} of {len(keys)} puts stored")
-            t0 = time.perf_counter()
-            got = c.get_into(keys, bufs)
-            get_s.append(time.perf_counter() - t0)
-            if any(g is None for g in got):
-                raise RuntimeError("client ceiling: a get missed")
-    return {"backend": f"ceiling: kvfabric client x{len(addresses)}", "transport": transport, "bytes": nbytes,
-            "put_s": put_s, "get_s": get_s, "store_gbps": nbytes / _median(put_s) / 1e9,
-            "retrieve_gbps": nbytes / _median(get_s) / 1e9}
+        from kvfabric_lmcache import value
+
+        n = kv.shape[2]
+        alloc = MixedMemoryAllocator(kv[:, :, :CHUNK].numel() * kv.element_size() + (64 << 20))
+        self.objs = []
+        for s in range(0, n, CHUNK):
+            o = alloc.allocate(kv[:, :, s:s + CHUNK].shape, kv.dtype, MemoryFormat.KV_2LTD)
+            o.tensor.copy_(kv[:, :, s:s + CHUNK])
+            self.objs.append(value.encode(o))  # exactly what the plugin sends
+            o.ref_count_down()
+        alloc.close()
+        self.bufs = [np.empty(len(v), dtype=np.uint8) for v in self.objs]
+        self.client = Client(addresses, config=ClientConfig(timeout_s=30, connect_timeout_s=5))  # as the plugin rows
+        self.label = f"ceiling: kvfabric client x{len(addresses)}"
+        self.transport = sorted(set(self.client.transports.values()) - {None})
+
+    def round(self, tokens) -> tuple[float, float, float]:
+        keys = [uuid.uuid4().bytes for _ in self.objs]
+        t0 = time.perf_counter()
+        res = self.client.put(keys, self.objs)
+        t1 = time.perf_counter()
+        if res.stored != len(keys):
+            raise RuntimeError(f"{self.label}: only {res.stored} of {len(keys)} puts stored")
+        found = self.client.lookup(keys)
+        t2 = time.perf_counter()
+        got = self.client.get_into(keys, self.bufs)
+        t3 = time.perf_counter()
+        if found != len(keys) or any(g is None for g in got):
+            raise RuntimeError(f"{self.label}: a get missed")
+        self.client.delete(keys)  # keep the servers' memory flat across rounds
+        return t1 - t0, t3 - t2, t2 - t1
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class EngineTarget(Target):
+    """LMCache's engine with a remote backend (local CPU cache off): store, then lookup + retrieve, verified."""
+
+    def __init__(self, label: str, url: str, eng: Engines, kv, out, cpu_gb: float) -> None:
+        self.label, self.url, self.eng, self.kv, self.out = label, url, eng, kv, out
+        self.name, self.engine = eng.build(engine_config(url, cpu_gb))
+        self.backend = next(b for k, b in self.engine.storage_manager.storage_backends.items() if k.startswith("RemoteBackend"))
+        if self.backend.connection is None:
+            raise RuntimeError(f"{label}: LMCache could not build the remote connector for {url}")
+        self.conn = self.backend.connection.getWrappedConnector()
+        self.kvfabric = url.startswith("kvfabric://")
+        if self.kvfabric:
+            self.transport = sorted(set(self.conn.client.transports.values()) - {None})
+
+    def _puts_done(self, puts0: int, chunks: int) -> bool:
+        # Puts are asynchronous. Done = the plugin counted every chunk's put
+        # (kvfabric) / LMCache's RemoteBackend has no put task left (lm://).
+        if self.kvfabric:
+            return self.conn.counts()["puts"] >= puts0 + chunks
+        return not self.backend.put_tasks
+
+    def round(self, tokens) -> tuple[float, float, float]:
+        import torch
+
+        n = self.kv.shape[2]
+        chunks = len(range(0, n, CHUNK))
+        puts0 = self.conn.counts()["puts"] if self.kvfabric else 0
+        t0 = time.perf_counter()
+        self.engine.store(tokens, kv=self.kv)
+        while not self._puts_done(puts0, chunks):
+            if time.perf_counter() - t0 > 120:
+                raise RuntimeError(f"{self.label}: puts not finished after 120 s")
+            time.sleep(0.001)
+        t1 = time.perf_counter()
+        found = self.engine.lookup(tokens)
+        t2 = time.perf_counter()
+        self.out.zero_()
+        t3 = time.perf_counter()
+        got = int(self.engine.retrieve(tokens, kv=self.out).sum())
+        t4 = time.perf_counter()
+        if found != n or got != n or not torch.equal(self.out.view(torch.int16), self.kv.view(torch.int16)):
+            raise RuntimeError(f"{self.label}: not a full bit-identical hit (lookup {found}, retrieved {got} of {n})")
+        return t1 - t0, t4 - t3, t2 - t1
+
+    def close(self) -> None:
+        self.eng.destroy(self.name)
+
+
+def run_rounds(targets: list[Target], prompts, nbytes: int) -> list[dict[str, Any]]:
+    """Round-robin: every round runs every target once, so machine noise spreads evenly over the rows."""
+    times: dict[str, dict[str, list[float]]] = {t.label: {"store_s": [], "retrieve_s": [], "lookup_s": []} for t in targets}
+    for tokens in prompts:
+        for t in targets:
+            st, rt, lk = t.round(tokens)
+            times[t.label]["store_s"].append(st)
+            times[t.label]["retrieve_s"].append(rt)
+            if lk is not None:
+                times[t.label]["lookup_s"].append(lk)
+    rows = []
+    for t in targets:
+        d = times[t.label]
+        row: dict[str, Any] = {"backend": t.label, "transport": t.transport, "bytes": nbytes, **d,
+                               "store_gbps": nbytes / _median(d["store_s"]) / 1e9,
+                               "retrieve_gbps": nbytes / _median(d["retrieve_s"]) / 1e9}
+        if d["lookup_s"]:
+            row["lookup_ms"] = _median(d["lookup_s"]) * 1e3
+        rows.append(row)
+    return rows
 
 
 def print_table(rows: list[dict[str, Any]], args) -> None:
@@ -279,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     p.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048 = 8 chunks)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--capacity", default="2GiB", help="capacity of each kvfabric server")
+    p.add_argument("--repeats", type=int, default=5, help="measured rounds (after one warm-up round)")
+    p.add_argument("--capacity", default="1GiB", help="capacity of each kvfabric server")
     p.add_argument("--out", default="bench-results/lmcache_backend.json")
     p.add_argument("--skip-lm", action="store_true", help="do not run LMCache's lm:// server")
     args = p.parse_args(argv)
@@ -293,22 +336,32 @@ def main(argv: list[str] | None = None) -> int:
     eng = Engines(args.model)
     g = torch.Generator().manual_seed(0)
     kv = torch.randint(-(2**15), 2**15, (2, eng.layers, args.tokens, eng.hidden), dtype=torch.int16, generator=g).view(torch.float16)
-    prompts = [torch.randint(0, 32000, (args.tokens,), generator=g) for _ in range(args.repeats)]
+    prompts = [torch.randint(0, 32000, (args.tokens,), generator=g) for _ in range(args.repeats + 1)]
     nbytes = kv.numel() * kv.element_size()
-    cpu_gb = max(0.25, 3 * nbytes / 2**30)  # LMCache stages the whole prompt at once; its allocator needs slack
+    cpu_gb = max(0.25, 2 * nbytes / 2**30)  # LMCache stages the whole prompt at once; its allocator needs slack
 
-    rows: list[dict[str, Any]] = [bench_memcpy(kv, args.repeats)]
-    for nserv in (1, 2):
-        with start_pool(nserv, capacity=args.capacity) as pool:
-            rows.append(bench_client(list(pool.addresses), kv, args.repeats))
-        with start_pool(nserv, capacity=args.capacity) as pool:
-            url = "kvfabric://" + ",".join(pool.addresses)
-            rows.append(bench_backend(f"LMCache + kvfabric x{nserv}", url, eng, kv, prompts, cpu_gb))
-    if not args.skip_lm:
-        srv = LMServer()
-        try:
-            rows.append(bench_backend("LMCache + lm:// server", srv.url, eng, kv, prompts, cpu_gb))
-        finally:
+    targets: list[Target] = []
+    pools = []
+    srv = None
+    try:
+        memcpy = MemcpyCeiling(kv)
+        targets.append(memcpy)
+        for nserv in (1, 2):
+            pools.append(start_pool(nserv, capacity=args.capacity))
+            targets.append(ClientCeiling(list(pools[-1].addresses), kv))
+            url = "kvfabric://" + ",".join(pools[-1].addresses)
+            targets.append(EngineTarget(f"LMCache + kvfabric x{nserv}", url, eng, kv, memcpy.dst, cpu_gb))
+        if not args.skip_lm:
+            srv = LMServer()
+            targets.append(EngineTarget("LMCache + lm:// server", srv.url, eng, kv, memcpy.dst, cpu_gb))
+        run_rounds(targets, prompts[:1], nbytes)  # warm-up round, not reported
+        rows = run_rounds(targets, prompts[1:], nbytes)
+    finally:
+        for t in targets:
+            t.close()
+        for p_ in pools:
+            p_.stop()
+        if srv is not None:
             srv.stop()
 
     print_table(rows, args)

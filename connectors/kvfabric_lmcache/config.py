@@ -21,6 +21,7 @@ in ``extra_config``; the URL wins):
 ``verify_checksums``      true | false
 ``lease_ms``              lease a pinned lookup takes on the blocks (default 10000)
 ``io_threads``            threads that run pool calls for LMCache's event loop (default 4)
+``scratch_mb``            staging buffers kept for reuse, MiB (default 256; see scratch.py)
 ========================  ==================================================
 
 Secrets (``auth_token``, ``key_secret``) are deliberately not URL options; they
@@ -55,11 +56,12 @@ _CLIENT_OPTIONS: dict[str, Any] = {
     "max_batch_keys": int,
     "verify_checksums": bool,
 }
-_PLUGIN_OPTIONS: dict[str, Any] = {"lease_ms": int, "io_threads": int}
+_PLUGIN_OPTIONS: dict[str, Any] = {"lease_ms": int, "io_threads": int, "scratch_mb": int}
 _SECRET_OPTIONS = ("auth_token", "key_secret")
 
 DEFAULT_LEASE_MS = 10_000
 DEFAULT_IO_THREADS = 4
+DEFAULT_SCRATCH_MB = 256
 
 
 def _parse_bool(text: str) -> bool:
@@ -89,12 +91,15 @@ class PluginSettings:
     client: ClientConfig
     lease_ms: int = DEFAULT_LEASE_MS
     io_threads: int = DEFAULT_IO_THREADS
+    scratch_mb: int = DEFAULT_SCRATCH_MB
 
     def __post_init__(self) -> None:
         if type(self.lease_ms) is not int or not 0 <= self.lease_ms <= 3_600_000:
             raise ConfigError(f"lease_ms must be an int in 0..3600000, got {self.lease_ms!r}")
         if type(self.io_threads) is not int or not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io_threads must be an int in 1..64, got {self.io_threads!r}")
+        if type(self.scratch_mb) is not int or not 0 <= self.scratch_mb <= 1 << 20:
+            raise ConfigError(f"scratch_mb must be an int in 0..{1 << 20}, got {self.scratch_mb!r}")
 
 
 def is_plugin_url(url: str) -> bool:

@@ -13,10 +13,12 @@ Batched forms are offered, and LMCache uses them:
   ``Client.lookup`` (one LOOKUP per shard, in parallel); with ``pin=True`` the
   servers lease what they found for ``lease_ms`` so it is not evicted before
   the load.
-* ``batched_get``: one ``Client.get_into`` (one GET per shard) into fresh
-  buffers of a full chunk plus header; each found object is decoded (:mod:`.value`), a memory object is allocated with
+* ``batched_get``: one ``Client.get_into`` (one GET per shard) into staging
+  buffers of a full chunk plus header (reused, :mod:`.scratch`); each found
+  object is decoded (:mod:`.value`), a memory object is allocated with
   ``local_cpu_backend.allocate(shapes, dtypes, fmt)`` and the bytes copied in.
-* ``batched_put``: one ``Client.put`` of header+bytes per chunk.
+* ``batched_put``: one ``Client.put`` of header+bytes per chunk, staged in
+  reused buffers.
 
 Failures degrade to misses: a dead, slow or refusing shard is a miss inside
 the client already; a ``KVFabricError`` that still escapes (a closed client),
@@ -46,6 +48,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from . import value
 from .config import PluginSettings
 from .keymap import KeyMapper
+from .scratch import ScratchPool
 
 log = logging.getLogger("kvfabric.lmcache")
 
@@ -55,6 +58,15 @@ _COUNTERS = (
     "lookups", "lookup_hits", "gets", "get_hits", "get_misses", "bad_values", "alloc_failures",
     "puts", "puts_stored", "puts_existed", "puts_dropped", "pool_errors",
 )
+
+
+def _release_result(fut: "asyncio.Future[list[Optional[MemoryObj]]]") -> None:
+    """Done-callback for an abandoned get: drop the references it would have handed over."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    for obj in fut.result():
+        if obj is not None:
+            obj.ref_count_down()
 
 
 class KVFabricConnector(RemoteConnector):
@@ -77,6 +89,9 @@ class KVFabricConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._io = ThreadPoolExecutor(max_workers=settings.io_threads, thread_name_prefix="kvfabric-lmcache")
+        # One staging buffer holds a full chunk plus the largest header.
+        buf = self.full_chunk_size_bytes + value.MAX_HEADER_BYTES
+        self._scratch = ScratchPool(buf, (settings.scratch_mb << 20) // buf)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -155,8 +170,8 @@ class KVFabricConnector(RemoteConnector):
     def support_batched_get(self) -> bool:
         return True
 
-    def _fetch(self, keys: list[CacheEngineKey]) -> list[Any]:
-        """Stored objects for ``keys`` (None = miss), received straight into fresh buffers.
+    def _fetch(self, keys: list[CacheEngineKey], bufs: list[np.ndarray]) -> list[Any]:
+        """Stored objects for ``keys`` (None = miss), received straight into ``bufs``.
 
         Each buffer holds a full chunk plus the largest header; an object
         larger than that is not one this configuration wrote, so that batch
@@ -164,13 +179,11 @@ class KVFabricConnector(RemoteConnector):
         by the decoder (a counted miss).
         """
         ks = self.keymap.many(keys)
-        cap = self.full_chunk_size_bytes + value.MAX_HEADER_BYTES
-        bufs = [np.empty(cap, dtype=np.uint8) for _ in ks]
 
         def fetch() -> list[Any]:
             try:
                 sizes = self.client.get_into(ks, bufs)
-            except ValueError:  # some object does not fit `cap`
+            except ValueError:  # some object does not fit a buffer
                 return self.client.get(ks)
             return [None if n is None else memoryview(b)[:n] for b, n in zip(bufs, sizes)]
 
@@ -202,14 +215,31 @@ class KVFabricConnector(RemoteConnector):
         dst[:] = payload
         return obj
 
-    async def batched_get(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
-        """Memory objects for ``keys`` in order; None for each miss."""
-        keys = list(keys)
-        raws = await self._off_loop(lambda: self._fetch(keys))
-        objs = [self._rebuild(r) for r in raws]
+    def _get_batch(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """Fetch and rebuild on an I/O thread; the staging buffers go back only after the client is done."""
+        bufs = self._scratch.take(len(keys))
+        try:
+            objs = [self._rebuild(r) for r in self._fetch(keys, bufs)]
+        finally:
+            self._scratch.give(bufs)
         hits = sum(o is not None for o in objs)
         self._count(gets=len(keys), get_hits=hits, get_misses=len(keys) - hits)
         return objs
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """Memory objects for ``keys`` in order; None for each miss.
+
+        If the caller gives up (LMCache cancels a get that passed its
+        ``blocking_timeout_secs``), the pool call still finishes on its thread
+        and the memory objects it produced are released, not leaked.
+        """
+        keys = list(keys)
+        fut = asyncio.get_running_loop().run_in_executor(self._io, self._get_batch, keys)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(_release_result)
+            raise
 
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         return (await self.batched_get([key]))[0]
@@ -241,8 +271,15 @@ class KVFabricConnector(RemoteConnector):
         if not keys:
             return
         ks = self.keymap.many(keys)
-        values = [value.encode(o) for o in objs]
-        res = self._guard("put", None, lambda: self.client.put(ks, values))
+        bufs = self._scratch.take(len(objs))
+        try:
+            values = [
+                value.encode_into(o, b) if value.encoded_size(o) <= b.size else value.encode(o)
+                for o, b in zip(objs, bufs)
+            ]
+            res = self._guard("put", None, lambda: self.client.put(ks, values))
+        finally:
+            self._scratch.give(bufs)
         if res is None:
             self._count(puts=len(keys), puts_dropped=len(keys))
         else:

@@ -98,19 +98,31 @@ def encode_header(memory_obj: MemoryObj) -> bytes:
     return _FIXED.pack(MAGIC, VERSION, 0, len(meta)) + meta
 
 
-def encode(memory_obj: MemoryObj) -> np.ndarray:
-    """Header + chunk bytes in one new uint8 array (one copy of the chunk).
+def encoded_size(memory_obj: MemoryObj) -> int:
+    """Bytes :func:`encode` produces for ``memory_obj`` (at most ``MAX_HEADER_BYTES`` + its size)."""
+    return len(encode_header(memory_obj)) + memory_obj.get_size()
 
-    numpy's uninitialised allocation and slice copy run at memcpy speed;
-    a ``bytearray`` would zero-fill first and copy LMCache's ctypes-backed
-    ``'<B'`` memoryview element by element.
+
+def encode_into(memory_obj: MemoryObj, out: np.ndarray) -> np.ndarray:
+    """Write header + chunk bytes into the uint8 array ``out``; returns the used prefix of ``out``.
+
+    ValueError if ``out`` is too small. numpy's slice copy runs at memcpy
+    speed (LMCache's ctypes-backed ``'<B'`` memoryview would be copied
+    element by element by ``bytearray``).
     """
     header = encode_header(memory_obj)
     data = np.frombuffer(memory_obj.byte_array, dtype=np.uint8)
-    out = np.empty(len(header) + data.size, dtype=np.uint8)
+    total = len(header) + data.size
+    if out.dtype != np.uint8 or out.ndim != 1 or out.size < total:
+        raise ValueError(f"encode_into needs a 1-D uint8 array of at least {total} bytes")
     out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-    out[len(header):] = data
-    return out
+    out[len(header):total] = data
+    return out[:total]
+
+
+def encode(memory_obj: MemoryObj) -> np.ndarray:
+    """Header + chunk bytes in one new uint8 array (one copy of the chunk)."""
+    return encode_into(memory_obj, np.empty(encoded_size(memory_obj), dtype=np.uint8))
 
 
 def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
@@ -149,4 +161,5 @@ def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
     return ChunkMeta(fmt, [torch.Size(s) for s in shapes], [DTYPES[n] for n in names], nbytes), payload
 
 
-__all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_HEADER_BYTES", "MAX_META_BYTES", "ValueFormatError", "decode", "encode", "encode_header"]
+__all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_HEADER_BYTES", "MAX_META_BYTES", "ValueFormatError", "decode", "encode",
+           "encode_header", "encode_into", "encoded_size"]
