@@ -371,7 +371,9 @@ static void post_sendmsg(struct conn *c, struct reply *r, struct io_uring_sqe *q
     q->opcode = IORING_OP_SENDMSG;
     q->fd = c->fd;
     q->addr = (uint64_t)(uintptr_t)&r->mh;
-    q->msg_flags = MSG_NOSIGNAL;
+    /* MSG_WAITALL: io_uring retries a short send itself instead of
+     * completing it and having the loop resubmit the rest */
+    q->msg_flags = MSG_NOSIGNAL | MSG_WAITALL;
     q->user_data = TAG(c, T_SEND);
     s->ctr.copy_sends++;
 }
@@ -407,7 +409,8 @@ static void start_send(struct conn *c)
             q->fd = c->fd;
             q->addr = (uint64_t)(uintptr_t)(s->base + off);
             q->len = (uint32_t)n;
-            q->msg_flags = MSG_NOSIGNAL | (r->seg + 1 < r->nseg || off + n < g->off + g->len ? MSG_MORE : 0);
+            q->msg_flags = MSG_NOSIGNAL | MSG_WAITALL |
+                           (r->seg + 1 < r->nseg || off + n < g->off + g->len ? MSG_MORE : 0);
             if (s->fixed) {
                 q->ioprio = IORING_RECVSEND_FIXED_BUF;
                 q->buf_index = (uint16_t)(off / FIXED_CHUNK);
