@@ -30,6 +30,8 @@ COUNTER_NAMES = (
     "load_tokens",        # tokens copied into paged KV blocks
     "load_failed_chunks",  # chunks that missed / were malformed -> recomputed
     "load_errors",        # whole load steps that raised -> recomputed
+    "save_jobs",          # put jobs queued (one per request per step that completed chunks)
+    "save_jobs_done",     # put jobs finished, whatever their outcome (== save_jobs: nothing in flight)
     "save_chunks",        # chunks handed to the pool (stored or already there)
     "save_dropped_chunks",  # chunks the pool did not take (down, full, slow)
     "save_skipped_chunks",  # chunks not even sent (pending-save bound reached)

@@ -210,6 +210,7 @@ class WorkerSide:
                                        "beyond %d pending bytes", self.cfg.max_pending_save_bytes,
                                        n=len(spec.block_ids))
                     continue
+                self.counters.add("save_jobs")
                 self._saver.submit(self._put, spec, st.data, nbytes)
         except Exception as exc:  # noqa: BLE001
             self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
@@ -232,6 +233,7 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pending_bytes -= nbytes
+            self.counters.add("save_jobs_done")
 
     def shutdown(self) -> None:
         """Wait for queued saves (each bounded by ``save_timeout_s``), then close the client."""
