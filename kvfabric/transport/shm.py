@@ -41,6 +41,7 @@ from __future__ import annotations
 import ipaddress
 import mmap
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -128,6 +129,7 @@ def connect(
         usock.close()
         raise TransportUnavailable(f"cannot reach the shm socket of {address} (another host or namespace?): {e}") from e
     conn = ShmConnection(usock, address)
+    conn._shm_socket = path
     try:
         conn.hello = conn._hello(client_name, auth_token, deadline)
         conn._attach(deadline)
@@ -161,6 +163,45 @@ def _tcp_hello(address: str, host: str, port: int, client_name: str, auth_token:
         sock.close()
 
 
+# One mapping per server per process, shared by its pooled connections:
+# mapping (and pre-faulting) a large arena is done once, not per connection.
+_arenas: dict[str, list] = {}  # shm socket name -> [mmap, users]
+_arenas_lock = threading.Lock()
+
+
+def _map_arena(name: str, fd: int, capacity: int) -> mmap.mmap:
+    """The shared mapping of the arena behind ``name`` (mapped from ``fd`` on first use).
+
+    MAP_POPULATE fills the page tables up front, so copies never stop on
+    first-touch page faults (they cost more than the copy itself).
+    """
+    with _arenas_lock:
+        got = _arenas.get(name)
+        if got is not None:
+            if len(got[0]) != capacity:
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"arena of {name!r} changed size")
+            got[1] += 1
+            return got[0]
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, capacity, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        _arenas[name] = [m, 1]
+        return m
+
+
+def _unmap_arena(name: str) -> None:
+    with _arenas_lock:
+        got = _arenas.get(name)
+        if got is None:
+            return
+        got[1] -= 1
+        if got[1] == 0:
+            del _arenas[name]
+            try:
+                got[0].close()
+            except BufferError:  # a caller still holds a view: the mapping goes with the object
+                pass
+
+
 class ShmConnection(NativeConnection):
     """A unix-socket connection plus the mapped arena. Not thread-safe."""
 
@@ -170,6 +211,7 @@ class ShmConnection(NativeConnection):
         super().__init__(sock, address)
         self._arena: mmap.mmap | None = None
         self._view: memoryview | None = None
+        self._shm_socket = ""
 
     def close(self) -> None:
         view, self._view = self._view, None
@@ -177,10 +219,7 @@ class ShmConnection(NativeConnection):
         if view is not None:
             view.release()
         if arena is not None:
-            try:
-                arena.close()
-            except BufferError:  # a caller still holds a view: the mapping goes with the object
-                pass
+            _unmap_arena(self._shm_socket)
         super().close()
 
     def request(
@@ -255,7 +294,7 @@ class ShmConnection(NativeConnection):
                 meta = protocol.decode_meta(mbytes)
                 if len(fds) != 1 or header.request_id != rid or type(meta.get("capacity")) is not int:
                     raise ProtocolError(protocol.ErrorCode.MALFORMED, "shm attach reply without the arena")
-                self._arena = mmap.mmap(fds[0], meta["capacity"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._arena = _map_arena(self._shm_socket, fds[0], meta["capacity"])
             finally:
                 for fd in fds:
                     import os
