@@ -75,6 +75,7 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._staged: dict[int, _Staged] = {}   # id(spec) -> staging, for this step only
         self._pending_bytes = 0
+        self._load_buf: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-save")
 
@@ -127,7 +128,7 @@ class WorkerSide:
         keys = spec.keys[self.tp_rank]
         if len(keys) != n or any(len(b) != self.per_chunk for b in spec.block_ids):
             raise ValueError(f"malformed load spec for {spec.req_id}: {len(keys)} keys, {n} chunks")
-        raw = torch.empty((n, self.chunk_bytes), dtype=torch.uint8)
+        raw = self._load_staging(n)
         sizes = self.client.get_into(keys, [memoryview(raw[i].numpy()) for i in range(n)],
                                      timeout_s=self.cfg.load_timeout_s)
         good = [i for i, s in enumerate(sizes) if s == self.chunk_bytes]
@@ -152,6 +153,14 @@ class WorkerSide:
             pages += self.per_chunk - first
         self.counters.add("load_chunks", len(good))
         self.counters.add("load_tokens", pages * (self.cfg.chunk_tokens // self.per_chunk))
+
+    def _load_staging(self, n: int) -> torch.Tensor:
+        """A reused staging buffer for ``n`` chunks: a fresh multi-MiB allocation would be
+        page-faulted in by the receive on every load. Loads are synchronous, so one buffer
+        suffices; it never outgrows the largest load seen (bounded by vLLM's KV cache)."""
+        if self._load_buf is None or self._load_buf.shape[0] < n:
+            self._load_buf = torch.empty((n, self.chunk_bytes), dtype=torch.uint8)
+        return self._load_buf[:n]
 
     def take_failed_block_ids(self) -> set[int]:
         out, self._failed = self._failed, set()

@@ -1,0 +1,134 @@
+"""The worker's copies between paged KV blocks and pool chunks, and its failure handling,
+on real pool servers without an engine (fast; torch from the vLLM virtualenv)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kvfabric import ConfigError
+from kvfabric.client import Client
+from kvfabric.testing.servers import start_pool
+from kvfabric_vllm.config import parse_extra_config
+from kvfabric_vllm.meta import LoadSpec, SaveSpec
+from kvfabric_vllm.metrics import Counters
+from kvfabric_vllm.worker import WorkerSide
+
+BLOCK, CHUNK, LAYERS, NBLOCKS = 32, 64, 3, 16
+PAGE = (2, BLOCK, 16)   # [heads, tokens, K|V channels], like the CPU backend's per-layer view
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def make_worker(servers: list[str], client: Client | None = None) -> tuple[WorkerSide, list[torch.Tensor]]:
+    cfg = parse_extra_config({"servers": servers, "chunk_tokens": CHUNK, "load_timeout_s": 2.0,
+                              "save_timeout_s": 2.0}, "kv_both", BLOCK)
+    w = WorkerSide(cfg, client if client is not None else Client(config=cfg.client), 0, BLOCK, NAMES, Counters())
+    kv = [torch.zeros((NBLOCKS, *PAGE)) for _ in NAMES]
+    w.register(dict(zip(NAMES, kv)))
+    return w, kv
+
+
+def save(w: WorkerSide, keys: list[bytes], block_ids: list[list[int]]) -> None:
+    spec = SaveSpec("r", [keys], [[None, *keys[:-1]]], block_ids)
+    for name in NAMES[:2]:                  # the last layer is gathered by submit_saves
+        w.gather_layer(name, [spec])
+    w.submit_saves([spec])
+    deadline = time.monotonic() + 10
+    while w.counters.snapshot()["save_jobs_done"] < w.counters.snapshot()["save_jobs"]:
+        assert time.monotonic() < deadline, "save did not finish"
+        time.sleep(0.01)
+
+
+def test_save_then_load_into_other_blocks_is_exact():
+    with start_pool(2, capacity="16MiB") as pool:
+        a, kv_a = make_worker(pool.addresses)
+        b, kv_b = make_worker(pool.addresses)
+        try:
+            for t in kv_a:
+                t.copy_(torch.randn_like(t))
+            keys = [os.urandom(16) for _ in range(3)]
+            src_blocks = [[3, 9], [4, 1], [12, 7]]
+            save(a, keys, src_blocks)
+            assert a.counters.snapshot()["save_chunks"] == 3
+
+            dst_blocks = [[0, 2], [5, 6], [8, 10]]
+            b.load([LoadSpec("r", [keys], dst_blocks, skip_blocks=1)])
+            assert b.take_failed_block_ids() == set()
+            for la, lb in zip(kv_a, kv_b):
+                pairs = [(s, d) for sb, db in zip(src_blocks, dst_blocks) for s, d in zip(sb, db)]
+                for s, d in pairs[1:]:      # first block skipped: computed locally
+                    assert torch.equal(la[s], lb[d])
+                assert torch.count_nonzero(lb[dst_blocks[0][0]]) == 0
+            assert b.counters.snapshot()["load_tokens"] == 5 * BLOCK
+        finally:
+            a.shutdown()
+            b.shutdown()
+
+
+def test_missing_or_malformed_chunks_are_reported_not_used():
+    with start_pool(1, capacity="16MiB") as pool:
+        w, kv = make_worker(pool.addresses)
+        try:
+            good, short = os.urandom(16), os.urandom(16)
+            for t in kv:
+                t.fill_(1.0)
+            save(w, [good], [[1, 2]])
+            with Client(pool.addresses) as c:
+                c.put([short], [b"x" * 100])          # right key length, wrong size
+            for t in kv:
+                t.zero_()
+            w.load([LoadSpec("r", [[good, short, os.urandom(16)]], [[3, 4], [5, 6], [7, 8]])])
+            assert w.take_failed_block_ids() == {5, 6, 7, 8}
+            assert all(torch.all(t[3] == 1.0) and torch.count_nonzero(t[5]) == 0 for t in kv)
+            assert w.counters.snapshot()["load_failed_chunks"] == 2
+            assert w.take_failed_block_ids() == set()    # reported once
+        finally:
+            w.shutdown()
+
+
+def test_dead_pool_degrades_without_raising():
+    with start_pool(1, capacity="16MiB") as pool:
+        w, kv = make_worker(pool.addresses)
+        pool[0].kill()
+        try:
+            keys = [os.urandom(16), os.urandom(16)]
+            w.load([LoadSpec("r", [keys], [[1, 2], [3, 4]], skip_blocks=1)])
+            assert w.take_failed_block_ids() == {2, 3, 4}
+            save(w, keys, [[1, 2], [3, 4]])
+            c = w.counters.snapshot()
+            assert c["save_dropped_chunks"] == 2 and c["save_errors"] == 0
+        finally:
+            w.shutdown()
+
+
+def test_no_client_means_every_load_fails_cleanly():
+    w = WorkerSide(parse_extra_config({"servers": ["127.0.0.1:9"], "chunk_tokens": CHUNK}, "kv_both", BLOCK),
+                   None, 0, BLOCK, NAMES, Counters())
+    w.register({n: torch.zeros((NBLOCKS, *PAGE)) for n in NAMES})
+    w.load([LoadSpec("r", [[os.urandom(16)]], [[1, 2]])])
+    assert w.take_failed_block_ids() == {1, 2}
+    assert w.counters.snapshot()["load_errors"] == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({}, "servers is required"),
+    ({"servers": ["127.0.0.1:1"], "chunk_tokens": 48}, "multiple of vLLM's block size"),
+    ({"servers": ["127.0.0.1:1"], "chunk_token": 256}, "unknown kv_connector_extra_config key"),
+    ({"servers": ["nohost"]}, "host:port"),
+    ({"servers": ["127.0.0.1:1"], "lookup_timeout_ms": 0}, "lookup_timeout_ms"),
+    ({"servers": ["127.0.0.1:1"], "save": "yes"}, "save must be true or false"),
+])
+def test_bad_extra_config_is_a_clear_error(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_extra_config(extra, "kv_both", BLOCK)
+
+
+def test_roles_choose_load_and_save():
+    cfg = parse_extra_config({"servers": "127.0.0.1:1,127.0.0.1:2"}, "kv_consumer", 128)
+    assert (cfg.load, cfg.save, cfg.chunk_tokens, cfg.client.servers) == (True, False, 256, ("127.0.0.1:1", "127.0.0.1:2"))
+    assert parse_extra_config({"servers": ["127.0.0.1:1"]}, "kv_producer", 128).load is False
+    with pytest.raises(ConfigError, match="kv_role"):
+        parse_extra_config({"servers": ["127.0.0.1:1"]}, None, 128)
