@@ -67,7 +67,11 @@ class NativeServer:
     ``transports`` is what HELLO advertises; ``shm`` adds the unix listener.
     ``low_watermark``/``high_watermark`` are fractions of the capacity: when
     free space drops below the low one the control thread evicts until the
-    high one is free. A peer that stalls mid-frame, or stops reading a reply,
+    high one is free, ahead of demand. The default (0, 0) evicts only on
+    demand, when a PUT finds no room, which keeps the exact eviction order of
+    the Python server (the conformance suite checks it); proactive
+    watermarks take that wait off the PUT path at the price of evicting a
+    little early. A peer that stalls mid-frame, or stops reading a reply,
     for ``stall_timeout_s`` is disconnected (idle connections are kept). Raises ``TransportUnavailable`` when the extension or
     io_uring is unavailable, ``ConfigError`` for bad options, ``OSError``
     when the port cannot be bound.
@@ -86,8 +90,8 @@ class NativeServer:
         limits: Limits = DEFAULT_LIMITS,
         max_connections: int = 1024,
         zerocopy: str = "auto",
-        low_watermark: float = 0.02,
-        high_watermark: float = 0.05,
+        low_watermark: float = 0.0,
+        high_watermark: float = 0.0,
         stall_timeout_s: float = 10.0,
     ) -> None:
         if _native is None:
@@ -210,6 +214,7 @@ class NativeServer:
                 self._events_dropped = dropped
                 self._resync()
             if want or free < self._low:
+                want, free, _ = srv.wait(0)  # fresh figures: PUTs went on while events were applied
                 exhausted = self._evict(free, max(self._high, free + want) if want else self._high)
                 if want:
                     srv.space_done(exhausted)
@@ -285,17 +290,25 @@ def main(argv: list[str] | None = None) -> int:
         args_in = args_in[1:]
     parser = build_parser("python -m kvfabric.server.native serve")
     parser.add_argument("--zerocopy", default="auto", choices=["auto", "on", "off"],
-                        help="IORING_OP_SEND_ZC for GET replies (default: when the kernel has it)")
+                        help="IORING_OP_SEND_ZC for GET replies (default: for peers off this host, when the kernel has it)")
+    parser.add_argument("--evict-watermarks", default="0,0", metavar="LOW,HIGH",
+                        help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
+                             "is free (default 0,0: only on demand)")
     parser.set_defaults(transports="tcp,native,shm")
     args = parser.parse_args(args_in)
     capacity, token, transports = _options(args)[:3]  # shared validation with `kvfabric serve`
+    try:
+        low, high = (float(x) for x in args.evict_watermarks.split(","))
+    except ValueError:
+        print("kvfabric serve: --evict-watermarks must be LOW,HIGH fractions, e.g. 0.02,0.05", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = NativeServer(
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
-            stall_timeout_s=args.stall_timeout,
+            stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the native server cannot start: {e}", file=sys.stderr)

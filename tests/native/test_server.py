@@ -222,3 +222,17 @@ def test_a_peer_stalling_mid_frame_is_dropped_and_its_slot_freed(make_server):
     assert p.unpack_header(idle.recv_frame()).request_id == 9
     r.close()
     idle.close()
+
+
+def test_watermarks_evict_ahead_of_demand(make_server):
+    srv = make_server(capacity=64 * 4096, low_watermark=0.25, high_watermark=0.5)
+    c = tcp.connect(srv.address, timeout_s=5)
+    val = b"w" * 4096
+    for i in range(52):  # 52 of 64 pages: free space drops below a quarter
+        assert c.request(p.PutRequest([b"w%02d" % i], [4096], [p.checksum(val)]), [val]).msg.status == [0]
+    # the control thread evicts back towards half free (PUTs racing with it may use some of it)
+    assert wait_for(lambda: srv.stats()["evictions"] > 0 and srv.stats()["free_bytes"] >= 16 * 4096)
+    present = c.request(p.ExistsRequest([b"w%02d" % i for i in range(52)])).msg.present
+    k = present.count(False)
+    assert k >= 4 and present == [False] * k + [True] * (52 - k)  # oldest first, no PUT waited for it
+    c.close()
