@@ -31,12 +31,18 @@ auth token or protocol version.
 Thread safety: one client may be shared by many threads; each shard keeps up
 to ``connections_per_server`` connections and a thread waits (until its
 deadline) when all of them are busy.
+
+Who owns what: this module holds the ``Client`` (routing, batching, fan-out,
+deadlines, degrade-to-miss) and the pure helpers it is built from
+(``plan_chunks``, ``leading_run``, ``combine_puts``, ``PutResult``; unit
+tested without sockets). ``kvfabric/_shard.py`` holds the per-shard
+connection pool, the up/down state, the background reconnector and the
+client's counters; ``kvfabric/transport/`` moves the bytes.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -46,6 +52,7 @@ from typing import Any
 import xxhash
 
 from . import protocol, sharding, transport
+from ._shard import _Busy, _Counters, _Down, _Reconnector, _Shard
 from .config import ClientConfig
 from .errors import (
     FATAL_CODES,
@@ -124,162 +131,6 @@ def combine_puts(status: Sequence[Sequence[int]]) -> tuple[PutResult, int]:
     return PutResult(stored, existed, dropped), replica_drops
 
 
-class _Down(Exception):
-    """Internal: the shard is marked down; its keys miss without a request."""
-
-
-class _Busy(Exception):
-    """Internal: every pooled connection of the shard stayed busy until the deadline."""
-
-
-_COUNTERS = (
-    "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
-    "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
-    "bytes_in", "bytes_out", "requests",
-)
-
-
-class _Counters:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._v = dict.fromkeys(_COUNTERS, 0)
-
-    def add(self, **kw: int) -> None:
-        with self._lock:
-            for k, n in kw.items():
-                self._v[k] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._v)
-
-
-class _Shard:
-    """One server: a small connection pool plus up/down state."""
-
-    def __init__(self, index: int, address: str, client: Client) -> None:
-        self.index = index
-        self.address = address
-        self._client = client
-        self._cond = threading.Condition()
-        self._idle: list[transport.Connection] = []
-        self._open = 0  # idle + checked out
-        # Bumped when the shard is marked down: connections opened before that
-        # are closed when released instead of going back to the pool.
-        self._gen = 0
-        self._conn_gen: dict[int, int] = {}  # id(conn) -> generation it was opened in
-        self.down_until = 0.0  # 0.0: up; else monotonic time of the next reconnect attempt
-        self.backoff = client.config.reconnect_backoff_s
-        self.last_error = ""
-        self.transport: str | None = None
-        self.limits = protocol.DEFAULT_LIMITS
-        self.server_id = ""
-
-    # -- connections -----------------------------------------------------
-
-    def _connect(self, timeout_s: float) -> transport.Connection:
-        cfg = self._client.config
-        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(timeout_s, 0.001)))
-        if self.transport is not None and self.transport != conn.name:
-            log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)
-        self.transport = conn.name
-        lim = conn.hello.limits
-        self.limits = lim
-        self.server_id = conn.hello.server_id
-        return conn
-
-    def acquire(self, deadline: float) -> transport.Connection:
-        """A connection for the caller's exclusive use; raises _Down, _Busy or a connect error."""
-        with self._cond:
-            while True:
-                if self.down_until:
-                    raise _Down()
-                if self._idle:
-                    return self._idle.pop()
-                if self._open < self._client.config.connections_per_server:
-                    self._open += 1
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise _Busy()
-                self._cond.wait(left)
-        try:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _Busy()
-            gen = self._gen
-            conn = self._connect(min(self._client.config.connect_timeout_s, left))
-            with self._cond:
-                self._conn_gen[id(conn)] = gen
-            return conn
-        except BaseException:
-            with self._cond:
-                self._open -= 1
-                self._cond.notify()
-            raise
-
-    def release(self, conn: transport.Connection) -> None:
-        with self._cond:
-            if conn.closed or self._client.closed or self._conn_gen.get(id(conn)) != self._gen:
-                conn.close()
-                self._conn_gen.pop(id(conn), None)
-                self._open -= 1
-            else:
-                self._idle.append(conn)
-            self._cond.notify()
-
-    def mark_down(self, err: BaseException) -> None:
-        """Close idle connections and schedule a background reconnect."""
-        with self._cond:
-            self.last_error = f"{type(err).__name__}: {err}"
-            if self.down_until:
-                return
-            self.down_until = time.monotonic() + self.backoff
-            self._gen += 1
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            for c in idle:
-                self._conn_gen.pop(id(c), None)
-            self._cond.notify_all()
-        for c in idle:
-            c.close()
-        log.warning("kvfabric: shard %s marked down (%s); retrying in %.2fs", self.address, self.last_error, self.backoff)
-        self._client._wake_reconnector()
-
-    def try_reconnect(self) -> bool:
-        """One reconnect attempt (reconnector thread only). True when the shard is up again."""
-        try:
-            conn = self._connect(self._client.config.connect_timeout_s)
-        except Exception as e:  # whatever it is, the shard stays down and is retried later
-            if not isinstance(e, KVFabricError):
-                log.exception("kvfabric: unexpected error reconnecting %s", self.address)
-            with self._cond:
-                self.last_error = f"{type(e).__name__}: {e}"
-                self.backoff = min(self.backoff * 2, self._client.config.reconnect_backoff_max_s)
-                self.down_until = time.monotonic() + self.backoff
-            return False
-        with self._cond:
-            self._conn_gen[id(conn)] = self._gen
-            self._idle.append(conn)
-            self._open += 1
-            self.down_until = 0.0
-            self.backoff = self._client.config.reconnect_backoff_s
-            self._cond.notify_all()
-        self._client._counters.add(reconnects=1)
-        log.info("kvfabric: shard %s reconnected", self.address)
-        return True
-
-    def close(self) -> None:
-        with self._cond:
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            for c in idle:
-                self._conn_gen.pop(id(c), None)
-            self._cond.notify_all()
-        for c in idle:
-            c.close()
-
-
 class Client:
     """A sharded client over a list of pool servers (see the module docstring).
 
@@ -311,19 +162,21 @@ class Client:
         self._hasher = KeyHasher(config.key_algorithm, config.key_secret)
         self._counters = _Counters()
         self._closed = False
-        self._shards = [_Shard(i, a, self) for i, a in enumerate(self.servers)]
+        self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + 1)
+        self._shards = [
+            _Shard(i, a, config, self._counters, self._reconnector, lambda: self._closed)
+            for i, a in enumerate(self.servers)
+        ]
         self._pool = ThreadPoolExecutor(
             max_workers=min(64, len(self.servers) * config.connections_per_server),
             thread_name_prefix="kvfabric-fanout",
         )
-        self._rc_cond = threading.Condition()
-        self._reconnector = threading.Thread(target=self._reconnect_loop, name="kvfabric-reconnect", daemon=True)
         try:
             self._initial_connect()
         except BaseException:
             self.close()
             raise
-        self._reconnector.start()
+        self._reconnector.start(self._shards)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -336,13 +189,11 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        with self._rc_cond:
-            self._rc_cond.notify_all()
+        self._reconnector.wake()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for s in self._shards:
             s.close()
-        if self._reconnector.is_alive():
-            self._reconnector.join(timeout=self.config.connect_timeout_s + 1)
+        self._reconnector.join()
 
     def __enter__(self) -> Client:
         return self
@@ -367,25 +218,6 @@ class Client:
 
         for f in [self._pool.submit(first, s) for s in self._shards]:
             f.result()
-
-    def _wake_reconnector(self) -> None:
-        with self._rc_cond:
-            self._rc_cond.notify_all()
-
-    def _reconnect_loop(self) -> None:
-        while not self._closed:
-            now = time.monotonic()
-            due = [s for s in self._shards if s.down_until and s.down_until <= now]
-            for s in due:
-                if self._closed:
-                    return
-                s.try_reconnect()
-            with self._rc_cond:
-                if self._closed:
-                    return
-                pending = [s.down_until for s in self._shards if s.down_until]
-                timeout = max(0.0, min(pending) - time.monotonic()) if pending else None
-                self._rc_cond.wait(timeout)
 
     # ------------------------------------------------------------------ fan-out core
 

@@ -1,0 +1,250 @@
+"""Per-shard connection state for :class:`kvfabric.client.Client` (private).
+
+The client (``kvfabric/client.py``) decides what to send where: routing,
+batching, fan-out, deadlines and degrade-to-miss. This module owns how it
+gets a connection to one server and what happens when that server fails:
+
+* :class:`_Shard`: one server's small connection pool (at most
+  ``connections_per_server`` connections, idle ones reused), the server's
+  HELLO facts (transport, limits, server id), and its up/down state. A shard
+  marked down closes its idle connections, drops the ones checked out when
+  they come back (a generation counter), and makes every ``acquire`` raise
+  :class:`_Down` at once until it is reconnected.
+* :class:`_Reconnector`: one daemon thread per client that reconnects down
+  shards when their backoff is due (``reconnect_backoff_s`` doubling up to
+  ``reconnect_backoff_max_s`` per failed attempt, reset on success).
+* :class:`_Counters`: the client's thread-safe counters (``stats()["client"]``).
+* :class:`_Down`, :class:`_Busy`: how ``_Shard.acquire`` says "skip this
+  shard" (down) or "no connection freed up before the deadline" (busy).
+
+Nothing here raises out of the client's public calls: the client turns these
+exceptions and connect errors into misses and counted drops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from . import protocol, transport
+from .config import ClientConfig
+from .errors import KVFabricError
+
+# The client's logger: these messages are part of the client's behaviour.
+log = logging.getLogger("kvfabric.client")
+
+
+class _Down(Exception):
+    """Internal: the shard is marked down; its keys miss without a request."""
+
+
+class _Busy(Exception):
+    """Internal: every pooled connection of the shard stayed busy until the deadline."""
+
+
+_COUNTERS = (
+    "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
+    "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
+    "bytes_in", "bytes_out", "requests",
+)
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._v = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **kw: int) -> None:
+        with self._lock:
+            for k, n in kw.items():
+                self._v[k] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._v)
+
+
+class _Reconnector:
+    """The background thread that reconnects down shards when their backoff is due.
+
+    ``is_closed`` tells it when the client is closed. Shards call :meth:`wake`
+    when they are marked down, so the thread recomputes its next due time.
+    """
+
+    def __init__(self, is_closed: Callable[[], bool], join_timeout_s: float) -> None:
+        self._is_closed = is_closed
+        self._join_timeout_s = join_timeout_s
+        self._cond = threading.Condition()
+        self._shards: Sequence[_Shard] = ()
+        self._thread = threading.Thread(target=self._loop, name="kvfabric-reconnect", daemon=True)
+
+    def start(self, shards: Sequence[_Shard]) -> None:
+        self._shards = shards
+        self._thread.start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        """Wait for the thread to stop (call after the client is closed and :meth:`wake`)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._join_timeout_s)
+
+    def _loop(self) -> None:
+        while not self._is_closed():
+            now = time.monotonic()
+            due = [s for s in self._shards if s.down_until and s.down_until <= now]
+            for s in due:
+                if self._is_closed():
+                    return
+                s.try_reconnect()
+            with self._cond:
+                if self._is_closed():
+                    return
+                pending = [s.down_until for s in self._shards if s.down_until]
+                timeout = max(0.0, min(pending) - time.monotonic()) if pending else None
+                self._cond.wait(timeout)
+
+
+class _Shard:
+    """One server: a small connection pool plus up/down state.
+
+    ``is_closed`` is the owning client's closed flag: connections released
+    after the client is closed are closed instead of pooled.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        address: str,
+        config: ClientConfig,
+        counters: _Counters,
+        reconnector: _Reconnector,
+        is_closed: Callable[[], bool],
+    ) -> None:
+        self.index = index
+        self.address = address
+        self._config = config
+        self._counters = counters
+        self._reconnector = reconnector
+        self._is_closed = is_closed
+        self._cond = threading.Condition()
+        self._idle: list[transport.Connection] = []
+        self._open = 0  # idle + checked out
+        # Bumped when the shard is marked down: connections opened before that
+        # are closed when released instead of going back to the pool.
+        self._gen = 0
+        self._conn_gen: dict[int, int] = {}  # id(conn) -> generation it was opened in
+        self.down_until = 0.0  # 0.0: up; else monotonic time of the next reconnect attempt
+        self.backoff = config.reconnect_backoff_s
+        self.last_error = ""
+        self.transport: str | None = None
+        self.limits = protocol.DEFAULT_LIMITS
+        self.server_id = ""
+
+    # -- connections -----------------------------------------------------
+
+    def _connect(self, timeout_s: float) -> transport.Connection:
+        cfg = self._config
+        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(timeout_s, 0.001)))
+        if self.transport is not None and self.transport != conn.name:
+            log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)
+        self.transport = conn.name
+        lim = conn.hello.limits
+        self.limits = lim
+        self.server_id = conn.hello.server_id
+        return conn
+
+    def acquire(self, deadline: float) -> transport.Connection:
+        """A connection for the caller's exclusive use; raises _Down, _Busy or a connect error."""
+        with self._cond:
+            while True:
+                if self.down_until:
+                    raise _Down()
+                if self._idle:
+                    return self._idle.pop()
+                if self._open < self._config.connections_per_server:
+                    self._open += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Busy()
+                self._cond.wait(left)
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Busy()
+            gen = self._gen
+            conn = self._connect(min(self._config.connect_timeout_s, left))
+            with self._cond:
+                self._conn_gen[id(conn)] = gen
+            return conn
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, conn: transport.Connection) -> None:
+        with self._cond:
+            if conn.closed or self._is_closed() or self._conn_gen.get(id(conn)) != self._gen:
+                conn.close()
+                self._conn_gen.pop(id(conn), None)
+                self._open -= 1
+            else:
+                self._idle.append(conn)
+            self._cond.notify()
+
+    def mark_down(self, err: BaseException) -> None:
+        """Close idle connections and schedule a background reconnect."""
+        with self._cond:
+            self.last_error = f"{type(err).__name__}: {err}"
+            if self.down_until:
+                return
+            self.down_until = time.monotonic() + self.backoff
+            self._gen += 1
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            for c in idle:
+                self._conn_gen.pop(id(c), None)
+            self._cond.notify_all()
+        for c in idle:
+            c.close()
+        log.warning("kvfabric: shard %s marked down (%s); retrying in %.2fs", self.address, self.last_error, self.backoff)
+        self._reconnector.wake()
+
+    def try_reconnect(self) -> bool:
+        """One reconnect attempt (reconnector thread only). True when the shard is up again."""
+        try:
+            conn = self._connect(self._config.connect_timeout_s)
+        except Exception as e:  # whatever it is, the shard stays down and is retried later
+            if not isinstance(e, KVFabricError):
+                log.exception("kvfabric: unexpected error reconnecting %s", self.address)
+            with self._cond:
+                self.last_error = f"{type(e).__name__}: {e}"
+                self.backoff = min(self.backoff * 2, self._config.reconnect_backoff_max_s)
+                self.down_until = time.monotonic() + self.backoff
+            return False
+        with self._cond:
+            self._conn_gen[id(conn)] = self._gen
+            self._idle.append(conn)
+            self._open += 1
+            self.down_until = 0.0
+            self.backoff = self._config.reconnect_backoff_s
+            self._cond.notify_all()
+        self._counters.add(reconnects=1)
+        log.info("kvfabric: shard %s reconnected", self.address)
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            for c in idle:
+                self._conn_gen.pop(id(c), None)
+            self._cond.notify_all()
+        for c in idle:
+            c.close()
