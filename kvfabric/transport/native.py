@@ -16,9 +16,11 @@ Pipelining: :meth:`NativeConnection.pipeline` sends several requests before
 reading their replies (one GIL release for the sends, then one per reply),
 so a batch split over several frames costs one round trip, not one per frame.
 
-Failures follow ``transport.base``. The native client talks to any server
-that speaks protocol v1 (the Python ``tcp`` server or the io_uring native
-server): the wire is identical.
+Failures follow ``transport.base``; an error frame with request id 0 (a
+server refusing the connection, e.g. BUSY over its connection bound) closes
+the connection and raises ``RemoteError``, as in ``tcp``. The native client
+talks to any server that speaks protocol v1 (the Python ``tcp`` server or the
+io_uring native server): the wire is identical.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def connect(
     Raises ``TransportUnavailable`` (via :func:`probe`'s reason) when the
     extension is missing, ``ConfigError`` for a bad address, ``TransportError``
     when the server cannot be reached in time, ``RemoteError`` when it refuses
-    the HELLO, ``ProtocolError`` for a bad HELLO reply.
+    the HELLO or the connection (``BUSY``: an error frame with request id 0,
+    sent by a server over its connection bound), ``ProtocolError`` for a bad
+    HELLO reply.
     """
     reason = probe()
     if reason is not None:
@@ -176,7 +180,7 @@ class NativeConnection(Connection):
                 try:
                     replies.append(self._decode(msg, rid, res_call()))
                 except RemoteError as e:
-                    if e.code in FATAL_CODES:
+                    if e.code in FATAL_CODES or self._sock is None:  # closed: refused connection
                         raise
                     first_error = first_error or e
                     replies.append(Reply(msg))
@@ -221,9 +225,16 @@ class NativeConnection(Connection):
 
     def _decode(self, msg: Message, rid: int, res: tuple) -> Reply:
         opcode, flags, got_rid, meta, payload_len, payload = res
+        header = protocol.Header(opcode, flags, got_rid, len(meta), payload_len)
+        if got_rid == 0 and header.is_reply and header.is_error and not payload_len:
+            # An error frame with request id 0 answers no request: the server
+            # refused the connection as a whole (BUSY over its connection
+            # bound) and closes it. Raise it as the RemoteError it is.
+            err = protocol.ErrorReply.from_meta(protocol.decode_meta(meta, self._limits))
+            self.close()
+            raise RemoteError(err.code, err.message)
         if got_rid != rid:
             raise ProtocolError(protocol.ErrorCode.MALFORMED, f"reply for request {got_rid}, expected {rid}")
-        header = protocol.Header(opcode, flags, got_rid, len(meta), payload_len)
         reply = protocol.decode_reply(header, meta, msg.op, self._limits)
         if isinstance(reply, GetReply) and payload is not None:
             return Reply(reply, payload)

@@ -17,6 +17,9 @@ out the connection is closed (the stream is then out of step) and
 Failures follow ``transport.base``: a broken, timed-out or confused connection
 closes itself and raises a :class:`~kvfabric.errors.TransportError` (or
 ``ProtocolError`` for a malformed reply); an error reply raises ``RemoteError``.
+An error frame with request id 0 (a server over its connection bound answers
+a new connection with BUSY that way, then closes it) raises ``RemoteError``
+too, and closes the connection.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ def connect(
 
     Raises ``ConfigError`` for a malformed address, ``TransportError`` when the
     server cannot be reached or does not answer in time, ``RemoteError`` when
-    it refuses the HELLO (``AUTH_FAILED``, ``BAD_VERSION``), ``ProtocolError``
-    when its reply is not a valid HELLO reply.
+    it refuses the HELLO (``AUTH_FAILED``, ``BAD_VERSION``) or the connection
+    (``BUSY``: over its connection bound), ``ProtocolError`` when its reply is
+    not a valid HELLO reply.
     """
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout_s
@@ -219,7 +223,8 @@ class TcpConnection(Connection):
     ) -> tuple[Reply, str | None]:
         self._recv_into(memoryview(self._header), deadline)
         header = protocol.unpack_header(self._header, self._limits)
-        if header.request_id != rid:
+        refused = header.request_id == 0 and header.is_reply and header.is_error
+        if header.request_id != rid and not refused:
             raise ProtocolError(
                 protocol.ErrorCode.MALFORMED, f"reply for request {header.request_id}, expected {rid}"
             )
@@ -227,6 +232,13 @@ class TcpConnection(Connection):
         self._recv_into(memoryview(meta), deadline)
         if header.is_error and header.payload_len:
             raise ProtocolError(protocol.ErrorCode.MALFORMED, "error reply with a payload")
+        if refused:
+            # An error frame with request id 0 answers no request: the server
+            # refused the connection as a whole (BUSY over its connection
+            # bound) and closes it. Raise it as the RemoteError it is.
+            err = protocol.ErrorReply.from_meta(protocol.decode_meta(meta, self._limits))
+            self.close()
+            raise RemoteError(err.code, err.message)
         reply = protocol.decode_reply(header, meta, msg.op, self._limits)
         if not isinstance(reply, GetReply) or header.payload_len == 0:
             return Reply(reply), None
