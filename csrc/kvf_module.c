@@ -427,7 +427,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra", "stats_extra_pairs",
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
-                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", NULL};
+                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
@@ -442,10 +442,11 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.zerocopy = -1;
     unsigned int event_ring = 65536, extra_pairs = 0;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiII", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIII", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
-                                     &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms))
+                                     &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
+                                     &cfg.max_lease_ms))
         return -1;
     if (cfg.max_keys > KVF_MAX_KEYS_PER_BATCH || cfg.max_key_bytes > KVF_MAX_KEY_BYTES || !cfg.max_in_flight ||
         event_ring == 0 || event_ring > (1u << 22)) {

@@ -268,6 +268,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
         for (uint32_t i = 0; i < n; i++) kvf_mw_bool(&w, kvf_store_exists(s->st, b->keys[i], b->klens[i]));
         kvf_reply_finish(c, rp, KVF_OP_EXISTS, KVF_FLAG_REPLY, w.len, 0);
     } else if (op == KVF_OP_LOOKUP) {
+        if (s->cfg.max_lease_ms && lease_ms > s->cfg.max_lease_ms) lease_ms = s->cfg.max_lease_ms;
         int64_t until = lease_ms ? kvf_now_ms() + (int64_t)lease_ms : 0;
         uint32_t count = 0;
         while (count < n && kvf_store_lookup(s->st, b->keys[count], b->klens[count], until)) count++;

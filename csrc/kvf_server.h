@@ -36,6 +36,7 @@ struct kvf_server_cfg {
     size_t stats_extra_len;
     uint32_t stats_extra_pairs;
     int zerocopy; /* -1 auto (probe), 0 never, 1 required (-EOPNOTSUPP if absent) */
+    uint32_t max_lease_ms; /* cap on LOOKUP leases (0: the protocol's 3600000) */
     uint32_t stall_ms; /* a peer stalled this long mid-frame (or not reading a reply) is dropped; 0 = never */
 };
 

@@ -37,7 +37,8 @@ class Server:
         self, tcp_fd: int, unix_fd: int, capacity: int, *, hello_meta: bytes, stats_extra: bytes = b"",
         stats_extra_pairs: int = 0, auth: str | None = None, max_conns: int = 1024, max_keys: int = 4096,
         max_key_bytes: int = 64, max_meta: int = 1 << 20, max_payload: int = 1 << 30, max_object: int = 64 << 20,
-        max_in_flight: int = 64, zerocopy: int = -1, event_ring: int = 65536,
+        max_in_flight: int = 64, zerocopy: int = -1, event_ring: int = 65536, stall_ms: int = 0,
+        max_lease_ms: int = 0,
     ) -> None: ...
     def run(self) -> None: ...
     def stop(self) -> None: ...

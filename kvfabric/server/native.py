@@ -93,6 +93,7 @@ class NativeServer:
         low_watermark: float = 0.0,
         high_watermark: float = 0.0,
         stall_timeout_s: float = 10.0,
+        max_lease_ms: int = 60_000,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -133,7 +134,7 @@ class NativeServer:
                 max_key_bytes=limits.max_key_bytes, max_meta=limits.max_meta_bytes,
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
-                stall_ms=max(0, int(stall_timeout_s * 1000)),
+                stall_ms=max(0, int(stall_timeout_s * 1000)), max_lease_ms=max(0, int(max_lease_ms)),
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
@@ -309,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
+            max_lease_ms=args.max_lease_ms,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the native server cannot start: {e}", file=sys.stderr)
