@@ -12,8 +12,10 @@ no patch to LMCache needed::
 Modules: :mod:`.config` (URL and option parsing), :mod:`.keymap`
 (CacheEngineKey -> kvfabric key), :mod:`.value` (stored object format),
 :mod:`.connector` (the RemoteConnector), :mod:`.adapter` (the
-ConnectorAdapter LMCache loads), :mod:`.cpu_kv` (a CPU stand-in for LMCache's
-GPU connector, for tests and benchmarks without a GPU).
+ConnectorAdapter LMCache loads), :mod:`.scratch` (staging buffers),
+:mod:`.l2_adapter` (the L2 adapter of LMCache's multiprocess server, loaded
+separately as ``kvfabric_lmcache.l2_adapter``), :mod:`.cpu_kv` (a CPU
+stand-in for LMCache's GPU connector, for tests and benchmarks without a GPU).
 """
 
 from __future__ import annotations

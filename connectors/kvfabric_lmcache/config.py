@@ -150,13 +150,48 @@ def _lookup(extra: Mapping[str, Any], prefixes: list[str], option: str) -> Any:
     return None
 
 
+def _build(real_url: str | None, lookup: Any, where_prefix: str, environ: Mapping[str, str] | None) -> PluginSettings:
+    """Shared by both entry points: URL options win over ``lookup(option)`` values, then ``KVFABRIC_*``."""
+    servers: tuple[str, ...] = ()
+    options: dict[str, str] = {}
+    if real_url:
+        servers, options = parse_url(real_url)
+    client_kw: dict[str, Any] = {}
+    plugin_kw: dict[str, Any] = {}
+    for name, conv in {**_CLIENT_OPTIONS, **_PLUGIN_OPTIONS}.items():
+        raw = options.get(name)
+        where = f"kvfabric URL option {name}"
+        if raw is None:
+            raw = lookup(name)
+            where = f"{where_prefix}{name}"
+        if raw is None:
+            continue
+        try:
+            value = _convert(conv, raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}={raw!r}: {exc}") from None
+        (client_kw if name in _CLIENT_OPTIONS else plugin_kw)[name] = value
+    for name in _SECRET_OPTIONS:
+        raw = lookup(name)
+        if raw is not None:
+            client_kw[name] = str(raw)
+    if servers:
+        client_kw["servers"] = servers
+    client = ClientConfig.from_env(environ, **client_kw)
+    if not client.servers:
+        raise ConfigError(
+            f"no kvfabric servers configured: set {where_prefix}url (kvfabric://host:port,...), or KVFABRIC_SERVERS"
+        )
+    return PluginSettings(client=client, **plugin_kw)
+
+
 def settings_from_lmcache(
     url: str,
     plugin_name: str | None,
     extra_config: Mapping[str, Any] | None,
     environ: Mapping[str, str] | None = None,
 ) -> PluginSettings:
-    """Build the plugin settings from what LMCache passes to the adapter.
+    """Build the plugin settings from what LMCache passes to the remote-storage adapter.
 
     ``url`` is either a ``kvfabric://`` URL or LMCache's ``plugin://kvfabric``;
     for the latter the real URL is ``extra_config['remote_storage_plugin.<name>.url']``
@@ -174,41 +209,22 @@ def settings_from_lmcache(
         real_url = found
     else:
         raise ConfigError(f"kvfabric plugin cannot handle URL {url!r} (expected {SCHEME}... or {PLUGIN_SCHEME}{PLUGIN_TYPE})")
-
-    servers: tuple[str, ...] = ()
-    options: dict[str, str] = {}
-    if real_url:
-        servers, options = parse_url(real_url)
-
-    client_kw: dict[str, Any] = {}
-    plugin_kw: dict[str, Any] = {}
-    for name, conv in {**_CLIENT_OPTIONS, **_PLUGIN_OPTIONS}.items():
-        raw = options.get(name)
-        where = f"kvfabric URL option {name}"
-        if raw is None:
-            raw = _lookup(extra, prefixes, name)
-            where = f"extra_config {prefixes[0]}{name}"
-        if raw is None:
-            continue
-        try:
-            value = _convert(conv, raw)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}={raw!r}: {exc}") from None
-        (client_kw if name in _CLIENT_OPTIONS else plugin_kw)[name] = value
-    for name in _SECRET_OPTIONS:
-        raw = _lookup(extra, prefixes, name)
-        if raw is not None:
-            client_kw[name] = str(raw)
-    if servers:
-        client_kw["servers"] = servers
-
-    client = ClientConfig.from_env(environ, **client_kw)
-    if not client.servers:
-        raise ConfigError(
-            f"no kvfabric servers configured: set {prefixes[-1]}url (kvfabric://host:port,...) "
-            "in LMCache's extra_config, or KVFABRIC_SERVERS"
-        )
-    return PluginSettings(client=client, **plugin_kw)
+    return _build(real_url, lambda name: _lookup(extra, prefixes, name), f"extra_config {prefixes[-1]}", environ)
 
 
-__all__ = ["PLUGIN_TYPE", "SCHEME", "PluginSettings", "is_plugin_url", "parse_url", "settings_from_lmcache"]
+def settings_from_params(params: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> PluginSettings:
+    """Settings from a flat option map (the L2 adapter's ``adapter_params``): ``url`` plus the options above.
+
+    Unknown keys raise ConfigError (a typo must not silently fall back to a default).
+    """
+    known = {"url", *_CLIENT_OPTIONS, *_PLUGIN_OPTIONS, *_SECRET_OPTIONS}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"unknown kvfabric adapter_params {unknown}; known: {sorted(known)}")
+    url = params.get("url")
+    if url is not None and not isinstance(url, str):
+        raise ConfigError(f"adapter_params url must be a string, got {type(url).__name__}")
+    return _build(url, params.get, "adapter_params ", environ)
+
+
+__all__ = ["PLUGIN_TYPE", "SCHEME", "PluginSettings", "is_plugin_url", "parse_url", "settings_from_lmcache", "settings_from_params"]
