@@ -192,8 +192,7 @@ class ClientCeiling(Target):
 
     def __init__(self, addresses: list[str], kv) -> None:
         import numpy as np
-        from kvfabric import ClientConfig
-        from kvfabric.client import Client
+        from kvfabric import Client, ClientConfig
         from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
         from lmcache.v1.memory_management import MemoryFormat
 

@@ -20,8 +20,7 @@ down, read as misses, and are reconnected in the background.
 
 from __future__ import annotations
 
-from kvfabric.client import Client
-from kvfabric import KeyHasher
+from kvfabric import Client, KeyHasher
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 
 from .config import SCHEME, is_plugin_url, settings_from_lmcache

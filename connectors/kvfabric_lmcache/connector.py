@@ -39,8 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
-from kvfabric import KVFabricError
-from kvfabric.client import Client
+from kvfabric import Client, KVFabricError
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector

@@ -49,8 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
-from kvfabric import KeyHasher, KVFabricError, Namespace
-from kvfabric.client import Client
+from kvfabric import Client, KeyHasher, KVFabricError, Namespace
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult

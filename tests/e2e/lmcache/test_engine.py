@@ -12,8 +12,7 @@ import socket
 import pytest
 import torch
 
-from kvfabric import sharding
-from kvfabric.client import Client
+from kvfabric import Client, sharding
 from kvfabric_lmcache.keymap import KeyMapper
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
