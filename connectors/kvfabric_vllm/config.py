@@ -37,7 +37,7 @@ from typing import Any
 
 from kvfabric import ClientConfig, ConfigError, Namespace
 
-__all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "KV_LAYOUT_VERSION"]
+__all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "kv_layout_name", "KV_LAYOUT_VERSION"]
 
 # Bumped whenever the byte layout of a chunk object changes (see worker.py).
 KV_LAYOUT_VERSION = 1
@@ -155,3 +155,10 @@ def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dt
         tp_size=tp_size,
         tenant=cfg.tenant,
     )
+
+
+def kv_layout_name(layout: str, *, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int,
+                   num_layers: int) -> str:
+    """The namespace's ``kv_layout``: everything that shapes the bytes of one chunk object."""
+    return (f"vllm/{layout}/heads={num_kv_heads}/head={head_size}/head_v={head_size_v}/block={block_size}"
+            f"/layers={num_layers}/v{KV_LAYOUT_VERSION}")

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from kvfabric import ConfigError, KVFabricError
 from kvfabric.client import Client
 
-from .config import KV_LAYOUT_VERSION, ConnectorConfig, make_namespace, parse_extra_config
+from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config
 from .meta import KVFabricMetadata
 from .metrics import Counters, log
 from .scheduler import SchedulerSide
@@ -79,9 +79,9 @@ class KVFabricConnector(KVConnectorBase_V1):
                         "to load from the cache pool is recomputed, never fatal", xfer.kv_load_failure_policy)
             xfer.kv_load_failure_policy = "recompute"
         layer_names = list(groups[0].layer_names)
-        layout = (f"vllm/{kv_cache_config.kv_cache_layout}/heads={spec.num_kv_heads}/head={spec.head_size}"
-                  f"/head_v={spec.head_size_v}/block={spec.block_size}"
-                  f"/layers={len(layer_names)}/v{KV_LAYOUT_VERSION}")
+        layout = kv_layout_name(str(kv_cache_config.kv_cache_layout), num_kv_heads=spec.num_kv_heads,
+                                head_size=spec.head_size, head_size_v=spec.head_size_v,
+                                block_size=spec.block_size, num_layers=len(layer_names))
         mc = vllm_config.model_config
         namespaces = [
             make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),

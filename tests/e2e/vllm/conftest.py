@@ -27,7 +27,7 @@ PROMPT_TOKENS = 1500
 # whole chunks that can be loaded: the last prompt token is always computed
 LOADABLE = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
 PROMPTS = {name: random_prompt(PROMPT_TOKENS, seed=seed) for seed, name in
-           enumerate(["single", "spread", "killed", "down", "mp_new", "openai"], start=11)}
+           enumerate(["single", "spread", "killed", "down", "mp_new", "openai", "corrupt"], start=11)}
 ENGINE_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 

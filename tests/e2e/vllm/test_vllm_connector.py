@@ -7,8 +7,10 @@ without the connector.
 
 from __future__ import annotations
 
+from kvfabric import KeyHasher
 from kvfabric.client import Client
 from kvfabric.testing.servers import start_pool
+from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config
 
 from conftest import CHUNK, LOADABLE, PROMPTS
 
@@ -75,3 +77,21 @@ def test_pool_down_serves_identically(run_engine, cold):
     assert r["cached"] == [0, 0]
     assert r["counters"]["save_dropped_chunks"] == 2 * SAVED   # counted ...
     assert r["log"].count("the pool did not take") == 1      # ... and warned once
+
+
+def test_chunks_that_fail_to_load_are_recomputed(run_engine, cold, tiny_model):
+    """The pool answers the lookup but the chunks it returns are unusable (wrong size):
+    vLLM must recompute them (sync-load invalid blocks -> recompute), with identical output."""
+    cfg = parse_extra_config({"servers": ["127.0.0.1:1"], "chunk_tokens": CHUNK}, "kv_both", 128)
+    layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=128, num_layers=4)
+    ns = make_namespace(cfg, model=tiny_model, revision=None, dtype="torch.float32", kv_layout=layout,
+                        tp_rank=0, tp_size=1)
+    keys = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret).prefix_keys(ns, PROMPTS["corrupt"][:LOADABLE])
+    with start_pool(1, capacity="16MiB") as pool:
+        with Client(pool.addresses) as c:
+            assert c.put(keys, [b"not a KV chunk"] * len(keys)).stored == LOADED
+        r = run_engine(["corrupt"], pool.addresses)
+    assert r["counters"]["scheduled_load_tokens"] == LOADABLE   # the engine's keys matched ours
+    assert r["counters"]["load_failed_chunks"] == LOADED
+    # had vLLM used the blocks those chunks should have filled, the output would differ from cold
+    assert r["outputs"] == [cold["corrupt"]]
