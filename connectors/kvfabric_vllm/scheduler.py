@@ -140,10 +140,10 @@ class SchedulerSide:
         return st.pool_run
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.cfg.load or self.client is None:
+        if self.client is None:
             return 0, False
-        st = self._state(request)
-        if st is None:
+        st = self._state(request)       # also for save-only roles: saves need the keys
+        if st is None or not self.cfg.load:
             return 0, False
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
