@@ -140,3 +140,52 @@ def test_bad_adapter_params_are_rejected() -> None:
         adapter_for("kvfabric://127.0.0.1:1", lease=5)
     with pytest.raises(ValueError, match="lease_ms"):
         adapter_for("kvfabric://127.0.0.1:1", lease_ms=-5)
+
+
+def test_lmcache_storage_manager_offloads_to_and_prefetches_from_the_pool(pool) -> None:
+    """LMCache's own multiprocess StorageManager (L1 + store/prefetch controllers) with kvfabric as its L2.
+
+    Write to L1 -> LMCache's store controller pushes to kvfabric -> L1 emptied ->
+    LMCache's prefetch controller loads from kvfabric -> bit-identical.
+    """
+    from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, PrefetchTaskSpec
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=10&connect_timeout_s=5"
+    spec = {"type": "plugin", "module_path": "kvfabric_lmcache.l2_adapter", "class_name": "KVFabricL2Adapter",
+            "adapter_params": {"url": url}}
+    args = add_storage_manager_args(argparse.ArgumentParser()).parse_args(
+        ["--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--l2-adapter", json.dumps(spec)])
+    sm = StorageManager(parse_args_to_config(args))
+    try:
+        adapter = sm.l2_adapters()[0][1]
+        assert isinstance(adapter, KVFabricL2Adapter)
+        layout = MemoryLayoutDesc([SHAPE], [torch.float16])
+        keys = [okey(i) for i in range(3)]
+        objs = sm.reserve_write(keys, layout)
+        assert len(objs) == 3
+        ref = {}
+        for i, k in enumerate(keys):
+            g = torch.Generator().manual_seed(100 + i)
+            ref[k] = torch.randint(-(2**15), 2**15, SHAPE, dtype=torch.int16, generator=g)
+            objs[k].tensor.copy_(ref[k].view(torch.float16))
+        sm.finish_write(keys)
+
+        end = time.monotonic() + 20
+        while not all(adapter.client.exists([adapter.keymap(k) for k in keys])):
+            if time.monotonic() > end:
+                pytest.fail("LMCache's store controller did not push the objects to the pool")
+            time.sleep(0.05)
+        sm.delete_l1_keys(keys)
+        assert sm.get_l1_usage()[0] == 0  # nothing left in L1: the reads below must come from the pool
+
+        handle = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=layout)]))
+        assert sm.wait_prefetch_status(handle, 20) is not None
+        with sm.read_prefetched_results(keys) as got:
+            assert got is not None and len(got) == 3
+            for obj, k in zip(got, keys):
+                assert torch.equal(obj.tensor.view(torch.int16), ref[k])
+        sm.finish_read_prefetched(keys)
+    finally:
+        sm.close()
