@@ -52,14 +52,14 @@ class EngineRunner:
         self.n = 0
 
     def __call__(self, names: list[str], servers: list[str] | None = None, *, mp: bool = False,
-                 max_tokens: int = 12, between=None) -> dict:
+                 max_tokens: int = 12, between=None, role: str = "kv_both") -> dict:
         """Run the prompts in one engine; ``between(i)`` runs (in the test) before prompt ``i >= 1``."""
         self.n += 1
         prompts = self.workdir / f"prompts{self.n}.json"
         out = self.workdir / f"result{self.n}.json"
         prompts.write_text(json.dumps([PROMPTS[n] for n in names]))
         cmd = [sys.executable, str(HERE / "engine_run.py"), "--model", self.model, "--prompts", str(prompts),
-               "--out", str(out), "--chunk-tokens", str(CHUNK), "--max-tokens", str(max_tokens)]
+               "--out", str(out), "--chunk-tokens", str(CHUNK), "--max-tokens", str(max_tokens), "--role", role]
         if servers:
             cmd += ["--servers", ",".join(servers)]
         if mp:

@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--servers", default="")
     ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--mp", action="store_true", help="vLLM's default multi-process engine core")
     ap.add_argument("--pause", action="store_true",
@@ -42,7 +43,7 @@ def main() -> int:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_vllm.connector",
-            "kv_role": "kv_both",
+            "kv_role": args.role,
             "kv_connector_extra_config": {"servers": args.servers.split(","), "chunk_tokens": args.chunk_tokens},
         }
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,

@@ -48,8 +48,9 @@ def test_second_engine_loads_prefix_then_multiprocess_engine(run_engine, cold):
 
 def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
     with start_pool(2, capacity="64MiB") as pool:
-        a = run_engine(["spread", "killed"], pool.addresses)
+        a = run_engine(["spread", "killed"], pool.addresses, role="kv_producer")   # saves only
         assert a["cached"] == [0, 0]
+        assert a["counters"]["lookups"] == 0
         stats = pool_stats(pool.addresses)
         assert all(s["objects"] > 0 for s in stats.values()), stats   # chunks on both servers
         assert sum(s["objects"] for s in stats.values()) == 2 * SAVED
@@ -60,12 +61,13 @@ def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
             hits.update({addr: s["hits"] for addr, s in pool_stats(pool.addresses).items()})
             pool[1].kill()   # a shard dies mid-run: the engine holds connections to it
 
-        b = run_engine(["spread", "killed"], pool.addresses, between=kill_shard)
+        b = run_engine(["spread", "killed"], pool.addresses, between=kill_shard, role="kv_consumer")  # loads only
         assert b["cached"][0] >= LOADABLE, b["counters"]
         assert all(h > 0 for h in hits.values()), hits   # the first load read from both servers
         assert b["outputs"] == [cold["spread"], cold["killed"]]   # identical to cold, nothing raised
         assert b["cached"][1] < LOADABLE                  # the dead shard's chunks were recomputed
         assert b["counters"]["load_errors"] == 0
+        assert b["counters"]["save_jobs"] == 0     # a consumer never saves what it recomputed
 
 
 def test_pool_down_serves_identically(run_engine, cold):
