@@ -65,7 +65,23 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
     p.add_argument("--server-id", default=None, help="id reported in HELLO/STATS (default host:port)")
     p.add_argument("--memfd", action="store_true", help="back the arena with a memfd (for same-host transports)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--data-plane", default="python", choices=DATA_PLANES,
+        help="python: this process's connection threads over the Python store (default); native: the io_uring "
+             "data plane in C (kvfabric.server.native; also takes --zerocopy and --evict-watermarks)",
+    )
     return p
+
+
+DATA_PLANES = ("python", "native")
+
+
+def _data_plane(argv: list[str]) -> str:
+    """The ``--data-plane`` in ``argv``, read before the full parse (the native server has extra options)."""
+    pre = argparse.ArgumentParser(prog="kvfabric serve", add_help=False)
+    pre.add_argument("--data-plane", default="python", choices=DATA_PLANES)
+    known, _ = pre.parse_known_args(argv)
+    return known.data_plane
 
 
 def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str], int]:
@@ -122,6 +138,11 @@ def _raise_fd_limit(want: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the server; returns the exit status (0 after a clean SIGTERM/SIGINT shutdown)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _data_plane(argv) == "native":
+        from .native import main as native_main
+
+        return native_main(argv)
     args = build_parser().parse_args(argv)
     capacity, token, transports, min_rate = _options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
