@@ -211,3 +211,122 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
     free(iov);
     return rc;
 }
+
+/* ---------------------------------------------------------------- shm */
+
+/* Receive one reply (header + metadata) into *h / *meta (malloc'd). */
+static int recv_reply_meta(int fd, uint32_t max_meta, struct kvf_header *h, uint8_t **meta, int *wire_err)
+{
+    int rc = kvf_recv_header(fd, h, max_meta, 0, wire_err);
+    if (rc) return rc;
+    *meta = malloc(h->meta_len ? h->meta_len : 1);
+    if (!*meta) return -ENOMEM;
+    return kvf_recv_all(fd, *meta, h->meta_len);
+}
+
+static int find_int_array(const uint8_t *meta, size_t len, const char *name, int64_t *out, uint32_t n)
+{
+    struct kvf_mr r;
+    uint32_t cnt;
+    if (kvf_mr_find(meta, len, name, &r) || kvf_mr_array(&r, &cnt) || cnt != n) return -EPROTO;
+    for (uint32_t i = 0; i < n; i++)
+        if (kvf_mr_int(&r, &out[i])) return -EPROTO;
+    return 0;
+}
+
+int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
+                uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
+                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err)
+{
+    *meta = NULL;
+    int rc = kvf_send_frame(fd, KVF_OP_SHM_LEASE, 0, rid, lease_meta, lease_meta_len, NULL, 0);
+    if (!rc) rc = recv_reply_meta(fd, max_meta, h, meta, wire_err);
+    if (rc) return rc;
+    if (h->flags & KVF_FLAG_ERROR) return 0;
+    if (h->request_id != rid || h->opcode != KVF_OP_SHM_LEASE || h->payload_len) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    struct kvf_mr r;
+    uint64_t lease;
+    if (kvf_mr_find(*meta, h->meta_len, "lease", &r) || kvf_mr_uint(&r, &lease)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    int64_t *offs = malloc(sizeof(int64_t) * (n ? n : 1)), *sizes = malloc(sizeof(int64_t) * (n ? n : 1));
+    if (!offs || !sizes) { free(offs); free(sizes); return -ENOMEM; }
+    rc = find_int_array(*meta, h->meta_len, "offsets", offs, n);
+    if (!rc) rc = find_int_array(*meta, h->meta_len, "sizes", sizes, n);
+    for (uint32_t i = 0; !rc && i < n; i++) {
+        if (sizes[i] < 0) continue;
+        if (offs[i] < 0 || (uint64_t)offs[i] + (uint64_t)sizes[i] > arena_len) rc = -EPROTO;
+        else if ((uint64_t)sizes[i] > buf_lens[i]) { *bad_index = i; rc = -EMSGSIZE; }
+    }
+    if (rc == -EPROTO) *wire_err = KVF_E_MALFORMED;
+    for (uint32_t i = 0; !rc && i < n; i++)
+        if (sizes[i] >= 0) memcpy(bufs[i], arena + offs[i], (size_t)sizes[i]);
+    free(offs);
+    free(sizes);
+    /* release the lease whatever happened to the copy (not awaited) */
+    uint8_t rm[32];
+    struct kvf_mw w;
+    kvf_mw_init(&w, rm, sizeof rm);
+    kvf_mw_map(&w, 1);
+    kvf_mw_cstr(&w, "lease");
+    kvf_mw_uint(&w, lease);
+    int rc2 = kvf_send_frame(fd, KVF_OP_SHM_RELEASE, 0, rid + 1, rm, (uint32_t)w.len, NULL, 0);
+    return rc ? rc : rc2;
+}
+
+int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *reserve_meta,
+                uint32_t reserve_meta_len, uint32_t n, const uint64_t *sizes, const uint64_t *checksums,
+                const struct iovec *parts, int nparts, uint32_t max_meta, struct kvf_header *h, uint8_t **meta,
+                int *wire_err)
+{
+    *meta = NULL;
+    int rc = kvf_send_frame(fd, KVF_OP_SHM_RESERVE, 0, rid, reserve_meta, reserve_meta_len, NULL, 0);
+    if (!rc) rc = recv_reply_meta(fd, max_meta, h, meta, wire_err);
+    if (rc) return rc;
+    if (h->flags & KVF_FLAG_ERROR) return 0;
+    if (h->request_id != rid || h->opcode != KVF_OP_SHM_RESERVE || h->payload_len) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    struct kvf_mr r;
+    uint64_t res;
+    if (kvf_mr_find(*meta, h->meta_len, "res", &r) || kvf_mr_uint(&r, &res)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    int64_t *offs = malloc(sizeof(int64_t) * (n ? n : 1));
+    if (!offs) return -ENOMEM;
+    rc = find_int_array(*meta, h->meta_len, "offsets", offs, n);
+    for (uint32_t i = 0; !rc && i < n; i++)
+        if (offs[i] >= 0 && (uint64_t)offs[i] + sizes[i] > arena_len) rc = -EPROTO;
+    if (rc) { free(offs); *wire_err = KVF_E_MALFORMED; return rc; }
+    /* copy: walk objects and parts together (parts may split objects anyhow) */
+    int pi = 0;
+    size_t po = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t left = sizes[i], at = offs[i] >= 0 ? (uint64_t)offs[i] : 0;
+        while (left) {
+            while (pi < nparts && po == parts[pi].iov_len) { pi++; po = 0; }
+            if (pi >= nparts) { free(offs); return -EINVAL; }
+            size_t take = parts[pi].iov_len - po < left ? parts[pi].iov_len - po : (size_t)left;
+            if (offs[i] >= 0) memcpy(arena + at, (const char *)parts[pi].iov_base + po, take);
+            at += take;
+            left -= take;
+            po += take;
+        }
+    }
+    free(offs);
+    size_t cap = 32 + (size_t)n * 9;
+    uint8_t *cm = malloc(cap);
+    if (!cm) return -ENOMEM;
+    struct kvf_mw w;
+    kvf_mw_init(&w, cm, cap);
+    kvf_mw_map(&w, 2);
+    kvf_mw_cstr(&w, "res");
+    kvf_mw_uint(&w, res);
+    kvf_mw_cstr(&w, "checksums");
+    kvf_mw_array(&w, n);
+    for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, checksums[i]);
+    free(*meta);
+    *meta = NULL;
+    rc = kvf_send_frame(fd, KVF_OP_SHM_COMMIT, 0, rid + 1, cm, (uint32_t)w.len, NULL, 0);
+    free(cm);
+    if (!rc) rc = recv_reply_meta(fd, max_meta, h, meta, wire_err);
+    if (!rc && !(h->flags & KVF_FLAG_ERROR) && (h->request_id != rid + 1 || h->opcode != KVF_OP_SHM_COMMIT || h->payload_len)) {
+        *wire_err = KVF_E_MALFORMED;
+        rc = -EPROTO;
+    }
+    return rc;
+}

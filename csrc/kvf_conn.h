@@ -49,3 +49,25 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
                      const size_t *buf_lens, uint32_t n, uint32_t *bad_index);
 
 #endif
+
+/* ---- same-host (shm) operations, one call each (see kvfabric/transport/shm.py) ---- */
+
+/* GET through the arena: send SHM_LEASE (lease_meta = {"keys": [...]}),
+ * receive its reply, copy object i (size >= 0) from arena[offset] into
+ * bufs[i], send SHM_RELEASE. On return *h and *meta (malloc'd; caller frees)
+ * hold the LEASE reply; an error reply (h->flags & ERROR) returns 0 with
+ * nothing copied. -EMSGSIZE: an object did not fit its buffer (*bad_index;
+ * nothing copied, lease released). -EPROTO: a malformed lease reply (the
+ * lease is released when its id could be read). */
+int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
+                uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
+                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err);
+
+/* PUT through the arena: send SHM_RESERVE (reserve_meta = {"keys", "sizes"}),
+ * copy the payload parts (any split) into the reserved slots, send
+ * SHM_COMMIT with checksums[0..n), receive its reply. *h and *meta hold
+ * the COMMIT reply, or the RESERVE reply when that was an error. */
+int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *reserve_meta,
+                uint32_t reserve_meta_len, uint32_t n, const uint64_t *sizes, const uint64_t *checksums,
+                const struct iovec *parts, int nparts, uint32_t max_meta, struct kvf_header *h, uint8_t **meta,
+                int *wire_err);

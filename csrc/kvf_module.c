@@ -779,6 +779,133 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------ shm ops */
+
+static PyObject *shm_result(int rc, struct kvf_header *h, uint8_t *meta, int wire_err, uint32_t bad, const char *what)
+{
+    if (rc == -EMSGSIZE) {
+        free(meta);
+        return PyErr_Format(PyExc_ValueError, "GET buffer %u is too small for its object", bad);
+    }
+    if (rc) {
+        free(meta);
+        return raise_errno(rc, wire_err, what);
+    }
+    PyObject *m = PyBytes_FromStringAndSize((const char *)meta, h->meta_len);
+    free(meta);
+    if (!m) return NULL;
+    return Py_BuildValue("(iiKN)", h->opcode, h->flags, (unsigned long long)h->request_id, m);
+}
+
+PyDoc_STRVAR(shm_get_doc,
+"shm_get(fd, arena, request_id, lease_meta, bufs, max_meta, deadline=0) -> (opcode, flags, rid, meta)\n"
+"SHM_LEASE + one copy per found object into bufs + SHM_RELEASE (uses request ids rid and rid+1),\n"
+"GIL released. meta is the LEASE reply's metadata (an error reply comes back as is, nothing copied).\n"
+"ValueError when an object does not fit its buffer (nothing copied, lease released).");
+
+static PyObject *py_shm_get(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    Py_buffer arena, lm;
+    unsigned long long rid;
+    PyObject *bufs_o;
+    unsigned int max_meta;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iw*Ky*OI|d", &fd, &arena, &rid, &lm, &bufs_o, &max_meta, &deadline)) return NULL;
+    struct bufset bs;
+    if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); PyBuffer_Release(&lm); return NULL; }
+    uint32_t n = (uint32_t)bs.n;
+    void **ptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
+    size_t *lens = PyMem_Malloc(sizeof(size_t) * (n + 1));
+    PyObject *out = NULL;
+    if (!ptrs || !lens) { PyErr_NoMemory(); goto done; }
+    for (uint32_t i = 0; i < n; i++) { ptrs[i] = bs.views[i].buf; lens[i] = (size_t)bs.views[i].len; }
+    struct kvf_header h;
+    uint8_t *meta = NULL;
+    uint32_t bad = 0;
+    int wire_err = 0, rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_shm_get(fd, arena.buf, (uint64_t)arena.len, rid, lm.buf, (uint32_t)lm.len, n, ptrs, lens, max_meta, &h,
+                     &meta, &bad, &wire_err);
+    Py_END_ALLOW_THREADS
+    out = shm_result(rc, &h, meta, wire_err, bad, "shm GET");
+done:
+    PyMem_Free(ptrs);
+    PyMem_Free(lens);
+    bufset_release(&bs);
+    PyBuffer_Release(&arena);
+    PyBuffer_Release(&lm);
+    return out;
+}
+
+PyDoc_STRVAR(shm_put_doc,
+"shm_put(fd, arena, request_id, reserve_meta, sizes, checksums, parts, max_meta, deadline=0) -> (opcode, flags, rid, meta)\n"
+"SHM_RESERVE + one copy of the parts (any split) into the reserved slots + SHM_COMMIT (request ids\n"
+"rid and rid+1), GIL released. meta is the COMMIT reply's (or the RESERVE error reply's) metadata.");
+
+static PyObject *py_shm_put(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    Py_buffer arena, rm;
+    unsigned long long rid;
+    PyObject *sizes_o, *sums_o, *parts_o;
+    unsigned int max_meta;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iw*Ky*OOOI|d", &fd, &arena, &rid, &rm, &sizes_o, &sums_o, &parts_o, &max_meta,
+                          &deadline))
+        return NULL;
+    struct bufset bs;
+    if (bufset_get(&bs, parts_o, 0, "parts")) { PyBuffer_Release(&arena); PyBuffer_Release(&rm); return NULL; }
+    Py_ssize_t n = PySequence_Size(sizes_o);
+    uint64_t *sizes = NULL, *sums = NULL;
+    struct iovec *iov = NULL;
+    PyObject *out = NULL;
+    if (n < 0 || PySequence_Size(sums_o) != n || n > KVF_MAX_KEYS_PER_BATCH) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sizes and checksums differ in length");
+        goto done;
+    }
+    sizes = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
+    sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
+    iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(bs.n + 1));
+    if (!sizes || !sums || !iov) { PyErr_NoMemory(); goto done; }
+    uint64_t total = 0, have = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PySequence_GetItem(sizes_o, i), *b = PySequence_GetItem(sums_o, i);
+        sizes[i] = a ? PyLong_AsUnsignedLongLong(a) : 0;
+        sums[i] = b ? PyLong_AsUnsignedLongLong(b) : 0;
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (PyErr_Occurred()) goto done;
+        total += sizes[i];
+    }
+    for (Py_ssize_t i = 0; i < bs.n; i++) {
+        iov[i].iov_base = bs.views[i].buf;
+        iov[i].iov_len = (size_t)bs.views[i].len;
+        have += (uint64_t)bs.views[i].len;
+    }
+    if (have != total) { PyErr_SetString(PyExc_ValueError, "payload parts do not add up to the sizes"); goto done; }
+    struct kvf_header h;
+    uint8_t *meta = NULL;
+    int wire_err = 0, rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_shm_put(fd, arena.buf, (uint64_t)arena.len, rid, rm.buf, (uint32_t)rm.len, (uint32_t)n, sizes, sums, iov,
+                     (int)bs.n, max_meta, &h, &meta, &wire_err);
+    Py_END_ALLOW_THREADS
+    out = shm_result(rc, &h, meta, wire_err, 0, "shm PUT");
+done:
+    PyMem_Free(sizes);
+    PyMem_Free(sums);
+    PyMem_Free(iov);
+    bufset_release(&bs);
+    PyBuffer_Release(&arena);
+    PyBuffer_Release(&rm);
+    return out;
+}
+
 /* ------------------------------------------------------------------ ceilings */
 
 PyDoc_STRVAR(memcpy_ceiling_doc,
@@ -833,6 +960,8 @@ static PyMethodDef methods[] = {
     {"parse_sizes", py_parse_sizes, METH_VARARGS, parse_sizes_doc},
     {"copy_out", py_copy_out, METH_VARARGS, copy_out_doc},
     {"copy_in", py_copy_in, METH_VARARGS, copy_in_doc},
+    {"shm_get", py_shm_get, METH_VARARGS, shm_get_doc},
+    {"shm_put", py_shm_put, METH_VARARGS, shm_put_doc},
     {"memcpy_ceiling", py_memcpy_ceiling, METH_VARARGS, memcpy_ceiling_doc},
     {"socket_ceiling", py_socket_ceiling, METH_VARARGS, socket_ceiling_doc},
     {NULL, NULL, 0, NULL},

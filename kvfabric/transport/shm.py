@@ -48,7 +48,9 @@ from typing import Any
 
 from .. import protocol
 from ..errors import (
+    FATAL_CODES,
     DeadlineExceeded,
+    RemoteError,
     NativeError,
     ProtocolError,
     TransportError,
@@ -75,6 +77,9 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = ["ShmConnection", "connect", "probe", "OP_SHM_ATTACH", "OP_SHM_LEASE", "OP_SHM_RELEASE",
            "OP_SHM_RESERVE", "OP_SHM_COMMIT"]
+
+# GET into caller buffers and PUT run as one call into C each (_native.shm_get /
+# shm_put); the step-by-step path (_control, copy_out) serves GET without buffers.
 
 # Same-host control opcodes (csrc/kvf_protocol.h); valid only on the unix socket.
 OP_SHM_ATTACH = 32
@@ -308,10 +313,50 @@ class ShmConnection(NativeConnection):
             sock.settimeout(None)
         self._view = memoryview(self._arena)
 
+    def _fused(self, fn, op: protocol.Op, *args: Any, deadline: float | None) -> dict:
+        """Run a one-call shm operation in C (two frames: request ids rid and rid + 1)."""
+        if self._sock is None or self._view is None:
+            from ..errors import ConnectionClosed
+
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        rid = self._next_id
+        self._next_id += 2
+        lim = self._limits
+        try:
+            opcode, flags, got, mbytes = fn(self._fd, self._view, rid, *args, lim.max_meta_bytes,
+                                            0.0 if deadline is None else deadline)
+            if flags & protocol.FLAG_ERROR:
+                protocol.decode_reply(Header(opcode, flags, got, len(mbytes), 0), mbytes, op, lim)  # raises
+            return protocol.decode_meta(mbytes, lim)
+        except ValueError:
+            raise  # a buffer too small: nothing copied, lease released, stream in step
+        except NativeError as e:
+            self.close()
+            raise TransportError(f"shm op to {self.address} failed: {e}") from e
+        except RemoteError as e:
+            if e.code in FATAL_CODES:
+                self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
     def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None) -> Reply:
         n = len(msg.keys)
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
+        if recv_buffers is not None:  # the common case: one call into C, GIL released throughout
+            for i, b in enumerate(recv_buffers):
+                v = memoryview(b)
+                if v.readonly or not v.c_contiguous:
+                    raise ValueError(f"GET buffer {i} is read-only or not contiguous")
+            meta = self._fused(_native.shm_get, protocol.Op.GET, protocol.encode_meta({"keys": list(msg.keys)}),
+                               list(recv_buffers), deadline=deadline)
+            sizes, sums = meta.get("sizes"), meta.get("checksums")
+            if not isinstance(sizes, list) or not isinstance(sums, list) or len(sizes) != n or len(sums) != n:
+                self.close()
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
+            return Reply(GetReply(sizes=sizes, checksums=sums))
         meta = self._control(OP_SHM_LEASE, {"keys": list(msg.keys)}, deadline)
         assert meta is not None
         try:
@@ -345,31 +390,12 @@ class ShmConnection(NativeConnection):
         if sum(p.nbytes for p in parts) != msg.payload_len():
             raise ValueError(f"payload parts hold {sum(p.nbytes for p in parts)} bytes, the message announces "
                              f"{msg.payload_len()}")
-        meta = self._control(OP_SHM_RESERVE, {"keys": list(msg.keys), "sizes": list(msg.sizes)}, deadline)
-        assert meta is not None
-        offsets = meta.get("offsets")
-        if not isinstance(offsets, list) or len(offsets) != len(msg.keys):
+        # reserve, copy, commit: one call into C, GIL released throughout
+        reserve = protocol.encode_meta({"keys": list(msg.keys), "sizes": list(msg.sizes)})
+        meta = self._fused(_native.shm_put, protocol.Op.PUT, reserve, list(msg.sizes), list(msg.checksums),
+                           parts, deadline=deadline)
+        status = meta.get("status")
+        if not isinstance(status, list) or len(status) != len(msg.keys):
             self.close()
-            raise ProtocolError(protocol.ErrorCode.MALFORMED, "reserve reply does not match the keys")
-        # Cut the parts (any split) into pieces that each land in one slot.
-        dest, src = [], []
-        pi, po = 0, 0
-        for size, off in zip(msg.sizes, offsets):
-            left, at = size, off
-            while left:
-                p = parts[pi]
-                take = min(left, p.nbytes - po)
-                if off >= 0:
-                    dest.append(at)
-                    src.append(p[po:po + take])
-                at += take
-                left -= take
-                po += take
-                if po == p.nbytes:
-                    pi, po = pi + 1, 0
-            while pi < len(parts) and parts[pi].nbytes == 0:
-                pi += 1
-        _native.copy_in(self._view, dest, src)
-        done = self._control(OP_SHM_COMMIT, {"res": meta["res"], "checksums": list(msg.checksums)}, deadline)
-        assert done is not None
-        return Reply(PutReply(status=done["status"]))
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, "commit reply does not match the keys")
+        return Reply(PutReply(status=status))
