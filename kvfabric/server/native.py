@@ -1,8 +1,9 @@
 """The native pool server: the io_uring data plane of csrc/ with Python deciding eviction.
 
-Run it as ``python -m kvfabric.server.native serve --host 127.0.0.1 --port 0
---capacity 4GiB --policy lru [--transports tcp,native,shm]`` (the options of
-``kvfabric serve``); it prints the same ``kvfabric serve: listening on
+Run it as ``kvfabric serve --data-plane native --host 127.0.0.1 --port 0
+--capacity 4GiB --policy lru`` (or ``python -m kvfabric.server.native serve
+...``; the options of ``kvfabric serve`` plus ``--zerocopy`` and
+``--evict-watermarks``); it prints the same ``kvfabric serve: listening on
 HOST:PORT`` line once listening and exits 0 after SIGTERM/SIGINT.
 
 Division of work
@@ -277,8 +278,8 @@ def start_transport(ctx: Any) -> Any:
     saying how to run it instead.
     """
     raise ConfigError(
-        "the native data plane is a server of its own: run `python -m kvfabric.server.native serve ...` "
-        "(same options as `kvfabric serve`)"
+        "the native data plane is a server of its own: run `kvfabric serve --data-plane native ...` "
+        "(or `python -m kvfabric.server.native serve ...`; same options)"
     )
 
 
