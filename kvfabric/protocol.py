@@ -69,6 +69,20 @@ class Op(enum.IntEnum):
     STATS = 8
 
 
+class ShmOp(enum.IntEnum):
+    """Same-host control opcodes of the ``shm`` transport, valid only on the
+    server's unix socket (whose name the native server's HELLO reply carries
+    as ``shm_socket``). Their metadata is built and read by
+    ``kvfabric.transport.shm`` and ``csrc/kvf_ops.c``; the numbers live here
+    so that one module owns every opcode on the wire."""
+
+    ATTACH = 32  # reply carries the arena memfd (SCM_RIGHTS)
+    LEASE = 33  # keys -> offsets/sizes/checksums, pinned until RELEASE or disconnect
+    RELEASE = 34  # drop a lease; no reply
+    RESERVE = 35  # keys + sizes -> offsets of slots no index knows yet
+    COMMIT = 36  # reservation + checksums -> status per key (verified by the server)
+
+
 class PutStatus(enum.IntEnum):
     STORED = 0
     EXISTS = 1  # already held; keys are content addresses, so this is a no-op
@@ -655,7 +669,7 @@ def decode_reply(header: Header, meta_buf: Any, expected: Op, limits: Limits = D
 
 
 __all__ = [
-    "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "FLAG_REPLY", "FLAG_ERROR", "Op", "PutStatus",
+    "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "FLAG_REPLY", "FLAG_ERROR", "Op", "ShmOp", "PutStatus",
     "Limits", "DEFAULT_LIMITS", "PRE_AUTH_LIMITS", "MAX_KEYS_PER_BATCH", "MAX_KEY_BYTES",
     "MAX_META_BYTES", "MAX_PAYLOAD_BYTES", "MAX_OBJECT_BYTES", "MAX_IN_FLIGHT", "checksum",
     "Header", "pack_header", "unpack_header", "check_request_opcode", "encode_meta", "decode_meta",

@@ -65,6 +65,7 @@ from ..protocol import (
     Message,
     PutReply,
     PutRequest,
+    ShmOp,
 )
 from .base import Reply, parse_address
 from .native import NativeConnection
@@ -81,12 +82,13 @@ __all__ = ["ShmConnection", "connect", "probe", "OP_SHM_ATTACH", "OP_SHM_LEASE",
 # GET into caller buffers and PUT run as one call into C each (_native.shm_get /
 # shm_put); the step-by-step path (_control, copy_out) serves GET without buffers.
 
-# Same-host control opcodes (csrc/kvf_protocol.h); valid only on the unix socket.
-OP_SHM_ATTACH = 32
-OP_SHM_LEASE = 33
-OP_SHM_RELEASE = 34
-OP_SHM_RESERVE = 35
-OP_SHM_COMMIT = 36
+# Same-host control opcodes (kvfabric.protocol.ShmOp, mirrored in csrc/kvf_protocol.h);
+# valid only on the unix socket.
+OP_SHM_ATTACH = int(ShmOp.ATTACH)
+OP_SHM_LEASE = int(ShmOp.LEASE)
+OP_SHM_RELEASE = int(ShmOp.RELEASE)
+OP_SHM_RESERVE = int(ShmOp.RESERVE)
+OP_SHM_COMMIT = int(ShmOp.COMMIT)
 
 
 def probe() -> str | None:

@@ -33,6 +33,7 @@ def test_constants_match():
     assert c["errors"] == {e.name: int(e) for e in ErrorCode}
     assert c["put_status"] == {s.name: int(s) for s in p.PutStatus}
     assert c["limits"] == p.DEFAULT_LIMITS.to_meta()
+    assert c["shm_ops"] == {op.name: int(op) for op in p.ShmOp}
 
 
 @pytest.mark.parametrize(
