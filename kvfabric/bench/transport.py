@@ -306,12 +306,15 @@ class PythonSocketCeiling(Ceiling):
 
 
 def _server_kind_for(transport_name: str) -> str:
+    """The server a transport is measured against: its own kind when one exists
+    (``native`` client -> native server), else the first conformance pair that
+    uses it (``tcp`` -> the Python reference server, ``shm`` -> native)."""
     from ..testing.conformance import TRANSPORT_PAIRS
 
-    for server_kind, client_transport in TRANSPORT_PAIRS:
-        if client_transport == transport_name:
-            return server_kind
-    return "python"
+    kinds = [server_kind for server_kind, client_transport in TRANSPORT_PAIRS if client_transport == transport_name]
+    if transport_name in kinds:
+        return transport_name
+    return kinds[0] if kinds else "python"
 
 
 class _TransportBench:
