@@ -3,7 +3,7 @@
 Runs in the vLLM virtualenv (``scripts/ci-vllm.sh`` builds it)::
 
     .venvs/vllm/bin/python benchmarks/vllm_ttft.py [--lengths 512,1500,3000,6000] [--repeats 3]
-        [--servers-n 2] [--model DIR] [--out bench-results/vllm_ttft.json]
+        [--servers-n 2] [--chunk-tokens 256] [--model DIR] [--out bench-results/vllm_ttft.json]
 
 One run, same machine, same model (the tiny random Llama of
 ``kvfabric_vllm.tinymodel`` unless ``--model``; float32, eager), each engine
@@ -42,10 +42,10 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-CHUNK = 256
+CHUNK = 256   # default --chunk-tokens
 
 
-def _engine(model: str, servers: list[str] | None, max_len: int):
+def _engine(model: str, servers: list[str] | None, max_len: int, chunk: int):
     from vllm import LLM
 
     kw = {}
@@ -54,7 +54,7 @@ def _engine(model: str, servers: list[str] | None, max_len: int):
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": CHUNK},
+            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": chunk},
         }
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=not servers,
                kv_cache_memory_bytes=512 << 20, max_model_len=max_len, max_num_batched_tokens=max_len,
@@ -72,7 +72,7 @@ def _child(args: argparse.Namespace) -> int:
 
     servers = args.servers.split(",") if args.servers else None
     lengths = [int(x) for x in args.lengths.split(",")]
-    llm = _engine(args.model, servers, max(lengths) + 16)
+    llm = _engine(args.model, servers, max(lengths) + 16, args.chunk_tokens)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def timed(tokens: list[int]) -> tuple[float, int]:
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="512,1500,3000,6000")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--servers-n", type=int, default=2)
+    ap.add_argument("--chunk-tokens", type=int, default=CHUNK, help="connector chunk (multiple of 128)")
     ap.add_argument("--capacity", default="512MiB", help="per pool server")
     ap.add_argument("--model", default=None, help="model dir (default: build the tiny Llama)")
     ap.add_argument("--out", default="bench-results/vllm_ttft.json")
@@ -139,18 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     from kvfabric_vllm.tinymodel import build_tiny_llama
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    if min(lengths) <= CHUNK or args.repeats < 1 or args.servers_n < 1:
-        raise SystemExit(f"lengths must exceed {CHUNK} tokens; repeats and servers-n >= 1")
+    if min(lengths) <= args.chunk_tokens or args.repeats < 1 or args.servers_n < 1:
+        raise SystemExit("lengths must exceed --chunk-tokens; repeats and servers-n must be >= 1")
     with tempfile.TemporaryDirectory(prefix="kvf-ttft-") as tmp:
         model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
-        common = ["--model", model, "--lengths", args.lengths, "--repeats", str(args.repeats)]
+        common = ["--model", model, "--lengths", args.lengths, "--repeats", str(args.repeats),
+                  "--chunk-tokens", str(args.chunk_tokens)]
         with start_pool(args.servers_n, capacity=args.capacity) as pool:
             pooled = _run_child(common + ["--servers", ",".join(pool.addresses)], Path(tmp) / "pool.json")
         local = _run_child(common, Path(tmp) / "local.json")
 
     rows = []
     print(f"vLLM TTFT in ms, best (median) of {args.repeats}; tiny Llama fp32 on CPU, {args.servers_n} pool "
-          f"servers, chunk {CHUNK} tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"servers, chunk {args.chunk_tokens} tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     hdr = (f"{'tokens':>7} {'cold':>15} {'cold+kvf':>15} {'pool hit':>15} {'local hit':>15} "
            f"{'pool/local':>11} {'cold/pool':>10} {'loaded':>7}")
     print(hdr)
