@@ -17,7 +17,8 @@ lookup_timeout_ms  1000      after this the lookup answers "no hit" (scheduler
 lookup_wait_ms     20        how long the scheduler waits inline for a lookup
                              before answering "ask me later"
 lease_ms           30000     the pool pins what a lookup found for this long
-load_timeout_s     5.0       deadline of one step's pool reads (then recompute)
+load_timeout_s     2.0       deadline of one step's pool reads (then recompute); the
+                             worker's step waits at most this long on a stalled pool
 save_timeout_s     10.0      deadline of one save job's pool writes
 max_pending_save_mb 512      bound on gathered-but-unsent save bytes; beyond it
                              chunks are skipped (counted), never queued
@@ -58,7 +59,7 @@ class ConnectorConfig:
     lookup_timeout_ms: int = 1000
     lookup_wait_ms: int = 20
     lease_ms: int = 30_000
-    load_timeout_s: float = 5.0
+    load_timeout_s: float = 2.0
     save_timeout_s: float = 10.0
     max_pending_save_bytes: int = 512 << 20
     load: bool = True
@@ -129,7 +130,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         lookup_timeout_ms=lookup_timeout_ms,
         lookup_wait_ms=_int(extra, "lookup_wait_ms", min(20, lookup_timeout_ms), 0, lookup_timeout_ms),
         lease_ms=_int(extra, "lease_ms", 30_000, 0, 3_600_000),
-        load_timeout_s=_float(extra, "load_timeout_s", 5.0, 0, 600),
+        load_timeout_s=_float(extra, "load_timeout_s", 2.0, 0, 600),
         save_timeout_s=_float(extra, "save_timeout_s", 10.0, 0, 600),
         max_pending_save_bytes=_int(extra, "max_pending_save_mb", 512, 1, 1 << 20) << 20,
         load=_bool(extra, "load", load_default),
