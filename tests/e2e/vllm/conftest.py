@@ -30,6 +30,13 @@ PROMPT_TOKENS = 1500
 LOADABLE = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
 PROMPTS = {name: random_prompt(PROMPT_TOKENS, seed=seed) for seed, name in
            enumerate(["single", "spread", "killed", "down", "mp_new", "openai", "corrupt"], start=11)}
+# Prompts whose chunks must land on both of two servers: server ports (and so
+# rendezvous owners) change every run, so use 15 loadable chunks, where "all
+# on one server" has probability 2**-14, not 5 chunks (2**-4).
+LONG_TOKENS = 4000
+LONG_LOADABLE = (LONG_TOKENS - 1) // CHUNK * CHUNK
+PROMPTS["spread"] = random_prompt(LONG_TOKENS, seed=12)
+PROMPTS["killed"] = random_prompt(LONG_TOKENS, seed=13)
 ENGINE_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 

@@ -12,7 +12,7 @@ from kvfabric.client import Client
 from kvfabric.testing.servers import start_pool
 from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config
 
-from conftest import CHUNK, LOADABLE, PROMPTS
+from conftest import CHUNK, LOADABLE, LONG_LOADABLE, PROMPTS
 
 SAVED = len(PROMPTS["single"]) // CHUNK   # whole chunks a 1500-token prompt saves
 LOADED = LOADABLE // CHUNK                # whole chunks it can load (last token computed)
@@ -53,7 +53,7 @@ def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
         assert a["counters"]["lookups"] == 0
         stats = pool_stats(pool.addresses)
         assert all(s["objects"] > 0 for s in stats.values()), stats   # chunks on both servers
-        assert sum(s["objects"] for s in stats.values()) == 2 * SAVED
+        assert sum(s["objects"] for s in stats.values()) == sum(len(PROMPTS[n]) // CHUNK for n in ("spread", "killed"))
 
         hits: dict[str, int] = {}
 
@@ -62,10 +62,10 @@ def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
             pool[1].kill()   # a shard dies mid-run: the engine holds connections to it
 
         b = run_engine(["spread", "killed"], pool.addresses, between=kill_shard, role="kv_consumer")  # loads only
-        assert b["cached"][0] >= LOADABLE, b["counters"]
+        assert b["cached"][0] >= LONG_LOADABLE, b["counters"]
         assert all(h > 0 for h in hits.values()), hits   # the first load read from both servers
         assert b["outputs"] == [cold["spread"], cold["killed"]]   # identical to cold, nothing raised
-        assert b["cached"][1] < LOADABLE                  # the dead shard's chunks were recomputed
+        assert b["cached"][1] < LONG_LOADABLE             # the dead shard's chunks were recomputed
         assert b["counters"]["load_errors"] == 0
         assert b["counters"]["save_jobs"] == 0     # a consumer never saves what it recomputed
 
