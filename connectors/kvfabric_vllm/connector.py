@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from kvfabric import ConfigError, KVFabricError
-from kvfabric.client import Client
+from kvfabric import Client
 
 from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config
 from .meta import KVFabricMetadata

@@ -40,7 +40,7 @@ from .meta import KVFabricMetadata, LoadSpec, SaveSpec
 from .metrics import Counters, log
 
 if TYPE_CHECKING:
-    from kvfabric.client import Client
+    from kvfabric import Client
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request

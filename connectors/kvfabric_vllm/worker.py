@@ -43,7 +43,7 @@ from .meta import LoadSpec, SaveSpec
 from .metrics import Counters, log
 
 if TYPE_CHECKING:
-    from kvfabric.client import Client
+    from kvfabric import Client
 
 __all__ = ["WorkerSide"]
 

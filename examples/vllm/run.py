@@ -35,7 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvfabric.client import Client
+from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 
 

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
-from kvfabric.client import Client
+from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 
 from conftest import CHUNK, LOADABLE, PROMPTS

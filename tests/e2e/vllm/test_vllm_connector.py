@@ -8,7 +8,7 @@ without the connector.
 from __future__ import annotations
 
 from kvfabric import KeyHasher
-from kvfabric.client import Client
+from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config
 

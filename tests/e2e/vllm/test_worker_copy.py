@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfabric import ConfigError
-from kvfabric.client import Client
+from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 from kvfabric_vllm.config import parse_extra_config
 from kvfabric_vllm.meta import LoadSpec, SaveSpec
