@@ -26,6 +26,7 @@ received into ``recv_buffers[i][:sizes[i]]`` with no intermediate copy.
 
 from __future__ import annotations
 
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -98,6 +99,24 @@ class Connection(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SocketConnection(Connection):
+    """A connection that owns one socket: ``closed`` and an idempotent ``close``."""
+
+    _sock: socket.socket | None
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -41,7 +41,7 @@ from ..errors import (
     TransportError,
 )
 from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
-from .base import Connection, Reply, parse_address
+from .base import Reply, SocketConnection, parse_address
 
 try:  # the extension is optional: without it this transport is unavailable
     from .. import _native
@@ -100,7 +100,7 @@ def connect(
     return conn
 
 
-class NativeConnection(Connection):
+class NativeConnection(SocketConnection):
     """A connection whose frames are moved by the C extension. Not thread-safe."""
 
     name = "native"
@@ -114,18 +114,6 @@ class NativeConnection(Connection):
         self._limits = protocol.DEFAULT_LIMITS
 
     # ------------------------------------------------------------------ public
-
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
 
     def request(
         self,

@@ -40,7 +40,7 @@ from ..errors import (
     TransportError,
 )
 from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
-from .base import Connection, Reply, get_sinks, parse_address
+from .base import Reply, SocketConnection, get_sinks, parse_address
 
 __all__ = ["TcpConnection", "connect", "probe"]
 
@@ -94,7 +94,7 @@ def connect(
     return conn
 
 
-class TcpConnection(Connection):
+class TcpConnection(SocketConnection):
     """A blocking-socket connection to one server. Not thread-safe."""
 
     name = "tcp"
@@ -111,18 +111,6 @@ class TcpConnection(Connection):
         self._limits = protocol.DEFAULT_LIMITS
 
     # ------------------------------------------------------------------ public
-
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
 
     def request(
         self,
