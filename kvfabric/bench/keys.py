@@ -10,12 +10,11 @@ per-block chaining, no conversion). Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import numpy as np
 
+from . import write_json
 from ..keys import KeyAlgorithm, KeyHasher, Namespace, pack_tokens
 
 
@@ -75,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = run(args.prompt_tokens, args.block_tokens, args.algorithms, args.min_time)
     print_table(rows)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "keys", "rows": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"benchmark": "keys", "rows": rows})
     return 0
 
 

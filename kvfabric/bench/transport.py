@@ -33,7 +33,6 @@ Prints a table; writes JSON (``--out``, default bench-results/transport.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -46,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from . import write_json
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
@@ -547,10 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown ceilings {unknown}; registered: {list(CEILINGS)}")
     report = run(args)
     print_table(report)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0
 
 

@@ -37,7 +37,6 @@ bench-results/transport_native.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from . import write_json
 from .. import protocol
 from ..config import ClientConfig, parse_size
 
@@ -261,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"the C extension is not built: {e}")
     report = run(args)
     print_table(report)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0
 
 
