@@ -1,7 +1,7 @@
 /* kvf_ops.c: request handlers of the native server, run on the loop thread.
  *
  * Each handler parses the request's metadata with the bounds-checked msgpack
- * reader, applies the same checks as kvfabric/protocol.py (in the same
+ * reader, applies the same checks as kvfabric/protocol/ (in the same
  * order, with the same error codes), and queues the reply. Errors after
  * which the stream cannot be trusted (LENGTH_MISMATCH, PAYLOAD_TOO_LARGE,
  * AUTH_FAILED, BAD_VERSION) answer and close; other errors consume the

@@ -1,4 +1,4 @@
-/* kvf_protocol.h: the C mirror of kvfabric/protocol.py (wire version 1).
+/* kvf_protocol.h: the C mirror of kvfabric/protocol/ (wire version 1).
  *
  * A frame is a 32-byte little-endian header, meta_len bytes of msgpack
  * metadata (a map), then payload_len raw payload bytes. This header only
@@ -113,7 +113,7 @@ static inline void kvf_header_pack(struct kvf_header *h, uint8_t opcode, uint8_t
     h->reserved = 0;
 }
 
-/* Check a received header against the limits, in the order protocol.py's
+/* Check a received header against the limits, in the order kvfabric.protocol's
  * unpack_header does. Returns 0 or -KVF_E_BAD_MAGIC / -KVF_E_BAD_VERSION /
  * -KVF_E_MALFORMED / -KVF_E_META_TOO_LARGE / -KVF_E_PAYLOAD_TOO_LARGE. */
 static inline int kvf_header_check(const struct kvf_header *h, uint32_t max_meta, uint64_t max_payload)

@@ -39,7 +39,7 @@ CHECKSUM_INPUTS = [b"", b"a", b"abc", bytes(range(256)) * 17, b"\x00" * 4096]
 
 
 def frames() -> dict:
-    """Every golden frame as hex, as protocol.py encodes it today."""
+    """Every golden frame as hex, as kvfabric.protocol encodes it today."""
     out = {"cases": [], "checksums": []}
     for i, (name, req, req_payload, rep, rep_payload) in enumerate(CASES, start=1):
         out["cases"].append({

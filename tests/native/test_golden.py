@@ -1,6 +1,6 @@
 """Golden wire vectors, checked against both implementations.
 
-golden_frames.json pins the bytes; protocol.py must still encode them, and the
+golden_frames.json pins the bytes; kvfabric.protocol must still encode them, and the
 C server must answer the golden requests with exactly the golden replies.
 """
 

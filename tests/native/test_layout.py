@@ -1,4 +1,4 @@
-"""The C mirror of the wire format (csrc/kvf_protocol.h) agrees with kvfabric/protocol.py."""
+"""The C mirror of the wire format (csrc/kvf_protocol.h) agrees with kvfabric/protocol/."""
 
 import struct
 

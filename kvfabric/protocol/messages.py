@@ -1,0 +1,337 @@
+"""Typed protocol messages: one frozen dataclass per request and reply.
+
+Each has ``to_meta()`` (the msgpack map it sends) and ``from_meta(meta,
+limits)`` (validation of a received map: types, key sizes and counts; raises
+:class:`~kvfabric.errors.ProtocolError` with the wire code). :data:`REQUESTS`
+and :data:`REPLIES` map opcodes to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..errors import ErrorCode, ProtocolError
+from .wire import DEFAULT_LIMITS, U64_MAX, VERSION, Limits, Op, PutStatus, _field, _keys, _uint_list
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    op: ClassVar[Op]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {}
+
+    def payload_len(self) -> int:
+        return 0
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS):  # pragma: no cover - overridden
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class HelloRequest(Message):
+    op: ClassVar[Op] = Op.HELLO
+    client: str = "kvfabric"
+    transports: tuple[str, ...] = ("tcp",)
+    auth: str | None = None
+    version: int = VERSION
+
+    def to_meta(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"version": self.version, "client": self.client, "transports": list(self.transports)}
+        if self.auth is not None:
+            m["auth"] = self.auth
+        return m
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HelloRequest:
+        version = _field(meta, "version", int)
+        transports = _field(meta, "transports", list, default=[])
+        if not all(isinstance(t, str) for t in transports):
+            raise ProtocolError(ErrorCode.MALFORMED, "transports must be strings")
+        auth = meta.get("auth")
+        if auth is not None and not isinstance(auth, str):
+            raise ProtocolError(ErrorCode.MALFORMED, "auth must be a string")
+        return cls(client=_field(meta, "client", str, default=""), transports=tuple(transports), auth=auth, version=version)
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply(Message):
+    op: ClassVar[Op] = Op.HELLO
+    server: str
+    server_id: str
+    transports: tuple[str, ...]
+    limits: Limits
+    capacity: int
+    version: int = VERSION
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "server": self.server,
+            "server_id": self.server_id,
+            "transports": list(self.transports),
+            "limits": self.limits.to_meta(),
+            "capacity": self.capacity,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HelloReply:
+        transports = _field(meta, "transports", list)
+        if not all(isinstance(t, str) for t in transports):
+            raise ProtocolError(ErrorCode.MALFORMED, "transports must be strings")
+        capacity = _field(meta, "capacity", int)
+        if capacity < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "capacity must be >= 0")
+        return cls(
+            server=_field(meta, "server", str),
+            server_id=_field(meta, "server_id", str),
+            transports=tuple(transports),
+            limits=Limits.from_meta(_field(meta, "limits", dict)),
+            capacity=capacity,
+            version=_field(meta, "version", int),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PingRequest(Message):
+    op: ClassVar[Op] = Op.PING
+
+
+@dataclass(frozen=True, slots=True)
+class PingReply(Message):
+    op: ClassVar[Op] = Op.PING
+
+
+@dataclass(frozen=True, slots=True)
+class KeysMessage(Message):
+    """Base for requests that carry only a key list."""
+
+    keys: Sequence[bytes] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"keys": list(self.keys)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS):
+        return cls(keys=_keys(meta, limits))
+
+
+@dataclass(frozen=True, slots=True)
+class ExistsRequest(KeysMessage):
+    op: ClassVar[Op] = Op.EXISTS
+
+
+@dataclass(frozen=True, slots=True)
+class ExistsReply(Message):
+    op: ClassVar[Op] = Op.EXISTS
+    present: Sequence[bool] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"present": [bool(p) for p in self.present]}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ExistsReply:
+        present = _field(meta, "present", list)
+        if not all(type(p) is bool for p in present):
+            raise ProtocolError(ErrorCode.MALFORMED, "present must be booleans")
+        return cls(present=present)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest(Message):
+    """How many leading keys of ``keys`` does this server hold?
+
+    ``lease_ms`` > 0 pins the found objects against eviction for that long.
+    """
+
+    op: ClassVar[Op] = Op.LOOKUP
+    keys: Sequence[bytes] = ()
+    lease_ms: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"keys": list(self.keys)}
+        if self.lease_ms:
+            m["lease_ms"] = self.lease_ms
+        return m
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> LookupRequest:
+        lease_ms = _field(meta, "lease_ms", int, default=0)
+        if not 0 <= lease_ms <= 3_600_000:
+            raise ProtocolError(ErrorCode.MALFORMED, "lease_ms must be in 0..3600000")
+        return cls(keys=_keys(meta, limits), lease_ms=lease_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply(Message):
+    op: ClassVar[Op] = Op.LOOKUP
+    count: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> LookupReply:
+        count = _field(meta, "count", int)
+        if count < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "count must be >= 0")
+        return cls(count=count)
+
+
+@dataclass(frozen=True, slots=True)
+class GetRequest(KeysMessage):
+    op: ClassVar[Op] = Op.GET
+
+
+@dataclass(frozen=True, slots=True)
+class GetReply(Message):
+    """``sizes[i]`` is -1 for a miss; found objects follow in key order as payload."""
+
+    op: ClassVar[Op] = Op.GET
+    sizes: Sequence[int] = ()
+    checksums: Sequence[int] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"sizes": list(self.sizes), "checksums": list(self.checksums)}
+
+    def payload_len(self) -> int:
+        return sum(s for s in self.sizes if s > 0)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> GetReply:
+        sizes = _field(meta, "sizes", list)
+        if len(sizes) > limits.max_keys_per_batch:
+            raise ProtocolError(ErrorCode.TOO_MANY_KEYS, "too many sizes")
+        sizes = _uint_list(meta, "sizes", len(sizes), allow_minus_one=True, maximum=limits.max_object_bytes)
+        checksums = _uint_list(meta, "checksums", len(sizes))
+        return cls(sizes=sizes, checksums=checksums)
+
+
+@dataclass(frozen=True, slots=True)
+class PutRequest(Message):
+    """Objects ``keys[i]`` of ``sizes[i]`` bytes follow, concatenated, as payload.
+
+    ``parents[i]`` (optional) is the key of the previous block of the same
+    prompt, so prefix-aware eviction can keep a chain's head before its tail.
+    """
+
+    op: ClassVar[Op] = Op.PUT
+    keys: Sequence[bytes] = ()
+    sizes: Sequence[int] = ()
+    checksums: Sequence[int] = ()
+    parents: Sequence[bytes | None] | None = None
+
+    def to_meta(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"keys": list(self.keys), "sizes": list(self.sizes), "checksums": list(self.checksums)}
+        if self.parents is not None:
+            m["parents"] = list(self.parents)
+        return m
+
+    def payload_len(self) -> int:
+        return sum(self.sizes)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> PutRequest:
+        keys = _keys(meta, limits)
+        sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
+        checksums = _uint_list(meta, "checksums", len(keys))
+        parents = meta.get("parents")
+        if parents is not None:
+            if not isinstance(parents, list) or len(parents) != len(keys):
+                raise ProtocolError(ErrorCode.MALFORMED, "parents must be a list as long as keys")
+            for p in parents:
+                if p is not None and (type(p) is not bytes or not 1 <= len(p) <= limits.max_key_bytes):
+                    raise ProtocolError(ErrorCode.BAD_KEY, "parents must be keys or nil")
+        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=parents)
+
+
+@dataclass(frozen=True, slots=True)
+class PutReply(Message):
+    op: ClassVar[Op] = Op.PUT
+    status: Sequence[int] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"status": [int(s) for s in self.status]}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> PutReply:
+        status = _field(meta, "status", list)
+        if not all(type(s) is int and s in PutStatus._value2member_map_ for s in status):
+            raise ProtocolError(ErrorCode.MALFORMED, "unknown put status")
+        return cls(status=status)
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteRequest(KeysMessage):
+    op: ClassVar[Op] = Op.DELETE
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteReply(Message):
+    op: ClassVar[Op] = Op.DELETE
+    deleted: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"deleted": self.deleted}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> DeleteReply:
+        deleted = _field(meta, "deleted", int)
+        if deleted < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "deleted must be >= 0")
+        return cls(deleted=deleted)
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest(Message):
+    op: ClassVar[Op] = Op.STATS
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply(Message):
+    op: ClassVar[Op] = Op.STATS
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_meta(self) -> dict[str, Any]:
+        return dict(self.stats)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> StatsReply:
+        return cls(stats=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    code: int
+    message: str
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"code": int(self.code), "message": self.message}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ErrorReply:
+        return cls(code=_field(meta, "code", int), message=_field(meta, "message", str, default=""))
+
+
+REQUESTS: dict[Op, type[Message]] = {
+    Op.HELLO: HelloRequest,
+    Op.PING: PingRequest,
+    Op.EXISTS: ExistsRequest,
+    Op.LOOKUP: LookupRequest,
+    Op.GET: GetRequest,
+    Op.PUT: PutRequest,
+    Op.DELETE: DeleteRequest,
+    Op.STATS: StatsRequest,
+}
+REPLIES: dict[Op, type[Message]] = {
+    Op.HELLO: HelloReply,
+    Op.PING: PingReply,
+    Op.EXISTS: ExistsReply,
+    Op.LOOKUP: LookupReply,
+    Op.GET: GetReply,
+    Op.PUT: PutReply,
+    Op.DELETE: DeleteReply,
+    Op.STATS: StatsReply,
+}

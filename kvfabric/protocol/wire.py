@@ -1,0 +1,255 @@
+"""Wire primitives: the 32-byte header, opcodes, limits, checksums and metadata decoding.
+
+Part of :mod:`kvfabric.protocol` (the package docstring describes the frame);
+message classes are in :mod:`kvfabric.protocol.messages`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import xxhash
+
+from ..errors import ErrorCode, ProtocolError
+
+MAGIC = b"KVFB"
+VERSION = 1
+HEADER = struct.Struct("<4sHBBQIQI")
+HEADER_SIZE = HEADER.size  # 32
+assert HEADER_SIZE == 32
+
+FLAG_REPLY = 0x01
+FLAG_ERROR = 0x02
+_KNOWN_FLAGS = FLAG_REPLY | FLAG_ERROR
+
+U64_MAX = (1 << 64) - 1
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    PING = 2
+    EXISTS = 3
+    LOOKUP = 4
+    GET = 5
+    PUT = 6
+    DELETE = 7
+    STATS = 8
+
+
+class ShmOp(enum.IntEnum):
+    """Same-host control opcodes of the ``shm`` transport, valid only on the
+    server's unix socket (whose name the native server's HELLO reply carries
+    as ``shm_socket``). Their metadata is built and read by
+    ``kvfabric.transport.shm`` and ``csrc/kvf_ops.c``; the numbers live here
+    so that one module owns every opcode on the wire."""
+
+    ATTACH = 32  # reply carries the arena memfd (SCM_RIGHTS)
+    LEASE = 33  # keys -> offsets/sizes/checksums, pinned until RELEASE or disconnect
+    RELEASE = 34  # drop a lease; no reply
+    RESERVE = 35  # keys + sizes -> offsets of slots no index knows yet
+    COMMIT = 36  # reservation + checksums -> status per key (verified by the server)
+
+
+class PutStatus(enum.IntEnum):
+    STORED = 0
+    EXISTS = 1  # already held; keys are content addresses, so this is a no-op
+    TOO_LARGE = 2  # larger than the server's object limit or its whole arena
+    NO_SPACE = 3  # nothing evictable: everything is pinned
+    CHECKSUM_MISMATCH = 4  # payload bytes do not match the checksum sent with them
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds every frame must respect; a server advertises its own at HELLO."""
+
+    max_keys_per_batch: int = 4096
+    max_key_bytes: int = 64
+    max_meta_bytes: int = 1 * MiB
+    max_payload_bytes: int = 1 * GiB
+    max_object_bytes: int = 64 * MiB
+    max_in_flight: int = 64
+
+    def to_meta(self) -> dict[str, int]:
+        return {
+            "max_keys_per_batch": self.max_keys_per_batch,
+            "max_key_bytes": self.max_key_bytes,
+            "max_meta_bytes": self.max_meta_bytes,
+            "max_payload_bytes": self.max_payload_bytes,
+            "max_object_bytes": self.max_object_bytes,
+            "max_in_flight": self.max_in_flight,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> Limits:
+        if not isinstance(meta, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, "limits must be a map")
+        values = {}
+        for name in cls.__dataclass_fields__:
+            v = meta.get(name)
+            if not _is_uint(v) or v == 0:
+                raise ProtocolError(ErrorCode.MALFORMED, f"limits.{name} must be a positive int")
+            values[name] = v
+        return cls(**values)
+
+
+DEFAULT_LIMITS = Limits()
+# Before a server that requires auth has seen a valid HELLO, a peer may send
+# only a small HELLO: no keys, no payload.
+PRE_AUTH_LIMITS = Limits(
+    max_keys_per_batch=1,
+    max_meta_bytes=4 * KiB,
+    max_payload_bytes=1,
+    max_object_bytes=1,
+    max_in_flight=1,
+)
+# Convenience aliases for the defaults (documented in docs/ARCHITECTURE.md).
+MAX_KEYS_PER_BATCH = DEFAULT_LIMITS.max_keys_per_batch
+MAX_KEY_BYTES = DEFAULT_LIMITS.max_key_bytes
+MAX_META_BYTES = DEFAULT_LIMITS.max_meta_bytes
+MAX_PAYLOAD_BYTES = DEFAULT_LIMITS.max_payload_bytes
+MAX_OBJECT_BYTES = DEFAULT_LIMITS.max_object_bytes
+MAX_IN_FLIGHT = DEFAULT_LIMITS.max_in_flight
+
+
+def checksum(data: Any) -> int:
+    """The object checksum carried on the wire and stored with each object: xxh3_64."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+# ----------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    opcode: int
+    flags: int
+    request_id: int
+    meta_len: int
+    payload_len: int
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & FLAG_REPLY)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & FLAG_ERROR)
+
+    def pack(self) -> bytes:
+        return pack_header(self.opcode, self.request_id, self.meta_len, self.payload_len, self.flags)
+
+
+def pack_header(opcode: int, request_id: int, meta_len: int, payload_len: int, flags: int = 0) -> bytes:
+    """The 32 header bytes. Raises ``ValueError`` for out-of-range fields."""
+    if not 0 <= request_id <= U64_MAX:
+        raise ValueError(f"request_id out of range: {request_id}")
+    return HEADER.pack(MAGIC, VERSION, opcode, flags, request_id, meta_len, payload_len, 0)
+
+
+def unpack_header(buf: Any, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Parse and check a header; ``buf`` holds at least HEADER_SIZE bytes.
+
+    Raises ProtocolError with BAD_MAGIC, BAD_VERSION, MALFORMED (flags or the
+    reserved field), META_TOO_LARGE or PAYLOAD_TOO_LARGE. The opcode is not
+    checked here (a reply to an unknown opcode must echo the request id);
+    see :func:`check_request_opcode`.
+    """
+    if len(buf) < HEADER_SIZE:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"header needs {HEADER_SIZE} bytes, got {len(buf)}")
+    magic, version, opcode, flags, request_id, meta_len, payload_len, reserved = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if flags & ~_KNOWN_FLAGS or reserved != 0:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown flags {flags:#x} or nonzero reserved field")
+    if meta_len > limits.max_meta_bytes:
+        raise ProtocolError(ErrorCode.META_TOO_LARGE, f"metadata of {meta_len} bytes exceeds {limits.max_meta_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"payload of {payload_len} bytes exceeds {limits.max_payload_bytes}")
+    return Header(opcode, flags, request_id, meta_len, payload_len)
+
+
+def check_request_opcode(header: Header) -> Op:
+    try:
+        return Op(header.opcode)
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_OPCODE, f"unknown opcode {header.opcode}") from None
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
+
+
+def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Decode a metadata section; raises ProtocolError(MALFORMED) unless it is one msgpack map.
+
+    Container and string sizes are capped inside the decoder by the metadata
+    size (every element takes at least one byte), so a hostile length prefix
+    cannot make it allocate; the per-message checks then apply the key limits.
+    """
+    n = limits.max_meta_bytes
+    try:
+        meta = msgpack.unpackb(
+            buf,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=limits.max_meta_bytes,
+            max_str_len=limits.max_meta_bytes,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(ErrorCode.MALFORMED, f"metadata is not valid msgpack: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "metadata must be a map")
+    return meta
+
+
+def _is_uint(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _field(meta: dict, name: str, kind: type, *, default: Any = ..., ) -> Any:
+    v = meta.get(name, default)
+    if v is ...:
+        raise ProtocolError(ErrorCode.MALFORMED, f"missing field {name!r}")
+    if kind is int:
+        ok = type(v) is int
+    else:
+        ok = isinstance(v, kind)
+    if not ok:
+        raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be {kind.__name__}")
+    return v
+
+
+def _keys(meta: dict, limits: Limits, name: str = "keys") -> list[bytes]:
+    keys = _field(meta, name, list)
+    if len(keys) > limits.max_keys_per_batch:
+        raise ProtocolError(ErrorCode.TOO_MANY_KEYS, f"{len(keys)} keys exceed {limits.max_keys_per_batch}")
+    for k in keys:
+        if type(k) is not bytes or not 1 <= len(k) <= limits.max_key_bytes:
+            raise ProtocolError(ErrorCode.BAD_KEY, f"keys must be 1..{limits.max_key_bytes} bytes")
+    return keys
+
+
+def _uint_list(meta: dict, name: str, n: int, *, allow_minus_one: bool = False, maximum: int = U64_MAX) -> list[int]:
+    values = _field(meta, name, list)
+    if len(values) != n:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{name!r} has {len(values)} entries for {n} keys")
+    for v in values:
+        if type(v) is not int or v > maximum or (v < 0 and not (allow_minus_one and v == -1)):
+            raise ProtocolError(ErrorCode.MALFORMED, f"bad value in {name!r}: {v!r}")
+    return values
