@@ -82,3 +82,21 @@ def raw(server):
     r = Raw(server.address)
     yield r
     r.close()
+
+
+@pytest.fixture
+def open_raw():
+    """``open_raw(address) -> Raw`` for tests that need several; all closed after the test.
+
+    (A fixture rather than ``from conftest import Raw``: with tests/integration in
+    the same pytest run, ``conftest`` names the other folder's module.)"""
+    opened: list[Raw] = []
+
+    def open_(address: str) -> Raw:
+        r = Raw(address)
+        opened.append(r)
+        return r
+
+    yield open_
+    for r in opened:
+        r.close()

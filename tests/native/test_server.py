@@ -205,19 +205,17 @@ def test_forcing_zerocopy_where_it_is_missing_is_an_error_not_a_fallback(make_se
         make_server(zerocopy="on")
 
 
-def test_a_peer_stalling_mid_frame_is_dropped_and_its_slot_freed(make_server):
+def test_a_peer_stalling_mid_frame_is_dropped_and_its_slot_freed(make_server, open_raw):
     # 1 s: long enough that a loaded machine still sees the slot reserved before the stall drops it
     srv = make_server(stall_timeout_s=1.0)
     free = srv.stats()["free_bytes"]
-    from conftest import Raw
-
-    r = Raw(srv.address)
+    r = open_raw(srv.address)
     frame = put_frame(1, [b"slow"], [b"s" * 100000])
     r.send(frame[: len(frame) - 50000])  # header, metadata and half the object, then nothing
     assert wait_for(lambda: srv.stats()["free_bytes"] < free)  # a slot is reserved for it
     assert r.closed_by_peer()
     assert wait_for(lambda: srv.stats()["free_bytes"] == free)
-    idle = Raw(srv.address)  # an idle connection between requests is kept
+    idle = open_raw(srv.address)  # an idle connection between requests is kept
     time.sleep(1.5)
     idle.send(p.encode_request(p.PingRequest(), 9))
     assert p.unpack_header(idle.recv_frame()).request_id == 9
