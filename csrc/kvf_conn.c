@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
+#include <unistd.h>
 
 #define KVF_IOV_CHUNK 512
 
@@ -179,8 +180,144 @@ int kvf_parse_sizes(const uint8_t *meta, size_t meta_len, int64_t *sizes, uint32
     return 0;
 }
 
+/* ---------------------------------------------------------------- registered buffers */
+
+#define KVF_UD_READ 1
+#define KVF_UD_CANCEL 2
+
+int kvf_creg_open(struct kvf_creg *c, const struct iovec *bufs, unsigned n)
+{
+    memset(c, 0, sizeof *c);
+    if (n == 0) return -EINVAL;
+    c->bufs = malloc(sizeof(struct iovec) * n);
+    if (!c->bufs) return -ENOMEM;
+    memcpy(c->bufs, bufs, sizeof(struct iovec) * n);
+    int rc = kvf_ring_init(&c->ring, 8);
+    if (rc) {
+        free(c->bufs);
+        memset(c, 0, sizeof *c);
+        return rc;
+    }
+    if (!kvf_ring_probe_op(&c->ring, IORING_OP_READ_FIXED) || !kvf_ring_probe_op(&c->ring, IORING_OP_ASYNC_CANCEL))
+        rc = -EOPNOTSUPP;
+    if (!rc) rc = kvf_ring_register_buffers(&c->ring, c->bufs, n);
+    if (rc) {
+        kvf_ring_exit(&c->ring);
+        free(c->bufs);
+        memset(c, 0, sizeof *c);
+        return rc;
+    }
+    c->n = n;
+    return 0;
+}
+
+void kvf_creg_close(struct kvf_creg *c)
+{
+    if (c->n) kvf_ring_exit(&c->ring); /* closing the ring unregisters the buffers */
+    free(c->bufs);
+    memset(c, 0, sizeof *c);
+}
+
+int kvf_creg_find(const struct kvf_creg *c, const void *p, size_t len)
+{
+    uintptr_t a = (uintptr_t)p;
+    for (unsigned i = 0; i < c->n; i++) {
+        uintptr_t b = (uintptr_t)c->bufs[i].iov_base;
+        if (a >= b && len <= c->bufs[i].iov_len && a - b <= c->bufs[i].iov_len - len) return (int)i;
+    }
+    return -1;
+}
+
+/* Cancel the read in flight and reap it (its buffer must not be written after
+ * we return). A cancel that does not complete within a second is helped by
+ * shutting the socket down, which ends any read on it. */
+static void cancel_and_reap(struct kvf_creg *c, int fd)
+{
+    struct io_uring_sqe *sqe = kvf_ring_sqe(&c->ring);
+    if (sqe) {
+        sqe->opcode = IORING_OP_ASYNC_CANCEL;
+        sqe->addr = KVF_UD_READ;
+        sqe->user_data = KVF_UD_CANCEL;
+    }
+    int read_done = 0, tries = 0;
+    while (!read_done && tries < 30) {
+        struct io_uring_cqe *cqe;
+        while ((cqe = kvf_ring_peek(&c->ring))) {
+            if (cqe->user_data == KVF_UD_READ) read_done = 1;
+            kvf_ring_cqe_seen(&c->ring);
+        }
+        if (read_done) break;
+        int rc = kvf_ring_submit_wait(&c->ring, 1, 1000);
+        if (rc && ++tries == 1) shutdown(fd, SHUT_RDWR);
+    }
+    /* the cancel's own completion may still come: drain what is there */
+    struct io_uring_cqe *cqe;
+    while ((cqe = kvf_ring_peek(&c->ring))) kvf_ring_cqe_seen(&c->ring);
+}
+
+/* Submit what is prepared and wait for the read's completion (*res),
+ * honouring the thread's deadline. */
+static int reap_read(struct kvf_creg *c, int fd, int *res)
+{
+    for (;;) {
+        struct io_uring_cqe *cqe = kvf_ring_peek(&c->ring);
+        if (cqe) {
+            int hit = cqe->user_data == KVF_UD_READ;
+            if (hit) *res = cqe->res;
+            kvf_ring_cqe_seen(&c->ring);
+            if (hit) return 0;
+            continue;
+        }
+        int ms = -1;
+        if (tl_deadline_ns) {
+            int64_t left = tl_deadline_ns - now_ns();
+            if (left <= 0) {
+                /* publish the read if it never was, then cancel it */
+                kvf_ring_submit_wait(&c->ring, 0, 0);
+                cancel_and_reap(c, fd);
+                return -ETIMEDOUT;
+            }
+            ms = (int)((left + 999999) / 1000000);
+        }
+        int rc = kvf_ring_submit_wait(&c->ring, 1, ms);
+        if (rc && rc != -ETIME) {
+            cancel_and_reap(c, fd);
+            return rc;
+        }
+    }
+}
+
+/* Read exactly len bytes of the stream into p, inside registered buffer idx. */
+static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t len)
+{
+    char *at = p;
+    while (len) {
+        struct io_uring_sqe *sqe = kvf_ring_sqe(&c->ring);
+        if (!sqe) return -EBUSY; /* one read at a time: cannot happen */
+        sqe->opcode = IORING_OP_READ_FIXED;
+        sqe->fd = fd;
+        sqe->addr = (uint64_t)(uintptr_t)at;
+        sqe->len = len > (1u << 30) ? (1u << 30) : (unsigned)len;
+        sqe->off = 0;
+        sqe->buf_index = (uint16_t)idx;
+        sqe->user_data = KVF_UD_READ;
+        int res = 0;
+        int rc = reap_read(c, fd, &res);
+        if (rc) return rc;
+        if (res == -EINTR || res == -EAGAIN) continue;
+        if (res == -EPIPE) return -ECONNRESET;
+        if (res < 0) return res;
+        if (res == 0) return -ECONNRESET;
+        c->fixed_reads++;
+        c->fixed_bytes += (uint64_t)res;
+        at += res;
+        len -= (size_t)res;
+    }
+    return 0;
+}
+
 int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
-                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index)
+                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index, struct kvf_creg *reg)
 {
     uint64_t total = 0;
     uint32_t found = 0;
@@ -207,7 +344,23 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
         iov[k].iov_len = (size_t)sizes[i];
         k++;
     }
-    int rc = kvf_recvv_all(fd, iov, (int)k);
+    int rc;
+    if (!reg || !reg->n) {
+        rc = kvf_recvv_all(fd, iov, (int)k);
+    } else {
+        /* runs of unregistered objects go through recvmsg, each registered
+         * object through READ_FIXED, in stream order */
+        rc = 0;
+        uint32_t start = 0;
+        for (uint32_t j = 0; j < k && !rc; j++) {
+            int idx = iov[j].iov_len ? kvf_creg_find(reg, iov[j].iov_base, iov[j].iov_len) : -1;
+            if (idx < 0) continue;
+            if (j > start) rc = kvf_recvv_all(fd, iov + start, (int)(j - start));
+            if (!rc) rc = read_fixed_all(fd, reg, idx, iov[j].iov_base, iov[j].iov_len);
+            start = j + 1;
+        }
+        if (!rc && start < k) rc = kvf_recvv_all(fd, iov + start, (int)(k - start));
+    }
     free(iov);
     return rc;
 }

@@ -18,6 +18,7 @@
 #include <sys/uio.h>
 
 #include "kvf_protocol.h"
+#include "kvf_uring.h"
 
 /* Absolute CLOCK_MONOTONIC deadline (ns) for the calls this thread makes
  * next; 0 = none. Before every syscall the socket timeout is set to the time
@@ -41,12 +42,37 @@ int kvf_recv_header(int fd, struct kvf_header *h, uint32_t max_meta, uint64_t ma
  * Returns 0, or -EPROTO when absent, malformed or not exactly n entries. */
 int kvf_parse_sizes(const uint8_t *meta, size_t meta_len, int64_t *sizes, uint32_t n);
 
+/* Caller buffers registered with a per-connection io_uring as fixed buffers
+ * (kvf_creg_open). GET objects whose buffer lies inside one of them are
+ * received with IORING_OP_READ_FIXED on the socket; the others with recvmsg.
+ * The struct only moves bytes: which buffers to register, and whether to use
+ * it at all, is the caller's (Python's) choice. Not thread-safe. */
+struct kvf_creg {
+    struct kvf_ring ring;
+    struct iovec *bufs; /* the registered ranges, buf_index = position */
+    unsigned n;
+    uint64_t fixed_reads; /* READ_FIXED completions with data */
+    uint64_t fixed_bytes; /* bytes that landed through them */
+};
+
+/* Set up a ring and register bufs[0..n) as its fixed buffers. -EOPNOTSUPP when
+ * the kernel lacks IORING_OP_READ_FIXED; other -errno from io_uring_setup /
+ * IORING_REGISTER_BUFFERS (e.g. -ENOMEM over RLIMIT_MEMLOCK). On failure
+ * nothing is left open. */
+int kvf_creg_open(struct kvf_creg *c, const struct iovec *bufs, unsigned n);
+void kvf_creg_close(struct kvf_creg *c);
+/* Index of the registered buffer that holds [p, p+len) entirely, or -1. */
+int kvf_creg_find(const struct kvf_creg *c, const void *p, size_t len);
+
 /* Scatter a GET reply payload: object i (sizes[i] >= 0) goes into bufs[i].
  * Checks that the sizes add up to payload_len (-EPROTO otherwise, nothing
  * read) and that each object fits (-EMSGSIZE, payload drained; *bad_index
- * is the first object that did not fit). */
+ * is the first object that did not fit). reg (may be NULL): objects whose
+ * buffer lies in a registered buffer are read with READ_FIXED through it;
+ * no request is left in flight on return (a timed-out read is cancelled and
+ * reaped first). */
 int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
-                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index);
+                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index, struct kvf_creg *reg);
 
 #endif
 

@@ -96,6 +96,146 @@ static int bufset_get(struct bufset *b, PyObject *seq, int writable, const char 
     return 0;
 }
 
+/* ------------------------------------------------------------------ registered buffers */
+
+/* ConnRing: caller buffers registered as io_uring fixed buffers on a ring of
+ * their own, used by request()/recv_frame() (ring=...) for GET objects that
+ * land inside them. The views are held until close(), so the memory stays put. */
+typedef struct {
+    PyObject_HEAD
+    struct kvf_creg reg;
+    struct bufset views;
+    unsigned long long nbytes;
+    int busy; /* a call with the GIL released is using it */
+} RingObject;
+
+static void Ring_close_impl(RingObject *self)
+{
+    kvf_creg_close(&self->reg);
+    bufset_release(&self->views);
+    self->nbytes = 0;
+}
+
+static void Ring_dealloc(RingObject *self)
+{
+    Ring_close_impl(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(Ring_doc,
+"ConnRing(buffers)\n"
+"Register writable contiguous buffers as io_uring fixed buffers on a new ring.\n"
+"Limits are the caller's to check first. Raises ValueError (not a writable contiguous\n"
+"buffer, none given, one over 1 GiB), NativeError (io_uring setup or registration failed,\n"
+"e.g. ENOMEM over RLIMIT_MEMLOCK, EOPNOTSUPP without IORING_OP_READ_FIXED).");
+
+static int Ring_init(RingObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"buffers", NULL};
+    PyObject *bufs;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwlist, &bufs)) return -1;
+    if (self->views.n || self->reg.n) { PyErr_SetString(PyExc_ValueError, "ConnRing already initialised"); return -1; }
+    if (bufset_get(&self->views, bufs, 1, "buffers")) return -1;
+    Py_ssize_t n = self->views.n;
+    if (n == 0 || n > 16384) {
+        bufset_release(&self->views);
+        PyErr_Format(PyExc_ValueError, "ConnRing: %zd buffers (1..16384)", n);
+        return -1;
+    }
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)n);
+    if (!iov) { bufset_release(&self->views); PyErr_NoMemory(); return -1; }
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        iov[i].iov_base = self->views.views[i].buf;
+        iov[i].iov_len = (size_t)self->views.views[i].len;
+        total += (unsigned long long)iov[i].iov_len;
+        if (iov[i].iov_len == 0 || iov[i].iov_len > (1ull << 30)) {
+            PyMem_Free(iov);
+            bufset_release(&self->views);
+            PyErr_Format(PyExc_ValueError, "ConnRing: buffer %zd holds %zd bytes (1 B..1 GiB)", i,
+                         self->views.views[i].len);
+            return -1;
+        }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_creg_open(&self->reg, iov, (unsigned)n);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(iov);
+    if (rc) {
+        bufset_release(&self->views);
+        raise_errno(rc, 0, "registering buffers with io_uring");
+        return -1;
+    }
+    self->nbytes = total;
+    return 0;
+}
+
+static PyObject *Ring_close(RingObject *self, PyObject *noargs)
+{
+    if (self->busy) return PyErr_Format(PyExc_RuntimeError, "ConnRing is in use by another thread");
+    Ring_close_impl(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_stats(RingObject *self, PyObject *noargs)
+{
+    return Py_BuildValue("{s:I,s:K,s:K,s:K}", "buffers", self->reg.n, "bytes", self->nbytes, "fixed_reads",
+                         (unsigned long long)self->reg.fixed_reads, "fixed_bytes",
+                         (unsigned long long)self->reg.fixed_bytes);
+}
+
+PyDoc_STRVAR(Ring_find_doc, "find(buffers) -> list[int]: the registered buffer holding each one, or -1");
+
+static PyObject *Ring_find(RingObject *self, PyObject *arg)
+{
+    struct bufset b;
+    if (bufset_get(&b, arg, 0, "buffers")) return NULL;
+    PyObject *out = PyList_New(b.n);
+    for (Py_ssize_t i = 0; out && i < b.n; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromLong(kvf_creg_find(&self->reg, b.views[i].buf, (size_t)b.views[i].len)));
+    bufset_release(&b);
+    return out;
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "unregister the buffers and close the ring"},
+    {"stats", (PyCFunction)Ring_stats, METH_NOARGS, "{buffers, bytes, fixed_reads, fixed_bytes}"},
+    {"find", (PyCFunction)Ring_find, METH_O, Ring_find_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfabric._native.ConnRing",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Ring_doc,
+    .tp_methods = Ring_methods,
+    .tp_init = (initproc)Ring_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ring argument: None -> NULL; a ConnRing -> its registration, marked busy. */
+static int ring_arg(PyObject *o, RingObject **out)
+{
+    *out = NULL;
+    if (!o || o == Py_None) return 0;
+    if (!PyObject_TypeCheck(o, &RingType)) { PyErr_SetString(PyExc_TypeError, "ring must be a ConnRing or None"); return -1; }
+    RingObject *r = (RingObject *)o;
+    if (r->busy) { PyErr_SetString(PyExc_RuntimeError, "ConnRing is in use by another thread"); return -1; }
+    if (!r->reg.n) return 0; /* closed: nothing registered, plain path */
+    r->busy = 1;
+    *out = r;
+    return 0;
+}
+
+static void ring_done(RingObject *r)
+{
+    if (r) r->busy = 0;
+}
+
 /* ------------------------------------------------------------------ client frames */
 
 struct recv_result {
@@ -108,7 +248,7 @@ struct recv_result {
 
 /* GIL released. Receives one reply into r; object payload into bufs when given. */
 static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, uint32_t max_meta,
-                            uint64_t max_payload, char *payload_buf)
+                            uint64_t max_payload, char *payload_buf, struct kvf_creg *reg)
 {
     int rc = kvf_recv_header(fd, &r->h, max_meta, max_payload, &r->wire_err);
     if (rc) return rc;
@@ -127,7 +267,7 @@ static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, 
     rc = kvf_parse_sizes(r->meta, r->h.meta_len, sizes, n);
     if (rc == 0) {
         for (uint32_t i = 0; i < n; i++) { ptrs[i] = bufs->views[i].buf; lens[i] = (size_t)bufs->views[i].len; }
-        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, &r->bad_index);
+        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, &r->bad_index, reg);
         if (rc == -EPROTO) r->wire_err = KVF_E_LENGTH_MISMATCH;
     } else {
         r->wire_err = KVF_E_MALFORMED;
@@ -170,8 +310,11 @@ static PyObject *finish_recv(int fd, struct recv_result *r, struct bufset *bufs,
 }
 
 PyDoc_STRVAR(request_doc,
-"request(fd, opcode, request_id, meta, parts, recv, max_meta, max_payload, flags=0, send=True, deadline=0)\n"
+"request(fd, opcode, request_id, meta, parts, recv, max_meta, max_payload, flags=0, send=True, deadline=0,\n"
+"        ring=None)\n"
 "Send one frame and receive one reply on the blocking socket fd, GIL released.\n"
+"ring: a ConnRing; GET objects whose recv buffer lies in one of its registered buffers are\n"
+"read with io_uring READ_FIXED, the others with recvmsg.\n"
 "recv: writable buffers (one per key) that a GET reply's objects go into, or None\n"
 "(the payload then comes back as one bytearray). Returns (opcode, flags, request_id,\n"
 "meta_bytes, payload_len, payload_or_None). Raises ConnectionClosed, DeadlineExceeded\n"
@@ -182,15 +325,15 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
 {
     (void)self;
     static char *kwlist[] = {"fd", "opcode", "request_id", "meta", "parts", "recv", "max_meta", "max_payload",
-                             "flags", "send", "deadline", NULL};
+                             "flags", "send", "deadline", "ring", NULL};
     int fd, opcode, flags = 0, do_send = 1;
     double deadline = 0;
     unsigned long long rid, max_payload;
     unsigned int max_meta;
     Py_buffer meta;
-    PyObject *parts, *recv;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiKy*OOIK|ipd", kwlist, &fd, &opcode, &rid, &meta, &parts, &recv,
-                                     &max_meta, &max_payload, &flags, &do_send, &deadline))
+    PyObject *parts, *recv, *ring_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiKy*OOIK|ipdO", kwlist, &fd, &opcode, &rid, &meta, &parts, &recv,
+                                     &max_meta, &max_payload, &flags, &do_send, &deadline, &ring_o))
         return NULL;
     if (opcode < 0 || opcode > 255 || flags < 0 || flags > 255 || meta.len > UINT32_MAX) {
         PyBuffer_Release(&meta);
@@ -203,6 +346,9 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
     struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
     if (!iov) { bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
     for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
+    RingObject *ring = NULL;
+    if (ring_arg(ring_o, &ring)) { PyMem_Free(iov); bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return NULL; }
+    struct kvf_creg *reg = ring ? &ring->reg : NULL;
     struct recv_result r;
     memset(&r, 0, sizeof r);
     int rc = 0, sent_ok = 1;
@@ -210,8 +356,9 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
     Py_BEGIN_ALLOW_THREADS
     if (do_send) rc = kvf_send_frame(fd, (uint8_t)opcode, (uint8_t)flags, rid, meta.buf, (uint32_t)meta.len, iov, (int)pb.n);
     if (rc) sent_ok = 0;
-    else rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL);
+    else rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg);
     Py_END_ALLOW_THREADS
+    ring_done(ring);
     PyMem_Free(iov);
     bufset_release(&pb);
     PyBuffer_Release(&meta);
@@ -257,28 +404,32 @@ static PyObject *py_send_frame(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(recv_frame_doc,
-"recv_frame(fd, recv, max_meta, max_payload, deadline=0)\n"
+"recv_frame(fd, recv, max_meta, max_payload, deadline=0, ring=None)\n"
 "Receive one frame; same result and errors as request().");
 
 static PyObject *py_recv_frame(PyObject *self, PyObject *args)
 {
     (void)self;
     int fd;
-    PyObject *recv;
+    PyObject *recv, *ring_o = Py_None;
     unsigned int max_meta;
     unsigned long long max_payload;
     double deadline = 0;
-    if (!PyArg_ParseTuple(args, "iOIK|d", &fd, &recv, &max_meta, &max_payload, &deadline)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOIK|dO", &fd, &recv, &max_meta, &max_payload, &deadline, &ring_o)) return NULL;
     struct bufset rb = {0};
     int have_recv = recv != Py_None;
     if (have_recv && bufset_get(&rb, recv, 1, "recv")) return NULL;
+    RingObject *ring = NULL;
+    if (ring_arg(ring_o, &ring)) { bufset_release(&rb); return NULL; }
+    struct kvf_creg *reg = ring ? &ring->reg : NULL;
     struct recv_result r;
     memset(&r, 0, sizeof r);
     int rc;
     kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
     Py_BEGIN_ALLOW_THREADS
-    rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL);
+    rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg);
     Py_END_ALLOW_THREADS
+    ring_done(ring);
     PyObject *out = finish_recv(fd, &r, &rb, rc, max_payload);
     bufset_release(&rb);
     return out;
@@ -993,5 +1144,8 @@ PyMODINIT_FUNC PyInit__native(void)
     if (PyType_Ready(&ServerType) < 0) { Py_DECREF(m); return NULL; }
     Py_INCREF(&ServerType);
     if (PyModule_AddObject(m, "Server", (PyObject *)&ServerType)) { Py_DECREF(&ServerType); Py_DECREF(m); return NULL; }
+    if (PyType_Ready(&RingType) < 0) { Py_DECREF(m); return NULL; }
+    Py_INCREF(&RingType);
+    if (PyModule_AddObject(m, "ConnRing", (PyObject *)&RingType)) { Py_DECREF(&RingType); Py_DECREF(m); return NULL; }
     return m;
 }

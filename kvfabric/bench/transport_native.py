@@ -21,7 +21,11 @@ paths (each against a fresh server process)
   * ``native+zc``: the same with ``--zerocopy on`` (SEND_ZC forced even on
     loopback, where the receiver copies out of the pinned pages anyway);
   * ``native>py``: C client, Python server;
-  * ``shm``: same-host client, native server.
+  * ``shm``: same-host client, native server;
+  * ``native+reg`` / ``native>py+reg`` (``--registered``): ``native`` /
+    ``native>py`` with the GET buffers registered as io_uring fixed buffers
+    (one staging buffer, ``NativeConnection.register_buffers``), so GET
+    objects arrive through READ_FIXED instead of recvmsg.
 
 The client side is the transport's ``Connection.request`` (checksums of PUT
 objects are computed once up front; GET replies land in a reused buffer and
@@ -60,7 +64,11 @@ PATHS = {
     "native+zc": ("kvfabric.server.native", "native", ["--zerocopy", "on"]),
     "native>py": ("kvfabric", "native", []),
     "shm": ("kvfabric.server.native", "shm", []),
+    "native+reg": ("kvfabric.server.native", "native", []),
+    "native>py+reg": ("kvfabric", "native", []),
 }
+#: paths whose GET buffers are registered; run only when asked (``--registered`` or ``--paths``)
+REGISTERED = ("native+reg", "native>py+reg")
 
 
 @dataclass
@@ -100,7 +108,12 @@ class _Path:
         rng = np.random.default_rng(7)
         self.values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
         self.sums = [protocol.checksum(v) for v in self.values]
-        self.dest = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
+        if name in REGISTERED:  # one reused staging buffer, registered once, sliced per block
+            self.staging = np.empty(size * batch, dtype=np.uint8)
+            self.dest = [self.staging[i * size:(i + 1) * size] for i in range(batch)]
+            self.conn.register_buffers([self.staging])
+        else:
+            self.dest = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
         self.get_keys = [os.urandom(16) for _ in range(batch)]
         self._put(self.get_keys)
 
@@ -246,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench transport-native", description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=parse_size, default=MiB, help="block size (default 1MiB)")
     ap.add_argument("--batch", type=int, default=1, help="blocks per request (default 1)")
-    ap.add_argument("--paths", type=lambda s: s.split(","), default=list(PATHS), help=f"comma list of {list(PATHS)}")
+    ap.add_argument("--paths", type=lambda s: s.split(","), default=[p for p in PATHS if p not in REGISTERED],
+                    help=f"comma list of {list(PATHS)}")
+    ap.add_argument("--registered", action="store_true",
+                    help=f"also run {', '.join(REGISTERED)} (GET into registered buffers)")
     ap.add_argument("--duration", type=float, default=1.0, help="seconds per cell")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported")
     ap.add_argument("--capacity", default="256MiB", help="capacity of each server")
     ap.add_argument("--out", default="bench-results/transport_native.json")
     args = ap.parse_args(argv)
+    if args.registered:
+        args.paths += [p for p in REGISTERED if p not in args.paths]
     bad = [p for p in args.paths if p not in PATHS]
     if bad or args.batch < 1 or not 0 < args.size <= 64 * MiB or args.duration <= 0 or args.repeat < 1:
         ap.error(f"bad arguments (unknown paths {bad}?)")

@@ -16,6 +16,16 @@ Pipelining: :meth:`NativeConnection.pipeline` sends several requests before
 reading their replies (one GIL release for the sends, then one per reply),
 so a batch split over several frames costs one round trip, not one per frame.
 
+Registered buffers (opt-in): :meth:`NativeConnection.register_buffers` registers
+buffers the caller reuses (an engine's staging buffer) as io_uring fixed
+buffers on a ring of this connection's own. A GET object whose ``recv_buffers``
+entry lies inside one of them (the buffer itself or any slice of it) is then
+received with ``IORING_OP_READ_FIXED`` on the socket (no per-call page
+pinning); the other objects of the same reply keep the ``recvmsg`` path. Limits
+(count, total bytes, 1 GiB per buffer) are checked here before registering;
+an io_uring setup that fails at registration raises then, never later.
+Without a registration nothing changes.
+
 Failures follow ``transport.base``; an error frame with request id 0 (a
 server refusing the connection, e.g. BUSY over its connection bound) closes
 the connection and raises ``RemoteError``, as in ``tcp``. The native client
@@ -52,6 +62,12 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["NativeConnection", "connect", "probe"]
+
+#: Defaults of :meth:`NativeConnection.register_buffers`' limits.
+MAX_REGISTERED_BUFFERS = 64
+MAX_REGISTERED_BYTES = 4 << 30
+#: The kernel's bound on one fixed buffer.
+MAX_REGISTERED_BUFFER_BYTES = 1 << 30
 
 
 def probe() -> str | None:
@@ -112,6 +128,83 @@ class NativeConnection(SocketConnection):
         self.address = address
         self._next_id = 1
         self._limits = protocol.DEFAULT_LIMITS
+        self._ring: Any = None  # _native.ConnRing while buffers are registered
+
+    # ------------------------------------------------------------------ registered buffers
+
+    def register_buffers(
+        self,
+        buffers: Sequence[Any],
+        *,
+        max_buffers: int = MAX_REGISTERED_BUFFERS,
+        max_bytes: int = MAX_REGISTERED_BYTES,
+    ) -> None:
+        """Register reused receive buffers as io_uring fixed buffers for this connection.
+
+        Later GETs whose ``recv_buffers`` entries lie inside a registered
+        buffer (whole or a slice) receive those objects with READ_FIXED.
+        Replaces an earlier registration. The buffers stay exported (a
+        bytearray cannot be resized, a numpy array stays alive) until
+        :meth:`unregister_buffers` or :meth:`close`.
+
+        Raises ValueError for an empty list, a read-only or non-contiguous
+        buffer, an empty one, one over 1 GiB, more than ``max_buffers`` or more
+        than ``max_bytes`` in total (all checked before anything is
+        registered), ``ConnectionClosed`` on a closed connection, and
+        ``NativeError`` when io_uring cannot be set up or refuses the
+        registration (e.g. ENOMEM over RLIMIT_MEMLOCK).
+        """
+        if self.name != "native":  # shm copies out of the arena: nothing to receive into
+            from ..errors import TransportUnavailable
+
+            raise TransportUnavailable(f"registered buffers are a feature of the native transport, not {self.name}")
+        if self._sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        bufs = list(buffers)
+        if not bufs:
+            raise ValueError("register_buffers: no buffers given")
+        if len(bufs) > max_buffers:
+            raise ValueError(f"register_buffers: {len(bufs)} buffers, the limit is {max_buffers}")
+        total = 0
+        for i, b in enumerate(bufs):
+            try:
+                v = memoryview(b)
+            except TypeError as e:
+                raise ValueError(f"register_buffers: buffer {i} does not support the buffer protocol: {e}") from None
+            if v.readonly or not v.c_contiguous:
+                raise ValueError(f"register_buffers: buffer {i} is read-only or not contiguous")
+            if v.nbytes == 0 or v.nbytes > MAX_REGISTERED_BUFFER_BYTES:
+                raise ValueError(
+                    f"register_buffers: buffer {i} holds {v.nbytes} bytes (1 B..{MAX_REGISTERED_BUFFER_BYTES})")
+            total += v.nbytes
+        if total > max_bytes:
+            raise ValueError(f"register_buffers: {total} bytes in total, the limit is {max_bytes}")
+        self.unregister_buffers()
+        self._ring = _native.ConnRing(bufs)  # NativeError when io_uring setup fails: raised now
+
+    def unregister_buffers(self) -> None:
+        """Drop the registration (no-op without one); later GETs use recvmsg only.
+
+        Raises RuntimeError (registration kept) while another thread's call uses it.
+        """
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    def registered_stats(self) -> dict[str, int] | None:
+        """``{buffers, bytes, fixed_reads, fixed_bytes}`` of the registration, or None."""
+        return None if self._ring is None else self._ring.stats()
+
+    def close(self) -> None:
+        # Dropping the reference is enough: a call still using the ring (from
+        # another thread) holds its own, and the ring closes when it is freed.
+        ring, self._ring = getattr(self, "_ring", None), None
+        if ring is not None:
+            try:
+                ring.close()
+            except RuntimeError:  # in use by a call in flight: freed after it
+                pass
+        super().close()
 
     # ------------------------------------------------------------------ public
 
@@ -157,14 +250,16 @@ class NativeConnection(SocketConnection):
                 if n == 1:  # one call into C: send + receive with one GIL release
                     res_call = lambda: _native.request(  # noqa: E731
                         self._fd, int(msg.op), rid, meta, parts, recv,
-                        lim.max_meta_bytes, lim.max_payload_bytes, deadline=dl)
+                        lim.max_meta_bytes, lim.max_payload_bytes, deadline=dl,
+                        ring=self._ring if recv is not None else None)
                 else:
                     while sent < n and sent < i + window:
                         m2, rid2, meta2, parts2, _ = prepared[sent]
                         _native.send_frame(self._fd, int(m2.op), 0, rid2, meta2, parts2, dl)
                         sent += 1
                     res_call = lambda: _native.recv_frame(  # noqa: E731
-                        self._fd, recv, lim.max_meta_bytes, lim.max_payload_bytes, dl)
+                        self._fd, recv, lim.max_meta_bytes, lim.max_payload_bytes, dl,
+                        self._ring if recv is not None else None)
                 try:
                     replies.append(self._decode(msg, rid, res_call()))
                 except RemoteError as e:
