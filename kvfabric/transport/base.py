@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ConfigError, ErrorCode, ProtocolError
+from ..errors import ConfigError, DeadlineExceeded, ErrorCode, ProtocolError, TransportError
 from ..protocol import HelloReply, Message
 
 __all__ = ["Connection", "Reply", "parse_address", "remaining", "get_sinks"]
@@ -117,6 +117,22 @@ class SocketConnection(Connection):
                 sock.close()
             except OSError:
                 pass
+
+
+def dial(address: str, deadline: float) -> socket.socket:
+    """A TCP connection to ``address`` ("host:port") made before ``deadline`` (``time.monotonic()``).
+
+    Raises ``ConfigError`` for a malformed address, ``DeadlineExceeded`` when
+    the connect times out, ``TransportError`` (with the ``OSError`` as
+    ``__cause__``) when the server cannot be reached.
+    """
+    host, port = parse_address(address)
+    try:
+        return socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+    except TimeoutError as e:
+        raise DeadlineExceeded(f"connect to {address} timed out") from e
+    except OSError as e:
+        raise TransportError(f"cannot connect to {address}: {e}") from e
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -51,7 +51,7 @@ from ..errors import (
     TransportError,
 )
 from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
-from .base import Reply, SocketConnection, parse_address
+from .base import Reply, SocketConnection, dial
 
 try:  # the extension is optional: without it this transport is unavailable
     from .. import _native
@@ -98,14 +98,8 @@ def connect(
         from ..errors import TransportUnavailable
 
         raise TransportUnavailable(reason)
-    host, port = parse_address(address)
     deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.create_connection((host, port), timeout=max(timeout_s, 0.001))
-    except TimeoutError as e:
-        raise DeadlineExceeded(f"connect to {address} timed out after {timeout_s:.3g}s") from e
-    except OSError as e:
-        raise TransportError(f"cannot connect to {address}: {e}") from e
+    sock = dial(address, deadline)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = NativeConnection(sock, address)
     try:

@@ -67,7 +67,7 @@ from ..protocol import (
     PutRequest,
     ShmOp,
 )
-from .base import Reply, parse_address
+from .base import Reply, dial, parse_address
 from .native import NativeConnection
 from .native import probe as _native_probe
 
@@ -120,11 +120,11 @@ def connect(
     reason = probe()
     if reason is not None:
         raise TransportUnavailable(reason)
-    host, port = parse_address(address)
+    host, _ = parse_address(address)
     if not _is_local(host):
         raise TransportUnavailable(f"shm needs a server on this host; {address} is not a loopback address")
     deadline = time.monotonic() + timeout_s
-    hello_meta = _tcp_hello(address, host, port, client_name, auth_token, deadline)
+    hello_meta = _tcp_hello(address, client_name, auth_token, deadline)
     path = hello_meta.get("shm_socket")
     if "shm" not in hello_meta.get("transports", ()) or not isinstance(path, str):
         raise TransportUnavailable(f"server {address} does not offer shm")
@@ -146,14 +146,9 @@ def connect(
     return conn
 
 
-def _tcp_hello(address: str, host: str, port: int, client_name: str, auth_token: str | None, deadline: float) -> dict:
+def _tcp_hello(address: str, client_name: str, auth_token: str | None, deadline: float) -> dict:
     """HELLO over TCP, returning the raw reply metadata (it names the shm socket)."""
-    try:
-        sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
-    except TimeoutError as e:
-        raise DeadlineExceeded(f"connect to {address} timed out") from e
-    except OSError as e:
-        raise TransportError(f"cannot connect to {address}: {e}") from e
+    sock = dial(address, deadline)
     try:
         sock.settimeout(None)
         msg = HelloRequest(client=client_name, transports=("shm",), auth=auth_token)

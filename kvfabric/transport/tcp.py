@@ -40,7 +40,7 @@ from ..errors import (
     TransportError,
 )
 from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
-from .base import Reply, SocketConnection, get_sinks, parse_address
+from .base import Reply, SocketConnection, dial, get_sinks
 
 __all__ = ["TcpConnection", "connect", "probe"]
 
@@ -68,15 +68,8 @@ def connect(
     (``BUSY``: over its connection bound), ``ProtocolError`` when its reply is
     not a valid HELLO reply.
     """
-    host, port = parse_address(address)
     deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.create_connection((host, port), timeout=max(timeout_s, 0.001))
-    except TimeoutError as e:
-        raise DeadlineExceeded(f"connect to {address} timed out after {timeout_s:.3g}s") from e
-    except OSError as e:
-        raise TransportError(f"cannot connect to {address}: {e}") from e
-    conn = TcpConnection(sock, address)
+    conn = TcpConnection(dial(address, deadline), address)
     try:
         reply = conn.request(HelloRequest(client=client_name, transports=("tcp",), auth=auth_token), deadline=deadline)
     except BaseException:
