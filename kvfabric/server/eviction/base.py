@@ -17,9 +17,10 @@ The store calls them under its own lock, in this order of events:
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 
 class EvictionPolicy(ABC):
@@ -42,3 +43,40 @@ class EvictionPolicy(ABC):
 
     def __contains__(self, key: bytes) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def pop_unpinned_leaf(
+    heap: list[tuple[Any, ...]],
+    is_live: Callable[[tuple[Any, ...]], bool],
+    is_pinned: Callable[[bytes], bool],
+    rank: Mapping[bytes, Any],
+) -> bytes | None:
+    """The victim of a leaf-first policy kept as a lazy-deletion heap.
+
+    ``heap`` holds ``(*rank, key)`` entries, smallest first; an entry is
+    stale unless ``is_live(entry)`` (its key is still a leaf with that rank).
+    Pops until the smallest live, unpinned entry and returns its key; pinned
+    entries are pushed back so they keep their place. When every live leaf
+    is pinned, falls back to the smallest-ranked unpinned key of ``rank``
+    (a parent may go before its pinned child); ``None`` when all are pinned.
+    The caller forgets the returned key.
+    """
+    skipped: list[tuple[Any, ...]] = []
+    victim = None
+    while heap:
+        item = heapq.heappop(heap)
+        if not is_live(item):
+            continue
+        if is_pinned(item[-1]):
+            skipped.append(item)
+            continue
+        victim = item[-1]
+        break
+    for item in skipped:
+        heapq.heappush(heap, item)
+    if victim is None:
+        free = [(r, k) for k, r in rank.items() if not is_pinned(k)]
+        if not free:
+            return None
+        victim = min(free)[1]
+    return victim

@@ -34,7 +34,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, pop_unpinned_leaf
 
 
 class PrefixLFUPolicy(EvictionPolicy):
@@ -114,25 +114,11 @@ class PrefixLFUPolicy(EvictionPolicy):
     # ------------------------------------------------------------ eviction
 
     def evict(self, is_pinned: Callable[[bytes], bool]) -> bytes | None:
-        skipped: list[tuple[float, int, bytes]] = []
-        victim = None
-        while self._heap:
-            item = heapq.heappop(self._heap)
-            p, t, key = item
-            if self._prio.get(key) != (p, t) or key in self._children:
-                continue  # stale entry
-            if is_pinned(key):
-                skipped.append(item)
-                continue
-            victim = key
-            break
-        for item in skipped:
-            heapq.heappush(self._heap, item)
+        victim = pop_unpinned_leaf(
+            self._heap, lambda it: self._prio.get(it[2]) == it[:2] and it[2] not in self._children, is_pinned, self._prio
+        )
         if victim is None:
-            free = [(pt, k) for k, pt in self._prio.items() if not is_pinned(k)]
-            if not free:
-                return None
-            victim = min(free)[1]
+            return None
         self._aging = max(self._aging, self._prio[victim][0])
         freq = self._freq[victim]
         self._forget(victim)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, pop_unpinned_leaf
 
 
 class TailLRUPolicy(EvictionPolicy):
@@ -83,25 +83,12 @@ class TailLRUPolicy(EvictionPolicy):
                 self._push(parent)
 
     def evict(self, is_pinned: Callable[[bytes], bool]) -> bytes | None:
-        skipped: list[tuple[int, bytes]] = []
-        victim = None
-        while self._heap:
-            t, key = heapq.heappop(self._heap)
-            if self._last.get(key) != t or key in self._children:
-                continue  # stale entry
-            if is_pinned(key):
-                skipped.append((t, key))
-                continue
-            victim = key
-            break
-        for item in skipped:
-            heapq.heappush(self._heap, item)
+        # Leaves in LRU order; when every leaf is pinned, plain LRU over the unpinned keys.
+        victim = pop_unpinned_leaf(
+            self._heap, lambda it: self._last.get(it[1]) == it[0] and it[1] not in self._children, is_pinned, self._last
+        )
         if victim is None:
-            # Every leaf is pinned: plain LRU over the unpinned keys.
-            free = [(t, k) for k, t in self._last.items() if not is_pinned(k)]
-            if not free:
-                return None
-            victim = min(free)[1]
+            return None
         self._forget(victim)
         return victim
 
