@@ -32,7 +32,7 @@ from pathlib import Path
 from ..server.eviction import POLICIES
 from . import ragtrace
 from .replay import add_common_arguments, exit_on_sigterm, options_from_args
-from .sweep import _floats, plot, print_sweep, print_report, sweep_trace
+from .sweep import _floats, plot_or_explain, print_report, print_sweep, sweep_trace
 from .traces import write_trace
 
 
@@ -84,11 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     print_sweep(result)
     result["generator"] = asdict(cfg)
     (out / "rag.json").write_text(json.dumps(result, indent=1, default=str))
-    try:
-        plot([result], out / "rag.png", f"kvfabric bench rag, {opt.shards} shard(s)")
-    except ImportError:
-        print(f"kvfabric bench rag: wrote {out / 'rag.json'}, but the PNG needs matplotlib "
-              "(pip install 'kvfabric[bench]')", file=sys.stderr)
+    if not plot_or_explain([result], out / "rag.png", f"kvfabric bench rag, {opt.shards} shard(s)", "kvfabric bench rag",
+                           out / "rag.json"):
         return 1
     print(f"\nwrote {out / 'rag.json'} and {out / 'rag.png'} in {time.perf_counter() - t0:.0f} s")
     return 0

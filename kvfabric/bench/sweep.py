@@ -114,6 +114,16 @@ def print_sweep(result: dict[str, Any], out=None) -> None:
               + f" {row['reuse_oracle']:>7.1%} {row['belady']:>7.1%} {row['infinite']:>8.1%}", file=out)
 
 
+def plot_or_explain(results: list[dict[str, Any]], png: str | Path, title: str, prog: str, wrote: str | Path) -> bool:
+    """:func:`plot`, or, without matplotlib, say that only ``wrote`` was written; False then."""
+    try:
+        plot(results, png, title)
+    except ImportError:
+        print(f"{prog}: wrote {wrote}, but the PNG needs matplotlib (pip install 'kvfabric[bench]')", file=sys.stderr)
+        return False
+    return True
+
+
 def plot(results: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
     """One panel per trace: hit rate vs capacity; raises ImportError without matplotlib."""
     import matplotlib
@@ -197,11 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print_sweep(r)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"results": results}, indent=1))
-    try:
-        plot(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s)")
-    except ImportError:
-        print(f"kvfabric bench sweep: wrote {args.json}, but the PNG needs matplotlib "
-              "(pip install 'kvfabric[bench]')", file=sys.stderr)
+    if not plot_or_explain(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s)", "kvfabric bench sweep",
+                           args.json):
         return 1
     print(f"wrote {args.json} and {args.png}")
     return 0
