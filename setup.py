@@ -23,6 +23,10 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = [
     "csrc/kvf_module.c",
+    "csrc/kvf_py_client.c",
+    "csrc/kvf_py_server.c",
+    "csrc/kvf_py_shm.c",
+    "csrc/kvf_py_bench.c",
     "csrc/kvf_mpack.c",
     "csrc/kvf_conn.c",
     "csrc/kvf_store.c",

@@ -1,4 +1,5 @@
-"""Type stubs of kvfabric._native, the C data plane (csrc/). See csrc/kvf_module.c for the docs.
+"""Type stubs of kvfabric._native, the C data plane (csrc/). See csrc/kvf_module.c (module, errno mapping)
+and csrc/kvf_py_*.c (client, server, shm, bench bindings) for the docs.
 
 Every function raises kvfabric.errors exceptions mapped from -errno in one place:
 ConnectionClosed (peer closed), DeadlineExceeded (deadline passed), ProtocolError

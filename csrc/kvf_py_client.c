@@ -1,0 +1,360 @@
+/* kvf_py_client.c: bindings of the native client (kvf_conn.c): request(), send_frame(),
+ * recv_frame() and ConnRing (caller buffers registered as io_uring fixed buffers).
+ * Arguments are parsed and the GIL released here; errors go through raise_errno. */
+#include "kvf_module_int.h"
+
+#include "kvf_conn.h"
+#include "kvf_mpack.h"
+#include "kvf_protocol.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ registered buffers */
+
+/* ConnRing: caller buffers registered as io_uring fixed buffers on a ring of
+ * their own, used by request()/recv_frame() (ring=...) for GET objects that
+ * land inside them. The views are held until close(), so the memory stays put. */
+typedef struct {
+    PyObject_HEAD
+    struct kvf_creg reg;
+    struct bufset views;
+    unsigned long long nbytes;
+    int busy; /* a call with the GIL released is using it */
+} RingObject;
+
+static void Ring_close_impl(RingObject *self)
+{
+    kvf_creg_close(&self->reg);
+    bufset_release(&self->views);
+    self->nbytes = 0;
+}
+
+static void Ring_dealloc(RingObject *self)
+{
+    Ring_close_impl(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(Ring_doc,
+"ConnRing(buffers)\n"
+"Register writable contiguous buffers as io_uring fixed buffers on a new ring.\n"
+"Limits are the caller's to check first. Raises ValueError (not a writable contiguous\n"
+"buffer, none given, one over 1 GiB), NativeError (io_uring setup or registration failed,\n"
+"e.g. ENOMEM over RLIMIT_MEMLOCK, EOPNOTSUPP without IORING_OP_READ_FIXED).");
+
+static int Ring_init(RingObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"buffers", NULL};
+    PyObject *bufs;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwlist, &bufs)) return -1;
+    if (self->views.n || self->reg.n) { PyErr_SetString(PyExc_ValueError, "ConnRing already initialised"); return -1; }
+    if (bufset_get(&self->views, bufs, 1, "buffers")) return -1;
+    Py_ssize_t n = self->views.n;
+    if (n == 0 || n > 16384) {
+        bufset_release(&self->views);
+        PyErr_Format(PyExc_ValueError, "ConnRing: %zd buffers (1..16384)", n);
+        return -1;
+    }
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)n);
+    if (!iov) { bufset_release(&self->views); PyErr_NoMemory(); return -1; }
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        iov[i].iov_base = self->views.views[i].buf;
+        iov[i].iov_len = (size_t)self->views.views[i].len;
+        total += (unsigned long long)iov[i].iov_len;
+        if (iov[i].iov_len == 0 || iov[i].iov_len > (1ull << 30)) {
+            PyMem_Free(iov);
+            bufset_release(&self->views);
+            PyErr_Format(PyExc_ValueError, "ConnRing: buffer %zd holds %zd bytes (1 B..1 GiB)", i,
+                         self->views.views[i].len);
+            return -1;
+        }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_creg_open(&self->reg, iov, (unsigned)n);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(iov);
+    if (rc) {
+        bufset_release(&self->views);
+        raise_errno(rc, 0, "registering buffers with io_uring");
+        return -1;
+    }
+    self->nbytes = total;
+    return 0;
+}
+
+static PyObject *Ring_close(RingObject *self, PyObject *noargs)
+{
+    if (self->busy) return PyErr_Format(PyExc_RuntimeError, "ConnRing is in use by another thread");
+    Ring_close_impl(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_stats(RingObject *self, PyObject *noargs)
+{
+    return Py_BuildValue("{s:I,s:K,s:K,s:K}", "buffers", self->reg.n, "bytes", self->nbytes, "fixed_reads",
+                         (unsigned long long)self->reg.fixed_reads, "fixed_bytes",
+                         (unsigned long long)self->reg.fixed_bytes);
+}
+
+PyDoc_STRVAR(Ring_find_doc, "find(buffers) -> list[int]: the registered buffer holding each one, or -1");
+
+static PyObject *Ring_find(RingObject *self, PyObject *arg)
+{
+    struct bufset b;
+    if (bufset_get(&b, arg, 0, "buffers")) return NULL;
+    PyObject *out = PyList_New(b.n);
+    for (Py_ssize_t i = 0; out && i < b.n; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromLong(kvf_creg_find(&self->reg, b.views[i].buf, (size_t)b.views[i].len)));
+    bufset_release(&b);
+    return out;
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "unregister the buffers and close the ring"},
+    {"stats", (PyCFunction)Ring_stats, METH_NOARGS, "{buffers, bytes, fixed_reads, fixed_bytes}"},
+    {"find", (PyCFunction)Ring_find, METH_O, Ring_find_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject kvf_py_RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfabric._native.ConnRing",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Ring_doc,
+    .tp_methods = Ring_methods,
+    .tp_init = (initproc)Ring_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ring argument: None -> NULL; a ConnRing -> its registration, marked busy. */
+static int ring_arg(PyObject *o, RingObject **out)
+{
+    *out = NULL;
+    if (!o || o == Py_None) return 0;
+    if (!PyObject_TypeCheck(o, &kvf_py_RingType)) { PyErr_SetString(PyExc_TypeError, "ring must be a ConnRing or None"); return -1; }
+    RingObject *r = (RingObject *)o;
+    if (r->busy) { PyErr_SetString(PyExc_RuntimeError, "ConnRing is in use by another thread"); return -1; }
+    if (!r->reg.n) return 0; /* closed: nothing registered, plain path */
+    r->busy = 1;
+    *out = r;
+    return 0;
+}
+
+static void ring_done(RingObject *r)
+{
+    if (r) r->busy = 0;
+}
+
+/* ------------------------------------------------------------------ client frames */
+
+struct recv_result {
+    struct kvf_header h;
+    uint8_t *meta;       /* malloc'd */
+    PyObject *payload;   /* bytearray when no recv buffers were given */
+    int wire_err;
+    uint32_t bad_index;
+};
+
+/* GIL released. Receives one reply into r; object payload into bufs when given. */
+static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, uint32_t max_meta,
+                            uint64_t max_payload, char *payload_buf, struct kvf_creg *reg)
+{
+    int rc = kvf_recv_header(fd, &r->h, max_meta, max_payload, &r->wire_err);
+    if (rc) return rc;
+    r->meta = malloc(r->h.meta_len ? r->h.meta_len : 1);
+    if (!r->meta) return -ENOMEM;
+    rc = kvf_recv_all(fd, r->meta, r->h.meta_len);
+    if (rc || r->h.payload_len == 0) return rc;
+    if (r->h.flags & KVF_FLAG_ERROR) { r->wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    if (payload_buf) return 1; /* caller allocates, then receives */
+    if (!bufs) return 1;
+    uint32_t n = (uint32_t)bufs->n;
+    int64_t *sizes = malloc(sizeof(int64_t) * (n ? n : 1));
+    void **ptrs = malloc(sizeof(void *) * (n ? n : 1));
+    size_t *lens = malloc(sizeof(size_t) * (n ? n : 1));
+    if (!sizes || !ptrs || !lens) { free(sizes); free(ptrs); free(lens); return -ENOMEM; }
+    rc = kvf_parse_sizes(r->meta, r->h.meta_len, sizes, n);
+    if (rc == 0) {
+        for (uint32_t i = 0; i < n; i++) { ptrs[i] = bufs->views[i].buf; lens[i] = (size_t)bufs->views[i].len; }
+        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, &r->bad_index, reg);
+        if (rc == -EPROTO) r->wire_err = KVF_E_LENGTH_MISMATCH;
+    } else {
+        r->wire_err = KVF_E_MALFORMED;
+    }
+    free(sizes); free(ptrs); free(lens);
+    return rc;
+}
+
+static PyObject *finish_recv(int fd, struct recv_result *r, struct bufset *bufs, int rc, uint64_t max_payload)
+{
+    PyObject *payload = Py_None;
+    Py_INCREF(payload);
+    if (rc == 1) {
+        /* payload with no caller buffers: one bytearray (limit already checked) */
+        (void)max_payload;
+        Py_DECREF(payload);
+        payload = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)r->h.payload_len);
+        if (!payload) { free(r->meta); return NULL; }
+        char *dst = PyByteArray_AS_STRING(payload);
+        Py_BEGIN_ALLOW_THREADS
+        rc = kvf_recv_all(fd, dst, r->h.payload_len);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc == -EMSGSIZE) {
+        Py_DECREF(payload);
+        free(r->meta);
+        return PyErr_Format(PyExc_ValueError, "GET buffer %u is too small for its object", r->bad_index);
+    }
+    if (rc) {
+        Py_DECREF(payload);
+        free(r->meta);
+        return raise_errno(rc, r->wire_err, "receiving a reply");
+    }
+    (void)bufs;
+    PyObject *meta = PyBytes_FromStringAndSize((const char *)r->meta, r->h.meta_len);
+    free(r->meta);
+    if (!meta) { Py_DECREF(payload); return NULL; }
+    return Py_BuildValue("(iiKNKN)", r->h.opcode, r->h.flags, (unsigned long long)r->h.request_id, meta,
+                         (unsigned long long)r->h.payload_len, payload);
+}
+
+PyDoc_STRVAR(request_doc,
+"request(fd, opcode, request_id, meta, parts, recv, max_meta, max_payload, flags=0, send=True, deadline=0,\n"
+"        ring=None)\n"
+"Send one frame and receive one reply on the blocking socket fd, GIL released.\n"
+"ring: a ConnRing; GET objects whose recv buffer lies in one of its registered buffers are\n"
+"read with io_uring READ_FIXED, the others with recvmsg.\n"
+"recv: writable buffers (one per key) that a GET reply's objects go into, or None\n"
+"(the payload then comes back as one bytearray). Returns (opcode, flags, request_id,\n"
+"meta_bytes, payload_len, payload_or_None). Raises ConnectionClosed, DeadlineExceeded\n"
+"(the absolute time.monotonic() deadline passed), ProtocolError, ValueError (an object larger than its buffer;\n"
+"the payload was drained) or NativeError.");
+
+static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
+{
+    (void)self;
+    static char *kwlist[] = {"fd", "opcode", "request_id", "meta", "parts", "recv", "max_meta", "max_payload",
+                             "flags", "send", "deadline", "ring", NULL};
+    int fd, opcode, flags = 0, do_send = 1;
+    double deadline = 0;
+    unsigned long long rid, max_payload;
+    unsigned int max_meta;
+    Py_buffer meta;
+    PyObject *parts, *recv, *ring_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiKy*OOIK|ipdO", kwlist, &fd, &opcode, &rid, &meta, &parts, &recv,
+                                     &max_meta, &max_payload, &flags, &do_send, &deadline, &ring_o))
+        return NULL;
+    if (opcode < 0 || opcode > 255 || flags < 0 || flags > 255 || meta.len > UINT32_MAX) {
+        PyBuffer_Release(&meta);
+        return PyErr_Format(PyExc_ValueError, "opcode/flags out of range or meta too large");
+    }
+    struct bufset pb = {0}, rb = {0};
+    if (bufset_get(&pb, parts, 0, "parts")) { PyBuffer_Release(&meta); return NULL; }
+    int have_recv = recv != Py_None;
+    if (have_recv && bufset_get(&rb, recv, 1, "recv")) { bufset_release(&pb); PyBuffer_Release(&meta); return NULL; }
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
+    if (!iov) { bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
+    RingObject *ring = NULL;
+    if (ring_arg(ring_o, &ring)) { PyMem_Free(iov); bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return NULL; }
+    struct kvf_creg *reg = ring ? &ring->reg : NULL;
+    struct recv_result r;
+    memset(&r, 0, sizeof r);
+    int rc = 0, sent_ok = 1;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    if (do_send) rc = kvf_send_frame(fd, (uint8_t)opcode, (uint8_t)flags, rid, meta.buf, (uint32_t)meta.len, iov, (int)pb.n);
+    if (rc) sent_ok = 0;
+    else rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg);
+    Py_END_ALLOW_THREADS
+    ring_done(ring);
+    PyMem_Free(iov);
+    bufset_release(&pb);
+    PyBuffer_Release(&meta);
+    PyObject *out;
+    if (!sent_ok) out = raise_errno(rc, 0, "sending a request");
+    else out = finish_recv(fd, &r, &rb, rc, max_payload);
+    bufset_release(&rb);
+    return out;
+}
+
+PyDoc_STRVAR(send_frame_doc,
+"send_frame(fd, opcode, flags, request_id, meta, parts, deadline=0)\n"
+"Send one frame (header + meta + gathered payload parts), GIL released.");
+
+static PyObject *py_send_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, opcode, flags;
+    unsigned long long rid;
+    Py_buffer meta;
+    PyObject *parts;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iiiKy*O|d", &fd, &opcode, &flags, &rid, &meta, &parts, &deadline)) return NULL;
+    if (opcode < 0 || opcode > 255 || flags < 0 || flags > 255 || meta.len > UINT32_MAX) {
+        PyBuffer_Release(&meta);
+        return PyErr_Format(PyExc_ValueError, "opcode/flags out of range or meta too large");
+    }
+    struct bufset pb;
+    if (bufset_get(&pb, parts, 0, "parts")) { PyBuffer_Release(&meta); return NULL; }
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
+    if (!iov) { bufset_release(&pb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
+    int rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_send_frame(fd, (uint8_t)opcode, (uint8_t)flags, rid, meta.buf, (uint32_t)meta.len, iov, (int)pb.n);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(iov);
+    bufset_release(&pb);
+    PyBuffer_Release(&meta);
+    if (rc) return raise_errno(rc, 0, "sending a frame");
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(recv_frame_doc,
+"recv_frame(fd, recv, max_meta, max_payload, deadline=0, ring=None)\n"
+"Receive one frame; same result and errors as request().");
+
+static PyObject *py_recv_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    PyObject *recv, *ring_o = Py_None;
+    unsigned int max_meta;
+    unsigned long long max_payload;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iOIK|dO", &fd, &recv, &max_meta, &max_payload, &deadline, &ring_o)) return NULL;
+    struct bufset rb = {0};
+    int have_recv = recv != Py_None;
+    if (have_recv && bufset_get(&rb, recv, 1, "recv")) return NULL;
+    RingObject *ring = NULL;
+    if (ring_arg(ring_o, &ring)) { bufset_release(&rb); return NULL; }
+    struct kvf_creg *reg = ring ? &ring->reg : NULL;
+    struct recv_result r;
+    memset(&r, 0, sizeof r);
+    int rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg);
+    Py_END_ALLOW_THREADS
+    ring_done(ring);
+    PyObject *out = finish_recv(fd, &r, &rb, rc, max_payload);
+    bufset_release(&rb);
+    return out;
+}
+
+/* ------------------------------------------------------------------ method table */
+
+PyMethodDef kvf_py_client_methods[] = {
+    {"request", (PyCFunction)(void (*)(void))py_request, METH_VARARGS | METH_KEYWORDS, request_doc},
+    {"send_frame", py_send_frame, METH_VARARGS, send_frame_doc},
+    {"recv_frame", py_recv_frame, METH_VARARGS, recv_frame_doc},
+    {NULL, NULL, 0, NULL},
+};

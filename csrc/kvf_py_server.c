@@ -1,0 +1,295 @@
+/* kvf_py_server.c: the Server type: the io_uring server (kvf_server.c) and its C store
+ * (kvf_store.c) as the Python control thread of kvfabric/server/native.py sees
+ * them (run/stop, event drain, evict by key, stats). Eviction policy stays in Python. */
+#include "kvf_module_int.h"
+
+#include "kvf_protocol.h"
+#include "kvf_server.h"
+#include "kvf_store.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ server */
+
+typedef struct {
+    PyObject_HEAD
+    struct kvf_store *st;
+    struct kvf_server *srv;
+    char *auth;
+    PyObject *hello, *extra; /* bytes kept alive for the C config */
+    int running;
+} ServerObject;
+
+static void Server_dealloc(ServerObject *self)
+{
+    if (self->srv && !self->running) kvf_server_free(self->srv);
+    if (self->st && !self->running) kvf_store_free(self->st);
+    PyMem_Free(self->auth);
+    Py_XDECREF(self->hello);
+    Py_XDECREF(self->extra);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(Server_doc,
+"Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', stats_extra_pairs=0, auth=None,\n"
+"       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
+"       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536)\n"
+"The io_uring data plane over a memfd arena of `capacity` bytes. The caller owns the\n"
+"listening fds (-1 = none). run() blocks (GIL released) until stop(). The control\n"
+"methods (wait, drain, evict, is_pinned, space_done) are for one Python control thread.\n"
+"Raises ValueError for bad sizes, NativeError when io_uring or the memory is unavailable.");
+
+static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra", "stats_extra_pairs",
+                             "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
+                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", NULL};
+    struct kvf_server_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    unsigned long long capacity;
+    PyObject *hello = NULL, *extra = NULL;
+    const char *auth = NULL;
+    cfg.max_conns = 1024;
+    cfg.max_keys = KVF_MAX_KEYS_PER_BATCH;
+    cfg.max_key_bytes = KVF_MAX_KEY_BYTES;
+    cfg.max_meta = KVF_MAX_META_BYTES;
+    unsigned long long max_payload = KVF_MAX_PAYLOAD_BYTES, max_object = KVF_MAX_OBJECT_BYTES;
+    cfg.max_in_flight = KVF_MAX_IN_FLIGHT;
+    cfg.zerocopy = -1;
+    unsigned int event_ring = 65536, extra_pairs = 0;
+    if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIII", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+                                     &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
+                                     &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
+                                     &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
+                                     &cfg.max_lease_ms))
+        return -1;
+    if (cfg.max_keys > KVF_MAX_KEYS_PER_BATCH || cfg.max_key_bytes > KVF_MAX_KEY_BYTES || !cfg.max_in_flight ||
+        event_ring == 0 || event_ring > (1u << 22)) {
+        PyErr_SetString(PyExc_ValueError, "limits out of range");
+        return -1;
+    }
+    if (!hello) { PyErr_SetString(PyExc_TypeError, "hello_meta is required"); return -1; }
+    cfg.max_payload = max_payload;
+    cfg.max_object = max_object;
+    int rc = kvf_store_new(&self->st, capacity, event_ring);
+    if (rc) { raise_errno(rc, 0, "creating the arena"); return -1; }
+    if (auth) {
+        self->auth = PyMem_Malloc(strlen(auth) + 1);
+        if (!self->auth) { PyErr_NoMemory(); return -1; }
+        strcpy(self->auth, auth);
+    }
+    Py_INCREF(hello);
+    self->hello = hello;
+    if (!extra) extra = PyBytes_FromStringAndSize("", 0); else Py_INCREF(extra);
+    if (!extra) return -1;
+    self->extra = extra;
+    cfg.store = self->st;
+    cfg.auth = self->auth;
+    cfg.hello_meta = (const uint8_t *)PyBytes_AS_STRING(hello);
+    cfg.hello_len = (size_t)PyBytes_GET_SIZE(hello);
+    cfg.stats_extra = (const uint8_t *)PyBytes_AS_STRING(extra);
+    cfg.stats_extra_len = (size_t)PyBytes_GET_SIZE(extra);
+    cfg.stats_extra_pairs = extra_pairs;
+    rc = kvf_server_new(&self->srv, &cfg);
+    if (rc) { raise_errno(rc, 0, "starting the io_uring data plane"); return -1; }
+    return 0;
+}
+
+#define NEED_SRV(self) \
+    if (!(self)->srv) { PyErr_SetString(PyExc_RuntimeError, "Server not initialised"); return NULL; }
+
+static PyObject *Server_run(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    if (self->running) return PyErr_Format(PyExc_RuntimeError, "already running");
+    self->running = 1;
+    Py_INCREF(self); /* the loop must not lose its object while it runs */
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_server_run(self->srv);
+    Py_END_ALLOW_THREADS
+    self->running = 0;
+    Py_DECREF(self);
+    if (rc) return raise_errno(rc, 0, "io_uring loop");
+    Py_RETURN_NONE;
+}
+
+static PyObject *Server_stop(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    kvf_server_stop(self->srv);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Server_wait(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    int ms = (int)PyLong_AsLong(arg);
+    if (ms == -1 && PyErr_Occurred()) return NULL;
+    uint64_t want, free_bytes, dropped;
+    Py_BEGIN_ALLOW_THREADS
+    want = kvf_store_wait(self->st, ms, &free_bytes, &dropped);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(KKK)", (unsigned long long)want, (unsigned long long)free_bytes,
+                         (unsigned long long)dropped);
+}
+
+static PyObject *Server_set_low(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    kvf_store_set_low(self->st, b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Server_drain(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    long max = PyLong_AsLong(arg);
+    if (max <= 0 || max > 1 << 20) return PyErr_Format(PyExc_ValueError, "max must be in 1..2**20");
+    struct kvf_event *ev = PyMem_Malloc(sizeof(struct kvf_event) * (size_t)max);
+    if (!ev) return PyErr_NoMemory();
+    uint32_t n = kvf_store_drain(self->st, ev, (uint32_t)max);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *t = Py_BuildValue("(iy#Ky#)", ev[i].type, (const char *)ev[i].key, (Py_ssize_t)ev[i].klen,
+                                    (unsigned long long)ev[i].size, ev[i].plen ? (const char *)ev[i].parent : NULL,
+                                    (Py_ssize_t)ev[i].plen);
+        if (!t) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, t);
+    }
+    PyMem_Free(ev);
+    return out;
+}
+
+static int key_arg(PyObject *arg, Py_buffer *b)
+{
+    if (PyObject_GetBuffer(arg, b, PyBUF_SIMPLE)) return -1;
+    if (b->len < 1 || b->len > KVF_KEY_MAX) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_ValueError, "keys are 1..%d bytes", KVF_KEY_MAX);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(evict_doc, "evict(key) -> int: bytes freed (whole pages); 0 when absent or pinned");
+
+static PyObject *Server_evict(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    Py_buffer b;
+    if (key_arg(arg, &b)) return NULL;
+    int64_t rc = kvf_store_evict(self->st, b.buf, (uint32_t)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromLongLong(rc > 0 ? rc : 0);
+}
+
+static PyObject *Server_is_pinned(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    Py_buffer b;
+    if (key_arg(arg, &b)) return NULL;
+    int rc = kvf_store_is_pinned(self->st, b.buf, (uint32_t)b.len);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(rc);
+}
+
+static PyObject *Server_space_done(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    int exhausted = PyObject_IsTrue(arg);
+    if (exhausted < 0) return NULL;
+    uint64_t r = kvf_store_space_done(self->st, exhausted);
+    kvf_server_wake(self->srv);
+    return PyLong_FromUnsignedLongLong(r);
+}
+
+static void keys_cb(const uint8_t *k, uint32_t kl, uint64_t size, void *arg)
+{
+    PyObject *t = Py_BuildValue("(y#K)", (const char *)k, (Py_ssize_t)kl, (unsigned long long)size);
+    if (!t || PyList_Append((PyObject *)arg, t)) PyErr_Clear();
+    Py_XDECREF(t);
+}
+
+static PyObject *Server_keys(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    PyObject *out = PyList_New(0);
+    if (out) kvf_store_each(self->st, keys_cb, out); /* GIL held: the callback builds objects */
+    return out;
+}
+
+static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    struct kvf_store_stats ss;
+    struct kvf_server_counters c;
+    kvf_store_stats(self->st, &ss);
+    kvf_server_counters(self->srv, &c);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K}",
+        "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
+        "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
+        "pinned", ss.pinned, "hits", c.hits, "misses", c.misses, "puts", c.puts, "bytes_in", c.bytes_in,
+        "bytes_out", c.bytes_out, "connections", c.connections, "connections_total", c.connections_total,
+        "zc_sends", c.zc_sends, "zerocopy", c.zerocopy ? Py_True : Py_False,
+        "fixed_buffers", c.fixed_buffers ? Py_True : Py_False, "tcp", c.by_transport[0],
+        "native", c.by_transport[1], "shm", c.by_transport[2]);
+}
+
+static PyObject *Server_check(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    return PyBool_FromLong(kvf_store_check(self->st) == 0);
+}
+
+static PyObject *Server_memfd(ServerObject *self, void *closure)
+{
+    (void)closure;
+    NEED_SRV(self);
+    return PyLong_FromLong(kvf_store_memfd(self->st));
+}
+
+static PyMethodDef Server_methods[] = {
+    {"run", (PyCFunction)Server_run, METH_NOARGS, "run the io_uring loop on this thread until stop() (GIL released)"},
+    {"stop", (PyCFunction)Server_stop, METH_NOARGS, "ask the loop to stop; run() returns once connections closed"},
+    {"wait", (PyCFunction)Server_wait, METH_O,
+     "wait(timeout_ms) -> (bytes wanted, free bytes, events dropped ever); wakes on events, a waiting PUT\n"
+     "or free space below the low watermark; GIL released"},
+    {"set_low_watermark", (PyCFunction)Server_set_low, METH_O, "free bytes below which an allocation wakes wait()"},
+    {"drain", (PyCFunction)Server_drain, METH_O, "drain(max) -> [(type, key, size, parent|None)] (1 insert, 2 access, 3 remove)"},
+    {"evict", (PyCFunction)Server_evict, METH_O, evict_doc},
+    {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},
+    {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},
+    {"keys", (PyCFunction)Server_keys, METH_NOARGS, "[(key, size)] of every indexed object (policy resync)"},
+    {"stats", (PyCFunction)Server_stats, METH_NOARGS, "store and data-plane counters"},
+    {"check", (PyCFunction)Server_check, METH_NOARGS, "allocator self-check -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Server_getset[] = {
+    {"memfd", (getter)Server_memfd, NULL, "the arena's memfd", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject kvf_py_ServerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfabric._native.Server",
+    .tp_basicsize = sizeof(ServerObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Server_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Server_init,
+    .tp_dealloc = (destructor)Server_dealloc,
+    .tp_methods = Server_methods,
+    .tp_getset = Server_getset,
+};

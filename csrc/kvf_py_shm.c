@@ -1,0 +1,253 @@
+/* kvf_py_shm.c: bindings of the same-host (shm) client: copy_out()/copy_in() between
+ * the mapped arena and caller buffers, shm_get()/shm_put() (one call into C per
+ * operation, GIL released; kvf_conn.c does the frames). */
+#include "kvf_module_int.h"
+
+#include "kvf_conn.h"
+#include "kvf_hash.h"
+#include "kvf_mpack.h"
+#include "kvf_protocol.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ shm copies */
+
+PyDoc_STRVAR(copy_out_doc,
+"copy_out(arena, offsets, sizes, bufs, verify) -> list[int | None]\n"
+"Copy object i (sizes[i] >= 0) from arena[offsets[i]:] into bufs[i], GIL released; with verify\n"
+"the xxh3_64 of each copied object is returned (None for a miss). ValueError when an object\n"
+"does not fit its buffer or lies outside the arena (nothing is copied then).");
+
+static PyObject *py_copy_out(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer arena;
+    PyObject *offs_o, *sizes_o, *bufs_o;
+    int verify;
+    if (!PyArg_ParseTuple(args, "y*OOOp", &arena, &offs_o, &sizes_o, &bufs_o, &verify)) return NULL;
+    struct bufset bs;
+    if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); return NULL; }
+    Py_ssize_t n = bs.n;
+    int64_t *offs = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
+    int64_t *sizes = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
+    uint64_t *sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
+    PyObject *out = NULL;
+    if (!offs || !sizes || !sums) { PyErr_NoMemory(); goto done; }
+    if (PySequence_Size(offs_o) != n || PySequence_Size(sizes_o) != n) {
+        PyErr_SetString(PyExc_ValueError, "offsets, sizes and bufs must have the same length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_GetItem(offs_o, i), *s = PySequence_GetItem(sizes_o, i);
+        offs[i] = o ? PyLong_AsLongLong(o) : -1;
+        sizes[i] = s ? PyLong_AsLongLong(s) : -1;
+        Py_XDECREF(o);
+        Py_XDECREF(s);
+        if (PyErr_Occurred()) goto done;
+        if (sizes[i] < 0) continue;
+        if (offs[i] < 0 || offs[i] + sizes[i] > arena.len || sizes[i] > bs.views[i].len) {
+            PyErr_Format(PyExc_ValueError, "object %zd (%lld bytes at %lld) does not fit its buffer or the arena", i,
+                         (long long)sizes[i], (long long)offs[i]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sizes[i] < 0) continue;
+        memcpy(bs.views[i].buf, (char *)arena.buf + offs[i], (size_t)sizes[i]);
+        if (verify) sums[i] = kvf_hash(bs.views[i].buf, (size_t)sizes[i]);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v;
+        if (sizes[i] >= 0 && verify) v = PyLong_FromUnsignedLongLong(sums[i]);
+        else { v = Py_None; Py_INCREF(v); }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    PyMem_Free(offs); PyMem_Free(sizes); PyMem_Free(sums);
+    bufset_release(&bs);
+    PyBuffer_Release(&arena);
+    return out;
+}
+
+PyDoc_STRVAR(copy_in_doc,
+"copy_in(arena, offsets, parts)\n"
+"Copy parts[i] into arena[offsets[i]:] for every offsets[i] >= 0, GIL released.\n"
+"ValueError when a part lies outside the arena (nothing is copied then).");
+
+static PyObject *py_copy_in(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer arena;
+    PyObject *offs_o, *parts_o;
+    if (!PyArg_ParseTuple(args, "w*OO", &arena, &offs_o, &parts_o)) return NULL;
+    struct bufset bs;
+    if (bufset_get(&bs, parts_o, 0, "parts")) { PyBuffer_Release(&arena); return NULL; }
+    Py_ssize_t n = bs.n;
+    int64_t *offs = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
+    PyObject *out = NULL;
+    if (!offs) { PyErr_NoMemory(); goto done; }
+    if (PySequence_Size(offs_o) != n) { PyErr_SetString(PyExc_ValueError, "offsets and parts differ in length"); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_GetItem(offs_o, i);
+        offs[i] = o ? PyLong_AsLongLong(o) : -1;
+        Py_XDECREF(o);
+        if (PyErr_Occurred()) goto done;
+        if (offs[i] >= 0 && offs[i] + bs.views[i].len > arena.len) {
+            PyErr_Format(PyExc_ValueError, "part %zd does not fit the arena at %lld", i, (long long)offs[i]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (offs[i] >= 0) memcpy((char *)arena.buf + offs[i], bs.views[i].buf, (size_t)bs.views[i].len);
+    Py_END_ALLOW_THREADS
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyMem_Free(offs);
+    bufset_release(&bs);
+    PyBuffer_Release(&arena);
+    return out;
+}
+
+/* ------------------------------------------------------------------ shm ops */
+
+static PyObject *shm_result(int rc, struct kvf_header *h, uint8_t *meta, int wire_err, uint32_t bad, const char *what)
+{
+    if (rc == -EMSGSIZE) {
+        free(meta);
+        return PyErr_Format(PyExc_ValueError, "GET buffer %u is too small for its object", bad);
+    }
+    if (rc) {
+        free(meta);
+        return raise_errno(rc, wire_err, what);
+    }
+    PyObject *m = PyBytes_FromStringAndSize((const char *)meta, h->meta_len);
+    free(meta);
+    if (!m) return NULL;
+    return Py_BuildValue("(iiKN)", h->opcode, h->flags, (unsigned long long)h->request_id, m);
+}
+
+PyDoc_STRVAR(shm_get_doc,
+"shm_get(fd, arena, request_id, lease_meta, bufs, max_meta, deadline=0) -> (opcode, flags, rid, meta)\n"
+"SHM_LEASE + one copy per found object into bufs + SHM_RELEASE (uses request ids rid and rid+1),\n"
+"GIL released. meta is the LEASE reply's metadata (an error reply comes back as is, nothing copied).\n"
+"ValueError when an object does not fit its buffer (nothing copied, lease released).");
+
+static PyObject *py_shm_get(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    Py_buffer arena, lm;
+    unsigned long long rid;
+    PyObject *bufs_o;
+    unsigned int max_meta;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iw*Ky*OI|d", &fd, &arena, &rid, &lm, &bufs_o, &max_meta, &deadline)) return NULL;
+    struct bufset bs;
+    if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); PyBuffer_Release(&lm); return NULL; }
+    uint32_t n = (uint32_t)bs.n;
+    void **ptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
+    size_t *lens = PyMem_Malloc(sizeof(size_t) * (n + 1));
+    PyObject *out = NULL;
+    if (!ptrs || !lens) { PyErr_NoMemory(); goto done; }
+    for (uint32_t i = 0; i < n; i++) { ptrs[i] = bs.views[i].buf; lens[i] = (size_t)bs.views[i].len; }
+    struct kvf_header h;
+    uint8_t *meta = NULL;
+    uint32_t bad = 0;
+    int wire_err = 0, rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_shm_get(fd, arena.buf, (uint64_t)arena.len, rid, lm.buf, (uint32_t)lm.len, n, ptrs, lens, max_meta, &h,
+                     &meta, &bad, &wire_err);
+    Py_END_ALLOW_THREADS
+    out = shm_result(rc, &h, meta, wire_err, bad, "shm GET");
+done:
+    PyMem_Free(ptrs);
+    PyMem_Free(lens);
+    bufset_release(&bs);
+    PyBuffer_Release(&arena);
+    PyBuffer_Release(&lm);
+    return out;
+}
+
+PyDoc_STRVAR(shm_put_doc,
+"shm_put(fd, arena, request_id, reserve_meta, sizes, checksums, parts, max_meta, deadline=0) -> (opcode, flags, rid, meta)\n"
+"SHM_RESERVE + one copy of the parts (any split) into the reserved slots + SHM_COMMIT (request ids\n"
+"rid and rid+1), GIL released. meta is the COMMIT reply's (or the RESERVE error reply's) metadata.");
+
+static PyObject *py_shm_put(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    Py_buffer arena, rm;
+    unsigned long long rid;
+    PyObject *sizes_o, *sums_o, *parts_o;
+    unsigned int max_meta;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iw*Ky*OOOI|d", &fd, &arena, &rid, &rm, &sizes_o, &sums_o, &parts_o, &max_meta,
+                          &deadline))
+        return NULL;
+    struct bufset bs;
+    if (bufset_get(&bs, parts_o, 0, "parts")) { PyBuffer_Release(&arena); PyBuffer_Release(&rm); return NULL; }
+    Py_ssize_t n = PySequence_Size(sizes_o);
+    uint64_t *sizes = NULL, *sums = NULL;
+    struct iovec *iov = NULL;
+    PyObject *out = NULL;
+    if (n < 0 || PySequence_Size(sums_o) != n || n > KVF_MAX_KEYS_PER_BATCH) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sizes and checksums differ in length");
+        goto done;
+    }
+    sizes = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
+    sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
+    iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(bs.n + 1));
+    if (!sizes || !sums || !iov) { PyErr_NoMemory(); goto done; }
+    uint64_t total = 0, have = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PySequence_GetItem(sizes_o, i), *b = PySequence_GetItem(sums_o, i);
+        sizes[i] = a ? PyLong_AsUnsignedLongLong(a) : 0;
+        sums[i] = b ? PyLong_AsUnsignedLongLong(b) : 0;
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (PyErr_Occurred()) goto done;
+        total += sizes[i];
+    }
+    for (Py_ssize_t i = 0; i < bs.n; i++) {
+        iov[i].iov_base = bs.views[i].buf;
+        iov[i].iov_len = (size_t)bs.views[i].len;
+        have += (uint64_t)bs.views[i].len;
+    }
+    if (have != total) { PyErr_SetString(PyExc_ValueError, "payload parts do not add up to the sizes"); goto done; }
+    struct kvf_header h;
+    uint8_t *meta = NULL;
+    int wire_err = 0, rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_shm_put(fd, arena.buf, (uint64_t)arena.len, rid, rm.buf, (uint32_t)rm.len, (uint32_t)n, sizes, sums, iov,
+                     (int)bs.n, max_meta, &h, &meta, &wire_err);
+    Py_END_ALLOW_THREADS
+    out = shm_result(rc, &h, meta, wire_err, 0, "shm PUT");
+done:
+    PyMem_Free(sizes);
+    PyMem_Free(sums);
+    PyMem_Free(iov);
+    bufset_release(&bs);
+    PyBuffer_Release(&arena);
+    PyBuffer_Release(&rm);
+    return out;
+}
+
+/* ------------------------------------------------------------------ method table */
+
+PyMethodDef kvf_py_shm_methods[] = {
+    {"copy_out", py_copy_out, METH_VARARGS, copy_out_doc},
+    {"copy_in", py_copy_in, METH_VARARGS, copy_in_doc},
+    {"shm_get", py_shm_get, METH_VARARGS, shm_get_doc},
+    {"shm_put", py_shm_put, METH_VARARGS, shm_put_doc},
+    {NULL, NULL, 0, NULL},
+};
