@@ -17,6 +17,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -465,8 +466,19 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
     int is_unix = tag == &s->tag_unix;
     if (!s->stop) arm_accept(s, is_unix ? s->cfg.unix_fd : s->cfg.tcp_fd, tag);
     if (res < 0) return;
-    if (s->stop || s->ctr.connections >= s->cfg.max_conns) {
+    if (s->stop) {
         s->ctr.rejected++;
+        close(res);
+        return;
+    }
+    if (s->ctr.connections >= s->cfg.max_conns) {
+        /* Over the bound: one BUSY error frame, as the Python server answers,
+         * then close. A fresh socket's send buffer is empty, so the ~70-byte
+         * frame fits; MSG_DONTWAIT makes sure the loop never blocks on it
+         * (a failed send just means the peer sees a plain close). */
+        s->ctr.rejected++;
+        s->ctr.errors[KVF_E_BUSY]++;
+        if (send(res, s->busy_frame, s->busy_len, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) { /* plain close */ }
         close(res);
         return;
     }
@@ -575,6 +587,23 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
     }
 }
 
+/* The frame protocol.encode_error(0, 0, BUSY, "too many connections (max N)")
+ * makes: header (opcode 0, request id 0, REPLY|ERROR) + {"code", "message"}. */
+static void busy_frame_build(struct kvf_server *s)
+{
+    char msg[64];
+    snprintf(msg, sizeof msg, "too many connections (max %u)", s->cfg.max_conns);
+    struct kvf_mw w;
+    kvf_mw_init(&w, s->busy_frame + KVF_HEADER_SIZE, sizeof s->busy_frame - KVF_HEADER_SIZE);
+    kvf_mw_map(&w, 2);
+    kvf_mw_cstr(&w, "code");
+    kvf_mw_int(&w, KVF_E_BUSY);
+    kvf_mw_cstr(&w, "message");
+    kvf_mw_cstr(&w, msg);
+    kvf_header_pack((struct kvf_header *)s->busy_frame, 0, KVF_FLAG_REPLY | KVF_FLAG_ERROR, 0, (uint32_t)w.len, 0);
+    s->busy_len = KVF_HEADER_SIZE + w.len;
+}
+
 int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
 {
     if (!cfg->store || (cfg->tcp_fd < 0 && cfg->unix_fd < 0) || !cfg->max_in_flight || !cfg->max_conns)
@@ -604,6 +633,7 @@ int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
             s->fixed = kvf_ring_register_buffers(&s->ring, iov, n) == 0;
         }
     }
+    busy_frame_build(s);
     s->ctr.zerocopy = s->zerocopy;
     s->ctr.fixed_buffers = s->fixed;
     s->start_ms = kvf_now_ms();

@@ -117,6 +117,8 @@ struct kvf_server {
     struct kvf_server_counters ctr;
     uint64_t live_replies;
     uint64_t tag_tcp, tag_unix, tag_efd; /* 8-aligned addresses used as user_data for listeners */
+    uint8_t busy_frame[KVF_HEADER_SIZE + 96]; /* BUSY error frame (request id 0) for a peer over max_conns */
+    size_t busy_len;
 };
 
 /* kvf_server.c */

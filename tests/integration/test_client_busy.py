@@ -2,7 +2,8 @@
 
 ``kvfabric serve --max-connections 1`` answers a connection over the bound
 with one BUSY error frame whose request id is 0, then closes it
-(kvfabric/server/tcp.py). The transports must report that as
+(kvfabric/server/tcp.py; the native server, csrc/kvf_server.c, sends the
+same frame; both kinds run here). The transports must report that as
 ``RemoteError(BUSY)``, not as a malformed reply, and a ``Client`` on such a
 server must turn it into misses and counted drops without raising, then
 reconnect once a connection is free again.
@@ -19,14 +20,19 @@ from kvfabric import protocol, transport
 from kvfabric.client import Client
 from kvfabric.config import ClientConfig
 from kvfabric.errors import ErrorCode, RemoteError
+from kvfabric.testing.conformance import SERVER_KINDS
 from kvfabric.testing.servers import start_server
 from kvfabric.transport import tcp
 
 
-@pytest.fixture
-def busy_server():
-    """A Python server that takes one connection at a time."""
-    with start_server(capacity="16MiB", extra_args=["--max-connections", "1"]) as srv:
+@pytest.fixture(params=["python", "native"])
+def busy_server(request):
+    """A server of each kind (Python, native io_uring) that takes one connection at a time."""
+    kw = SERVER_KINDS[request.param]
+    if request.param == "native" and "native" not in transport.available():
+        pytest.skip(f"the native server needs the C extension: {transport.unavailable().get('native')}")
+    with start_server(capacity="16MiB", extra_args=[*kw.get("extra_args", ()), "--max-connections", "1"],
+                      **{k: v for k, v in kw.items() if k != "extra_args"}) as srv:
         yield srv
 
 
