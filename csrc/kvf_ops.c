@@ -166,7 +166,7 @@ static void op_stats(struct conn *c)
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 24 + s->cfg.stats_extra_pairs);
+    kvf_mw_map(&w, 25 + s->cfg.stats_extra_pairs);
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -188,6 +188,7 @@ static void op_stats(struct conn *c)
     KV("copy_sends", s->ctr.copy_sends);
     KV("zc_copied_notifs", s->ctr.zc_copied_notifs);
     KV("stalled_connections", s->ctr.stalled);
+    KV("slow_connections", s->ctr.too_slow);
     kvf_mw_cstr(&w, "uptime_s");
     kvf_mw_uint(&w, (uint64_t)((kvf_now_ms() - s->start_ms) / 1000));
     kvf_mw_cstr(&w, "data_plane");

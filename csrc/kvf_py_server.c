@@ -35,7 +35,8 @@ static void Server_dealloc(ServerObject *self)
 PyDoc_STRVAR(Server_doc,
 "Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', stats_extra_pairs=0, auth=None,\n"
 "       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
-"       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536)\n"
+"       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
+"       max_lease_ms=0, min_rate=0)\n"
 "The io_uring data plane over a memfd arena of `capacity` bytes. The caller owns the\n"
 "listening fds (-1 = none). run() blocks (GIL released) until stop(). The control\n"
 "methods (wait, drain, evict, is_pinned, space_done) are for one Python control thread.\n"
@@ -45,7 +46,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra", "stats_extra_pairs",
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
-                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", NULL};
+                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
@@ -59,12 +60,13 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.max_in_flight = KVF_MAX_IN_FLIGHT;
     cfg.zerocopy = -1;
     unsigned int event_ring = 65536, extra_pairs = 0;
+    unsigned long long min_rate = 0;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIII", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIK", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
-                                     &cfg.max_lease_ms))
+                                     &cfg.max_lease_ms, &min_rate))
         return -1;
     if (cfg.max_keys > KVF_MAX_KEYS_PER_BATCH || cfg.max_key_bytes > KVF_MAX_KEY_BYTES || !cfg.max_in_flight ||
         event_ring == 0 || event_ring > (1u << 22)) {
@@ -74,6 +76,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     if (!hello) { PyErr_SetString(PyExc_TypeError, "hello_meta is required"); return -1; }
     cfg.max_payload = max_payload;
     cfg.max_object = max_object;
+    cfg.min_rate = min_rate;
     int rc = kvf_store_new(&self->st, capacity, event_ring);
     if (rc) { raise_errno(rc, 0, "creating the arena"); return -1; }
     if (auth) {

@@ -135,6 +135,14 @@ void kvf_reply_error(struct conn *c, int code, const char *msg)
 
 /* ---------------------------------------------------------------- conns */
 
+/* The min_rate bound of a frame or reply of `bytes` starting at `now` (as the
+ * Python server: stall timeout + size / min_rate); 0 when there is none. */
+static int64_t rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes)
+{
+    if (!s->cfg.min_rate || !s->cfg.stall_ms) return 0;
+    return now + (int64_t)s->cfg.stall_ms + (int64_t)((double)bytes * 1000.0 / (double)s->cfg.min_rate) + 1;
+}
+
 static void conn_close(struct conn *c)
 {
     if (c->closing) return;
@@ -217,6 +225,7 @@ void kvf_conn_drain(struct conn *c, uint64_t n)
 void kvf_conn_next_request(struct conn *c)
 {
     c->batch_op = 0;
+    c->rx_deadline_ms = 0;
     if (c->closing) return;
     if (c->close_after_send) { c->rs = RS_STOP; return; }
     if (c->nreplies >= c->srv->cfg.max_in_flight) { c->rs = RS_BLOCKED; return; }
@@ -230,6 +239,7 @@ void kvf_conn_park(struct conn *c, uint64_t bytes)
     struct kvf_server *s = c->srv;
     c->rs = RS_PARKED;
     c->parked = 1;
+    c->park_ms = kvf_now_ms();
     c->park_next = s->parked;
     s->parked = c;
     kvf_store_want_space(s->st, bytes);
@@ -253,6 +263,8 @@ static void on_header(struct conn *c)
         c->rs = RS_STOP;
         return;
     }
+    /* the rest of the frame has stall + its size / min_rate, however it trickles */
+    c->rx_deadline_ms = rate_deadline(s, c->progress_ms, (uint64_t)c->hdr.meta_len + c->hdr.payload_len);
     if (c->hdr.meta_len > c->meta_cap) {
         uint8_t *m = realloc(c->meta, c->hdr.meta_len);
         if (!m) { conn_close(c); return; }
@@ -268,6 +280,7 @@ static void on_recv(struct conn *c, int res)
     c->recv_posted = 0;
     if (res <= 0 || c->closing) { conn_close(c); return; }
     c->progress_ms = kvf_now_ms();
+    if (c->rs == RS_HDR && c->got == 0) c->rx_deadline_ms = rate_deadline(c->srv, c->progress_ms, KVF_HEADER_SIZE);
     if (c->rs == RS_OBJ) kvf_hash_update(c->xxh, c->rbuf + c->got, (size_t)res);
     c->got += (uint64_t)res;
     if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
@@ -397,6 +410,12 @@ static void start_send(struct conn *c)
             if (c->rs == RS_BLOCKED && c->nreplies < s->cfg.max_in_flight) kvf_conn_next_request(c);
             continue;
         }
+        if (!r->deadline_ms && s->cfg.min_rate && s->cfg.stall_ms) {
+            /* a reply starts going out: the peer has stall + its size / min_rate to read it */
+            uint64_t total = r->head_len;
+            for (uint32_t k = 0; k < r->nseg; k++) total += r->segs[k].len;
+            r->deadline_ms = rate_deadline(s, kvf_now_ms(), total);
+        }
         struct seg *g = r->seg < r->nseg ? &r->segs[r->seg] : NULL;
         if (g && g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
         if (!r->iovs && !(r->iovs = malloc(sizeof(struct iovec) * KVF_SEND_IOV))) { conn_close(c); return; }
@@ -510,16 +529,22 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
 /* ---------------------------------------------------------------- loop */
 
 /* Drop peers that stall mid-frame or stop reading their replies (a slow
- * reader or writer would otherwise hold slots and pins forever). Idle
- * connections between requests are left alone. */
+ * reader or writer would otherwise hold slots and pins forever), and, with
+ * min_rate, peers whose frame or reply overruns stall + size / min_rate while
+ * trickling bytes (slowloris). Idle connections between requests are left
+ * alone, and so is a PUT parked waiting for space. */
 static void sweep_stalled(struct kvf_server *s, int64_t now)
 {
     if (!s->cfg.stall_ms) return;
     for (struct conn *c = s->conns; c; c = c->next) {
-        if (c->closing || now - c->progress_ms < (int64_t)s->cfg.stall_ms) continue;
+        if (c->closing) continue;
         int mid_frame = c->rs == RS_META || c->rs == RS_OBJ || c->rs == RS_DRAIN || (c->rs == RS_HDR && c->got > 0);
-        if (mid_frame || c->send_posted) {
-            s->ctr.stalled++;
+        int sending = c->send_posted;
+        int late = (mid_frame && c->rx_deadline_ms && now > c->rx_deadline_ms) ||
+                   (sending && c->q_head && c->q_head->deadline_ms && now > c->q_head->deadline_ms);
+        int stalled = now - c->progress_ms >= (int64_t)s->cfg.stall_ms && (mid_frame || sending);
+        if (stalled || late) {
+            if (stalled) s->ctr.stalled++; else s->ctr.too_slow++;
             conn_close(c);
         }
     }
@@ -539,6 +564,7 @@ static void retry_parked(struct kvf_server *s)
         c->parked = 0;
         c->park_next = NULL;
         if (c->closing) { conn_check(c); continue; }
+        if (c->rx_deadline_ms) c->rx_deadline_ms += kvf_now_ms() - c->park_ms; /* the wait was ours */
         kvf_ops_batch_step(c);
     }
 }

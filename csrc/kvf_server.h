@@ -38,11 +38,15 @@ struct kvf_server_cfg {
     int zerocopy; /* -1 auto (probe), 0 never, 1 required (-EOPNOTSUPP if absent) */
     uint32_t max_lease_ms; /* cap on LOOKUP leases (0: the protocol's 3600000) */
     uint32_t stall_ms; /* a peer stalled this long mid-frame (or not reading a reply) is dropped; 0 = never */
+    uint64_t min_rate; /* bytes/s: a frame (from its header) or a reply (from its first byte out) of S bytes
+                          must be done within stall_ms + S / min_rate even if bytes keep trickling, else the
+                          peer is dropped (counted in `too_slow`); 0, or stall_ms 0: no such bound */
 };
 
 struct kvf_server_counters {
     uint64_t hits, misses, puts, bytes_in, bytes_out, connections, connections_total, rejected;
     uint64_t zc_sends, copy_sends, zc_copied_notifs, stalled;
+    uint64_t too_slow; /* dropped over the min_rate bound while still making progress */
     uint64_t errors[16];
     uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
     int zerocopy, fixed_buffers;

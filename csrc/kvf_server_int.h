@@ -45,6 +45,7 @@ struct reply {
     uint32_t notifs;     /* zero-copy notifications outstanding */
     int done;            /* sent or orphaned */
     int pass_fd;         /* >= 0: send with SCM_RIGHTS (shm attach) */
+    int64_t deadline_ms; /* min_rate bound, set when it starts going out; 0: none */
     struct msghdr mh;
     struct iovec *iovs;  /* KVF_SEND_IOV entries, for SENDMSG */
     union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } cmsg;
@@ -75,6 +76,8 @@ struct conn {
     int fd, is_unix, closing, close_after_send, authed, transport, parked;
     int zc;                        /* GET objects go out with SEND_ZC (see on_accept) */
     int64_t progress_ms;           /* last time a frame or a reply made progress */
+    int64_t rx_deadline_ms;        /* min_rate bound of the frame being read (0: none / between frames) */
+    int64_t park_ms;               /* when it parked (waiting for space is not the peer's time) */
     uint32_t refs;                 /* SQEs in flight that point at this conn */
     enum rs rs;
     struct kvf_header hdr;

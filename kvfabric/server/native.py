@@ -73,7 +73,10 @@ class NativeServer:
     the Python server (the conformance suite checks it); proactive
     watermarks take that wait off the PUT path at the price of evicting a
     little early. A peer that stalls mid-frame, or stops reading a reply,
-    for ``stall_timeout_s`` is disconnected (idle connections are kept). Raises ``TransportUnavailable`` when the extension or
+    for ``stall_timeout_s`` is disconnected (idle connections are kept), and so
+    is one whose frame (or reply) of S bytes is not done within
+    ``stall_timeout_s + S / min_rate`` seconds of its start even though bytes keep
+    trickling (``min_rate`` bytes/s, default 1 MiB/s, as the Python server). Raises ``TransportUnavailable`` when the extension or
     io_uring is unavailable, ``ConfigError`` for bad options, ``OSError``
     when the port cannot be bound.
     """
@@ -95,11 +98,14 @@ class NativeServer:
         high_watermark: float = 0.0,
         stall_timeout_s: float = 10.0,
         max_lease_ms: int = 60_000,
+        min_rate: float = 1024 * 1024,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
         if zerocopy not in ("auto", "on", "off"):
             raise ConfigError(f"zerocopy must be auto|on|off, got {zerocopy!r}")
+        if min_rate <= 0:
+            raise ConfigError("min_rate must be > 0 bytes/s")
         if not 0 <= low_watermark <= high_watermark < 1:
             raise ConfigError("watermarks must satisfy 0 <= low <= high < 1")
         unknown = set(transports) - {"tcp", "native", "shm"}
@@ -136,6 +142,7 @@ class NativeServer:
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
                 stall_ms=max(0, int(stall_timeout_s * 1000)), max_lease_ms=max(0, int(max_lease_ms)),
+                min_rate=max(1, int(min_rate)),
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                              "is free (default 0,0: only on demand)")
     parser.set_defaults(transports="tcp,native,shm")
     args = parser.parse_args(args_in)
-    capacity, token, transports = _options(args)[:3]  # shared validation with `kvfabric serve`
+    capacity, token, transports, min_rate = _options(args)  # shared validation with `kvfabric serve`
     try:
         low, high = (float(x) for x in args.evict_watermarks.split(","))
     except ValueError:
@@ -311,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
-            max_lease_ms=args.max_lease_ms,
+            max_lease_ms=args.max_lease_ms, min_rate=min_rate,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the native server cannot start: {e}", file=sys.stderr)

@@ -3,6 +3,10 @@
 - ``--max-connections``: a peer over the bound gets one BUSY error frame
   (request id 0, byte for byte what protocol.encode_error makes) and is
   closed; the held connections are untouched and a freed slot is reused.
+- ``--min-rate``: a frame of S bytes must arrive within ``stall_timeout +
+  S / min_rate`` of its header, even when every single receive completes well
+  inside the stall timeout (a slowloris trickle): the peer is dropped, its
+  reserved slots freed, and STATS counts it in ``slow_connections``.
 """
 
 import time
@@ -61,3 +65,53 @@ def test_a_connection_over_the_bound_gets_busy_then_a_freed_slot_is_reused(make_
     finally:
         for c in held:
             c.close()
+
+
+def test_a_trickling_put_is_dropped_at_the_min_rate_bound_while_a_normal_put_works(make_server, open_raw):
+    # 64 objects of 2 KiB = 128 KiB at >= 64 KiB/s: bound 1 s + 2 s from the header.
+    # One object every 100 ms (20 KiB/s) completes each receive far inside the 1 s
+    # stall timeout, so only the rate bound can drop it (the whole trickle would take 6.4 s).
+    srv = make_server(stall_timeout_s=1.0, min_rate=64 * 1024)
+    free = srv.stats()["free_bytes"]
+    n, size = 64, 2048
+    keys = [b"slow%02d" % i for i in range(n)]
+    values = [bytes([i]) * size for i in range(n)]
+    msg = p.PutRequest(keys=keys, sizes=[size] * n, checksums=[p.checksum(v) for v in values])
+    r = open_raw(srv.address)
+    r.send(p.encode_request(msg, 1))
+    start = time.monotonic()
+    dropped = False
+    for v in values:
+        try:
+            r.send(v)
+        except OSError:  # reset by the server
+            dropped = True
+            break
+        time.sleep(0.1)
+    assert dropped or r.closed_by_peer()
+    assert time.monotonic() - start < 15.0  # generous: the bound is 3 s, checked every 0.5 s
+    c = tcp.connect(srv.address, timeout_s=5.0)
+    try:
+        st = c.request(p.StatsRequest()).msg.stats
+        assert st["slow_connections"] == 1 and st["stalled_connections"] == 0, st
+        # objects that landed before the drop are stored; the half-received one is not
+        assert st["objects"] < n and st["pinned"] == 0, st
+        assert srv.stats()["free_bytes"] == free - st["objects"] * 4096  # one page each, nothing left reserved
+        # a normal PUT (1 MiB, well above the rate) and GET on the same server
+        val = b"n" * (1 << 20)
+        assert c.request(p.PutRequest([b"normal"], [len(val)], [p.checksum(val)]), [val]).msg.status == [0]
+        buf = bytearray(len(val))
+        assert c.request(p.GetRequest([b"normal"]), recv_buffers=[buf]).msg.sizes == [len(val)]
+        assert bytes(buf) == val
+    finally:
+        c.close()
+
+
+def test_min_rate_must_be_positive(make_server):
+    from kvfabric.errors import ConfigError
+    from kvfabric.server import native
+
+    with pytest.raises(ConfigError):
+        make_server(min_rate=0)
+    with pytest.raises(SystemExit, match="min-rate"):  # the CLI flag, validated as `kvfabric serve` does
+        native.main(["serve", "--port", "0", "--capacity", "1MiB", "--min-rate", "0"])
