@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -22,21 +23,28 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-int kvf_bench_memcpy(uint64_t nbytes, unsigned iters, double *secs)
+int kvf_bench_memcpy(uint64_t nbytes, uint64_t span, unsigned iters, double *secs)
 {
-    if (nbytes == 0 || iters == 0) return -EINVAL;
-    char *a = malloc(nbytes), *b = malloc(nbytes);
-    if (!a || !b) { free(a); free(b); return -ENOMEM; }
+    if (nbytes == 0 || iters == 0 || (span && span < nbytes)) return -EINVAL;
+    uint64_t blen = span ? span : nbytes, slots = span ? span / nbytes : 1;
+    char *a = malloc(nbytes);
+    char *b = mmap(NULL, blen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (!a || b == MAP_FAILED) {
+        free(a);
+        if (b != MAP_FAILED) munmap(b, blen);
+        return -ENOMEM;
+    }
     memset(a, 1, nbytes);
-    memset(b, 2, nbytes);
+    memset(b, 2, blen);
     double t0 = now_s();
     for (unsigned i = 0; i < iters; i++) {
-        memcpy(b, a, nbytes);
-        __asm__ volatile("" ::"r"(b) : "memory"); /* keep the copy */
+        char *d = b + (i % slots) * nbytes;
+        memcpy(d, a, nbytes);
+        __asm__ volatile("" ::"r"(d) : "memory"); /* keep the copy */
     }
     *secs = now_s() - t0;
     free(a);
-    free(b);
+    munmap(b, blen);
     return 0;
 }
 
@@ -70,10 +78,10 @@ static void *sock_server(void *arg)
 /* The server side runs in a forked child process (only syscalls and _exit
  * there; its buffer is allocated before the fork), so client and server are
  * two processes like a real client and pool server. */
-int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, double *secs)
+int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, int unix_sock, double *secs)
 {
     if (nbytes == 0 || iters == 0) return -EINVAL;
-    int rc = 0, ls = -1, cs = -1;
+    int rc = 0, ls = -1, cs = -1, sv[2] = {-1, -1};
     struct sockaddr_in a;
     socklen_t al = sizeof a;
     memset(&a, 0, sizeof a);
@@ -83,30 +91,40 @@ int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, double *secs)
     if (!cbuf || !sbuf) { rc = -ENOMEM; goto out; }
     memset(cbuf, 3, nbytes);
     memset(sbuf, 4, nbytes);
-    if ((ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 || bind(ls, (struct sockaddr *)&a, sizeof a) ||
-        listen(ls, 1) || getsockname(ls, (struct sockaddr *)&a, &al)) {
+    if (unix_sock) {
+        if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv)) { rc = -errno; goto out; }
+    } else if ((ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+               bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 1) ||
+               getsockname(ls, (struct sockaddr *)&a, &al)) {
         rc = -errno;
         goto out;
     }
     pid_t pid = fork();
     if (pid < 0) { rc = -errno; goto out; }
+    int one = 1;
     if (pid == 0) {
-        int ss = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+        if (unix_sock) close(sv[0]); /* the client's end: EOF reaches us if it quits */
+        int ss = unix_sock ? sv[1] : accept4(ls, NULL, NULL, SOCK_CLOEXEC);
         if (ss < 0) _exit(1);
-        int one = 1;
-        setsockopt(ss, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        if (!unix_sock) setsockopt(ss, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         struct sock_job j = {ss, nbytes, iters, put, 0, sbuf};
         sock_server(&j);
         _exit(j.rc ? 1 : 0);
     }
-    if ((cs = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 || connect(cs, (struct sockaddr *)&a, sizeof a)) {
+    if (unix_sock) {
+        cs = sv[0];
+        sv[0] = -1;
+        close(sv[1]);
+        sv[1] = -1;
+    } else if ((cs = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+               connect(cs, (struct sockaddr *)&a, sizeof a)) {
         rc = -errno;
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
         goto out;
+    } else {
+        setsockopt(cs, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     }
-    int one = 1;
-    setsockopt(cs, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     char hdr[32];
     memset(hdr, 0, sizeof hdr);
     kvf_set_deadline(0);
@@ -132,6 +150,8 @@ int kvf_bench_socket(uint64_t nbytes, unsigned iters, int put, double *secs)
 out:
     if (cs >= 0) close(cs);
     if (ls >= 0) close(ls);
+    if (sv[0] >= 0) close(sv[0]);
+    if (sv[1] >= 0) close(sv[1]);
     free(cbuf);
     free(sbuf);
     return rc;

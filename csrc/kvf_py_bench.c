@@ -8,40 +8,42 @@
 /* ------------------------------------------------------------------ ceilings */
 
 PyDoc_STRVAR(memcpy_ceiling_doc,
-"memcpy_ceiling(nbytes, iters) -> seconds: one thread copying nbytes between two buffers iters times\n"
-"(GIL released): the ceiling the shm transport's one copy is measured against.");
+"memcpy_ceiling(nbytes, iters, span=0) -> seconds: one thread copying nbytes iters times (GIL released)\n"
+"into a second warm buffer (span 0) or into consecutive slots of a pre-faulted span-byte region (cold\n"
+"destination, as a fresh arena slot): the ceilings of the shm transport's one copy.");
 
 static PyObject *py_memcpy_ceiling(PyObject *self, PyObject *args)
 {
     (void)self;
-    unsigned long long nbytes;
+    unsigned long long nbytes, span = 0;
     unsigned int iters;
-    if (!PyArg_ParseTuple(args, "KI", &nbytes, &iters)) return NULL;
+    if (!PyArg_ParseTuple(args, "KI|K", &nbytes, &iters, &span)) return NULL;
     double secs;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvf_bench_memcpy(nbytes, iters, &secs);
+    rc = kvf_bench_memcpy(nbytes, span, iters, &secs);
     Py_END_ALLOW_THREADS
     if (rc) return raise_errno(rc, 0, "memcpy ceiling");
     return PyFloat_FromDouble(secs);
 }
 
 PyDoc_STRVAR(socket_ceiling_doc,
-"socket_ceiling(nbytes, iters, put) -> seconds: a C client and a C server thread on loopback TCP\n"
-"doing iters request/reply exchanges of nbytes objects with plain send/recv (GET: 32-byte request,\n"
-"nbytes reply; PUT: nbytes request, 32-byte reply), GIL released: the raw-socket ceiling.");
+"socket_ceiling(nbytes, iters, put, unix=False) -> seconds: a C client and a C server process on\n"
+"loopback TCP (or a unix socket pair) doing iters request/reply exchanges of nbytes objects with plain\n"
+"send/recv (GET: 32-byte request, 32 + nbytes reply; PUT: 32 + nbytes request, 32-byte reply), GIL\n"
+"released: the raw-socket ceiling; a small nbytes gives the round-trip time.");
 
 static PyObject *py_socket_ceiling(PyObject *self, PyObject *args)
 {
     (void)self;
     unsigned long long nbytes;
     unsigned int iters;
-    int put;
-    if (!PyArg_ParseTuple(args, "KIp", &nbytes, &iters, &put)) return NULL;
+    int put, unix_sock = 0;
+    if (!PyArg_ParseTuple(args, "KIp|p", &nbytes, &iters, &put, &unix_sock)) return NULL;
     double secs;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvf_bench_socket(nbytes, iters, put, &secs);
+    rc = kvf_bench_socket(nbytes, iters, put, unix_sock, &secs);
     Py_END_ALLOW_THREADS
     if (rc) return raise_errno(rc, 0, "socket ceiling");
     return PyFloat_FromDouble(secs);

@@ -6,13 +6,30 @@ cell by cell (``--repeat`` times, median reported) so every figure and the
 ceiling it is divided by were taken seconds apart under the same load:
 
 ceilings
-  * ``c-socket``: a C client thread and a C server thread on loopback TCP
+  * ``c-socket``: a C client and a C server process on loopback TCP
     doing the same request/reply exchange with plain blocking send/recv
     (``_native.socket_ceiling``): what any socket transport can reach here;
   * ``memcpy``: one thread copying the block between two warm buffers
     (``_native.memcpy_ceiling``): what a one-copy shm path can reach;
+  * ``memcpy-cold``: the same copy into consecutive slots of a region as
+    large as the servers' arenas (``--capacity``), so the destination is not
+    in cache, as a fresh arena slot is not for a PUT;
+  * ``rtt-tcp`` / ``rtt-unix``: the C exchange with 32-byte objects on
+    loopback TCP / a unix socket pair: one round trip, the floor under any
+    request that waits for a reply (shm's control frames go over a unix
+    socket);
   * ``python-socket``: the pure-Python socket loop of ``kvfabric bench
     transport`` (the reference for ``tcp``).
+
+Floors: every path also gets a ``/floor`` ratio against the least time its
+request could take here. For the socket paths that is ``c-socket`` (it
+already contains the round trip). For ``shm``, a GET is one round trip (the
+lease) plus one copy out of a warm slot, so its floor is ``rtt-unix`` +
+block/``memcpy``; a PUT is two round trips (reserve, commit) plus one copy
+into a fresh slot: 2 x ``rtt-unix`` + block/``memcpy-cold``. When one round
+trip already takes longer than twice the copy, the ``shm >= 0.5x memcpy``
+target cannot be met by any design that waits for the server once per
+request; the table says so with the measured figures.
 
 paths (each against a fresh server process)
   * ``tcp``: pure-Python client, Python server (the reference);
@@ -80,6 +97,7 @@ class Row:
     gbps: float = 0.0
     p50_us: float = 0.0
     server_cpu_s_per_gb: float | None = None
+    floor_us: float | None = None
     samples: list[float] = field(default_factory=list)
     ratio: dict[str, float] = field(default_factory=dict)
 
@@ -155,21 +173,42 @@ class _Path:
             self.server.stop()
 
 
-def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock) -> tuple[float, float]:
-    """(GB/s, p50 us) of one ceiling cell."""
+CEILINGS = ("c-socket", "memcpy", "memcpy-cold", "rtt-tcp", "rtt-unix", "python-socket")
+RTT_BYTES = 32  # object size of the round-trip cells
+
+
+def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock, span: int) -> tuple[float, float]:
+    """(GB/s, p50 us) of one ceiling cell (for rtt-*, GB/s of the 32-byte objects)."""
     from .. import _native
 
     nbytes = size * batch
     if name == "python-socket":
         cell = pysock.measure(op, nbytes, 1, duration)
         return cell.gbps, cell.p50_us
+    fns = {
+        "memcpy": lambda it: _native.memcpy_ceiling(nbytes, it),
+        "memcpy-cold": lambda it: _native.memcpy_ceiling(nbytes, it, max(span, 2 * nbytes)),
+        "c-socket": lambda it: _native.socket_ceiling(nbytes, it, op == "put"),
+        "rtt-tcp": lambda it: _native.socket_ceiling(RTT_BYTES, it, False),
+        "rtt-unix": lambda it: _native.socket_ceiling(RTT_BYTES, it, False, True),
+    }
+    fn = fns[name]
+    moved = RTT_BYTES if name.startswith("rtt-") else nbytes
     # calibrate the iteration count to about `duration` seconds
-    fn = (lambda it: _native.memcpy_ceiling(nbytes, it)) if name == "memcpy" else (
-        lambda it: _native.socket_ceiling(nbytes, it, op == "put"))
     probe = fn(4)
     iters = max(4, int(duration / max(probe / 4, 1e-6)))
     secs = fn(iters)
-    return nbytes * iters / secs / 1e9, secs / iters * 1e6
+    return moved * iters / secs / 1e9, secs / iters * 1e6
+
+
+def _floor_us(path: str, op: str, med: dict[str, "Row"], nbytes: int) -> float:
+    """The least time in µs one request of ``path`` could take here (see the module doc)."""
+    if PATHS[path][1] != "shm":
+        return nbytes / (med["c-socket"].gbps * 1e3)
+    rtt = med["rtt-unix"].p50_us  # ceilings report the mean time per exchange
+    if op == "get":
+        return rtt + nbytes / (med["memcpy"].gbps * 1e3)
+    return 2 * rtt + nbytes / (med["memcpy-cold"].gbps * 1e3)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -179,7 +218,8 @@ def run(args: argparse.Namespace) -> dict:
     avail = set(transport.available())
     names = [n for n in args.paths if PATHS[n][1] in avail]
     skipped = {n: transport.unavailable().get(PATHS[n][1], "unavailable") for n in args.paths if n not in names}
-    ceilings = ["c-socket", "memcpy", "python-socket"]
+    ceilings = list(CEILINGS)
+    span = parse_size(args.capacity)
     paths = {}
     pysock = PythonSocketCeiling()
     pysock.open(1)
@@ -191,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
             samples: dict[str, list[tuple[float, float, float | None]]] = {}
             for _ in range(args.repeat):
                 for c in ceilings:
-                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock)
+                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock, span)
                     samples.setdefault(c, []).append((gbps, p50, None))
                 for n, pth in paths.items():
                     secs, moved, cpu, p50 = pth.measure(op, args.duration)
@@ -203,9 +243,12 @@ def run(args: argparse.Namespace) -> dict:
                 row = Row(name, op, args.size, args.batch, g, p50, cpu, [v[0] for v in vals])
                 med[name] = row
                 rows.append(row)
+            nbytes = args.size * args.batch
             for name in paths:
-                for c in ceilings:
+                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket"):
                     med[name].ratio[c] = med[name].gbps / med[c].gbps
+                med[name].floor_us = _floor_us(name, op, med, nbytes)
+                med[name].ratio["floor"] = med[name].floor_us / (nbytes / (med[name].gbps * 1e3))
     finally:
         pysock.close()
         for p in paths.values():
@@ -218,7 +261,15 @@ def run(args: argparse.Namespace) -> dict:
             targets.append({"cell": f"native {op}", "vs": "c-socket", "ratio": r, "goal": 0.9, "met": r >= 0.9})
         if ("shm", op) in by:
             r = by[("shm", op)].ratio["memcpy"]
-            targets.append({"cell": f"shm {op}", "vs": "memcpy", "ratio": r, "goal": 0.5, "met": r >= 0.5})
+            t = {"cell": f"shm {op}", "vs": "memcpy", "ratio": r, "goal": 0.5, "met": r >= 0.5}
+            # the time a request may take to meet the goal vs the round trips it must wait for
+            budget_us = args.size * args.batch / (0.5 * by[("memcpy", op)].gbps * 1e3)
+            trips = 1 if op == "get" else 2
+            rtt_us = by[("rtt-unix", op)].p50_us
+            if trips * rtt_us >= budget_us:
+                t["note"] = (f"unreachable here with {trips} round trip(s) per request: the goal leaves "
+                             f"{budget_us:.0f} us per request, one unix-socket round trip alone took {rtt_us:.0f} us")
+            targets.append(t)
         if ("tcp", op) in by:
             for n in ("native", "shm"):
                 if (n, op) in by:
@@ -240,17 +291,24 @@ def print_table(report: dict) -> None:
     m = report["meta"]
     print(f"block {m['size'] // 1024} KiB x {m['batch']} per request, one client, loopback, "
           f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus")
-    hdr = f"{'path':<12} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/py-sock':>8} {'srv CPU s/GB':>12}"
+    hdr = (f"{'path':<13} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/mc-cold':>8} "
+           f"{'/py-sock':>8} {'/floor':>7} {'srv CPU s/GB':>12}")
     print(hdr)
     print("-" * len(hdr))
     for r in report["rows"]:
         ratio = r["ratio"]
         cpu = r["server_cpu_s_per_gb"]
-        print(f"{r['name']:<12} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} "
-              f"{ratio.get('c-socket', float('nan')):>9.2f} {ratio.get('memcpy', float('nan')):>8.2f} "
-              f"{ratio.get('python-socket', float('nan')):>8.2f} {'' if cpu is None else f'{cpu:.3f}':>12}")
+        def cell(key: str, width: int) -> str:
+            return f"{ratio[key]:>{width}.2f}" if key in ratio else " " * width
+
+        print(f"{r['name']:<13} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} {cell('c-socket', 9)} "
+              f"{cell('memcpy', 8)} {cell('memcpy-cold', 8)} {cell('python-socket', 8)} {cell('floor', 7)} "
+              f"{'' if cpu is None else f'{cpu:.3f}':>12}")
+    print("(rtt-* rows: GB/s of 32-byte objects; p50 us there is the round-trip time. Ceilings' p50 us is the mean.)")
     for t in report["targets"]:
-        print(f"target {t['cell']} vs {t['vs']}: {t['ratio']:.2f}x (goal {t['goal']}): {'met' if t['met'] else 'NOT met'}")
+        note = f" ({t['note']})" if "note" in t else ""
+        print(f"target {t['cell']} vs {t['vs']}: {t['ratio']:.2f}x (goal {t['goal']}): "
+              f"{'met' if t['met'] else 'NOT met'}{note}")
     for n, why in report["meta"]["skipped"].items():
         print(f"skipped {n}: {why}")
 
