@@ -14,6 +14,9 @@ gets a connection to one server and what happens when that server fails:
   shards when their backoff is due (``reconnect_backoff_s`` doubling up to
   ``reconnect_backoff_max_s`` per failed attempt, reset on success).
 * :class:`_Counters`: the client's thread-safe counters (``stats()["client"]``).
+* :class:`_Registration`: the buffers the caller asked to register
+  (``Client.register_buffers``); each ``native`` connection picks up the
+  current set when it is next acquired.
 * :class:`_Down`, :class:`_Busy`: how ``_Shard.acquire`` says "skip this
   shard" (down) or "no connection freed up before the deadline" (busy).
 
@@ -47,7 +50,7 @@ class _Busy(Exception):
 _COUNTERS = (
     "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
     "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
-    "bytes_in", "bytes_out", "requests",
+    "bytes_in", "bytes_out", "requests", "buffer_registrations", "buffer_registration_failures",
 )
 
 
@@ -64,6 +67,56 @@ class _Counters:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._v)
+
+
+class _Registration:
+    """The client's registered receive buffers, applied lazily to each native connection.
+
+    :meth:`set` replaces the set (``None`` drops it) and bumps a generation;
+    :meth:`apply` brings one connection up to date the next time it is
+    acquired. Only ``native`` connections register (``tcp`` cannot, ``shm``
+    copies out of the arena). A connection that cannot register (io_uring
+    setup or the kernel refusing the pinning, e.g. over RLIMIT_MEMLOCK) keeps
+    receiving with recvmsg: the failure is logged once per generation and
+    counted, never raised out of a GET.
+    """
+
+    def __init__(self, counters: _Counters) -> None:
+        self._lock = threading.Lock()
+        self._counters = counters
+        self.gen = 0
+        self.buffers: list | None = None
+        self._warned_gen = -1
+
+    def set(self, buffers: list | None) -> None:
+        with self._lock:
+            self.gen += 1
+            self.buffers = buffers
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            bufs = self.buffers or []
+            return {"buffers": len(bufs), "bytes": sum(memoryview(b).nbytes for b in bufs)}
+
+    def apply(self, conn: transport.Connection) -> None:
+        if conn.name != "native" or getattr(conn, "_kvf_reg_gen", 0) == self.gen:
+            return
+        with self._lock:
+            gen, buffers = self.gen, self.buffers
+        conn._kvf_reg_gen = gen  # type: ignore[attr-defined]  # not retried until the set changes
+        try:
+            if buffers is None:
+                conn.unregister_buffers()  # type: ignore[attr-defined]
+            else:
+                conn.register_buffers(buffers)  # type: ignore[attr-defined]
+                self._counters.add(buffer_registrations=1)
+        except Exception as e:  # an optimisation only: never fails the GET that acquired the connection
+            self._counters.add(buffer_registration_failures=1)
+            with self._lock:
+                warn, self._warned_gen = self._warned_gen != gen, gen
+            if warn:
+                log.warning("kvfabric: cannot register receive buffers on %s (%s); GETs there use recvmsg",
+                            conn.address, e)
 
 
 class _Reconnector:
@@ -124,8 +177,10 @@ class _Shard:
         counters: _Counters,
         reconnector: _Reconnector,
         is_closed: Callable[[], bool],
+        registration: _Registration | None = None,
     ) -> None:
         self.index = index
+        self._registration = registration
         self.address = address
         self._config = config
         self._counters = counters
@@ -165,7 +220,9 @@ class _Shard:
                 if self.down_until:
                     raise _Down()
                 if self._idle:
-                    return self._idle.pop()
+                    conn = self._idle.pop()
+                    break
+                conn = None
                 if self._open < self._config.connections_per_server:
                     self._open += 1
                     break
@@ -173,6 +230,10 @@ class _Shard:
                 if left <= 0:
                     raise _Busy()
                 self._cond.wait(left)
+        if conn is not None:
+            if self._registration is not None:
+                self._registration.apply(conn)
+            return conn
         try:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -181,6 +242,8 @@ class _Shard:
             conn = self._connect(min(self._config.connect_timeout_s, left))
             with self._cond:
                 self._conn_gen[id(conn)] = gen
+            if self._registration is not None:
+                self._registration.apply(conn)
             return conn
         except BaseException:
             with self._cond:

@@ -33,9 +33,9 @@ to ``connections_per_server`` connections and a thread waits (until its
 deadline) when all of them are busy.
 
 Who owns what: this module holds the ``Client`` (routing, batching, fan-out,
-deadlines, degrade-to-miss) and the pure helpers it is built from
-(``plan_chunks``, ``leading_run``, ``combine_puts``, ``PutResult``; unit
-tested without sockets). ``kvfabric/_shard.py`` holds the per-shard
+deadlines, degrade-to-miss); ``kvfabric/_plan.py`` the pure helpers it is
+built from (``plan_chunks``, ``leading_run``, ``combine_puts``, ``PutResult``;
+unit tested without sockets, re-exported here). ``kvfabric/_shard.py`` holds the per-shard
 connection pool, the up/down state, the background reconnector and the
 client's counters; ``kvfabric/transport/`` moves the bytes.
 """
@@ -46,13 +46,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from . import protocol, sharding, transport
-from ._shard import _Busy, _Counters, _Down, _Reconnector, _Shard
+from ._shard import _Busy, _Counters, _Down, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
 from .errors import (
     FATAL_CODES,
@@ -64,6 +63,7 @@ from .errors import (
     TransportUnavailable,
 )
 from .keys import BlockKey, KeyHasher, Namespace
+from ._plan import PutResult, combine_puts, leading_run, plan_chunks
 from .protocol import PutStatus
 
 __all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
@@ -71,64 +71,6 @@ __all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
 log = logging.getLogger("kvfabric.client")
 
 _checksum = xxhash.xxh3_64_intdigest
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """Per-call put outcome, counted in keys.
-
-    A key is ``stored`` when at least one owner stored it, ``existed`` when no
-    owner stored it but one already held it, ``dropped`` otherwise (owners
-    down, slow, out of space, or the object too large for them).
-    """
-
-    stored: int = 0
-    existed: int = 0
-    dropped: int = 0
-
-
-def plan_chunks(
-    idx: Sequence[int], max_keys: int, max_payload: int, nbytes: Callable[[int], int] | None = None
-) -> list[list[int]]:
-    """Split key indices, in order, into requests of at most ``max_keys`` keys and
-    ``max_payload`` payload bytes (``nbytes(i)`` per key; a single key larger
-    than ``max_payload`` still gets a request of its own)."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i in idx:
-        n = nbytes(i) if nbytes else 0
-        if cur and (len(cur) >= max_keys or size + n > max_payload):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-def leading_run(nkeys: int, first_missing: Sequence[int]) -> int:
-    """The longest leading run of an ordered key list, given for each shard the
-    global index of the first of *its* keys that it does not hold (shards that
-    hold all their keys contribute nothing). Every key before the smallest such
-    index belongs to some shard's held prefix, so it is present."""
-    return min(first_missing, default=nkeys)
-
-
-def combine_puts(status: Sequence[Sequence[int]]) -> tuple[PutResult, int]:
-    """Fold per-key, per-owner put statuses (-1 = never answered) into a
-    :class:`PutResult` plus the number of replica copies not stored."""
-    stored = existed = dropped = replica_drops = 0
-    for row in status:
-        replica_drops += sum(1 for st in row if st not in (PutStatus.STORED, PutStatus.EXISTS))
-        if PutStatus.STORED in row:
-            stored += 1
-        elif PutStatus.EXISTS in row:
-            existed += 1
-        else:
-            dropped += 1
-    return PutResult(stored, existed, dropped), replica_drops
 
 
 class Client:
@@ -163,8 +105,9 @@ class Client:
         self._counters = _Counters()
         self._closed = False
         self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + 1)
+        self._registration = _Registration(self._counters)
         self._shards = [
-            _Shard(i, a, config, self._counters, self._reconnector, lambda: self._closed)
+            _Shard(i, a, config, self._counters, self._reconnector, lambda: self._closed, self._registration)
             for i, a in enumerate(self.servers)
         ]
         self._pool = ThreadPoolExecutor(
@@ -180,6 +123,28 @@ class Client:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def register_buffers(self, buffers: Sequence[Any], *, max_buffers: int = 64, max_bytes: int = 4 << 30) -> None:
+        """Register receive buffers the caller reuses (an engine's staging buffer) on every native connection.
+
+        ``get_into`` objects whose buffer lies inside one of them (the buffer or
+        any slice) are then received with io_uring ``READ_FIXED`` instead of
+        ``recvmsg`` (see ``NativeConnection.register_buffers``). Each pooled
+        ``native`` connection registers the current set the next time it is
+        used; ``tcp`` and ``shm`` connections ignore it. Replaces an earlier
+        set. Limits are checked now (ValueError, nothing changed); a connection
+        that cannot register later keeps recvmsg, logged and counted in
+        ``stats()["client"]["buffer_registration_failures"]``. The buffers stay
+        exported (not resizable) until :meth:`unregister_buffers` or ``close``.
+        """
+        self._check_open()
+        from .transport.native import check_registration
+
+        self._registration.set(check_registration(buffers, max_buffers=max_buffers, max_bytes=max_bytes))
+
+    def unregister_buffers(self) -> None:
+        """Drop the registered set; each native connection unregisters when next used."""
+        self._registration.set(None)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -193,6 +158,7 @@ class Client:
         self._pool.shutdown(wait=True, cancel_futures=True)
         for s in self._shards:
             s.close()
+        self._registration.set(None)
         self._reconnector.join()
 
     def __enter__(self) -> Client:
@@ -591,6 +557,7 @@ class Client:
             for s in self._shards
         }
         client["transports"] = sorted({s.transport for s in self._shards if s.transport})
+        client["registered_buffers"] = self._registration.stats()
         return {"client": client, "servers": {a: servers[a] for a in self.servers}}
 
     @property

@@ -24,6 +24,9 @@ max_pending_save_mb 512      bound on gathered-but-unsent save bytes; beyond it
                              chunks are skipped (counted), never queued
 load / save        by role   ``kv_both``: both; ``kv_producer``: save only;
                              ``kv_consumer``: load only
+register_load_buffer true    register the reused load staging buffer with the client
+                             (``Client.register_buffers``): on ``native`` connections
+                             loads are received with io_uring READ_FIXED
 transport, timeout_s, connect_timeout_s, replicas, auth_token, key_algorithm,
 key_secret, verify_checksums: passed to ``kvfabric.ClientConfig`` (env
 ``KVFABRIC_*`` variables apply first, these keys win).
@@ -64,6 +67,7 @@ class ConnectorConfig:
     max_pending_save_bytes: int = 512 << 20
     load: bool = True
     save: bool = True
+    register_load_buffer: bool = True
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -92,7 +96,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     extra = dict(extra or {})
     known = {"servers", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "save_timeout_s", "max_pending_save_mb", "load", "save",
-             *_CLIENT_KEYS}
+             "register_load_buffer", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -135,6 +139,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         max_pending_save_bytes=_int(extra, "max_pending_save_mb", 512, 1, 1 << 20) << 20,
         load=_bool(extra, "load", load_default),
         save=_bool(extra, "save", save_default),
+        register_load_buffer=_bool(extra, "register_load_buffer", True),
     )
 
 

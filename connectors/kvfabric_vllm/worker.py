@@ -13,7 +13,10 @@ whose pages differ never share keys.
 
 Loads (``load``) run synchronously in ``start_load_kv``, before the forward
 that reads them: one batched ``Client.get_into`` per step straight into a
-staging tensor, then one ``copy_`` per page into the blocks. A chunk
+staging tensor, then one ``copy_`` per page into the blocks. The staging
+tensor is reused and registered with the client (``register_load_buffer``),
+so on ``native`` connections the chunks are received with io_uring
+READ_FIXED into pre-registered memory. A chunk
 that misses, has the wrong size, or a step whose read raises, is reported in
 ``failed_block_ids`` and vLLM recomputes those tokens; the failure is counted
 and warned once, never raised into vLLM's step.
@@ -160,6 +163,11 @@ class WorkerSide:
         suffices; it never outgrows the largest load seen (bounded by vLLM's KV cache)."""
         if self._load_buf is None or self._load_buf.shape[0] < n:
             self._load_buf = torch.empty((n, self.chunk_bytes), dtype=torch.uint8)
+            if self.cfg.register_load_buffer and self.client is not None:
+                try:
+                    self.client.register_buffers([self._load_buf.numpy()])
+                except ValueError as e:  # over the registration limits (1 GiB): loads use recvmsg
+                    log.warning("kvfabric: load staging buffer not registered (%s); loads use recvmsg", e)
         return self._load_buf[:n]
 
     def take_failed_block_ids(self) -> set[int]:

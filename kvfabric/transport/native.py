@@ -110,6 +110,36 @@ def connect(
     return conn
 
 
+def check_registration(
+    buffers: Sequence[Any], *, max_buffers: int = MAX_REGISTERED_BUFFERS, max_bytes: int = MAX_REGISTERED_BYTES
+) -> list[Any]:
+    """The buffers as a list, once they pass the limits of :meth:`NativeConnection.register_buffers`.
+
+    Raises ValueError (nothing registered) for an empty list, a buffer that is
+    read-only, not contiguous, empty or over 1 GiB, more than ``max_buffers``
+    buffers or more than ``max_bytes`` in total.
+    """
+    bufs = list(buffers)
+    if not bufs:
+        raise ValueError("register_buffers: no buffers given")
+    if len(bufs) > max_buffers:
+        raise ValueError(f"register_buffers: {len(bufs)} buffers, the limit is {max_buffers}")
+    total = 0
+    for i, b in enumerate(bufs):
+        try:
+            v = memoryview(b)
+        except TypeError as e:
+            raise ValueError(f"register_buffers: buffer {i} does not support the buffer protocol: {e}") from None
+        if v.readonly or not v.c_contiguous:
+            raise ValueError(f"register_buffers: buffer {i} is read-only or not contiguous")
+        if v.nbytes == 0 or v.nbytes > MAX_REGISTERED_BUFFER_BYTES:
+            raise ValueError(f"register_buffers: buffer {i} holds {v.nbytes} bytes (1 B..{MAX_REGISTERED_BUFFER_BYTES})")
+        total += v.nbytes
+    if total > max_bytes:
+        raise ValueError(f"register_buffers: {total} bytes in total, the limit is {max_bytes}")
+    return bufs
+
+
 class NativeConnection(SocketConnection):
     """A connection whose frames are moved by the C extension. Not thread-safe."""
 
@@ -154,25 +184,7 @@ class NativeConnection(SocketConnection):
             raise TransportUnavailable(f"registered buffers are a feature of the native transport, not {self.name}")
         if self._sock is None:
             raise ConnectionClosed(f"connection to {self.address} is closed")
-        bufs = list(buffers)
-        if not bufs:
-            raise ValueError("register_buffers: no buffers given")
-        if len(bufs) > max_buffers:
-            raise ValueError(f"register_buffers: {len(bufs)} buffers, the limit is {max_buffers}")
-        total = 0
-        for i, b in enumerate(bufs):
-            try:
-                v = memoryview(b)
-            except TypeError as e:
-                raise ValueError(f"register_buffers: buffer {i} does not support the buffer protocol: {e}") from None
-            if v.readonly or not v.c_contiguous:
-                raise ValueError(f"register_buffers: buffer {i} is read-only or not contiguous")
-            if v.nbytes == 0 or v.nbytes > MAX_REGISTERED_BUFFER_BYTES:
-                raise ValueError(
-                    f"register_buffers: buffer {i} holds {v.nbytes} bytes (1 B..{MAX_REGISTERED_BUFFER_BYTES})")
-            total += v.nbytes
-        if total > max_bytes:
-            raise ValueError(f"register_buffers: {total} bytes in total, the limit is {max_bytes}")
+        bufs = check_registration(buffers, max_buffers=max_buffers, max_bytes=max_bytes)
         self.unregister_buffers()
         self._ring = _native.ConnRing(bufs)  # NativeError when io_uring setup fails: raised now
 

@@ -63,6 +63,11 @@ def test_save_then_load_into_other_blocks_is_exact():
                     assert torch.equal(la[s], lb[d])
                 assert torch.count_nonzero(lb[dst_blocks[0][0]]) == 0
             assert b.counters.snapshot()["load_tokens"] == 5 * BLOCK
+            # the reused load staging buffer is registered; native connections receive into it with READ_FIXED
+            cst = b.client.stats()["client"]
+            assert cst["registered_buffers"]["bytes"] == 3 * b.chunk_bytes
+            if cst["transports"] == ["native"]:
+                assert cst["buffer_registrations"] >= 1 and cst["buffer_registration_failures"] == 0
         finally:
             a.shutdown()
             b.shutdown()
