@@ -182,7 +182,7 @@ static void op_stats(struct conn *c)
     KV("bytes_out", s->ctr.bytes_out);
     KV("connections", s->ctr.connections);
     KV("connections_total", s->ctr.connections_total);
-    KV("connections_rejected", s->ctr.rejected);
+    KV("connections_refused", s->ctr.rejected);
     KV("events_dropped", ss.events_dropped);
     KV("zc_sends", s->ctr.zc_sends);
     KV("copy_sends", s->ctr.copy_sends);

@@ -6,6 +6,8 @@ import os
 import socket
 import threading
 
+import pytest
+
 from kvfabric import protocol as P
 from kvfabric.errors import ErrorCode
 from kvfabric.testing import start_server
@@ -53,8 +55,11 @@ def test_64_concurrent_connections_mixed_ops_verified():
             c.close()
 
 
-def test_connections_over_the_bound_get_busy_then_room_frees():
-    with start_server(capacity="1MiB", extra_args=["--max-connections", "4"]) as srv:
+@pytest.mark.parametrize("module", ["kvfabric", "kvfabric.server.native"])
+def test_connections_over_the_bound_get_busy_then_room_frees(module):
+    if module != "kvfabric":
+        pytest.importorskip("kvfabric._native", reason="the C extension is not built")
+    with start_server(capacity="1MiB", module=module, extra_args=["--max-connections", "4"]) as srv:
         conns = [connect(srv.address, timeout_s=10) for _ in range(4)]
         with socket.create_connection((srv.host, srv.port), timeout=10) as s:
             head = s.recv(P.HEADER_SIZE, socket.MSG_WAITALL)
