@@ -101,7 +101,11 @@ int kvf_recvv_all(int fd, struct iovec *iov, int n)
         mh.msg_iovlen = (size_t)(n < KVF_IOV_CHUNK ? n : KVF_IOV_CHUNK);
         int rc = arm(fd, SO_RCVTIMEO);
         if (rc) return rc;
-        ssize_t r = recvmsg(fd, &mh, MSG_WAITALL);
+        /* No MSG_WAITALL: with it TCP wakes the receiver only once the whole
+         * remainder is queued, so the copy out cannot overlap the sender's
+         * transmission; without it each wake-up copies what has arrived
+         * (measured 12-18% faster for 1 MiB on loopback, raw C ceiling too). */
+        ssize_t r = recvmsg(fd, &mh, 0);
         if (r < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN && tl_deadline_ns) continue;
