@@ -39,6 +39,15 @@ SERVER_KINDS: dict[str, dict[str, Any]] = {
 }
 
 
+#: server kind -> extra arguments that make it evict only when a PUT finds no room,
+#: so a test can fill it to exactly its capacity (the native server's command line
+#: otherwise keeps some headroom free: ``--evict-watermarks auto``).
+EXACT_CAPACITY_ARGS: dict[str, list[str]] = {
+    "python": [],
+    "native": ["--evict-watermarks", "0,0"],
+}
+
+
 def pair_id(pair: tuple[str, str]) -> str:
     """Test id of a pair: ``"python-tcp"``."""
     return f"{pair[0]}-{pair[1]}"
@@ -55,4 +64,4 @@ def start_pool_of(server_kind: str, n: int, **kwargs: Any) -> ServerPool:
     return start_pool(n, **merged)
 
 
-__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "SOCKET_PAYLOAD_TRANSPORTS", "pair_id", "start_pool_of"]
+__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "EXACT_CAPACITY_ARGS", "SOCKET_PAYLOAD_TRANSPORTS", "pair_id", "start_pool_of"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfabric import sharding
+from kvfabric.testing.conformance import EXACT_CAPACITY_ARGS
 
 KiB = 1024
 BLOCK = 64 * KiB
@@ -21,8 +22,9 @@ def _keys_owned_by(shard: int, addresses, n: int, seed: int) -> list[bytes]:
     return out
 
 
-def test_lru_eviction_order_through_the_client(make_pool, make_client):
-    pool = make_pool(3, capacity=str(SLOTS * BLOCK))
+def test_lru_eviction_order_through_the_client(pair, make_pool, make_client):
+    # exact capacity: the server evicts only when a PUT finds no room
+    pool = make_pool(3, capacity=str(SLOTS * BLOCK), extra_args=EXACT_CAPACITY_ARGS[pair[0]])
     client = make_client(pool.addresses)
     addr = pool.addresses
     keys = _keys_owned_by(1, addr, SLOTS + 6, seed=5)
@@ -60,8 +62,8 @@ def test_lru_eviction_order_through_the_client(make_pool, make_client):
         assert client.stats()["servers"][a]["objects"] == 0
 
 
-def test_getting_a_block_protects_it_from_eviction(make_pool, make_client):
-    pool = make_pool(3, capacity=str(SLOTS * BLOCK))
+def test_getting_a_block_protects_it_from_eviction(pair, make_pool, make_client):
+    pool = make_pool(3, capacity=str(SLOTS * BLOCK), extra_args=EXACT_CAPACITY_ARGS[pair[0]])
     client = make_client(pool.addresses)
     keys = _keys_owned_by(0, pool.addresses, SLOTS + 1, seed=7)
     value = b"\x5a" * BLOCK

@@ -235,3 +235,32 @@ def test_watermarks_evict_ahead_of_demand(make_server):
     k = present.count(False)
     assert k >= 4 and present == [False] * k + [True] * (52 - k)  # oldest first, no PUT waited for it
     c.close()
+
+
+def test_auto_watermarks_keep_bounded_headroom():
+    from kvfabric.server.native import AUTO_HIGH_BYTES, AUTO_LOW_BYTES, auto_watermarks
+
+    assert auto_watermarks(256 << 20) == (0.05, 0.10)  # small arenas: 5% / 10%
+    low, high = auto_watermarks(64 << 30)  # large arenas: 64 MiB / 128 MiB of 64 GiB
+    assert (low * (64 << 30), high * (64 << 30)) == (AUTO_LOW_BYTES, AUTO_HIGH_BYTES)
+    with pytest.raises(Exception, match="capacity"):
+        auto_watermarks(0)
+
+
+def test_command_line_default_evicts_ahead_of_demand():
+    from kvfabric.testing.servers import start_server
+
+    page = 64 << 10
+    with start_server(capacity=str(64 * page), module="kvfabric.server.native") as srv:
+        c = tcp.connect(srv.address, timeout_s=5)
+        val = b"a" * page
+        for i in range(64):  # exactly the capacity
+            assert c.request(p.PutRequest([b"a%02d" % i], [page], [p.checksum(val)]), [val]).msg.status == [0]
+        st = c.request(p.StatsRequest()).msg.stats
+        # evicted oldest-first down towards 10% free, with no PUT parked waiting for room
+        assert wait_for(lambda: c.request(p.StatsRequest()).msg.stats["evictions"] >= 3)
+        present = c.request(p.ExistsRequest([b"a%02d" % i for i in range(64)])).msg.present
+        k = present.count(False)
+        assert k >= 3 and present == [False] * k + [True] * (64 - k)
+        assert st["capacity"] == 64 * page
+        c.close()
