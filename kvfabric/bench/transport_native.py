@@ -59,10 +59,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -96,6 +98,7 @@ class Row:
     batch: int
     gbps: float = 0.0
     p50_us: float = 0.0
+    p99_us: float | None = None
     server_cpu_s_per_gb: float | None = None
     floor_us: float | None = None
     samples: list[float] = field(default_factory=list)
@@ -111,11 +114,13 @@ def _proc_cpu_s(pid: int) -> float:
 class _Path:
     """A server process and one connection to it with the path's transport."""
 
-    def __init__(self, name: str, size: int, batch: int, capacity: str) -> None:
+    def __init__(self, name: str, size: int, batch: int, capacity: str, native_args: Sequence[str] = ()) -> None:
         from .. import transport
         from ..testing.servers import start_server
 
         module, tname, extra = PATHS[name]
+        if module == "kvfabric.server.native":
+            extra = [*extra, *native_args]
         self.name, self.size, self.batch = name, size, batch
         self.server = start_server(capacity=capacity, module=module, extra_args=extra)
         try:
@@ -142,8 +147,8 @@ class _Path:
             raise RuntimeError(f"{self.name}: PUT failed with status {status}")
         return self.size * len(keys)
 
-    def measure(self, op: str, duration: float) -> tuple[float, float, float, float]:
-        """(seconds, bytes, server cpu seconds, p50 latency s) of repeated requests for ``duration``."""
+    def measure(self, op: str, duration: float) -> tuple[float, float, float, float, float]:
+        """(seconds, bytes, server cpu seconds, p50 and p99 latency s) of repeated requests for ``duration``."""
         get = protocol.GetRequest(keys=self.get_keys)
         lat = []
         moved = 0
@@ -164,7 +169,9 @@ class _Path:
             if b >= end and len(lat) >= 3:
                 break
         secs = time.perf_counter() - t0
-        return secs, moved, _proc_cpu_s(self.server.pid) - cpu0, statistics.median(lat)
+        lat.sort()
+        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        return secs, moved, _proc_cpu_s(self.server.pid) - cpu0, statistics.median(lat), p99
 
     def close(self) -> None:
         try:
@@ -226,21 +233,21 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[Row] = []
     try:
         for n in names:
-            paths[n] = _Path(n, args.size, args.batch, args.capacity)
+            paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args))
         for op in ("get", "put"):
-            samples: dict[str, list[tuple[float, float, float | None]]] = {}
+            samples: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
             for _ in range(args.repeat):
                 for c in ceilings:
                     gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock, span)
-                    samples.setdefault(c, []).append((gbps, p50, None))
+                    samples.setdefault(c, []).append((gbps, p50, None, None))
                 for n, pth in paths.items():
-                    secs, moved, cpu, p50 = pth.measure(op, args.duration)
-                    samples.setdefault(n, []).append((moved / secs / 1e9, p50 * 1e6, cpu / (moved / 1e9)))
+                    secs, moved, cpu, p50, p99 = pth.measure(op, args.duration)
+                    samples.setdefault(n, []).append((moved / secs / 1e9, p50 * 1e6, cpu / (moved / 1e9), p99 * 1e6))
             med = {}
             for name, vals in samples.items():
                 ranked = sorted(vals, key=lambda v: v[0])
-                g, p50, cpu = ranked[(len(ranked) - 1) // 2]
-                row = Row(name, op, args.size, args.batch, g, p50, cpu, [v[0] for v in vals])
+                g, p50, cpu, p99 = ranked[(len(ranked) - 1) // 2]
+                row = Row(name, op, args.size, args.batch, g, p50, p99, cpu, samples=[v[0] for v in vals])
                 med[name] = row
                 rows.append(row)
             nbytes = args.size * args.batch
@@ -291,7 +298,7 @@ def print_table(report: dict) -> None:
     m = report["meta"]
     print(f"block {m['size'] // 1024} KiB x {m['batch']} per request, one client, loopback, "
           f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus")
-    hdr = (f"{'path':<13} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/mc-cold':>8} "
+    hdr = (f"{'path':<13} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'p99 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/mc-cold':>8} "
            f"{'/py-sock':>8} {'/floor':>7} {'srv CPU s/GB':>12}")
     print(hdr)
     print("-" * len(hdr))
@@ -301,7 +308,8 @@ def print_table(report: dict) -> None:
         def cell(key: str, width: int) -> str:
             return f"{ratio[key]:>{width}.2f}" if key in ratio else " " * width
 
-        print(f"{r['name']:<13} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} {cell('c-socket', 9)} "
+        p99 = "" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
+        print(f"{r['name']:<13} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} {p99:>8} {cell('c-socket', 9)} "
               f"{cell('memcpy', 8)} {cell('memcpy-cold', 8)} {cell('python-socket', 8)} {cell('floor', 7)} "
               f"{'' if cpu is None else f'{cpu:.3f}':>12}")
     print("(rtt-* rows: GB/s of 32-byte objects; p50 us there is the round-trip time. Ceilings' p50 us is the mean.)")
@@ -324,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=1.0, help="seconds per cell")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported")
     ap.add_argument("--capacity", default="256MiB", help="capacity of each server")
+    ap.add_argument("--native-args", default="", metavar="ARGS",
+                    help='extra command-line arguments for the native servers, e.g. "--evict-watermarks 0,0"')
     ap.add_argument("--out", default="bench-results/transport_native.json")
     args = ap.parse_args(argv)
     if args.registered:
