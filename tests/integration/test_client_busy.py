@@ -23,6 +23,7 @@ from kvfabric.errors import ErrorCode, RemoteError
 from kvfabric.testing.conformance import SERVER_KINDS
 from kvfabric.testing.servers import start_server
 from kvfabric.transport import tcp
+from kvfabric.testing import wait_for as _wait_for
 
 
 @pytest.fixture(params=["python", "native"])
@@ -44,15 +45,6 @@ def _connect_fn(name: str):
     from kvfabric.transport import native
 
     return native.connect
-
-
-def _wait_for(cond, timeout_s: float = 15.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 @pytest.mark.parametrize("tname", ["tcp", "native"])

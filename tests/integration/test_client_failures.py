@@ -14,16 +14,7 @@ import pytest
 from kvfabric import sharding
 from kvfabric.errors import RemoteError
 from kvfabric.testing.conformance import start_pool_of
-
-
-def _wait_for(cond, timeout_s: float = 15.0) -> bool:
-    """Poll ``cond`` until true or ``timeout_s`` passes (bounded; returns the last value)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
+from kvfabric.testing import wait_for as _wait_for
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ import pytest
 
 from kvfabric import protocol as P
 from kvfabric.errors import ErrorCode
-from kvfabric.testing import start_server
+from kvfabric.testing import start_server, wait_for
 
 STALL_S = 0.5
 
@@ -111,16 +111,6 @@ def stats(server) -> dict:
     with connect(server) as s:
         meta, _ = request(s, P.Op.STATS, {})
     return meta
-
-
-def wait_for(pred, timeout_s: float = 10.0):
-    """Poll ``pred`` until it returns a truthy value (the server acts asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------ cases

@@ -16,6 +16,7 @@ from kvfabric import protocol
 native = pytest.importorskip("kvfabric._native", reason="the C extension kvfabric._native is not built")
 
 from kvfabric.server.native import NativeServer  # noqa: E402
+from kvfabric.testing.servers import start_server  # noqa: E402
 
 
 @pytest.fixture
@@ -24,6 +25,21 @@ def server():
     srv = NativeServer(capacity=16 << 20).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def py_server():
+    """A Python (reference) server process with a 64 MiB arena, shared by a module's tests."""
+    with start_server(capacity="64MiB") as srv:
+        yield srv
+
+
+@pytest.fixture(params=["python", "native"])
+def address(request, make_server):
+    """The address of a Python server and, in a second run, of a native server (64 MiB each)."""
+    if request.param == "python":
+        return request.getfixturevalue("py_server").address
+    return make_server(capacity=64 << 20).address
 
 
 @pytest.fixture

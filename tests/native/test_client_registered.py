@@ -19,23 +19,9 @@ import pytest
 
 from kvfabric import Client, ClientConfig
 from kvfabric.errors import NativeError
-from kvfabric.testing.servers import start_server
 from kvfabric.transport import native as tn
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def py_server():
-    with start_server(capacity="64MiB") as srv:
-        yield srv
-
-
-@pytest.fixture(params=["python", "native"])
-def address(request, make_server):
-    if request.param == "python":
-        return request.getfixturevalue("py_server").address
-    return make_server(capacity=64 << 20).address
 
 
 def _data(seed: int, n: int, size: int) -> tuple[list[bytes], list[bytes]]:

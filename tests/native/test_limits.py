@@ -16,15 +16,7 @@ import pytest
 from kvfabric import protocol as p
 from kvfabric.errors import ErrorCode, RemoteError
 from kvfabric.transport import tcp
-
-
-def wait_for(cond, timeout_s=15.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
+from kvfabric.testing import wait_for
 
 
 def _try_connect(address):

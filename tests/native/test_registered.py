@@ -20,23 +20,9 @@ import pytest
 from kvfabric import protocol
 from kvfabric.errors import ConnectionClosed, DeadlineExceeded, TransportUnavailable
 from kvfabric.protocol import GetReply, GetRequest, HelloReply, PutRequest
-from kvfabric.testing.servers import start_server
 from kvfabric.transport import native as tn
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def py_server():
-    with start_server(capacity="64MiB") as srv:
-        yield srv
-
-
-@pytest.fixture(params=["python", "native"])
-def address(request, make_server):
-    if request.param == "python":
-        return request.getfixturevalue("py_server").address
-    return make_server(capacity=64 << 20).address
 
 
 def _objects(seed: int, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:

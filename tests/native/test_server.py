@@ -14,6 +14,7 @@ import pytest
 from kvfabric import protocol as p
 from kvfabric.errors import ErrorCode, RemoteError, TransportUnavailable
 from kvfabric.transport import tcp
+from kvfabric.testing import wait_for
 
 MiB = 1 << 20
 
@@ -102,15 +103,6 @@ def test_many_requests_in_flight_on_one_connection(raw, server):
         assert p.unpack_header(f).request_id == 1000 + i and f.endswith(values[i])
     sender.join()
     assert server.stats()["puts"] == 200
-
-
-def wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_lru_eviction_order_is_the_policys(make_server):
