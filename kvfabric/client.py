@@ -134,7 +134,9 @@ class Client:
         set. Limits are checked now (ValueError, nothing changed); a connection
         that cannot register later keeps recvmsg, logged and counted in
         ``stats()["client"]["buffer_registration_failures"]``. The buffers stay
-        exported (not resizable) until :meth:`unregister_buffers` or ``close``.
+        exported (a bytearray cannot be resized) while any connection holds
+        them: after :meth:`unregister_buffers` or a replacement, until each
+        connection is next used, and at the latest until ``close``.
         """
         self._check_open()
         from .transport.native import check_registration
