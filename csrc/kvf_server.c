@@ -1,5 +1,11 @@
 /* kvf_server.c: the io_uring event loop of the native server (see kvf_server.h).
  *
+ * Owns the server object (new/run/stop/free), the listeners and accept, the
+ * connection lifetime (close, destroy), the receive path (header, metadata,
+ * objects, drain), CQE dispatch, the stall / min-rate sweep and the retry of
+ * PUTs parked waiting for space. The reply send path is kvf_send.c, the
+ * request handlers kvf_ops.c.
+ *
  * user_data of every SQE is a pointer with a tag in its low 3 bits:
  *   T_ACCEPT   &srv->tag_tcp / &srv->tag_unix  (listener)
  *   T_EFD      &srv->tag_efd                   (eventfd: stop / space round done)
@@ -25,12 +31,7 @@
 
 #include "kvf_hash.h"
 
-enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
-#define TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
-#define ZC_MIN 16384u          /* smaller objects are cheaper to copy than to pin */
-#define FIXED_CHUNK (1ull << 30) /* registered buffers are at most 1 GiB each */
-
-static struct io_uring_sqe *sqe_get(struct kvf_server *s)
+struct io_uring_sqe *kvf_sqe_get(struct kvf_server *s)
 {
     struct io_uring_sqe *q = kvf_ring_sqe(&s->ring);
     if (!q) {
@@ -44,106 +45,36 @@ static struct io_uring_sqe *sqe_get(struct kvf_server *s)
 
 static void arm_accept(struct kvf_server *s, int fd, uint64_t *tag)
 {
-    struct io_uring_sqe *q = sqe_get(s);
+    struct io_uring_sqe *q = kvf_sqe_get(s);
     if (!q) return;
     q->opcode = IORING_OP_ACCEPT;
     q->fd = fd;
     q->accept_flags = SOCK_CLOEXEC;
-    q->user_data = TAG(tag, T_ACCEPT);
+    q->user_data = KVF_TAG(tag, T_ACCEPT);
 }
 
 static void arm_efd(struct kvf_server *s)
 {
-    struct io_uring_sqe *q = sqe_get(s);
+    struct io_uring_sqe *q = kvf_sqe_get(s);
     if (!q) return;
     q->opcode = IORING_OP_READ;
     q->fd = s->efd;
     q->addr = (uint64_t)(uintptr_t)&s->efd_buf;
     q->len = sizeof s->efd_buf;
-    q->user_data = TAG(&s->tag_efd, T_EFD);
-}
-
-/* ---------------------------------------------------------------- replies */
-
-struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg)
-{
-    struct reply *r = calloc(1, sizeof *r);
-    if (!r) return NULL;
-    r->head = malloc(KVF_HEADER_SIZE + meta_cap);
-    r->segs = nseg ? calloc(nseg, sizeof(struct seg)) : NULL;
-    if (!r->head || (nseg && !r->segs)) { free(r->head); free(r->segs); free(r); return NULL; }
-    r->conn = c;
-    r->pass_fd = -1;
-    c->srv->live_replies++;
-    return r;
-}
-
-static void reply_try_free(struct kvf_server *s, struct reply *r)
-{
-    if (!r->done || r->notifs) return;
-    for (uint32_t i = 0; i < r->nseg; i++) kvf_store_release(s->st, r->segs[i].entry);
-    free(r->head);
-    free(r->segs);
-    free(r->iovs);
-    free(r);
-    s->live_replies--;
-}
-
-static void start_send(struct conn *c);
-
-void kvf_reply_drop(struct conn *c, struct reply *r)
-{
-    r->done = 1;
-    r->nseg = 0;
-    reply_try_free(c->srv, r);
-}
-
-/* Queue a reply whose metadata (meta_len bytes) is already at head + 32. */
-void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
-                      uint64_t payload_len)
-{
-    kvf_header_pack((struct kvf_header *)r->head, opcode, flags, c->hdr.request_id, (uint32_t)meta_len,
-                    payload_len);
-    r->head_len = KVF_HEADER_SIZE + meta_len;
-    if (c->q_tail) c->q_tail->next = r; else c->q_head = r;
-    c->q_tail = r;
-    c->nreplies++;
-    start_send(c);
-}
-
-const char *const kvf_err_names[16] = {
-    "", "BAD_MAGIC", "BAD_VERSION", "UNKNOWN_OPCODE", "MALFORMED", "TOO_MANY_KEYS", "PAYLOAD_TOO_LARGE",
-    "META_TOO_LARGE", "LENGTH_MISMATCH", "AUTH_FAILED", "TOO_MANY_IN_FLIGHT", "BUSY", "INTERNAL", "BAD_KEY",
-};
-
-void kvf_reply_error(struct conn *c, int code, const char *msg)
-{
-    struct kvf_server *s = c->srv;
-    if (code > 0 && code < 16) s->ctr.errors[code]++;
-    if (kvf_err_is_fatal(code)) c->close_after_send = 1;
-    struct reply *r = kvf_reply_new(c, 64 + strlen(msg), 0);
-    if (!r) { c->closing = 1; return; }
-    struct kvf_mw w;
-    kvf_mw_init(&w, r->head + KVF_HEADER_SIZE, 64 + strlen(msg));
-    kvf_mw_map(&w, 2);
-    kvf_mw_cstr(&w, "code");
-    kvf_mw_int(&w, code);
-    kvf_mw_cstr(&w, "message");
-    kvf_mw_cstr(&w, msg);
-    kvf_reply_finish(c, r, c->hdr.opcode, KVF_FLAG_REPLY | KVF_FLAG_ERROR, w.len, 0);
+    q->user_data = KVF_TAG(&s->tag_efd, T_EFD);
 }
 
 /* ---------------------------------------------------------------- conns */
 
 /* The min_rate bound of a frame or reply of `bytes` starting at `now` (as the
  * Python server: stall timeout + size / min_rate); 0 when there is none. */
-static int64_t rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes)
+int64_t kvf_rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes)
 {
     if (!s->cfg.min_rate || !s->cfg.stall_ms) return 0;
     return now + (int64_t)s->cfg.stall_ms + (int64_t)((double)bytes * 1000.0 / (double)s->cfg.min_rate) + 1;
 }
 
-static void conn_close(struct conn *c)
+void kvf_conn_close(struct conn *c)
 {
     if (c->closing) return;
     c->closing = 1;
@@ -162,7 +93,7 @@ static void conn_destroy(struct conn *c)
         n = r->next;
         r->done = 1;
         r->conn = NULL;
-        reply_try_free(s, r);
+        kvf_reply_try_free(s, r);
     }
     kvf_ops_conn_gone(c);
     if (c->batch_op == KVF_OP_PUT && c->rs == RS_OBJ) /* a half-received object */
@@ -186,8 +117,8 @@ static void conn_check(struct conn *c)
 
 static void post_recv(struct conn *c)
 {
-    struct io_uring_sqe *q = sqe_get(c->srv);
-    if (!q) { conn_close(c); return; }
+    struct io_uring_sqe *q = kvf_sqe_get(c->srv);
+    if (!q) { kvf_conn_close(c); return; }
     uint64_t n = c->want - c->got;
     if (n > (1u << 30)) n = 1u << 30;
     if (c->rs == RS_OBJ && n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
@@ -196,7 +127,7 @@ static void post_recv(struct conn *c)
     q->addr = (uint64_t)(uintptr_t)(c->rbuf + c->got);
     q->len = (uint32_t)n;
     q->msg_flags = MSG_WAITALL;
-    q->user_data = TAG(c, T_RECV);
+    q->user_data = KVF_TAG(c, T_RECV);
     c->refs++;
     c->recv_posted = 1;
 }
@@ -204,7 +135,7 @@ static void post_recv(struct conn *c)
 void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
 {
     if (stage == RS_OBJ) {
-        if (!c->xxh && !(c->xxh = kvf_hash_new())) { conn_close(c); return; }
+        if (!c->xxh && !(c->xxh = kvf_hash_new())) { kvf_conn_close(c); return; }
         kvf_hash_reset(c->xxh);
     }
     c->rs = stage;
@@ -216,7 +147,7 @@ void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
 
 void kvf_conn_drain(struct conn *c, uint64_t n)
 {
-    if (!c->scratch && !(c->scratch = malloc(1 << 16))) { conn_close(c); return; }
+    if (!c->scratch && !(c->scratch = malloc(1 << 16))) { kvf_conn_close(c); return; }
     c->drain_left = n;
     kvf_conn_recv_into(c, c->scratch, n < (1 << 16) ? n : (1 << 16), RS_DRAIN);
 }
@@ -264,10 +195,10 @@ static void on_header(struct conn *c)
         return;
     }
     /* the rest of the frame has stall + its size / min_rate, however it trickles */
-    c->rx_deadline_ms = rate_deadline(s, c->progress_ms, (uint64_t)c->hdr.meta_len + c->hdr.payload_len);
+    c->rx_deadline_ms = kvf_rate_deadline(s, c->progress_ms, (uint64_t)c->hdr.meta_len + c->hdr.payload_len);
     if (c->hdr.meta_len > c->meta_cap) {
         uint8_t *m = realloc(c->meta, c->hdr.meta_len);
-        if (!m) { conn_close(c); return; }
+        if (!m) { kvf_conn_close(c); return; }
         c->meta = m;
         c->meta_cap = c->hdr.meta_len;
     }
@@ -278,9 +209,9 @@ static void on_header(struct conn *c)
 static void on_recv(struct conn *c, int res)
 {
     c->recv_posted = 0;
-    if (res <= 0 || c->closing) { conn_close(c); return; }
+    if (res <= 0 || c->closing) { kvf_conn_close(c); return; }
     c->progress_ms = kvf_now_ms();
-    if (c->rs == RS_HDR && c->got == 0) c->rx_deadline_ms = rate_deadline(c->srv, c->progress_ms, KVF_HEADER_SIZE);
+    if (c->rs == RS_HDR && c->got == 0) c->rx_deadline_ms = kvf_rate_deadline(c->srv, c->progress_ms, KVF_HEADER_SIZE);
     if (c->rs == RS_OBJ) kvf_hash_update(c->xxh, c->rbuf + c->got, (size_t)res);
     c->got += (uint64_t)res;
     if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
@@ -304,163 +235,6 @@ static void on_recv(struct conn *c, int res)
         break;
     default: break;
     }
-}
-
-/* ---------------------------------------------------------------- sending */
-
-/* Hash the next chunk of a streamed-verified GET object. Returns 0, or -1
- * after a checksum mismatch: the object is dropped and the connection closed
- * before the object's last bytes go out. */
-static int verify_chunk(struct conn *c, struct seg *g)
-{
-    struct kvf_server *s = c->srv;
-    if (!g->verify || g->hashed >= g->len) return 0;
-    if (!c->xxh_tx && !(c->xxh_tx = kvf_hash_new())) { conn_close(c); return -1; }
-    if (g->hashed == 0) kvf_hash_reset(c->xxh_tx);
-    uint64_t n = g->len - g->hashed;
-    if (n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
-    kvf_hash_update(c->xxh_tx, s->base + g->off + g->hashed, (size_t)n);
-    g->hashed += n;
-    if (g->hashed == g->len && kvf_hash_digest(c->xxh_tx) != g->csum) {
-        kvf_store_drop_corrupt(s->st, g->entry);
-        conn_close(c);
-        return -1;
-    }
-    return 0;
-}
-
-/* Consume n sent bytes of reply r: head first, then the segments in order. */
-static void advance_reply(struct kvf_server *s, struct reply *r, uint64_t n)
-{
-    size_t h = r->head_len - r->head_off;
-    size_t take = n < h ? (size_t)n : h;
-    r->head_off += take;
-    n -= take;
-    while (n && r->seg < r->nseg) {
-        struct seg *g = &r->segs[r->seg];
-        uint64_t t = g->len - r->seg_off < n ? g->len - r->seg_off : n;
-        r->seg_off += t;
-        n -= t;
-        s->ctr.bytes_out += t;
-        if (r->seg_off == g->len) { r->seg++; r->seg_off = 0; }
-    }
-}
-
-/* Copying send: one SENDMSG of the head and as many verified segments as fit
- * (KVF_SEND_IOV iovecs), straight from the arena. */
-static void post_sendmsg(struct conn *c, struct reply *r, struct io_uring_sqe *q)
-{
-    struct kvf_server *s = c->srv;
-    int n = 0;
-    uint64_t total = 0;
-    if (r->head_off < r->head_len) {
-        r->iovs[n].iov_base = r->head + r->head_off;
-        r->iovs[n].iov_len = r->head_len - r->head_off;
-        total += r->iovs[n++].iov_len;
-    }
-    for (uint32_t k = r->seg; k < r->nseg && n < KVF_SEND_IOV && total < (1u << 30); k++) {
-        struct seg *g = &r->segs[k];
-        uint64_t from = k == r->seg ? r->seg_off : 0;
-        if (c->zc && g->len >= ZC_MIN) break; /* goes out zero-copy, on its own */
-        if (g->hashed > from) {
-            r->iovs[n].iov_base = s->base + g->off + from;
-            r->iovs[n].iov_len = g->hashed - from;
-            total += r->iovs[n++].iov_len;
-        }
-        if (g->hashed < g->len) break; /* the rest waits for its checksum */
-    }
-    memset(&r->mh, 0, sizeof r->mh);
-    r->mh.msg_iov = r->iovs;
-    r->mh.msg_iovlen = (size_t)n;
-    if (r->pass_fd >= 0) {
-        r->mh.msg_control = r->cmsg.buf;
-        r->mh.msg_controllen = sizeof r->cmsg.buf;
-        struct cmsghdr *cm = CMSG_FIRSTHDR(&r->mh);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(cm), &r->pass_fd, sizeof(int));
-        r->pass_fd = -1; /* attached to the first byte, sent once */
-    }
-    q->opcode = IORING_OP_SENDMSG;
-    q->fd = c->fd;
-    q->addr = (uint64_t)(uintptr_t)&r->mh;
-    /* MSG_WAITALL: io_uring retries a short send itself instead of
-     * completing it and having the loop resubmit the rest */
-    q->msg_flags = MSG_NOSIGNAL | MSG_WAITALL;
-    q->user_data = TAG(c, T_SEND);
-    s->ctr.copy_sends++;
-}
-
-static void start_send(struct conn *c)
-{
-    struct kvf_server *s = c->srv;
-    while (!c->send_posted && c->q_head && !c->closing) {
-        struct reply *r = c->q_head;
-        while (r->seg < r->nseg && r->seg_off == r->segs[r->seg].len) { r->seg++; r->seg_off = 0; }
-        if (r->head_off == r->head_len && r->seg >= r->nseg) {
-            /* reply fully sent */
-            c->q_head = r->next;
-            if (!c->q_head) c->q_tail = NULL;
-            c->nreplies--;
-            r->done = 1;
-            r->conn = NULL;
-            reply_try_free(s, r);
-            if (c->close_after_send && !c->q_head) { conn_close(c); return; }
-            if (c->rs == RS_BLOCKED && c->nreplies < s->cfg.max_in_flight) kvf_conn_next_request(c);
-            continue;
-        }
-        if (!r->deadline_ms && s->cfg.min_rate && s->cfg.stall_ms) {
-            /* a reply starts going out: the peer has stall + its size / min_rate to read it */
-            uint64_t total = r->head_len;
-            for (uint32_t k = 0; k < r->nseg; k++) total += r->segs[k].len;
-            r->deadline_ms = rate_deadline(s, kvf_now_ms(), total);
-        }
-        struct seg *g = r->seg < r->nseg ? &r->segs[r->seg] : NULL;
-        if (g && g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
-        if (!r->iovs && !(r->iovs = malloc(sizeof(struct iovec) * KVF_SEND_IOV))) { conn_close(c); return; }
-        struct io_uring_sqe *q = sqe_get(s);
-        if (!q) { conn_close(c); return; }
-        if (r->head_off == r->head_len && g && c->zc && g->len >= ZC_MIN) {
-            uint64_t off = g->off + r->seg_off, n = g->hashed - r->seg_off;
-            uint64_t chunk_end = (off / FIXED_CHUNK + 1) * FIXED_CHUNK;
-            if (off + n > chunk_end) n = chunk_end - off;
-            q->opcode = IORING_OP_SEND_ZC;
-            q->fd = c->fd;
-            q->addr = (uint64_t)(uintptr_t)(s->base + off);
-            q->len = (uint32_t)n;
-            q->msg_flags = MSG_NOSIGNAL | MSG_WAITALL |
-                           (r->seg + 1 < r->nseg || off + n < g->off + g->len ? MSG_MORE : 0);
-            if (s->fixed) {
-                q->ioprio = IORING_RECVSEND_FIXED_BUF;
-                q->buf_index = (uint16_t)(off / FIXED_CHUNK);
-            }
-            q->user_data = TAG(r, T_ZC);
-            s->ctr.zc_sends++;
-        } else {
-            post_sendmsg(c, r, q);
-        }
-        c->refs++;
-        c->send_posted = 1;
-        if (g && g->hashed < g->len) {
-            /* hash the rest while the kernel sends what is verified; the rest
-             * then goes out once it has matched */
-            kvf_ring_submit_wait(&s->ring, 0, 0);
-            while (g->hashed < g->len)
-                if (verify_chunk(c, g)) return;
-        }
-        return;
-    }
-}
-
-static void on_sent(struct conn *c, int res)
-{
-    c->send_posted = 0;
-    struct reply *r = c->q_head;
-    if (res < 0 || c->closing || !r) { conn_close(c); return; }
-    c->progress_ms = kvf_now_ms();
-    advance_reply(c->srv, r, (uint64_t)res);
-    start_send(c);
 }
 
 /* ---------------------------------------------------------------- accept */
@@ -545,7 +319,7 @@ static void sweep_stalled(struct kvf_server *s, int64_t now)
         int stalled = now - c->progress_ms >= (int64_t)s->cfg.stall_ms && (mid_frame || sending);
         if (stalled || late) {
             if (stalled) s->ctr.stalled++; else s->ctr.too_slow++;
-            conn_close(c);
+            kvf_conn_close(c);
         }
     }
 }
@@ -590,22 +364,20 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
     case T_SEND: {
         struct conn *c = p;
         c->refs--;
-        on_sent(c, cqe->res);
+        kvf_conn_sent(c, cqe->res);
         conn_check(c);
         break;
     }
     case T_ZC: {
         struct reply *r = p;
         if (cqe->flags & IORING_CQE_F_NOTIF) {
-            if (cqe->res & IORING_NOTIF_USAGE_ZC_COPIED) s->ctr.zc_copied_notifs++;
-            r->notifs--;
-            reply_try_free(s, r);
+            kvf_reply_zc_notif(s, r, cqe->res);
             break;
         }
         if (cqe->flags & IORING_CQE_F_MORE) r->notifs++;
         struct conn *c = r->conn;
         c->refs--;
-        on_sent(c, cqe->res);
+        kvf_conn_sent(c, cqe->res);
         conn_check(c);
         break;
     }
@@ -648,13 +420,13 @@ int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
     s->zerocopy = cfg->zerocopy != 0 && zc;
     if (s->zerocopy) {
         uint64_t cap = kvf_store_capacity(s->st);
-        unsigned n = (unsigned)((cap + FIXED_CHUNK - 1) / FIXED_CHUNK);
+        unsigned n = (unsigned)((cap + KVF_FIXED_CHUNK - 1) / KVF_FIXED_CHUNK);
         struct iovec iov[64];
         if (n <= 64) {
             for (unsigned i = 0; i < n; i++) {
-                iov[i].iov_base = s->base + (uint64_t)i * FIXED_CHUNK;
-                uint64_t left = cap - (uint64_t)i * FIXED_CHUNK;
-                iov[i].iov_len = left < FIXED_CHUNK ? left : FIXED_CHUNK;
+                iov[i].iov_base = s->base + (uint64_t)i * KVF_FIXED_CHUNK;
+                uint64_t left = cap - (uint64_t)i * KVF_FIXED_CHUNK;
+                iov[i].iov_len = left < KVF_FIXED_CHUNK ? left : KVF_FIXED_CHUNK;
             }
             s->fixed = kvf_ring_register_buffers(&s->ring, iov, n) == 0;
         }
@@ -677,11 +449,11 @@ int kvf_server_run(struct kvf_server *s)
         if (s->stop) {
             if (!stop_at) {
                 stop_at = kvf_now_ms() + 2000;
-                for (struct conn *c = s->conns; c; c = c->next) conn_close(c);
+                for (struct conn *c = s->conns; c; c = c->next) kvf_conn_close(c);
                 /* listeners: the owner closes the fds; cancel our accepts */
                 struct io_uring_sqe *q;
-                if ((q = sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = TAG(&s->tag_tcp, T_ACCEPT); }
-                if ((q = sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = TAG(&s->tag_unix, T_ACCEPT); }
+                if ((q = kvf_sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = KVF_TAG(&s->tag_tcp, T_ACCEPT); }
+                if ((q = kvf_sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = KVF_TAG(&s->tag_unix, T_ACCEPT); }
             }
             if ((!s->conns && !s->live_replies) || kvf_now_ms() > stop_at) break;
         }

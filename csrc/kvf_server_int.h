@@ -1,5 +1,6 @@
-/* kvf_server_int.h: state shared by the loop (kvf_server.c) and the request
- * handlers (kvf_ops.c). Not part of the extension's interface. */
+/* kvf_server_int.h: state shared by the loop (kvf_server.c), the reply send
+ * path (kvf_send.c) and the request handlers (kvf_ops.c). Not part of the
+ * extension's interface. */
 #ifndef KVF_SERVER_INT_H
 #define KVF_SERVER_INT_H
 
@@ -22,6 +23,10 @@ enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP };
  * larger ones chunk by chunk while they are sent (bounded loop stalls). */
 #define KVF_VERIFY_WHOLE (4u << 20)
 #define KVF_SEND_IOV 64
+#define KVF_FIXED_CHUNK (1ull << 30) /* registered buffers are at most 1 GiB each */
+/* SQE user_data: a pointer tagged in its low 3 bits (see kvf_server.c) */
+enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
+#define KVF_TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
 enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
 
 struct seg {
@@ -125,17 +130,37 @@ struct kvf_server {
 };
 
 /* kvf_server.c */
+/* A free SQE (submits pending ones first when the ring is full); NULL if none
+ * could be freed: callers close the connection (treat it as -EBUSY). */
+struct io_uring_sqe *kvf_sqe_get(struct kvf_server *s);
+/* min_rate bound of a frame or reply of `bytes` starting at `now`: an absolute
+ * time in ms, or 0 when there is none. */
+int64_t kvf_rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes);
+/* Start closing c (shutdown completes its SQEs; destroyed once none is left);
+ * no return, idempotent. */
+void kvf_conn_close(struct conn *c);
+void kvf_conn_drain(struct conn *c, uint64_t n);
+void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
+void kvf_conn_next_request(struct conn *c);
+void kvf_conn_park(struct conn *c, uint64_t bytes);
+uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
+
+/* kvf_send.c */
 extern const char *const kvf_err_names[16];
 struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);
 void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
                       uint64_t payload_len);
 void kvf_reply_error(struct conn *c, int code, const char *msg);
 void kvf_reply_drop(struct conn *c, struct reply *r); /* never queued */
-void kvf_conn_drain(struct conn *c, uint64_t n);
-void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
-void kvf_conn_next_request(struct conn *c);
-void kvf_conn_park(struct conn *c, uint64_t bytes);
-uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
+/* Free r (releasing its slot pins) once it is done and no zero-copy
+ * notification is outstanding; otherwise nothing. No return. */
+void kvf_reply_try_free(struct kvf_server *s, struct reply *r);
+/* A SENDMSG/SEND_ZC of c's head reply completed with res (bytes or -errno):
+ * account it and post the next send; closes c on error. No return. */
+void kvf_conn_sent(struct conn *c, int res);
+/* A SEND_ZC notification CQE (res: its flags) for r: the kernel is done with
+ * the pages; frees r if nothing else is pending. No return. */
+void kvf_reply_zc_notif(struct kvf_server *s, struct reply *r, int res);
 
 /* kvf_ops.c */
 void kvf_ops_request(struct conn *c);          /* header + meta are in */
