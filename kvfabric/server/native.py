@@ -8,7 +8,7 @@ HOST:PORT`` line once listening and exits 0 after SIGTERM/SIGINT.
 
 Division of work
 ----------------
-* C (``kvfabric._native.Server``, csrc/kvf_server.c + kvf_ops.c + kvf_store.c)
+* C (``kvfabric._native.Server``, csrc/kvf_server.c + kvf_send.c + kvf_ops.c + kvf_store.c)
   owns the arena (a memfd), the index, the allocator and every byte: it
   accepts, parses frames, receives PUT objects straight into arena slots,
   verifies and commits them, and sends GET replies from the slots
