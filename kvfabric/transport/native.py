@@ -110,6 +110,17 @@ def connect(
     return conn
 
 
+def _writable_view(buf: Any, what: str) -> memoryview:
+    """``memoryview(buf)``, or ValueError naming ``what`` when it is not a writable contiguous buffer."""
+    try:
+        v = memoryview(buf)
+    except TypeError as e:
+        raise ValueError(f"{what} does not support the buffer protocol: {e}") from None
+    if v.readonly or not v.c_contiguous:
+        raise ValueError(f"{what} is read-only or not contiguous")
+    return v
+
+
 def check_registration(
     buffers: Sequence[Any], *, max_buffers: int = MAX_REGISTERED_BUFFERS, max_bytes: int = MAX_REGISTERED_BYTES
 ) -> list[Any]:
@@ -126,12 +137,7 @@ def check_registration(
         raise ValueError(f"register_buffers: {len(bufs)} buffers, the limit is {max_buffers}")
     total = 0
     for i, b in enumerate(bufs):
-        try:
-            v = memoryview(b)
-        except TypeError as e:
-            raise ValueError(f"register_buffers: buffer {i} does not support the buffer protocol: {e}") from None
-        if v.readonly or not v.c_contiguous:
-            raise ValueError(f"register_buffers: buffer {i} is read-only or not contiguous")
+        v = _writable_view(b, f"register_buffers: buffer {i}")
         if v.nbytes == 0 or v.nbytes > MAX_REGISTERED_BUFFER_BYTES:
             raise ValueError(f"register_buffers: buffer {i} holds {v.nbytes} bytes (1 B..{MAX_REGISTERED_BUFFER_BYTES})")
         total += v.nbytes
@@ -302,12 +308,7 @@ class NativeConnection(SocketConnection):
                 raise ValueError(f"{len(recv_buffers)} recv buffers for {len(msg.keys)} keys")
             recv_buffers = list(recv_buffers)
             for i, b in enumerate(recv_buffers):  # checked before sending: C must not fail mid-stream
-                try:
-                    v = memoryview(b)
-                except TypeError as e:
-                    raise ValueError(f"GET buffer {i} does not support the buffer protocol: {e}") from None
-                if v.readonly or not v.c_contiguous:
-                    raise ValueError(f"GET buffer {i} is read-only or not contiguous")
+                _writable_view(b, f"GET buffer {i}")
         rid = self._next_id
         self._next_id += 1
         return msg, rid, protocol.encode_meta(msg.to_meta()), parts, recv_buffers
