@@ -45,6 +45,7 @@ def test_a_connection_over_the_bound_gets_busy_then_a_freed_slot_is_reused(make_
         assert st["connections"] == 2
         assert st["connections_refused"] >= 3
         assert st["errors"].get("BUSY", 0) >= 3
+        assert srv.stats()["connections_refused"] == st["connections_refused"]  # in-process view agrees
         # the held connections still work
         for c in held:
             assert isinstance(c.request(p.PingRequest()).msg, p.PingReply)
@@ -86,6 +87,7 @@ def test_a_trickling_put_is_dropped_at_the_min_rate_bound_while_a_normal_put_wor
     try:
         st = c.request(p.StatsRequest()).msg.stats
         assert st["slow_connections"] == 1 and st["stalled_connections"] == 0, st
+        assert (srv.stats()["slow_connections"], srv.stats()["stalled_connections"]) == (1, 0)
         # objects that landed before the drop are stored; the half-received one is not
         assert st["objects"] < n and st["pinned"] == 0, st
         assert srv.stats()["free_bytes"] == free - st["objects"] * 4096  # one page each, nothing left reserved
