@@ -215,14 +215,19 @@ class _Shard:
 
     def acquire(self, deadline: float) -> transport.Connection:
         """A connection for the caller's exclusive use; raises _Down, _Busy or a connect error."""
+        conn = self._checkout(deadline)
+        if self._registration is not None:
+            self._registration.apply(conn)
+        return conn
+
+    def _checkout(self, deadline: float) -> transport.Connection:
+        """An idle connection, or a new one while under ``connections_per_server``."""
         with self._cond:
             while True:
                 if self.down_until:
                     raise _Down()
                 if self._idle:
-                    conn = self._idle.pop()
-                    break
-                conn = None
+                    return self._idle.pop()
                 if self._open < self._config.connections_per_server:
                     self._open += 1
                     break
@@ -230,10 +235,6 @@ class _Shard:
                 if left <= 0:
                     raise _Busy()
                 self._cond.wait(left)
-        if conn is not None:
-            if self._registration is not None:
-                self._registration.apply(conn)
-            return conn
         try:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -242,8 +243,6 @@ class _Shard:
             conn = self._connect(min(self._config.connect_timeout_s, left))
             with self._cond:
                 self._conn_gen[id(conn)] = gen
-            if self._registration is not None:
-                self._registration.apply(conn)
             return conn
         except BaseException:
             with self._cond:
@@ -269,11 +268,7 @@ class _Shard:
                 return
             self.down_until = time.monotonic() + self.backoff
             self._gen += 1
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            for c in idle:
-                self._conn_gen.pop(id(c), None)
-            self._cond.notify_all()
+            idle = self._take_idle()
         for c in idle:
             c.close()
         log.warning("kvfabric: shard %s marked down (%s); retrying in %.2fs", self.address, self.last_error, self.backoff)
@@ -304,10 +299,16 @@ class _Shard:
 
     def close(self) -> None:
         with self._cond:
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            for c in idle:
-                self._conn_gen.pop(id(c), None)
-            self._cond.notify_all()
+            idle = self._take_idle()
         for c in idle:
             c.close()
+
+    def _take_idle(self) -> list[transport.Connection]:
+        """Remove every idle connection from the pool and wake waiters; the caller holds
+        ``self._cond`` and closes the returned connections after releasing it."""
+        idle, self._idle = self._idle, []
+        self._open -= len(idle)
+        for c in idle:
+            self._conn_gen.pop(id(c), None)
+        self._cond.notify_all()
+        return idle
