@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from kvfabric import Client
-from kvfabric.testing.servers import start_pool
+from kvfabric.testing.servers import start_pool, stop_process_group
 
 
 def free_port() -> int:
@@ -116,12 +115,7 @@ def main() -> int:
                     for addr, s in c.stats()["servers"].items():
                         print(f"pool server {addr}: {s['objects']} chunks stored, {s['hits']} chunk hits")
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                stop_process_group(proc)
     return 0
 
 

@@ -56,6 +56,17 @@ LISTENING_PREFIX = "kvfabric serve: listening on "
 _live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 
 
+def stop_process_group(popen: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM the process group ``popen`` leads (started with ``start_new_session=True``),
+    wait up to ``timeout_s``, then SIGKILL the group; returns the exit status."""
+    os.killpg(popen.pid, signal.SIGTERM)
+    try:
+        return popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        return popen.wait()
+
+
 class ServerProcess:
     """One running ``kvfabric serve`` subprocess (see the module docstring)."""
 

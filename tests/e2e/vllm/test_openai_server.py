@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import urllib.error
 import urllib.request
 
 from kvfabric import Client
-from kvfabric.testing.servers import start_pool
+from kvfabric.testing.servers import start_pool, stop_process_group
 
 from conftest import CHUNK, LOADABLE, PROMPTS
 
@@ -75,12 +74,7 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
             with Client(pool.addresses) as c:
                 after = c.stats()["servers"][pool.addresses[0]]
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_process_group(proc)
     assert first["choices"][0]["token_ids"] == cold["openai"]
     assert second["choices"][0]["token_ids"] == cold["openai"]
     assert before["objects"] == len(prompt) // CHUNK
