@@ -18,7 +18,9 @@ Batched forms are offered, and LMCache uses them:
   object is decoded (:mod:`.value`), a memory object is allocated with
   ``local_cpu_backend.allocate(shapes, dtypes, fmt)`` and the bytes copied in.
 * ``batched_put``: one ``Client.put`` of header+bytes per chunk, staged in
-  reused buffers.
+  reused buffers; the copy into them happens on the loop before the put is
+  queued (LMCache frees its allocator at teardown before closing this
+  backend, so nothing may read its memory objects later).
 
 Failures degrade to misses: a dead, slow or refusing shard is a miss inside
 the client already; a ``KVFabricError`` that still escapes (a closed client),
@@ -264,18 +266,23 @@ class KVFabricConnector(RemoteConnector):
     def support_batched_put(self) -> bool:
         return True
 
-    def _store(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
-        if len(keys) != len(objs):
-            raise ValueError(f"{len(keys)} keys but {len(objs)} memory objects")
-        if not keys:
-            return
-        ks = self.keymap.many(keys)
+    def _encode(self, objs: list[MemoryObj]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(scratch buffers taken, header+bytes value per chunk): the one copy out of LMCache's memory."""
         bufs = self._scratch.take(len(objs))
         try:
             values = [
                 value.encode_into(o, b) if value.encoded_size(o) <= b.size else value.encode(o)
                 for o, b in zip(objs, bufs)
             ]
+        except BaseException:
+            self._scratch.give(bufs)
+            raise
+        return bufs, values
+
+    def _send(self, keys: list[CacheEngineKey], values: list[np.ndarray], bufs: list[np.ndarray]) -> None:
+        """PUT the encoded chunks (blocking), then hand the scratch buffers back."""
+        try:
+            ks = self.keymap.many(keys)
             res = self._guard("put", None, lambda: self.client.put(ks, values))
         finally:
             self._scratch.give(bufs)
@@ -285,9 +292,23 @@ class KVFabricConnector(RemoteConnector):
             self._count(puts=len(keys), puts_stored=res.stored, puts_existed=res.existed, puts_dropped=res.dropped)
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        """Store the chunks; reference counts stay with LMCache's wrapper (released after we return)."""
+        """Store the chunks. The bytes are copied out of LMCache's memory objects here, on the
+        loop, before the put waits for an I/O thread: LMCache's teardown frees its allocator
+        (``LocalCPUBackend.close``) before it closes this backend, whatever the reference
+        counts say, so a queued put that still read the memory objects could read freed memory
+        (seen: a segfault at engine destroy with puts queued behind connects to a dead pool)."""
         keys, objs = list(keys), list(memory_objs)
-        await self._off_loop(lambda: self._store(keys, objs))
+        if len(keys) != len(objs):
+            raise ValueError(f"{len(keys)} keys but {len(objs)} memory objects")
+        if not keys:
+            return
+        bufs, values = self._encode(objs)
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._io, lambda: self._send(keys, values, bufs))
+        except BaseException:  # not queued (connector closed): _send will not give the buffers back
+            self._scratch.give(bufs)
+            raise
+        await fut
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         await self.batched_put([key], [memory_obj])

@@ -16,7 +16,7 @@ from kvfabric import Client, sharding
 from kvfabric_lmcache.keymap import KeyMapper
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
-from lmcache_helpers import HIDDEN, LAYERS, DTYPE, engine_config, kvfabric_connector, wait_until
+from lmcache_helpers import CHUNK, HIDDEN, LAYERS, DTYPE, engine_config, kvfabric_connector, wait_until
 
 pytestmark = pytest.mark.lmcache
 
@@ -136,6 +136,23 @@ def test_pool_never_reachable_engine_still_runs(engines) -> None:
     e.store(tokens, kv=kv)
     assert e.lookup(tokens) == 0
     assert int(e.retrieve(tokens, kv=torch.zeros_like(kv)).sum()) == 0
+
+
+def test_destroy_with_puts_queued_behind_a_dead_pool_reads_no_freed_memory(engines) -> None:
+    # LMCache's destroy frees its allocator (LocalCPUBackend.close) before it closes the remote
+    # backend; puts still queued behind connects to a dead pool must not read the memory objects
+    # then (they did once: a segfault in encode_into). The chunk bytes are copied on submission.
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
+    url = f"kvfabric://127.0.0.1:{silent.getsockname()[1]}?timeout_s=0.5&connect_timeout_s=0.3&io_threads=1"
+    name, e = engines(engine_config(url))
+    conn = kvfabric_connector(e)
+    for seed in range(6):
+        tokens, kv = prompt(seed=40 + seed)
+        e.store(tokens, kv=kv)
+    LMCacheEngineBuilder.destroy(name)  # with puts still queued
+    silent.close()
+    counts = conn.counts()
+    assert counts["puts"] == counts["puts_dropped"] == 6 * -(-TOKENS // CHUNK), counts  # every chunk settled
 
 
 @pytest.mark.parametrize("garbage_bytes", [1000, 600_000])  # fits the receive buffer / larger than a chunk
