@@ -6,7 +6,7 @@
 #    fails instead of silently skipping), then tests/native;
 # 2. an AddressSanitizer build in a copy of the tree under .venvs/native-asan/
 #    (so the dev build is untouched), then tests/native and every conformance
-#    pair that involves native code (python-native, native-tcp, native-native,
+#    pair that involves native code (reference-native, native-tcp, native-native,
 #    native-shm) with libasan preloaded; server subprocesses inherit it.
 # Needs gcc, the Python headers and <linux/io_uring.h>; nothing else.
 set -euo pipefail
@@ -38,5 +38,5 @@ export LD_PRELOAD=$LIBASAN ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 PYTHONPA
 "$PY" -c "import kvfabric._native as n, sys; assert n.__file__.startswith('$WORK/src'), n.__file__"
 "$PY" -m pytest -q -p no:cacheprovider tests/native
 "$PY" -m pytest -q -p no:cacheprovider tests/integration \
-  -k "python-native or native-tcp or native-native or native-shm"
+  -k "reference-native or native-tcp or native-native or native-shm"
 echo "ci-native: all passed"

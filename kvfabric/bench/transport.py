@@ -315,7 +315,7 @@ def _server_kind_for(transport_name: str) -> str:
     kinds = [server_kind for server_kind, client_transport in TRANSPORT_PAIRS if client_transport == transport_name]
     if transport_name in kinds:
         return transport_name
-    return kinds[0] if kinds else "python"
+    return kinds[0] if kinds else "reference"
 
 
 class _TransportBench:

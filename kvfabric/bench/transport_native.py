@@ -75,16 +75,18 @@ from ..config import ClientConfig, parse_size
 
 MiB = 1 << 20
 
+#: the pure-Python reference server's module (the ``>py`` paths); ``kvfabric`` is the product server
+REFERENCE = "kvfabric.testing.reference"
 # path name -> (server module, client transport, extra server arguments)
 PATHS = {
-    "tcp": ("kvfabric", "tcp", []),
-    "tcp>native": ("kvfabric.server.native", "tcp", []),
-    "native": ("kvfabric.server.native", "native", []),
-    "native+zc": ("kvfabric.server.native", "native", ["--zerocopy", "on"]),
-    "native>py": ("kvfabric", "native", []),
-    "shm": ("kvfabric.server.native", "shm", []),
-    "native+reg": ("kvfabric.server.native", "native", []),
-    "native>py+reg": ("kvfabric", "native", []),
+    "tcp": (REFERENCE, "tcp", []),
+    "tcp>native": ("kvfabric", "tcp", []),
+    "native": ("kvfabric", "native", []),
+    "native+zc": ("kvfabric", "native", ["--zerocopy", "on"]),
+    "native>py": (REFERENCE, "native", []),
+    "shm": ("kvfabric", "shm", ["--transports", "tcp,native,shm"]),
+    "native+reg": ("kvfabric", "native", []),
+    "native>py+reg": (REFERENCE, "native", []),
 }
 #: paths whose GET buffers are registered; run only when asked (``--registered`` or ``--paths``)
 REGISTERED = ("native+reg", "native>py+reg")
@@ -119,7 +121,7 @@ class _Path:
         from ..testing.servers import start_server
 
         module, tname, extra = PATHS[name]
-        if module == "kvfabric.server.native":
+        if module == "kvfabric":
             extra = [*extra, *native_args]
         self.name, self.size, self.batch = name, size, batch
         self.server = start_server(capacity=capacity, module=module, extra_args=extra)

@@ -1,6 +1,10 @@
-"""``kvfabric serve``: run one pool server process until SIGTERM/SIGINT.
+"""``kvfabric serve``: run the pool server (the C io_uring data plane) until SIGTERM/SIGINT.
 
-Once the listener is bound it prints exactly one line to stdout, flushed::
+There is one product server: :class:`kvfabric.server.native.NativeServer`,
+whose data plane is the C extension ``kvfabric._native`` (csrc/). This module
+is its command line: it parses and validates the options, starts the server
+and, once the server can answer (the listening socket is opened only then),
+prints exactly one line to stdout, flushed::
 
     kvfabric serve: listening on 127.0.0.1:7070
 
@@ -8,91 +12,93 @@ Once the listener is bound it prints exactly one line to stdout, flushed::
 ``kvfabric.testing.servers`` waits for. SIGTERM or SIGINT: stop accepting,
 let frames in flight finish, exit 0.
 
-Transports other than ``tcp`` (``--transports tcp,native``) are plug-ins:
-for a name ``X`` the module ``kvfabric.server.X`` is imported and its
-``start_transport(ctx: ServerContext)`` called; it returns an object with
-``close()``. A transport that is asked for but cannot start is an error (exit
-status 2), never a silent fallback.
+Transports offered by default: ``tcp`` (plain frames; any client) and
+``native`` (the same frames, served by the io_uring plane to the C client).
+``shm`` (same-host clients map the arena) is offered only when asked for
+(``--transports tcp,native,shm``), because an attached client maps the whole
+arena: it is for trusted engines on the same host.
+
+A machine where the extension did not build gets one clear error saying what
+to install and how to rebuild, and exit status 2; it never falls back to a
+different server. The pure-Python server that used to be ``--data-plane
+python`` is now the executable reference of the test suite
+(``python -m kvfabric.testing.reference serve``), not a product mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from ..config import parse_size
-from ..errors import ConfigError
+from ..errors import ConfigError, TransportUnavailable
 from .eviction import POLICIES
-from .handlers import Handlers
-from .store import DEFAULT_MAX_LEASE_MS, Store
-from .tcp import TcpServer
 
 log = logging.getLogger("kvfabric.server")
 
 LISTENING_PREFIX = "kvfabric serve: listening on "
 
+#: Default cap on LOOKUP (and shm) leases, in milliseconds.
+DEFAULT_MAX_LEASE_MS = 60_000
 
-@dataclass
-class ServerContext:
-    """What a transport plug-in gets: the shared store and handlers, and the parsed options."""
+#: What to tell a user whose installation has no C extension.
+BUILD_HINT = (
+    "the pool server needs kvfabric's C extension (kvfabric._native), which was not built{why}. "
+    "Install a C compiler and the Python headers (Debian/Ubuntu: apt-get install gcc python3-dev; "
+    "the kernel headers must provide linux/io_uring.h), then rebuild: "
+    "KVFABRIC_NATIVE_REQUIRED=1 pip install --force-reinstall --no-deps .  "
+    "(or, in a source checkout, KVFABRIC_NATIVE_REQUIRED=1 python setup.py build_ext --inplace)"
+)
 
-    store: Store
-    handlers: Handlers
-    host: str
-    tcp_port: int
-    args: argparse.Namespace
 
-
-def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a kvfabric pool server.")
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every pool server process takes (the product server and the test reference)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=7070, help="TCP port; 0 picks a free one (default 7070)")
     p.add_argument("--capacity", default="4GiB", help="arena size, e.g. 4GiB, 512MiB (default 4GiB)")
     p.add_argument("--policy", default="lru", help=f"eviction policy (known: {', '.join(sorted(POLICIES))})")
-    p.add_argument("--auth-token", default=None, help="require this token in HELLO")
+    p.add_argument("--auth-token", default=None, help="require this token in HELLO (must not be empty)")
     p.add_argument("--auth-token-file", default=None, help="read the auth token from this file")
     p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections (default 1024)")
     p.add_argument("--stall-timeout", type=float, default=10.0, help="seconds a peer may stall mid-frame (default 10)")
     p.add_argument("--min-rate", default="1MiB", help="slowest accepted transfer rate per frame, bytes/s (default 1MiB)")
-    p.add_argument("--max-lease-ms", type=int, default=DEFAULT_MAX_LEASE_MS, help="cap on LOOKUP leases")
-    p.add_argument("--transports", default="tcp", help="comma-separated transports to offer (default tcp)")
+    p.add_argument("--max-lease-ms", type=int, default=DEFAULT_MAX_LEASE_MS,
+                   help=f"cap on LOOKUP and shm leases (default {DEFAULT_MAX_LEASE_MS})")
     p.add_argument("--server-id", default=None, help="id reported in HELLO/STATS (default host:port)")
-    p.add_argument("--memfd", action="store_true", help="back the arena with a memfd (for same-host transports)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument(
-        "--data-plane", default="python", choices=DATA_PLANES,
-        help="python: this process's connection threads over the Python store (default); native: the io_uring "
-             "data plane in C (kvfabric.server.native; also takes --zerocopy and --evict-watermarks)",
-    )
+
+
+def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a kvfabric pool server (the C io_uring data plane).")
+    add_common_arguments(p)
+    p.add_argument("--transports", default="tcp,native",
+                   help="comma-separated transports to offer: tcp, native, shm (default tcp,native; shm only "
+                        "when asked for: an attached same-host client maps the arena)")
+    p.add_argument("--zerocopy", default="auto", choices=["auto", "on", "off"],
+                   help="IORING_OP_SEND_ZC for GET replies (default: for peers off this host, when the kernel has it)")
+    p.add_argument("--evict-watermarks", default="auto", metavar="LOW,HIGH",
+                   help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
+                        "is free; 0,0 evicts only when a PUT finds no room (default auto: 64 MiB / "
+                        "128 MiB, at most 5%% / 10%% of the capacity)")
     return p
 
 
-DATA_PLANES = ("python", "native")
-
-
-def _data_plane(argv: list[str]) -> str:
-    """The ``--data-plane`` in ``argv``, read before the full parse (the native server has extra options)."""
-    pre = argparse.ArgumentParser(prog="kvfabric serve", add_help=False)
-    pre.add_argument("--data-plane", default="python", choices=DATA_PLANES)
-    known, _ = pre.parse_known_args(argv)
-    return known.data_plane
-
-
-def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str], int]:
+def _size(name: str, text: str) -> int:
     try:
-        capacity = parse_size(args.capacity)
+        return parse_size(text)
     except ConfigError as e:
-        raise SystemExit(f"kvfabric serve: --capacity: {e}") from None
-    try:
-        min_rate = parse_size(args.min_rate)
-    except ConfigError as e:
-        raise SystemExit(f"kvfabric serve: --min-rate: {e}") from None
+        raise SystemExit(f"kvfabric serve: {name}: {e}") from None
+
+
+def validate_common(args: argparse.Namespace) -> tuple[int, str | None, int]:
+    """Check the common options; returns (capacity, auth token or None, min_rate). Exits with a message."""
+    capacity = _size("--capacity", args.capacity)
+    min_rate = _size("--min-rate", args.min_rate)
     if min_rate < 1:
         raise SystemExit("kvfabric serve: --min-rate must be >= 1 byte/s")
     if capacity < 4096:
@@ -105,6 +111,10 @@ def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str], int]
         raise SystemExit("kvfabric serve: --max-connections must be >= 1")
     if args.stall_timeout <= 0:
         raise SystemExit("kvfabric serve: --stall-timeout must be > 0")
+    if not 0 <= args.max_lease_ms <= 3_600_000:
+        raise SystemExit("kvfabric serve: --max-lease-ms must be in 0..3600000")
+    if args.auth_token is not None and args.auth_token_file:
+        raise SystemExit("kvfabric serve: give --auth-token or --auth-token-file, not both")
     token = args.auth_token
     if args.auth_token_file:
         try:
@@ -114,13 +124,27 @@ def _options(args: argparse.Namespace) -> tuple[int, str | None, list[str], int]
             raise SystemExit(f"kvfabric serve: cannot read --auth-token-file: {e}") from None
         if not token:
             raise SystemExit("kvfabric serve: --auth-token-file is empty")
-    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if "tcp" not in transports:
-        raise SystemExit("kvfabric serve: --transports must include tcp (the control path and fallback)")
-    return capacity, token, transports, min_rate
+    elif token is not None and not token.strip():
+        # An empty token would be one that anyone can send; never read it as "auth off" either.
+        raise SystemExit("kvfabric serve: --auth-token must not be empty (omit it to run without authentication)")
+    return capacity, token, min_rate
 
 
-def _raise_fd_limit(want: int) -> None:
+def _watermarks(text: str, capacity: int) -> tuple[float, float]:
+    from .native import auto_watermarks
+
+    if text == "auto":
+        return auto_watermarks(capacity)
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit("kvfabric serve: --evict-watermarks must be auto or LOW,HIGH fractions, e.g. 0.02,0.05") from None
+    if not 0 <= low <= high < 1:
+        raise SystemExit("kvfabric serve: --evict-watermarks must satisfy 0 <= LOW <= HIGH < 1")
+    return low, high
+
+
+def raise_fd_limit(want: int) -> None:
     """Lift the soft open-files limit towards ``want`` (one fd per connection), within the hard limit."""
     try:
         import resource
@@ -136,70 +160,76 @@ def _raise_fd_limit(want: int) -> None:
         log.warning("cannot raise the open-files limit: %s", e)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the server; returns the exit status (0 after a clean SIGTERM/SIGINT shutdown)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if _data_plane(argv) == "native":
-        from .native import main as native_main
+def exit_2_on_bad_options(run: Callable[[list[str]], int]) -> Callable[[list[str] | None], int]:
+    """Wrap a server ``main``: a ``SystemExit("message")`` from option checking prints the message and
+    returns 2, the status argparse uses for bad usage (not Python's 1 for a string exit)."""
 
-        return native_main(argv)
-    args = build_parser().parse_args(argv)
-    capacity, token, transports, min_rate = _options(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    threading.stack_size(512 * 1024)  # many connection threads; they need little stack
-    _raise_fd_limit(args.max_connections + 64)
-
-    store = Store(capacity, args.policy, memfd=args.memfd, max_lease_ms=args.max_lease_ms)
-    handlers = Handlers(store, server_id="", transports=["tcp"], auth_token=token)
-    tcp = TcpServer(
-        handlers, args.host, args.port,
-        max_connections=args.max_connections, stall_timeout_s=args.stall_timeout, min_rate=min_rate,
-    )
-    try:
-        host, port = tcp.start()
-    except OSError as e:
-        print(f"kvfabric serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 2
-    handlers.server_id = args.server_id or f"{host}:{port}"
-
-    plugins: list[Any] = []
-    ctx = ServerContext(store, handlers, host, port, args)
-    for name in transports:
-        if name == "tcp":
-            continue
+    def main(argv: list[str] | None = None) -> int:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["serve"]:
+            argv = argv[1:]
         try:
-            module = importlib.import_module(f"kvfabric.server.{name}")
-            start = getattr(module, "start_transport", None)
-            if start is None:
-                raise RuntimeError(
-                    f"kvfabric.server.{name} has no start_transport(ctx) plug-in for this server"
-                    f" (if it is a server of its own, run: python -m kvfabric.server.{name} serve ...)"
-                )
-            plugins.append(start(ctx))
-        except Exception as e:
-            print(f"kvfabric serve: transport {name!r} is not available: {e}", file=sys.stderr)
-            for p in plugins:
-                p.close()
-            return 2
-        handlers.transports.append(name)
+            return run(argv)
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                return 2
+            raise
 
-    received: list[int] = []
+    main.__doc__ = run.__doc__
+    return main
+
+
+@exit_2_on_bad_options
+def main(argv: list[str]) -> int:
+    """Run the server; returns the exit status (0 after a clean SIGTERM/SIGINT shutdown, 2 for bad options
+    or a server that cannot start here)."""
+    args = build_parser().parse_args(argv)
+    capacity, token, min_rate = validate_common(args)
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = sorted(set(transports) - {"tcp", "native", "shm"})
+    if unknown:
+        raise SystemExit(f"kvfabric serve: unknown --transports {unknown}; known: tcp, native, shm")
+    if "tcp" not in transports:
+        raise SystemExit("kvfabric serve: --transports must include tcp (the control path and fallback)")
+    low, high = _watermarks(args.evict_watermarks, capacity)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_fd_limit(args.max_connections + 64)
+
+    from .native import NativeServer, native_unavailable_reason
+
+    why = native_unavailable_reason()
+    if why is not None:
+        print(f"kvfabric serve: {BUILD_HINT.format(why=f' ({why})')}", file=sys.stderr)
+        return 2
+    try:
+        server = NativeServer(
+            args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
+            server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
+            stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
+            max_lease_ms=args.max_lease_ms, min_rate=min_rate,
+        )
+    except (TransportUnavailable, ConfigError, OSError) as e:
+        print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)
+        return 2
+    done = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
-        received.append(signum)  # no locks, no logging here: the main thread may hold them
-        tcp.stop()  # serve_forever returns; close() below lets in-flight frames finish
+        done.set()  # no locks, no logging here: the main thread may hold them
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.warning(
-        "serving %s: capacity %d bytes, policy %s, transports %s, auth %s",
-        handlers.server_id, store.capacity, store.policy.name, ",".join(handlers.transports), "on" if token else "off",
-    )
-    print(f"{LISTENING_PREFIX}{host}:{port}", flush=True)
-    tcp.serve_forever()
-    log.info("signal %s: shutting down", received[0] if received else "?")
-    for p in plugins:
-        p.close()
-    tcp.close()  # waits for in-flight frames (up to the stall timeout + 1 s)
-    log.info("stopped")
+    server.start()
+    print(f"{LISTENING_PREFIX}{server.address}", flush=True)
+    while not done.wait(0.5):
+        if server.loop_error is not None:
+            server.stop()
+            return 1
+    log.info("signal received: shutting down")
+    server.stop()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

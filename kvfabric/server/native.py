@@ -1,10 +1,7 @@
 """The native pool server: the io_uring data plane of csrc/ with Python deciding eviction.
 
-Run it as ``kvfabric serve --data-plane native --host 127.0.0.1 --port 0
---capacity 4GiB --policy lru`` (or ``python -m kvfabric.server.native serve
-...``; the options of ``kvfabric serve`` plus ``--zerocopy`` and
-``--evict-watermarks``); it prints the same ``kvfabric serve: listening on
-HOST:PORT`` line once listening and exits 0 after SIGTERM/SIGINT.
+This is the one product server: ``kvfabric serve`` (``kvfabric/server/main.py``,
+the command line) runs :class:`NativeServer`.
 
 Division of work
 ----------------
@@ -28,16 +25,15 @@ see :mod:`kvfabric.transport.shm`.
 
 Failure: a missing extension or an io_uring that cannot be set up makes
 :class:`NativeServer` raise :class:`~kvfabric.errors.TransportUnavailable`
-(never a silent fallback to the Python server); ``main`` then exits 2.
+(never a silent fallback to another server); ``kvfabric serve`` then exits 2
+with what to install (:func:`native_unavailable_reason`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +44,7 @@ from .. import __version__, protocol
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
+from .main import DEFAULT_MAX_LEASE_MS
 
 try:
     from .. import _native
@@ -57,7 +54,6 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 log = logging.getLogger("kvfabric.server.native")
 
-LISTENING_PREFIX = "kvfabric serve: listening on "
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 _DRAIN_BATCH = 4096
 
@@ -66,6 +62,11 @@ _DRAIN_BATCH = 4096
 AUTO_LOW_BYTES = 64 << 20
 #: ... and stop once this much is free; both capped at 5% / 10% of the capacity.
 AUTO_HIGH_BYTES = 128 << 20
+
+
+def native_unavailable_reason() -> str | None:
+    """None when the C extension is importable here, else why it is not (the import error)."""
+    return None if _native is not None else _IMPORT_ERROR
 
 
 def auto_watermarks(capacity: int) -> tuple[float, float]:
@@ -118,7 +119,7 @@ class NativeServer:
         low_watermark: float = 0.0,
         high_watermark: float = 0.0,
         stall_timeout_s: float = 10.0,
-        max_lease_ms: int = 60_000,
+        max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
         min_rate: float = 1024 * 1024,
     ) -> None:
         if _native is None:
@@ -173,7 +174,7 @@ class NativeServer:
         self._high = int(capacity * high_watermark)
         self._stop = threading.Event()
         self._events_dropped = 0
-        self._loop_error: BaseException | None = None
+        self.loop_error: BaseException | None = None  # set if the io_uring loop failed (the process should stop)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -227,7 +228,7 @@ class NativeServer:
         try:
             self._srv.run()
         except BaseException as e:  # noqa: BLE001 - reported, then the process stops
-            self._loop_error = e
+            self.loop_error = e
             log.error("io_uring loop failed: %s", e)
             self._stop.set()
 
@@ -296,75 +297,3 @@ class NativeServer:
         for key in kept:
             self.policy.on_insert(key, self._sizes[key], None)
         return exhausted
-
-
-def start_transport(ctx: Any) -> Any:
-    """``kvfabric serve --transports tcp,native`` plug-in hook: not how the native server runs.
-
-    The native data plane owns its index and arena in C (so that no Python runs
-    per frame); it cannot share the Python server's store. Raises ConfigError
-    saying how to run it instead.
-    """
-    raise ConfigError(
-        "the native data plane is a server of its own: run `kvfabric serve --data-plane native ...` "
-        "(or `python -m kvfabric.server.native serve ...`; same options)"
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvfabric.server.native [serve] [kvfabric serve options]``; returns the exit status."""
-    from .main import _options, build_parser
-
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    if args_in[:1] == ["serve"]:
-        args_in = args_in[1:]
-    parser = build_parser("python -m kvfabric.server.native serve")
-    parser.add_argument("--zerocopy", default="auto", choices=["auto", "on", "off"],
-                        help="IORING_OP_SEND_ZC for GET replies (default: for peers off this host, when the kernel has it)")
-    parser.add_argument("--evict-watermarks", default="auto", metavar="LOW,HIGH",
-                        help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
-                             "is free; 0,0 evicts only when a PUT finds no room (default auto: 64 MiB / "
-                             "128 MiB, at most 5%% / 10%% of the capacity)")
-    parser.set_defaults(transports="tcp,native,shm")
-    args = parser.parse_args(args_in)
-    capacity, token, transports, min_rate = _options(args)  # shared validation with `kvfabric serve`
-    try:
-        if args.evict_watermarks == "auto":
-            low, high = auto_watermarks(capacity)
-        else:
-            low, high = (float(x) for x in args.evict_watermarks.split(","))
-    except ValueError:
-        print("kvfabric serve: --evict-watermarks must be auto or LOW,HIGH fractions, e.g. 0.02,0.05",
-              file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        server = NativeServer(
-            args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
-            server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
-            stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
-            max_lease_ms=args.max_lease_ms, min_rate=min_rate,
-        )
-    except (TransportUnavailable, ConfigError, OSError) as e:
-        print(f"kvfabric serve: the native server cannot start: {e}", file=sys.stderr)
-        return 2
-    done = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    server.start()
-    print(f"{LISTENING_PREFIX}{server.address}", flush=True)
-    while not done.wait(0.5):
-        if server._loop_error is not None:
-            server.stop()
-            return 1
-    server.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 The integration tests in ``tests/integration/test_client_*.py`` run once per
 pair in :data:`TRANSPORT_PAIRS`, so every transport passes the same suite as
-the pure-Python reference (content byte for byte, exact eviction order,
+the pure-Python reference server (content byte for byte, exact eviction order,
 checksum corruption, concurrency, a killed and restarted shard). A transport
 joins the suite by appending its pair here; a server kind by adding the
 ``start_pool`` keyword arguments that start it to :data:`SERVER_KINDS`.
@@ -20,8 +20,8 @@ from .servers import ServerPool, start_pool
 
 #: (server_kind, client_transport) pairs every test in the suite runs against.
 TRANSPORT_PAIRS: list[tuple[str, str]] = [
-    ("python", "tcp"),
-    ("python", "native"),
+    ("reference", "tcp"),
+    ("reference", "native"),
     ("native", "tcp"),
     ("native", "native"),
     ("native", "shm"),
@@ -33,9 +33,12 @@ TRANSPORT_PAIRS: list[tuple[str, str]] = [
 SOCKET_PAYLOAD_TRANSPORTS: frozenset[str] = frozenset({"tcp", "native"})
 
 #: server kind -> extra keyword arguments for :func:`kvfabric.testing.servers.start_pool`.
+#: "native" is the product server (``kvfabric serve``, csrc/'s io_uring data plane), started
+#: with shm offered so that the native-shm pair can attach; "reference" the pure-Python
+#: executable reference (:mod:`kvfabric.testing.reference`).
 SERVER_KINDS: dict[str, dict[str, Any]] = {
-    "python": {},
-    "native": {"module": "kvfabric.server.native"},  # csrc/ io_uring data plane
+    "reference": {"module": "kvfabric.testing.reference"},
+    "native": {"extra_args": ["--transports", "tcp,native,shm"]},
 }
 
 
@@ -43,13 +46,13 @@ SERVER_KINDS: dict[str, dict[str, Any]] = {
 #: so a test can fill it to exactly its capacity (the native server's command line
 #: otherwise keeps some headroom free: ``--evict-watermarks auto``).
 EXACT_CAPACITY_ARGS: dict[str, list[str]] = {
-    "python": [],
+    "reference": [],
     "native": ["--evict-watermarks", "0,0"],
 }
 
 
 def pair_id(pair: tuple[str, str]) -> str:
-    """Test id of a pair: ``"python-tcp"``."""
+    """Test id of a pair: ``"reference-tcp"``."""
     return f"{pair[0]}-{pair[1]}"
 
 

@@ -15,10 +15,10 @@ Usage::
 
 ``start_server(capacity="64MiB", policy="lru", extra_args=(), env=None,
 timeout_s=20.0, module="kvfabric")`` runs ``python -m MODULE serve --host
-127.0.0.1 --port 0`` with the same interpreter (``module=
-"kvfabric.server.native"`` starts the io_uring server, which takes the same
-options), waits until the process prints its listening line and returns a
-:class:`ServerProcess`:
+127.0.0.1 --port 0`` with the same interpreter (``kvfabric``: the product
+server, ``kvfabric serve``; ``module="kvfabric.testing.reference"`` starts the
+pure-Python reference server, which takes the common options), waits until
+the process prints its listening line and returns a :class:`ServerProcess`:
 
 * ``.address`` "127.0.0.1:PORT", ``.host``, ``.port``, ``.pid``, ``.popen``;
 * ``.stop(timeout_s=10)`` SIGTERM and wait; returns the exit status (0 = clean);
@@ -168,7 +168,7 @@ def start_server(
     *,
     env: dict[str, str] | None = None,
     timeout_s: float = 20.0,
-    module: str = "kvfabric",  # "kvfabric.server.native": the io_uring server, same options
+    module: str = "kvfabric",  # "kvfabric.testing.reference": the pure-Python reference server
 ) -> ServerProcess:
     """Start one server on a free loopback port and wait until it listens (see module docs)."""
     cmd = [

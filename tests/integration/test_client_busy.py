@@ -26,9 +26,9 @@ from kvfabric.transport import tcp
 from kvfabric.testing import wait_for as _wait_for
 
 
-@pytest.fixture(params=["python", "native"])
+@pytest.fixture(params=["reference", "native"])
 def busy_server(request):
-    """A server of each kind (Python, native io_uring) that takes one connection at a time."""
+    """A server of each kind (Python reference, native io_uring) that takes one connection at a time."""
     kw = SERVER_KINDS[request.param]
     if request.param == "native" and "native" not in transport.available():
         pytest.skip(f"the native server needs the C extension: {transport.unavailable().get('native')}")

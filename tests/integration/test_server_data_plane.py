@@ -1,4 +1,4 @@
-"""`kvfabric serve --data-plane native` starts the io_uring server behind the same command."""
+"""`kvfabric serve` is the one product server: the C io_uring data plane, offering tcp and native."""
 
 import pytest
 
@@ -8,18 +8,31 @@ from kvfabric.testing.servers import start_server
 native = pytest.importorskip("kvfabric._native", reason="the C extension is not built")
 
 
-def test_serve_data_plane_native_runs_the_native_server():
-    with start_server("16MiB", extra_args=["--data-plane", "native"]) as srv:
-        with Client([srv.address], config=ClientConfig(transport="tcp", timeout_s=10)) as c:
+def test_serve_runs_the_native_server_with_tcp_and_native_only():
+    with start_server("16MiB") as srv:
+        with Client([srv.address], config=ClientConfig(transport="auto", timeout_s=10)) as c:
             keys = [bytes([i]) * 16 for i in range(4)]
             values = [bytes([i]) * (100_000 + i) for i in range(4)]
             assert c.put(keys, values).stored == 4
             assert c.get(keys) == values
-            stats = c.stats()["servers"][srv.address]
+            st = c.stats()
+            stats = st["servers"][srv.address]
             assert stats["data_plane"].startswith("io_uring")
             assert stats["objects"] == 4
+            assert sorted(stats["transports"]) == ["native", "tcp"]  # shm only when asked for
+            assert st["client"]["transports"] == ["native"]
 
 
-def test_serve_rejects_an_unknown_data_plane():
-    with pytest.raises(RuntimeError):
-        start_server("16MiB", extra_args=["--data-plane", "carrier-pigeon"], timeout_s=10)
+@pytest.mark.parametrize("args", [["--data-plane", "python"], ["--transports", "tcp,carrier-pigeon"],
+                                  ["--transports", "native"], ["--auth-token", ""], ["--auth-token", "  "]])
+def test_serve_refuses_bad_options_with_a_message(args):
+    with pytest.raises(RuntimeError, match="exited with status 2"):
+        start_server("16MiB", extra_args=args, timeout_s=20)
+
+
+def test_the_reference_server_still_runs_for_the_tests():
+    with start_server("16MiB", module="kvfabric.testing.reference") as srv:
+        with Client([srv.address], config=ClientConfig(transport="tcp", timeout_s=10)) as c:
+            assert c.put([b"k" * 16], [b"v" * 10]).stored == 1
+            assert c.get([b"k" * 16]) == [b"v" * 10]
+            assert "data_plane" not in c.stats()["servers"][srv.address]

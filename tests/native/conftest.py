@@ -30,7 +30,7 @@ def server():
 @pytest.fixture(scope="module")
 def py_server():
     """A Python (reference) server process with a 64 MiB arena, shared by a module's tests."""
-    with start_server(capacity="64MiB") as srv:
+    with start_server(capacity="64MiB", module="kvfabric.testing.reference") as srv:
         yield srv
 
 

@@ -9,7 +9,7 @@ from kvfabric.testing.servers import start_server
 
 @pytest.fixture(scope="module")
 def py_server():
-    with start_server(capacity="16MiB") as srv:  # the pure-Python server: offers tcp only
+    with start_server(capacity="16MiB", module="kvfabric.testing.reference") as srv:  # offers tcp only
         yield srv
 
 

@@ -243,7 +243,7 @@ def test_command_line_default_evicts_ahead_of_demand():
     from kvfabric.testing.servers import start_server
 
     page = 64 << 10
-    with start_server(capacity=str(64 * page), module="kvfabric.server.native") as srv:
+    with start_server(capacity=str(64 * page), ) as srv:
         c = tcp.connect(srv.address, timeout_s=5)
         val = b"a" * page
         for i in range(64):  # exactly the capacity
