@@ -248,7 +248,10 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         from ..testing.servers import start_pool
 
         for pol in opt.policies:
-            with start_pool(opt.shards, capacity=per_shard * slot, policy=pol) as pool:
+            # evict only when a PUT finds no room, so the servers hold exactly per_shard blocks
+            # (the simulator's model); `kvfabric serve` otherwise evicts ahead of demand
+            with start_pool(opt.shards, capacity=per_shard * slot, policy=pol,
+                            extra_args=["--evict-watermarks", "0,0"]) as pool:
                 out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {pol}")
                 addresses = pool.addresses
             out.update(policy=pol, shards=opt.shards, blocks_per_shard=per_shard)

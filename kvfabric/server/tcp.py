@@ -332,8 +332,9 @@ class TcpServer:
             header = h.parse_header(session, header_buf)
         except ProtocolError as e:
             # Any header error closes: the lengths of a header that failed a
-            # check cannot be trusted to skip the rest of the frame.
-            reply = h.error_reply(session, opcode, request_id, e)
+            # check cannot be trusted to skip the rest of the frame. After a bad
+            # magic nothing in the header is a request id (request id 0, as the C server).
+            reply = h.error_reply(session, opcode, 0 if e.code == ErrorCode.BAD_MAGIC else request_id, e)
             reply.close = True
             return self._send_reply(sock, reply, HEADER_SIZE)
 

@@ -19,13 +19,13 @@ from kvfabric.transport.tcp import connect
 
 
 def find_in_process(pid: int, needle: bytes) -> list[int]:
-    """Addresses of ``needle`` in the writable anonymous mappings of ``pid``."""
+    """Addresses of ``needle`` in the writable anonymous (or memfd: the arena) mappings of ``pid``."""
     hits = []
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
         for line in maps:
             fields = line.split()
-            if not fields[1].startswith("rw") or len(fields) > 5:
-                continue  # only anonymous writable memory
+            if not fields[1].startswith("rw") or (len(fields) > 5 and not fields[5].startswith("/memfd:")):
+                continue  # only anonymous writable memory and memfd arenas
             start, end = (int(x, 16) for x in fields[0].split("-"))
             try:
                 mem.seek(start)
@@ -36,8 +36,9 @@ def find_in_process(pid: int, needle: bytes) -> list[int]:
     return hits
 
 
-def test_corrupted_object_is_a_miss_dropped_and_counted():
-    with start_server(capacity="4MiB") as srv:
+@pytest.mark.parametrize("module", ["kvfabric", "kvfabric.testing.reference"])
+def test_corrupted_object_is_a_miss_dropped_and_counted(module):
+    with start_server(capacity="4MiB", module=module) as srv:
         try:
             open(f"/proc/{srv.pid}/mem", "rb").close()
         except OSError as e:
