@@ -1,15 +1,18 @@
-"""Build of kvfabric's optional C data plane (``kvfabric._native``, sources in csrc/).
+"""Build of kvfabric's C data plane (``kvfabric._native``, sources in csrc/).
 
 Everything else about the package is in pyproject.toml. The extension needs
 only gcc, the Python headers and the kernel's ``linux/io_uring.h``; no
-liburing. If it cannot be compiled here (no compiler, no io_uring header, not
-Linux), the build prints why and the package installs without it: the
-``native`` and ``shm`` transports then report themselves unavailable and the
-pure-Python ``tcp`` transport is used (a transport forced by
-``KVFABRIC_TRANSPORT`` still raises, it never falls back silently).
+liburing. The pool server (``kvfabric serve``) is this extension, so a build
+that cannot compile it fails, and says what to install, instead of hiding it
+in pip's quiet output.
 
-``KVFABRIC_NATIVE_REQUIRED=1`` turns a failed compile into a build error
-(CI uses it); ``CFLAGS``/``LDFLAGS`` pass through (the ASan build uses them).
+``KVFABRIC_NATIVE_OPTIONAL=1`` installs a client-only package when the
+extension cannot be built (no compiler, not Linux): the client then has only
+the pure-Python ``tcp`` transport (``native``/``shm`` report themselves
+unavailable with the reason; a transport forced by ``KVFABRIC_TRANSPORT``
+still raises, never falls back silently) and ``kvfabric serve`` exits with
+the same advice. ``CFLAGS``/``LDFLAGS`` pass through (the ASan build uses
+them).
 """
 
 from __future__ import annotations
@@ -44,8 +47,17 @@ if platform.machine() in ("x86_64", "AMD64"):
     DEFINES.append(("KVF_XXH_DISPATCH", "1"))
 
 
+HINT = ("install a C compiler and the Python headers (Debian/Ubuntu: apt-get install gcc python3-dev; the kernel "
+        "headers must provide linux/io_uring.h) and build again, or set KVFABRIC_NATIVE_OPTIONAL=1 for a "
+        "client-only install without the pool server")
+
+
+class NativeBuildError(RuntimeError):
+    """The extension could not be built (the message says what to install)."""
+
+
 class OptionalBuildExt(build_ext):
-    """build_ext that skips the extension instead of failing, unless required."""
+    """build_ext that fails with what to install, or skips the extension under KVFABRIC_NATIVE_OPTIONAL=1."""
 
     def run(self) -> None:
         try:
@@ -59,11 +71,19 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:
             self._skip(exc)
 
+    _said = False
+
     def _skip(self, exc: Exception) -> None:
-        if os.environ.get("KVFABRIC_NATIVE_REQUIRED") == "1":
+        if isinstance(exc, NativeBuildError):
             raise exc
-        print(f"kvfabric: the C extension was not built ({exc}); "
-              "native and shm transports will be unavailable, tcp works", file=sys.stderr)
+        if os.environ.get("KVFABRIC_NATIVE_OPTIONAL") != "1":
+            raise NativeBuildError(f"kvfabric: the C extension (the pool server's data plane) cannot be built: {exc}; "
+                               + HINT) from exc
+        if self._said:
+            return
+        self._said = True
+        print(f"kvfabric: the C extension was not built ({exc}); KVFABRIC_NATIVE_OPTIONAL=1: client-only "
+              "install (tcp transport only, no `kvfabric serve`)", file=sys.stderr)
 
 
 ext_modules = []

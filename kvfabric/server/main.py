@@ -51,8 +51,8 @@ BUILD_HINT = (
     "the pool server needs kvfabric's C extension (kvfabric._native), which was not built{why}. "
     "Install a C compiler and the Python headers (Debian/Ubuntu: apt-get install gcc python3-dev; "
     "the kernel headers must provide linux/io_uring.h), then rebuild: "
-    "KVFABRIC_NATIVE_REQUIRED=1 pip install --force-reinstall --no-deps .  "
-    "(or, in a source checkout, KVFABRIC_NATIVE_REQUIRED=1 python setup.py build_ext --inplace)"
+    "pip install --force-reinstall --no-deps .  "
+    "(or, in a source checkout, python setup.py build_ext --inplace)"
 )
 
 

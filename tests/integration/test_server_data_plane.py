@@ -36,3 +36,29 @@ def test_the_reference_server_still_runs_for_the_tests():
             assert c.put([b"k" * 16], [b"v" * 10]).stored == 1
             assert c.get([b"k" * 16]) == [b"v" * 10]
             assert "data_plane" not in c.stats()["servers"][srv.address]
+
+
+def test_serve_without_the_extension_says_what_to_install(tmp_path):
+    """A package whose C extension did not build: one clear error and exit 2, no other server.
+
+    The subprocess hides ``kvfabric._native`` with an import hook (an editable
+    install would otherwise find the built one whatever the path says)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_native.py"
+    script.write_text(
+        "import sys\n"
+        "class NoNative:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if name == 'kvfabric._native':\n"
+        "            raise ImportError('kvfabric._native was not built (hidden by the test)')\n"
+        "sys.meta_path.insert(0, NoNative)\n"
+        "from kvfabric.cli import main\n"
+        "sys.exit(main(['serve', '--port', '0', '--capacity', '1MiB']))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out
+    assert "gcc python3-dev" in out.stderr and "build_ext" in out.stderr and "hidden by the test" in out.stderr
+    assert "listening" not in out.stdout
