@@ -1,4 +1,4 @@
-"""The ``kvfabric`` command: ``kvfabric serve ...`` and ``kvfabric bench <name> ...``.
+"""The ``kvfabric`` command: ``serve``, ``stats``, ``top``, ``bench <name>``, ``--version``.
 
 ``bench <name>`` imports ``kvfabric.bench.<name>`` lazily and calls its
 ``main(argv)`` with the remaining arguments, so a new benchmark is added by
@@ -16,7 +16,10 @@ USAGE = """usage: kvfabric <command> [args...]
 
 commands:
   serve [options]        run a pool server (kvfabric serve --help)
+  stats HOST:PORT...     one table of every server's STATS (--json for all of it)
+  top HOST:PORT...       the same, refreshed every second, with GB/s and hits/s
   bench <name> [args]    run a benchmark (kvfabric bench --help lists them)
+  --version              print the version
 """
 
 
@@ -51,6 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command in ("--version", "-V", "version"):
+        from . import __version__
+        from .protocol import VERSION
+
+        print(f"kvfabric {__version__} (wire protocol {VERSION})")
+        return 0
+    if command in ("stats", "top"):
+        from .tools import stats as tool
+
+        return tool.stats_main(rest) if command == "stats" else tool.top_main(rest)
     if command == "serve":
         from .server.main import main as serve_main
 

@@ -1,0 +1,1 @@
+"""Operator tools behind the ``kvfabric`` command: ``stats`` and ``top`` (:mod:`.stats`)."""
