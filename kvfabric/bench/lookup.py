@@ -33,7 +33,8 @@ answered fewer blocks, GETs with a missing value). The client uses
 was chosen for each kind).
 
 Target (issue 14): LOOKUP of the 128K-token prompt over 4 shards p99 <= 1 ms
-on the C server (``native``). Prints a table; writes JSON (``--out``, default
+on the server under test: the first kind of ``--servers`` (``native``, the
+C server, by default). Prints a table; writes JSON (``--out``, default
 bench-results/lookup.json).
 """
 
@@ -59,7 +60,6 @@ from ..keys import Namespace
 
 OPS = ("ping", "route", "lookup-wire", "lookup-fanout", "lookup", "get")
 TARGET_P99_US = 1000.0
-TARGET_SERVER = "native"
 
 
 @dataclass
@@ -187,9 +187,10 @@ def run(args: argparse.Namespace) -> dict:
         ping = by[(r.server, "ping")]
         r.ratio = {"p50/ping": r.p50_us / ping.p50_us, "p99/ping": r.p99_us / ping.p99_us}
     targets = []
-    if (TARGET_SERVER, "lookup") in by:
-        r = by[(TARGET_SERVER, "lookup")]
-        targets.append({"cell": f"{TARGET_SERVER} lookup of {len(keys)} keys over {args.shards} shards p99",
+    tested = args.servers[0]
+    if (tested, "lookup") in by:
+        r = by[(tested, "lookup")]
+        targets.append({"cell": f"{tested} lookup of {len(keys)} keys over {args.shards} shards p99",
                         "goal_us": TARGET_P99_US, "value_us": r.p99_us,
                         "met": r.p99_us <= TARGET_P99_US and r.misses == 0})
     return {
@@ -230,12 +231,13 @@ def print_table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench lookup", description=__doc__.splitlines()[0])
     ap.add_argument("--servers", type=lambda s: s.split(","), default=["native", "python"],
-                    help=f"comma list of server kinds: presets ({', '.join(PRESETS)}) or names given --cmd "
-                         "(default native,python)")
+                    help=f"comma list of server kinds: presets ({', '.join(PRESETS)}) or names given --cmd; "
+                         "the first is the one the target applies to (default native,python)")
     ap.add_argument("--cmd", action="append", default=[], metavar="NAME=COMMAND",
                     help="define or override a server kind's command line, e.g. "
                          "'zc={python} -m kvfabric serve --zerocopy on' (repeatable)")
-    ap.add_argument("--server-args", default="", metavar="ARGS", help="extra arguments for every server")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="extra arguments for every server (arguments for one kind go into its --cmd)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128_000, help="prompt length (default 128000)")
     ap.add_argument("--block-tokens", type=int, default=64, help="tokens per block key (default 64)")
