@@ -364,7 +364,9 @@ def print_table(report: dict) -> None:
               f"{'' if cpu is None else f'{cpu:.3f}':>12}")
     print("(rtt-* rows: GB/s of 32-byte objects; p50 us there is the round-trip time. Ceilings' p50 us is the mean.)")
     if any(r["name"] == "redis" for r in report["rows"]):
-        print("(redis rows: redis-benchmark -c 1 against a redis-server started by this run; put = SET)")
+        print("(redis rows: redis-benchmark -c 1 against a redis-server started by this run; put = SET; GB/s from its "
+              "requests/s; its p50/p99 are its own histogram, which for a large GET reply stops before the whole "
+              "value is read: compare GB/s)")
     for t in report["targets"]:
         note = f" ({t['note']})" if "note" in t else ""
         print(f"target {t['cell']} vs {t['vs']}: {t['ratio']:.2f}x (goal {t['goal']}): "
