@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="define or override a server kind's command line, e.g. "
                          "'zc={python} -m kvfabric serve --zerocopy on' (repeatable)")
     ap.add_argument("--server-args", default="", metavar="ARGS",
-                    help="extra arguments for every server (arguments for one kind go into its --cmd)")
+                    help="extra arguments for every server, written --server-args='...' "
+                         "(arguments for one kind go into its --cmd)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128_000, help="prompt length (default 128000)")
     ap.add_argument("--block-tokens", type=int, default=64, help="tokens per block key (default 64)")

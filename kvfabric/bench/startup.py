@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", default="native",
                     help=f"preset ({', '.join(f'{k}: {v}' for k, v in PRESETS.items())}) or a command line; "
                          "--host/--port/--capacity are appended (default native)")
-    ap.add_argument("--server-args", default="", metavar="ARGS", help="extra server arguments, e.g. '--transports tcp'")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="extra server arguments, written --server-args='--zerocopy on' (with =, so that "
+                         "they are not read as this command's options)")
     ap.add_argument("--capacities", type=lambda s: s.split(","), default=["256MiB", "1GiB", "3GiB"],
                     help="comma list (default 256MiB,1GiB,3GiB)")
     ap.add_argument("--trials", type=int, default=3, help="fresh servers per capacity (default 3)")
