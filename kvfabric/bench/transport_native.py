@@ -44,6 +44,14 @@ paths (each against a fresh server process)
     (one staging buffer, ``NativeConnection.register_buffers``), so GET
     objects arrive through READ_FIXED instead of recvmsg.
 
+reference (issue 14)
+  * ``redis``: Redis's C client ``redis-benchmark`` (one connection, no
+    pipelining) against a ``redis-server`` this run starts on loopback and
+    stops (:mod:`kvfabric.bench.redis`), GET and SET of the same block size,
+    measured in the same interleaved rounds; each path gets a ``/redis``
+    ratio. Only with ``--batch 1``; skipped, with the reason in the table,
+    when the binaries are not installed or with ``--no-redis``.
+
 The client side is the transport's ``Connection.request`` (checksums of PUT
 objects are computed once up front; GET replies land in a reused buffer and
 are not re-hashed), so the figures are the transport's, not the client's
@@ -51,7 +59,7 @@ routing or hashing. For each path the server process's CPU time (utime +
 stime from /proc) is divided by the bytes moved: server CPU seconds per GB.
 
 Targets (issue 3): native >= 0.9x c-socket, shm >= 0.5x memcpy, both above
-tcp. Prints a table; writes JSON (``--out``, default
+tcp; (issue 14) native >= redis. Prints a table; writes JSON (``--out``, default
 bench-results/transport_native.json).
 """
 
@@ -220,6 +228,27 @@ def _floor_us(path: str, op: str, med: dict[str, "Row"], nbytes: int) -> float:
     return 2 * rtt + nbytes / (med["memcpy-cold"].gbps * 1e3)
 
 
+def _start_redis(args: argparse.Namespace, skipped: dict[str, str]):
+    """The Redis reference server for this run, or None (the reason then in ``skipped["redis"]``)."""
+    from . import redis
+
+    if getattr(args, "no_redis", False):
+        skipped["redis"] = "--no-redis"
+        return None
+    if args.batch != 1:
+        skipped["redis"] = "only with --batch 1 (redis-benchmark sends one value per request)"
+        return None
+    reason = redis.unavailable()
+    if reason:
+        skipped["redis"] = reason
+        return None
+    try:
+        return redis.RedisServer(args.size)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the rest of the run goes on
+        skipped["redis"] = f"redis-server did not start: {e}"
+        return None
+
+
 def run(args: argparse.Namespace) -> dict:
     from .. import transport
     from .transport import PythonSocketCeiling
@@ -233,9 +262,11 @@ def run(args: argparse.Namespace) -> dict:
     pysock = PythonSocketCeiling()
     pysock.open(1)
     rows: list[Row] = []
+    redis_srv = None
     try:
         for n in names:
             paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args))
+        redis_srv = _start_redis(args, skipped)
         for op in ("get", "put"):
             samples: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
             for _ in range(args.repeat):
@@ -245,6 +276,15 @@ def run(args: argparse.Namespace) -> dict:
                 for n, pth in paths.items():
                     secs, moved, cpu, p50, p99 = pth.measure(op, args.duration)
                     samples.setdefault(n, []).append((moved / secs / 1e9, p50 * 1e6, cpu / (moved / 1e9), p99 * 1e6))
+                if redis_srv is not None:
+                    try:
+                        g, p50, p99, cpu = redis_srv.measure(op, args.duration)
+                        samples.setdefault("redis", []).append((g, p50, cpu, p99))
+                    except Exception as e:  # noqa: BLE001 - the reference failing must not lose the other rows
+                        skipped["redis"] = f"redis-benchmark failed: {e}"
+                        redis_srv.close()
+                        redis_srv = None
+                        samples.pop("redis", None)
             med = {}
             for name, vals in samples.items():
                 ranked = sorted(vals, key=lambda v: v[0])
@@ -253,21 +293,29 @@ def run(args: argparse.Namespace) -> dict:
                 med[name] = row
                 rows.append(row)
             nbytes = args.size * args.batch
+            if "redis" in med:
+                med["redis"].ratio["c-socket"] = med["redis"].gbps / med["c-socket"].gbps
             for name in paths:
-                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket"):
-                    med[name].ratio[c] = med[name].gbps / med[c].gbps
+                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", "redis"):
+                    if c in med:
+                        med[name].ratio[c] = med[name].gbps / med[c].gbps
                 med[name].floor_us = _floor_us(name, op, med, nbytes)
                 med[name].ratio["floor"] = med[name].floor_us / (nbytes / (med[name].gbps * 1e3))
     finally:
         pysock.close()
         for p in paths.values():
             p.close()
+        if redis_srv is not None:
+            redis_srv.close()
     by = {(r.name, r.op): r for r in rows}
     targets = []
     for op in ("get", "put"):
         if ("native", op) in by:
             r = by[("native", op)].ratio["c-socket"]
             targets.append({"cell": f"native {op}", "vs": "c-socket", "ratio": r, "goal": 0.9, "met": r >= 0.9})
+        if ("native", op) in by and ("redis", op) in by:
+            r = by[("native", op)].ratio["redis"]
+            targets.append({"cell": f"native {op}", "vs": "redis", "ratio": r, "goal": 1.0, "met": r >= 1.0})
         if ("shm", op) in by:
             r = by[("shm", op)].ratio["memcpy"]
             t = {"cell": f"shm {op}", "vs": "memcpy", "ratio": r, "goal": 0.5, "met": r >= 0.5}
@@ -301,7 +349,7 @@ def print_table(report: dict) -> None:
     print(f"block {m['size'] // 1024} KiB x {m['batch']} per request, one client, loopback, "
           f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus")
     hdr = (f"{'path':<13} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'p99 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/mc-cold':>8} "
-           f"{'/py-sock':>8} {'/floor':>7} {'srv CPU s/GB':>12}")
+           f"{'/py-sock':>8} {'/redis':>7} {'/floor':>7} {'srv CPU s/GB':>12}")
     print(hdr)
     print("-" * len(hdr))
     for r in report["rows"]:
@@ -312,9 +360,13 @@ def print_table(report: dict) -> None:
 
         p99 = "" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
         print(f"{r['name']:<13} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} {p99:>8} {cell('c-socket', 9)} "
-              f"{cell('memcpy', 8)} {cell('memcpy-cold', 8)} {cell('python-socket', 8)} {cell('floor', 7)} "
+              f"{cell('memcpy', 8)} {cell('memcpy-cold', 8)} {cell('python-socket', 8)} {cell('redis', 7)} {cell('floor', 7)} "
               f"{'' if cpu is None else f'{cpu:.3f}':>12}")
     print("(rtt-* rows: GB/s of 32-byte objects; p50 us there is the round-trip time. Ceilings' p50 us is the mean.)")
+    if any(r["name"] == "redis" for r in report["rows"]):
+        print("(redis rows: redis-benchmark -c 1 against a redis-server started by this run; put = SET; GB/s from its "
+              "requests/s; its p50/p99 are its own histogram, which for a large GET reply stops before the whole "
+              "value is read: compare GB/s)")
     for t in report["targets"]:
         note = f" ({t['note']})" if "note" in t else ""
         print(f"target {t['cell']} vs {t['vs']}: {t['ratio']:.2f}x (goal {t['goal']}): "
@@ -336,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", default="256MiB", help="capacity of each server")
     ap.add_argument("--native-args", default="", metavar="ARGS",
                     help='extra command-line arguments for the native servers, e.g. "--evict-watermarks 0,0"')
+    ap.add_argument("--no-redis", action="store_true", help="leave out the redis-benchmark reference row")
     ap.add_argument("--out", default="bench-results/transport_native.json")
     args = ap.parse_args(argv)
     if args.registered:
