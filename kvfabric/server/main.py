@@ -85,6 +85,10 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
                    help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
                         "is free; 0,0 evicts only when a PUT finds no room (default auto: 64 MiB / "
                         "128 MiB, at most 5%% / 10%% of the capacity)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics (a view of STATS) at http://METRICS_HOST:PORT/metrics; 0 picks a "
+                        "free port (default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
     return p
 
 
@@ -193,6 +197,8 @@ def main(argv: list[str]) -> int:
     if "tcp" not in transports:
         raise SystemExit("kvfabric serve: --transports must include tcp (the control path and fallback)")
     low, high = _watermarks(args.evict_watermarks, capacity)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)
@@ -221,13 +227,28 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    print(f"{LISTENING_PREFIX}{server.address}", flush=True)
-    while not done.wait(0.5):
-        if server.loop_error is not None:
+    metrics = None
+    if args.metrics_port is not None:
+        from .metrics import MetricsServer
+
+        try:
+            metrics = MetricsServer(server.stats, args.metrics_host, args.metrics_port)
+        except (ImportError, OSError) as e:
             server.stop()
-            return 1
-    log.info("signal received: shutting down")
-    server.stop()
+            print(f"kvfabric serve: --metrics-port: {e}", file=sys.stderr)
+            return 2
+        print(f"kvfabric serve: metrics on {metrics.url}", file=sys.stderr, flush=True)
+    print(f"{LISTENING_PREFIX}{server.address}", flush=True)
+    try:
+        while not done.wait(0.5):
+            if server.loop_error is not None:
+                server.stop()
+                return 1
+        log.info("signal received: shutting down")
+        server.stop()
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
 
 

@@ -1,0 +1,103 @@
+"""Prometheus metrics of a pool server: ``kvfabric serve --metrics-port PORT``.
+
+The exposition is a view of STATS, read when Prometheus scrapes (no second set
+of counters to keep in step): every number in the server's STATS map becomes
+a sample, named ``kvfabric_<key>``. Counters (monotonic since start) get the
+``_total`` suffix and the Prometheus counter type; levels (objects, bytes in
+use, connections, ...) are gauges. A nested map of numbers (``errors`` by
+code, ``transports_in_use`` by transport, ...) becomes one family with a
+label (``code``, ``transport``, or ``kind``). Strings (policy, data plane,
+server id) are labels of ``kvfabric_server_info``. A STATS key added to the
+server appears in the exposition without a change here; only whether it is a
+counter is decided below.
+
+The HTTP side is ``prometheus_client`` (imported only when a metrics port is
+asked for, so engines' virtualenvs that run a pool server for tests need not
+install it). It binds loopback unless ``--metrics-host`` says otherwise; the
+metrics carry no keys or values, only counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+log = logging.getLogger("kvfabric.server.metrics")
+
+#: STATS keys that are gauges (a level that goes up and down); every other number is a counter.
+GAUGES = frozenset({
+    "objects", "bytes_used", "bytes_allocated", "capacity", "free_bytes", "pinned", "leased", "connections",
+    "uptime_s", "reserved_bytes", "queued_reply_bytes", "shm_leases", "shm_reservations",
+})
+#: label name for the nested maps of STATS
+LABELS = {"errors": "code", "transports_in_use": "transport", "drops": "reason"}
+PREFIX = "kvfabric_"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def families(stats: Mapping[str, Any]) -> Iterator[Any]:
+    """Prometheus metric families for one STATS map (see the module docstring)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+    info = {k: str(v) for k, v in stats.items() if isinstance(v, str)}
+    if info:
+        yield InfoMetricFamily(PREFIX + "server", "identity of this pool server", value=info)
+    for key in sorted(stats):
+        value = stats[key]
+        name = PREFIX + key
+        if _is_number(value):
+            if key in GAUGES:
+                yield GaugeMetricFamily(name, f"STATS {key}", value=value)
+            else:
+                yield CounterMetricFamily(name, f"STATS {key} (since start)", value=value)
+        elif isinstance(value, Mapping) and value and all(_is_number(v) for v in value.values()):
+            label = LABELS.get(key, "kind")
+            fam = (GaugeMetricFamily if key in GAUGES else CounterMetricFamily)(
+                name, f"STATS {key} by {label}", labels=[label])
+            for sub, v in sorted(value.items()):
+                fam.add_metric([str(sub)], v)
+            yield fam
+
+
+class StatsCollector:
+    """A ``prometheus_client`` collector that reads ``stats_fn()`` at each scrape."""
+
+    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = stats_fn
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            stats = self._stats()
+        except Exception as e:  # noqa: BLE001 - a scrape must not take the server down
+            log.warning("metrics: reading STATS failed: %s", e)
+            return
+        yield from families(stats)
+
+
+class MetricsServer:
+    """The ``/metrics`` HTTP endpoint; ``close()`` stops it. Raises ImportError (with what to
+    install) when prometheus_client is missing, OSError when the port cannot be bound."""
+
+    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]], host: str = "127.0.0.1", port: int = 0) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError as e:
+            raise ImportError(f"--metrics-port needs the prometheus-client package (pip install prometheus-client): {e}") from e
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatsCollector(stats_fn))
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host, self.port = self._httpd.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)

@@ -1,0 +1,55 @@
+"""`kvfabric serve --metrics-port` exposes STATS as Prometheus metrics that a real parser reads."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from kvfabric import Client, ClientConfig
+from kvfabric.testing import start_server, wait_for
+
+parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
+pytest.importorskip("kvfabric._native", reason="the C extension is not built")
+
+
+def scrape(url: str) -> dict[str, dict]:
+    """family name -> {"type": ..., "samples": {(name, frozenset(labels)): value}}."""
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    out = {}
+    for fam in parser.text_string_to_metric_families(text):
+        out[fam.name] = {"type": fam.type,
+                         "samples": {(s.name, frozenset(s.labels.items())): s.value for s in fam.samples}}
+    return out
+
+
+def test_metrics_follow_the_servers_stats():
+    with start_server("16MiB", extra_args=["--metrics-port", "0"]) as srv:
+        url = wait_for(lambda: (re.search(r"metrics on (http://\S+)", srv.stderr_text()) or [None, None])[1])
+        with Client([srv.address], config=ClientConfig(transport="tcp", timeout_s=10)) as c:
+            keys = [bytes([i]) * 16 for i in range(3)]
+            assert c.put(keys, [b"x" * 5000] * 3).stored == 3
+            assert c.get(keys + [b"\xff" * 16])[:3] == [b"x" * 5000] * 3
+            stats = c.stats()["servers"][srv.address]
+        m = scrape(url)
+        assert m["kvfabric_objects"]["type"] == "gauge"
+        assert m["kvfabric_objects"]["samples"][("kvfabric_objects", frozenset())] == 3
+        assert m["kvfabric_hits"]["type"] == "counter"
+        assert m["kvfabric_hits"]["samples"][("kvfabric_hits_total", frozenset())] == stats["hits"] == 3
+        assert m["kvfabric_misses"]["samples"][("kvfabric_misses_total", frozenset())] == stats["misses"] == 1
+        assert m["kvfabric_capacity"]["samples"][("kvfabric_capacity", frozenset())] == 16 << 20
+        info = m["kvfabric_server_info"]["samples"]
+        ((_, labels),) = info.keys()
+        assert dict(labels)["server_id"] == srv.address and dict(labels)["policy"] == "lru"
+
+
+def test_metrics_port_in_use_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match="exited with status 2"):
+            start_server("16MiB", extra_args=["--metrics-port", str(port)], timeout_s=30)
