@@ -173,7 +173,7 @@ static PyObject *py_constants(PyObject *self, PyObject *noargs)
         "RESERVE", KVF_OP_SHM_RESERVE, "COMMIT", KVF_OP_SHM_COMMIT);
 }
 
-PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: the object checksum as the C data plane computes it");
+PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: plain xxh3_64 as the C data plane computes it (the key's seed)");
 
 static PyObject *py_xxh3(PyObject *self, PyObject *arg)
 {
@@ -182,9 +182,39 @@ static PyObject *py_xxh3(PyObject *self, PyObject *arg)
     if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS)) return NULL;
     uint64_t h;
     Py_BEGIN_ALLOW_THREADS
-    h = kvf_hash(b.buf, (size_t)b.len);
+    h = kvf_xxh3_64(b.buf, (size_t)b.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(obj_checksum_doc,
+"obj_checksum(key, value, chunk=0) -> int: the object checksum (protocol 2, bound to the key) as the C\n"
+"data plane computes it: one-shot (kvf_obj_hash) when chunk is 0, else streamed chunk bytes at a time\n"
+"(kvf_hash_reset_key + kvf_hash_update), as the server hashes a PUT being received.");
+
+static PyObject *py_obj_checksum(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer k, v;
+    Py_ssize_t chunk = 0;
+    if (!PyArg_ParseTuple(args, "y*y*|n", &k, &v, &chunk)) return NULL;
+    uint64_t h = 0;
+    void *st = chunk > 0 ? kvf_hash_new() : NULL;
+    if (chunk > 0 && !st) { PyBuffer_Release(&k); PyBuffer_Release(&v); return PyErr_NoMemory(); }
+    Py_BEGIN_ALLOW_THREADS
+    if (st) {
+        kvf_hash_reset_key(st, k.buf, (size_t)k.len);
+        for (Py_ssize_t off = 0; off < v.len; off += chunk)
+            kvf_hash_update(st, (const char *)v.buf + off, (size_t)(v.len - off < chunk ? v.len - off : chunk));
+        h = kvf_hash_digest(st);
+        kvf_hash_free(st);
+    } else {
+        h = kvf_obj_hash(k.buf, (size_t)k.len, v.buf, (size_t)v.len);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&v);
     return PyLong_FromUnsignedLongLong(h);
 }
 
@@ -215,6 +245,7 @@ static PyMethodDef methods[] = {
     {"layout", py_layout, METH_NOARGS, "the C header layout: {field: (offset, size)} and constants"},
     {"constants", py_constants, METH_NOARGS, "opcodes, error codes, put statuses and limits as C sees them"},
     {"xxh3_64", py_xxh3, METH_O, xxh3_doc},
+    {"obj_checksum", py_obj_checksum, METH_VARARGS, obj_checksum_doc},
     {"parse_sizes", py_parse_sizes, METH_VARARGS, parse_sizes_doc},
     {NULL, NULL, 0, NULL},
 };

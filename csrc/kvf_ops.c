@@ -128,7 +128,7 @@ static void op_hello(struct conn *c, struct meta m)
         reject(c, KVF_E_MALFORMED, "missing field 'version'");
         return;
     }
-    if (version != KVF_VERSION) { reject(c, KVF_E_BAD_VERSION, "unsupported protocol version"); return; }
+    if (version != KVF_VERSION) { reject(c, KVF_E_BAD_VERSION, KVF_BAD_VERSION_MSG); return; }
     if (s->cfg.auth) {
         const char *a;
         uint32_t al;
@@ -166,7 +166,7 @@ static void op_stats(struct conn *c)
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 25 + s->cfg.stats_extra_pairs);
+    kvf_mw_map(&w, 26 + s->cfg.stats_extra_pairs);
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -178,6 +178,7 @@ static void op_stats(struct conn *c)
     KV("puts", s->ctr.puts);
     KV("evictions", ss.evictions);
     KV("checksum_failures", ss.checksum_failures);
+    KV("checksum_rejects", s->ctr.checksum_rejects);
     KV("bytes_in", s->ctr.bytes_in);
     KV("bytes_out", s->ctr.bytes_out);
     KV("connections", s->ctr.connections);
@@ -233,7 +234,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
                  * checksum matched (a mismatch closes the connection: the client
                  * sees a broken reply, i.e. a miss, never wrong bytes). */
                 int stream = size > KVF_VERIFY_WHOLE;
-                if (!stream && kvf_hash(s->base + off, size) != csum) {
+                if (!stream && kvf_obj_hash(b->keys[i], b->klens[i], s->base + off, size) != csum) {
                     kvf_store_drop_corrupt(s->st, id);
                     kvf_store_release(s->st, id);
                 } else {
@@ -338,10 +339,12 @@ static void finish_object(struct conn *c, uint32_t i, int received)
 {
     struct kvf_server *s = c->srv;
     struct batch *b = &c->b;
-    uint64_t sum = received ? kvf_conn_obj_digest(c) : kvf_hash(s->base + b->offs[i], b->sizes[i]);
-    if (sum != b->csums[i]) {
+    uint64_t sum = received ? kvf_conn_obj_digest(c)
+                            : kvf_obj_hash(b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i]);
+    if (sum != b->csums[i]) { /* refused and counted: nothing is stored under a key its bytes do not match */
         kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
         b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
+        s->ctr.checksum_rejects++;
         return;
     }
     int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], b->csums[i], b->parents[i],
@@ -546,9 +549,10 @@ static void op_shm(struct conn *c, struct meta m, int op)
     }
     for (uint32_t i = 0; i < b->n; i++) {
         if (b->status[i] != KVF_PUT_STORED) continue;
-        if (kvf_hash(s->base + b->offs[i], b->sizes[i]) != cs[i]) {
+        if (kvf_obj_hash(b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i]) != cs[i]) {
             kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
             b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
+            s->ctr.checksum_rejects++;
             continue;
         }
         int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], cs[i], NULL, 0);

@@ -20,7 +20,10 @@
 #endif
 
 #define KVF_MAGIC "KVFB"
-#define KVF_VERSION 1
+/* Version 2: object checksums bind keys (kvf_hash.h). No other version is
+ * spoken; a peer with another one gets BAD_VERSION with this message. */
+#define KVF_VERSION 2
+#define KVF_BAD_VERSION_MSG "this server speaks protocol 2: checksums bind keys"
 #define KVF_HEADER_SIZE 32
 
 #define KVF_FLAG_REPLY 0x01

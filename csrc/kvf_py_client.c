@@ -8,6 +8,7 @@
 #include "kvf_protocol.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -214,6 +215,13 @@ static PyObject *finish_recv(int fd, struct recv_result *r, struct bufset *bufs,
     if (rc) {
         Py_DECREF(payload);
         free(r->meta);
+        if (rc == -EPROTO && r->wire_err == KVF_E_BAD_VERSION) { /* name both versions */
+            char what[128];
+            snprintf(what, sizeof what,
+                     "the peer speaks protocol %u, this side protocol %d (checksums bind keys since protocol 2)",
+                     (unsigned)r->h.version, KVF_VERSION);
+            return raise_errno(rc, r->wire_err, what);
+        }
         return raise_errno(rc, r->wire_err, "receiving a reply");
     }
     (void)bufs;

@@ -239,7 +239,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
     kvf_store_stats(self->st, &ss);
     kvf_server_counters(self->srv, &c);
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K}",
         "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
         "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
         "pinned", ss.pinned, "hits", c.hits, "misses", c.misses, "puts", c.puts, "bytes_in", c.bytes_in,
@@ -247,7 +247,8 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "zc_sends", c.zc_sends, "zerocopy", c.zerocopy ? Py_True : Py_False,
         "fixed_buffers", c.fixed_buffers ? Py_True : Py_False, "tcp", c.by_transport[0],
         "native", c.by_transport[1], "shm", c.by_transport[2], "connections_refused", c.rejected,
-        "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends);
+        "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends,
+        "checksum_rejects", c.checksum_rejects);
 }
 
 static PyObject *Server_check(ServerObject *self, PyObject *noargs)

@@ -15,28 +15,31 @@
 /* ------------------------------------------------------------------ shm copies */
 
 PyDoc_STRVAR(copy_out_doc,
-"copy_out(arena, offsets, sizes, bufs, verify) -> list[int | None]\n"
-"Copy object i (sizes[i] >= 0) from arena[offsets[i]:] into bufs[i], GIL released; with verify\n"
-"the xxh3_64 of each copied object is returned (None for a miss). ValueError when an object\n"
-"does not fit its buffer or lies outside the arena (nothing is copied then).");
+"copy_out(arena, offsets, sizes, bufs, keys) -> list[int | None]\n"
+"Copy object i (sizes[i] >= 0) from arena[offsets[i]:] into bufs[i], GIL released; when keys is a\n"
+"list of the objects' keys (not None/False) the checksum of each copied object under keys[i]\n"
+"(protocol 2, kvfabric.protocol.checksum) is returned (None for a miss). ValueError when an object\n"
+"does not fit its buffer or lies outside the arena, or keys is not as long as bufs (nothing is copied then).");
 
 static PyObject *py_copy_out(PyObject *self, PyObject *args)
 {
     (void)self;
     Py_buffer arena;
-    PyObject *offs_o, *sizes_o, *bufs_o;
-    int verify;
-    if (!PyArg_ParseTuple(args, "y*OOOp", &arena, &offs_o, &sizes_o, &bufs_o, &verify)) return NULL;
-    struct bufset bs;
+    PyObject *offs_o, *sizes_o, *bufs_o, *keys_o;
+    if (!PyArg_ParseTuple(args, "y*OOOO", &arena, &offs_o, &sizes_o, &bufs_o, &keys_o)) return NULL;
+    int verify = PyObject_IsTrue(keys_o);
+    if (verify < 0) { PyBuffer_Release(&arena); return NULL; }
+    struct bufset bs, ks = {NULL, 0};
     if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); return NULL; }
+    if (verify && bufset_get(&ks, keys_o, 0, "keys")) { bufset_release(&bs); PyBuffer_Release(&arena); return NULL; }
     Py_ssize_t n = bs.n;
     int64_t *offs = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
     int64_t *sizes = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
     uint64_t *sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
     PyObject *out = NULL;
     if (!offs || !sizes || !sums) { PyErr_NoMemory(); goto done; }
-    if (PySequence_Size(offs_o) != n || PySequence_Size(sizes_o) != n) {
-        PyErr_SetString(PyExc_ValueError, "offsets, sizes and bufs must have the same length");
+    if (PySequence_Size(offs_o) != n || PySequence_Size(sizes_o) != n || (verify && ks.n != n)) {
+        PyErr_SetString(PyExc_ValueError, "offsets, sizes, bufs (and keys) must have the same length");
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -57,7 +60,7 @@ static PyObject *py_copy_out(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] < 0) continue;
         memcpy(bs.views[i].buf, (char *)arena.buf + offs[i], (size_t)sizes[i]);
-        if (verify) sums[i] = kvf_hash(bs.views[i].buf, (size_t)sizes[i]);
+        if (verify) sums[i] = kvf_obj_hash(ks.views[i].buf, (size_t)ks.views[i].len, bs.views[i].buf, (size_t)sizes[i]);
     }
     Py_END_ALLOW_THREADS
     out = PyList_New(n);
@@ -70,6 +73,7 @@ static PyObject *py_copy_out(PyObject *self, PyObject *args)
 done:
     PyMem_Free(offs); PyMem_Free(sizes); PyMem_Free(sums);
     bufset_release(&bs);
+    if (verify) bufset_release(&ks);
     PyBuffer_Release(&arena);
     return out;
 }

@@ -96,7 +96,11 @@ static int verify_chunk(struct conn *c, struct seg *g)
     struct kvf_server *s = c->srv;
     if (!g->verify || g->hashed >= g->len) return 0;
     if (!c->xxh_tx && !(c->xxh_tx = kvf_hash_new())) { kvf_conn_close(c); return -1; }
-    if (g->hashed == 0) kvf_hash_reset(c->xxh_tx);
+    if (g->hashed == 0) { /* the checksum binds the key the entry is stored under */
+        uint8_t key[KVF_KEY_MAX];
+        uint32_t klen = kvf_store_key(s->st, g->entry, key);
+        kvf_hash_reset_key(c->xxh_tx, key, klen);
+    }
     uint64_t n = g->len - g->hashed;
     if (n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
     kvf_hash_update(c->xxh_tx, s->base + g->off + g->hashed, (size_t)n);

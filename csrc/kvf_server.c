@@ -136,7 +136,9 @@ void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
 {
     if (stage == RS_OBJ) {
         if (!c->xxh && !(c->xxh = kvf_hash_new())) { kvf_conn_close(c); return; }
-        kvf_hash_reset(c->xxh);
+        /* RS_OBJ receives object b.cur of the PUT batch (kvf_ops_batch_step):
+         * its checksum is seeded from its key (kvf_hash.h) */
+        kvf_hash_reset_key(c->xxh, c->b.keys[c->b.cur], c->b.klens[c->b.cur]);
     }
     c->rs = stage;
     c->rbuf = buf;
@@ -189,7 +191,7 @@ static void on_header(struct conn *c)
         c->close_after_send = 1;
         if (code == KVF_E_BAD_MAGIC) c->hdr.request_id = 0;
         kvf_reply_error(c, code, code == KVF_E_BAD_MAGIC ? "bad magic" : code == KVF_E_BAD_VERSION
-                                     ? "unsupported protocol version" : code == KVF_E_MALFORMED
+                                     ? KVF_BAD_VERSION_MSG : code == KVF_E_MALFORMED
                                      ? "malformed header" : "frame exceeds the limits");
         c->rs = RS_STOP;
         return;

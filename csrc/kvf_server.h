@@ -47,6 +47,7 @@ struct kvf_server_counters {
     uint64_t hits, misses, puts, bytes_in, bytes_out, connections, connections_total, rejected;
     uint64_t zc_sends, copy_sends, zc_copied_notifs, stalled;
     uint64_t too_slow; /* dropped over the min_rate bound while still making progress */
+    uint64_t checksum_rejects; /* PUT objects refused: their checksum did not match key + bytes */
     uint64_t errors[16];
     uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
     int zerocopy, fixed_buffers;

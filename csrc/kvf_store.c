@@ -391,6 +391,16 @@ void kvf_store_drop_corrupt(struct kvf_store *st, uint32_t id)
     pthread_mutex_unlock(&st->mu);
 }
 
+uint32_t kvf_store_key(struct kvf_store *st, uint32_t id, uint8_t key[KVF_KEY_MAX])
+{
+    pthread_mutex_lock(&st->mu);
+    struct entry *e = &st->ents[id];
+    uint32_t klen = e->klen;
+    memcpy(key, e->key, klen);
+    pthread_mutex_unlock(&st->mu);
+    return klen;
+}
+
 int kvf_store_exists(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
     pthread_mutex_lock(&st->mu);

@@ -67,6 +67,8 @@ int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, u
 void kvf_store_release(struct kvf_store *st, uint32_t id);
 /* Unindex a pinned entry whose bytes failed their checksum (counts it). */
 void kvf_store_drop_corrupt(struct kvf_store *st, uint32_t id);
+/* Copy the key of a pinned entry (live or dropped) into key; returns its length. */
+uint32_t kvf_store_key(struct kvf_store *st, uint32_t id, uint8_t key[KVF_KEY_MAX]);
 int kvf_store_exists(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 /* 1 held (lease extended to lease_until_ms when > 0, ACCESS recorded), 0 not. */
 int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, int64_t lease_until_ms);

@@ -48,8 +48,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import xxhash
-
 from . import protocol, sharding, transport
 from ._shard import _Busy, _Counters, _Down, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
@@ -70,7 +68,7 @@ __all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
 
 log = logging.getLogger("kvfabric.client")
 
-_checksum = xxhash.xxh3_64_intdigest
+_checksum = protocol.checksum  # bound to the key (protocol 2)
 
 
 class Client:
@@ -338,7 +336,7 @@ class Client:
                 raise ValueError(f"object of {view.nbytes} bytes exceeds MAX_OBJECT_BYTES={protocol.MAX_OBJECT_BYTES}")
             views.append(view)
         deadline = self._deadline(timeout_s)
-        sums = [_checksum(v) for v in views]
+        sums = [_checksum(k, v) for k, v in zip(keys, views)]
         owners = self._owners(keys)
         status: list[list[int]] = [[-1] * self.config.replicas for _ in keys]  # -1: not stored by that owner
 
@@ -423,7 +421,7 @@ class Client:
                         data = payload[off : off + n] if views is None else views[i][:n]
                         off += n
                         nbytes += n
-                        if verify and _checksum(data) != ck:
+                        if verify and _checksum(keys[i], data) != ck:
                             bad += 1
                             continue
                         if out is not None:

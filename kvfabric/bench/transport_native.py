@@ -53,8 +53,9 @@ reference (issue 14)
     when the binaries are not installed or with ``--no-redis``.
 
 The client side is the transport's ``Connection.request`` (checksums of PUT
-objects are computed once up front; GET replies land in a reused buffer and
-are not re-hashed), so the figures are the transport's, not the client's
+objects, bound to their fresh keys, are computed before each timed request and
+their time is left out; GET replies land in a reused buffer and are not
+re-hashed), so the figures are the transport's, not the client's
 routing or hashing. For each path the server process's CPU time (utime +
 stime from /proc) is divided by the bytes moved: server CPU seconds per GB.
 
@@ -140,7 +141,6 @@ class _Path:
             raise
         rng = np.random.default_rng(7)
         self.values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
-        self.sums = [protocol.checksum(v) for v in self.values]
         if name in REGISTERED:  # one reused staging buffer, registered once, sliced per block
             self.staging = np.empty(size * batch, dtype=np.uint8)
             self.dest = [self.staging[i * size:(i + 1) * size] for i in range(batch)]
@@ -148,10 +148,15 @@ class _Path:
         else:
             self.dest = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
         self.get_keys = [os.urandom(16) for _ in range(batch)]
-        self._put(self.get_keys)
+        self._put(*self._fresh(self.get_keys))
 
-    def _put(self, keys: list[bytes]) -> int:
-        msg = protocol.PutRequest(keys=keys, sizes=[self.size] * len(keys), checksums=self.sums[: len(keys)])
+    def _fresh(self, keys: list[bytes] | None = None) -> tuple[list[bytes], list[int]]:
+        """Keys (fresh random ones unless given) and the checksums of the values under them."""
+        keys = keys or [os.urandom(16) for _ in range(self.batch)]
+        return keys, [protocol.checksum(k, v) for k, v in zip(keys, self.values)]
+
+    def _put(self, keys: list[bytes], sums: list[int]) -> int:
+        msg = protocol.PutRequest(keys=keys, sizes=[self.size] * len(keys), checksums=sums)
         status = self.conn.request(msg, self.values[: len(keys)]).msg.status
         if any(s not in (0, 1) for s in status):
             raise RuntimeError(f"{self.name}: PUT failed with status {status}")
@@ -165,7 +170,12 @@ class _Path:
         cpu0 = _proc_cpu_s(self.server.pid)
         t0 = time.perf_counter()
         end = t0 + duration
+        prep = 0.0  # time spent making fresh keys and their checksums: not the transport's
         while True:
+            if op != "get":
+                p0 = time.perf_counter()
+                fresh = self._fresh()
+                prep += time.perf_counter() - p0
             a = time.perf_counter()
             if op == "get":
                 rep = self.conn.request(get, recv_buffers=self.dest).msg
@@ -173,12 +183,12 @@ class _Path:
                     raise RuntimeError(f"{self.name}: GET missed")
                 moved += self.size * self.batch
             else:
-                moved += self._put([os.urandom(16) for _ in range(self.batch)])
+                moved += self._put(*fresh)
             b = time.perf_counter()
             lat.append(b - a)
             if b >= end and len(lat) >= 3:
                 break
-        secs = time.perf_counter() - t0
+        secs = time.perf_counter() - t0 - prep
         lat.sort()
         p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
         return secs, moved, _proc_cpu_s(self.server.pid) - cpu0, statistics.median(lat), p99

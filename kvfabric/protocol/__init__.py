@@ -1,11 +1,11 @@
-"""THE kvfabric wire format (version 1). Nothing else packs or slices frame bytes.
+"""THE kvfabric wire format (version 2). Nothing else packs or slices frame bytes.
 
 A frame is a 32-byte little-endian header, ``meta_len`` bytes of msgpack
 metadata (always a map), then ``payload_len`` raw payload bytes::
 
     offset size field
     0      4    magic        b"KVFB"
-    4      2    version      1
+    4      2    version      2 (VERSION)
     6      1    opcode       Op
     7      1    flags        bit0 REPLY, bit1 ERROR
     8      8    request_id   u64, echoed in the reply
@@ -16,6 +16,16 @@ metadata (always a map), then ``payload_len`` raw payload bytes::
 Payload bytes never pass through msgpack: a PUT request carries its objects
 concatenated after the metadata, a GET reply the found objects, so both ends
 can move them straight between sockets and registered memory.
+
+Every object travels with ``checksum(key, value) = xxh3_64(value,
+seed=xxh3_64(key))`` (version 2; version 1 hashed the value alone): the
+checksum binds the key, so a PUT whose checksum does not match its key and
+bytes is refused (``CHECKSUM_MISMATCH``) and a GET reply's bytes verify only
+under the key asked for. The version is negotiated by exact match: the
+client's HELLO metadata carries ``version: 2`` (and every header carries 2);
+a server answers any other version with ``BAD_VERSION`` (and the message
+:data:`BAD_VERSION_MESSAGE`), and a client refuses a server whose HELLO reply
+or header carries another version.
 
 Every limit in :class:`Limits` is checked on the header (before any buffer is
 allocated) or on the decoded metadata (before any payload is read). Decoding
@@ -75,6 +85,7 @@ from .wire import (
     PRE_AUTH_LIMITS,
     U64_MAX,
     VERSION,
+    BAD_VERSION_MESSAGE,
     GiB,
     Header,
     KiB,
@@ -155,7 +166,7 @@ def decode_reply(header: Header, meta_buf: Any, expected: Op, limits: Limits = D
 
 
 __all__ = [
-    "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "FLAG_REPLY", "FLAG_ERROR", "Op", "ShmOp", "PutStatus",
+    "MAGIC", "VERSION", "BAD_VERSION_MESSAGE", "HEADER", "HEADER_SIZE", "FLAG_REPLY", "FLAG_ERROR", "Op", "ShmOp", "PutStatus",
     "Limits", "DEFAULT_LIMITS", "PRE_AUTH_LIMITS", "MAX_KEYS_PER_BATCH", "MAX_KEY_BYTES",
     "MAX_META_BYTES", "MAX_PAYLOAD_BYTES", "MAX_OBJECT_BYTES", "MAX_IN_FLIGHT", "checksum",
     "Header", "pack_header", "unpack_header", "check_request_opcode", "encode_meta", "decode_meta",

@@ -187,7 +187,11 @@ class GetRequest(KeysMessage):
 
 @dataclass(frozen=True, slots=True)
 class GetReply(Message):
-    """``sizes[i]`` is -1 for a miss; found objects follow in key order as payload."""
+    """``sizes[i]`` is -1 for a miss; found objects follow in key order as payload.
+
+    ``checksums[i]`` is ``checksum(keys[i], object)`` (0 for a miss): it
+    verifies only under the key the request asked for.
+    """
 
     op: ClassVar[Op] = Op.GET
     sizes: Sequence[int] = ()
@@ -212,6 +216,9 @@ class GetReply(Message):
 @dataclass(frozen=True, slots=True)
 class PutRequest(Message):
     """Objects ``keys[i]`` of ``sizes[i]`` bytes follow, concatenated, as payload.
+
+    ``checksums[i]`` is ``checksum(keys[i], object)``: the server refuses an
+    object whose checksum does not match its key and bytes (``CHECKSUM_MISMATCH``).
 
     ``parents[i]`` (optional) is the key of the previous block of the same
     prompt, so prefix-aware eviction can keep a chain's head before its tail.

@@ -17,7 +17,11 @@ import xxhash
 from ..errors import ErrorCode, ProtocolError
 
 MAGIC = b"KVFB"
-VERSION = 1
+# Version 2: object checksums bind keys (see :func:`checksum`). A peer speaks
+# exactly one version; there is no fallback (the header and the HELLO both
+# carry it, and either mismatch is BAD_VERSION).
+VERSION = 2
+BAD_VERSION_MESSAGE = f"this server speaks protocol {VERSION}: checksums bind keys"
 HEADER = struct.Struct("<4sHBBQIQI")
 HEADER_SIZE = HEADER.size  # 32
 assert HEADER_SIZE == 32
@@ -119,9 +123,21 @@ MAX_OBJECT_BYTES = DEFAULT_LIMITS.max_object_bytes
 MAX_IN_FLIGHT = DEFAULT_LIMITS.max_in_flight
 
 
-def checksum(data: Any) -> int:
-    """The object checksum carried on the wire and stored with each object: xxh3_64."""
-    return xxhash.xxh3_64_intdigest(data)
+def checksum(key: bytes, value: Any) -> int:
+    """The object checksum carried on the wire and stored with each object (protocol 2).
+
+    ``xxh3_64(value, seed=xxh3_64(key))``: it binds the key to the bytes, so
+    a value checksummed under one key does not verify under another (a key
+    altered on the wire, or a client sending one key's bytes and checksum
+    under another key, is refused with ``CHECKSUM_MISMATCH``). It is an
+    integrity check, not authentication: anyone can compute it for bytes of
+    their choosing. ``value`` is any contiguous buffer. The C data plane computes the same (``kvf_obj_hash`` in
+    csrc/kvf_hash.c); a test pins them together.
+    """
+    return _xxh3_64(value, _xxh3_64(key))  # the second argument is the seed
+
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
 
 
 # ----------------------------------------------------------------------------- header
@@ -168,7 +184,10 @@ def unpack_header(buf: Any, limits: Limits = DEFAULT_LIMITS) -> Header:
     if magic != MAGIC:
         raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {bytes(magic)!r}")
     if version != VERSION:
-        raise ProtocolError(ErrorCode.BAD_VERSION, f"unsupported protocol version {version} (this side speaks {VERSION})")
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"peer speaks protocol {version}, this side protocol {VERSION} (since protocol 2 checksums bind keys)",
+        )
     if flags & ~_KNOWN_FLAGS or reserved != 0:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown flags {flags:#x} or nonzero reserved field")
     if meta_len > limits.max_meta_bytes:

@@ -183,7 +183,12 @@ class Handlers:
 
     def parse_header(self, session: Session, buf: Any) -> Header:
         """Check the 32 header bytes against the session's limits (ProtocolError otherwise)."""
-        header = protocol.unpack_header(buf, session.limits)
+        try:
+            header = protocol.unpack_header(buf, session.limits)
+        except ProtocolError as e:
+            if e.code == ErrorCode.BAD_VERSION:  # say it as the C server does
+                raise ProtocolError(ErrorCode.BAD_VERSION, protocol.BAD_VERSION_MESSAGE) from None
+            raise
         if header.is_reply:
             raise ProtocolError(ErrorCode.MALFORMED, "a request must not carry the REPLY flag")
         return header
@@ -219,7 +224,7 @@ class Handlers:
 
     def _hello(self, session: Session, header: Header, msg: HelloRequest) -> Reply:
         if msg.version != protocol.VERSION:
-            raise ProtocolError(ErrorCode.BAD_VERSION, f"server speaks protocol {protocol.VERSION}, client {msg.version}")
+            raise ProtocolError(ErrorCode.BAD_VERSION, protocol.BAD_VERSION_MESSAGE)
         if self.auth_token is not None:
             if msg.auth is None or not hmac.compare_digest(msg.auth.encode(), self.auth_token.encode()):
                 raise ProtocolError(ErrorCode.AUTH_FAILED, "bad or missing auth token")

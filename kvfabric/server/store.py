@@ -27,9 +27,15 @@ by themselves (they are compared with the clock); a DELETE still removes a
 leased object at once, since a lease protects against eviction only. Leases
 are capped at ``max_lease_ms``.
 
-Checksums are xxh3_64 of the object bytes (``kvfabric.protocol.checksum``).
-A stored object whose bytes no longer match is dropped, counted in
-``checksum_failures`` and reported as a miss; it is never served.
+Checksums bind the key to the bytes (protocol 2,
+``kvfabric.protocol.checksum(key, value)``). A PUT whose checksum does not
+match its key and bytes is refused and counted in ``checksum_rejects``: nothing
+is stored, so a frame whose key was altered on the wire, or a client that sends
+one key's bytes and checksum under another key, plants nothing. (A writer that
+computes the checksum over bytes of its own choosing is not stopped by this:
+that is what auth and keyed key derivation are for.) A stored object whose bytes no longer match its key is
+dropped, counted in ``checksum_failures`` and reported as a miss; it is never
+served.
 """
 
 from __future__ import annotations
@@ -127,7 +133,7 @@ class Store:
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "hits", "misses", "puts", "put_exists", "put_too_large", "put_no_space",
-                "put_checksum_mismatches", "evictions", "evicted_bytes", "checksum_failures",
+                "checksum_rejects", "evictions", "evicted_bytes", "checksum_failures",
                 "deletes", "lookups", "lookup_keys", "lookup_hits", "exists_keys",
             ),
             0,
@@ -166,17 +172,18 @@ class Store:
     def commit_put(self, key: bytes, slot: Slot, csum: int, parent: bytes | None = None) -> PutStatus:
         """Verify the filled slot against ``csum`` and insert it under ``key``.
 
-        Returns ``STORED``; ``CHECKSUM_MISMATCH`` (slot freed) when the bytes
-        do not match; ``EXISTS`` (slot freed) when another client stored the
-        same key meanwhile.
+        Returns ``STORED``; ``CHECKSUM_MISMATCH`` (slot freed, counted in
+        ``checksum_rejects``) when ``csum`` is not ``checksum(key, bytes)``;
+        ``EXISTS`` (slot freed) when another client stored the same key
+        meanwhile.
         """
         self._finish(slot)
-        ok = checksum(slot.view) == csum
+        ok = checksum(key, slot.view) == csum
         slot.view.release()
         with self._lock:
             if not ok:
                 self.arena.free(slot.offset, slot.size)
-                self.counters["put_checksum_mismatches"] += 1
+                self.counters["checksum_rejects"] += 1
                 return PutStatus.CHECKSUM_MISMATCH
             if key in self._index:
                 self.arena.free(slot.offset, slot.size)
@@ -203,7 +210,7 @@ class Store:
         if not isinstance(res, Slot):
             return res
         res.view[:] = src
-        return self.commit_put(key, res, checksum(src) if csum is None else csum, parent)
+        return self.commit_put(key, res, checksum(key, src) if csum is None else csum, parent)
 
     # ------------------------------------------------------------------ GET
 
@@ -218,7 +225,8 @@ class Store:
         budget = max_bytes if max_bytes is not None else 1 << 62
         with self._lock:
             found = [self._pin(k) for k in keys]
-        verified = [e is not None and checksum(self.arena.view(e.offset, e.size)) == e.checksum for e in found]
+        verified = [e is not None and checksum(k, self.arena.view(e.offset, e.size)) == e.checksum
+                    for k, e in zip(keys, found)]
         sizes: list[int] = []
         sums: list[int] = []
         views: list[memoryview] = []

@@ -338,6 +338,7 @@ class NativeConnection(SocketConnection):
         if reply.version != protocol.VERSION:
             raise ProtocolError(
                 protocol.ErrorCode.BAD_VERSION,
-                f"server {self.address} speaks protocol {reply.version}, this client {protocol.VERSION}",
+                f"server {self.address} speaks protocol {reply.version}, this client protocol {protocol.VERSION} "
+                "(checksums bind keys since protocol 2)",
             )
         return reply

@@ -376,7 +376,7 @@ class ShmConnection(NativeConnection):
                     nbytes = memoryview(b).nbytes
                     if size > nbytes:  # checked before anything is copied; the lease is released below
                         raise ValueError(f"GET buffer {i} holds {nbytes} bytes, the object has {size}")
-            _native.copy_out(self._view, offsets, sizes, bufs, False)
+            _native.copy_out(self._view, offsets, sizes, bufs, None)
         finally:
             if self._sock is not None:
                 self._control(OP_SHM_RELEASE, {"lease": meta.get("lease", 0)}, deadline, reply=False)

@@ -81,7 +81,8 @@ def connect(
         conn.close()
         raise ProtocolError(
             protocol.ErrorCode.BAD_VERSION,
-            f"server {address} speaks protocol {hello.version}, this client {protocol.VERSION}",
+            f"server {address} speaks protocol {hello.version}, this client protocol {protocol.VERSION} "
+            "(checksums bind keys since protocol 2)",
         )
     conn.hello = hello
     return conn

@@ -110,7 +110,7 @@ def assert_serving(server) -> None:
         request(s, P.Op.PING, {})
         data = os.urandom(5000)
         key = os.urandom(16)
-        meta, _ = request(s, P.Op.PUT, {"keys": [key], "sizes": [len(data)], "checksums": [P.checksum(data)]}, data)
+        meta, _ = request(s, P.Op.PUT, {"keys": [key], "sizes": [len(data)], "checksums": [P.checksum(key, data)]}, data)
         assert meta["status"] == [P.PutStatus.STORED]
         meta, payload = request(s, P.Op.GET, {"keys": [key]})
         assert meta["sizes"] == [len(data)] and payload == data
@@ -143,7 +143,7 @@ def test_plain_http_garbage(server):
 
 def test_wrong_version_gets_error_then_close(server):
     with connect(server) as s:
-        s.sendall(frame(P.Op.PING, {}, version=2))
+        s.sendall(frame(P.Op.PING, {}, version=P.VERSION + 1))
         expect_error(s, ErrorCode.BAD_VERSION)
         expect_closed(s)
     assert_serving(server)
@@ -266,7 +266,7 @@ def test_payload_shorter_than_announced_frees_its_slot(server):
     data = os.urandom(1 << 20)
     with connect(server) as s:
         meta = {"keys": [b"short-1", b"short-2"], "sizes": [len(data), len(data)],
-                "checksums": [P.checksum(data), P.checksum(data)]}
+                "checksums": [P.checksum(b"short-1", data), P.checksum(b"short-2", data)]}
         # announces both objects, sends the second one cut short, then closes
         s.sendall(frame(P.Op.PUT, meta, data + data[:1000], payload_len=2 * len(data)))
     # the first object was complete and is stored; the cut one's slot is given back
@@ -291,7 +291,7 @@ def test_stall_mid_payload_is_dropped_and_slot_freed(server):
     allocated = stats(server)["bytes_allocated"]
     data = os.urandom(256 * 1024)
     with connect(server) as s:
-        meta = {"keys": [b"stall"], "sizes": [len(data)], "checksums": [P.checksum(data)]}
+        meta = {"keys": [b"stall"], "sizes": [len(data)], "checksums": [P.checksum(b"stall", data)]}
         s.sendall(frame(P.Op.PUT, meta, data[:1000], payload_len=len(data)))
         assert_serving(server)  # others are served while this one stalls
         expect_closed(s)
@@ -309,7 +309,7 @@ def test_trickling_peer_is_dropped_at_the_frame_deadline(server):
 
     data = os.urandom(64 * 1024)
     with connect(server) as s:
-        meta = {"keys": [b"trickle"], "sizes": [len(data)], "checksums": [P.checksum(data)]}
+        meta = {"keys": [b"trickle"], "sizes": [len(data)], "checksums": [P.checksum(b"trickle", data)]}
         head = frame(P.Op.PUT, meta, b"", payload_len=len(data))
         s.sendall(head)
         closed = False
@@ -335,7 +335,7 @@ def test_trickling_peer_is_dropped_at_the_frame_deadline(server):
 def test_bad_checksum_put_is_rejected_connection_usable(server):
     with connect(server) as s:
         data = b"q" * 3000
-        meta, _ = request(s, P.Op.PUT, {"keys": [b"badsum"], "sizes": [3000], "checksums": [P.checksum(data) ^ 1]}, data)
+        meta, _ = request(s, P.Op.PUT, {"keys": [b"badsum"], "sizes": [3000], "checksums": [P.checksum(b"badsum", data) ^ 1]}, data)
         assert meta["status"] == [P.PutStatus.CHECKSUM_MISMATCH]
         meta, _ = request(s, P.Op.GET, {"keys": [b"badsum"]})
         assert meta["sizes"] == [-1]

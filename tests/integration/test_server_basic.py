@@ -19,7 +19,7 @@ KiB = 1024
 
 
 def put(conn, keys, values, parents=None):
-    msg = P.PutRequest(keys, [len(v) for v in values], [P.checksum(v) for v in values], parents)
+    msg = P.PutRequest(keys, [len(v) for v in values], [P.checksum(k, v) for k, v in zip(keys, values)], parents)
     return conn.request(msg, values).msg.status
 
 
@@ -159,7 +159,7 @@ def test_sigterm_finishes_in_flight_put_then_exits_zero():
     srv = start_server(capacity="8MiB", module="kvfabric.testing.reference")
     try:
         data = os.urandom(1 << 20)
-        meta = P.encode_meta({"keys": [b"inflight"], "sizes": [len(data)], "checksums": [P.checksum(data)]})
+        meta = P.encode_meta({"keys": [b"inflight"], "sizes": [len(data)], "checksums": [P.checksum(b"inflight", data)]})
         s = socket.create_connection((srv.host, srv.port), timeout=10)
         s.sendall(P.pack_header(P.Op.PUT, 5, len(meta), len(data)) + meta + data[:1000])
         # wait until the server has reserved the slot (it is in the middle of the frame)

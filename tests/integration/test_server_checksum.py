@@ -45,7 +45,7 @@ def test_corrupted_object_is_a_miss_dropped_and_counted(module):
             pytest.skip(f"cannot open the server's memory here: {e}")
         c = connect(srv.address, timeout_s=10)
         good, bad = os.urandom(50_000), os.urandom(50_000)
-        msg = P.PutRequest([b"good", b"bad"], [len(good), len(bad)], [P.checksum(good), P.checksum(bad)])
+        msg = P.PutRequest([b"good", b"bad"], [len(good), len(bad)], [P.checksum(b"good", good), P.checksum(b"bad", bad)])
         assert c.request(msg, [good, bad]).msg.status == [0, 0]
         where = find_in_process(srv.pid, bad[:4096])
         assert len(where) == 1, f"object found {len(where)} times in server memory (expected once, in the arena)"

@@ -28,7 +28,7 @@ def test_64_concurrent_connections_mixed_ops_verified():
                 for r in range(rounds):
                     vals = [os.urandom(1000 + (idx * 37 + r * 11 + j) % 9000) for j in range(4)]
                     keys = [b"c%03d-r%03d-%d" % (idx, r, j) for j in range(4)]
-                    msg = P.PutRequest(keys, [len(v) for v in vals], [P.checksum(v) for v in vals])
+                    msg = P.PutRequest(keys, [len(v) for v in vals], [P.checksum(k, v) for k, v in zip(keys, vals)])
                     assert c.request(msg, vals).msg.status == [0, 0, 0, 0]
                     bufs = [bytearray(10_000) for _ in keys]
                     got = c.request(P.GetRequest(keys), recv_buffers=bufs).msg

@@ -13,29 +13,37 @@ from __future__ import annotations
 import json
 import sys
 
+import xxhash
+
 from kvfabric import protocol as p
 
 K1 = bytes(range(16))
 K2 = bytes(range(16, 48))
+K3 = b"\x5a" * 16
 MISSING = b"\xff" * 16
 ABC = b"abc"
 
 # (name, request message, request payload, reply message, reply payload)
 CASES = [
     ("ping", p.PingRequest(), b"", p.PingReply(), b""),
-    ("put", p.PutRequest(keys=[K1, K2], sizes=[3, 0], checksums=[p.checksum(ABC), p.checksum(b"")],
+    ("put", p.PutRequest(keys=[K1, K2], sizes=[3, 0], checksums=[p.checksum(K1, ABC), p.checksum(K2, b"")],
                          parents=[None, K1]), ABC, p.PutReply(status=[0, 0]), b""),
-    ("put_again", p.PutRequest(keys=[K1], sizes=[3], checksums=[p.checksum(ABC)]), ABC,
+    ("put_again", p.PutRequest(keys=[K1], sizes=[3], checksums=[p.checksum(K1, ABC)]), ABC,
      p.PutReply(status=[1]), b""),
     ("put_bad_checksum", p.PutRequest(keys=[MISSING], sizes=[3], checksums=[1]), ABC, p.PutReply(status=[4]), b""),
+    # protocol 2: K1's bytes under K3 with K1's (valid) checksum are refused; K3 stays unheld
+    ("put_other_keys_checksum", p.PutRequest(keys=[K3], sizes=[3], checksums=[p.checksum(K1, ABC)]), ABC,
+     p.PutReply(status=[4]), b""),
     ("get", p.GetRequest(keys=[K1, MISSING, K2]), b"",
-     p.GetReply(sizes=[3, -1, 0], checksums=[p.checksum(ABC), 0, p.checksum(b"")]), ABC),
-    ("exists", p.ExistsRequest(keys=[K1, MISSING]), b"", p.ExistsReply(present=[True, False]), b""),
+     p.GetReply(sizes=[3, -1, 0], checksums=[p.checksum(K1, ABC), 0, p.checksum(K2, b"")]), ABC),
+    ("exists", p.ExistsRequest(keys=[K1, MISSING, K3]), b"", p.ExistsReply(present=[True, False, False]), b""),
     ("lookup", p.LookupRequest(keys=[K1, K2, MISSING, K1]), b"", p.LookupReply(count=2), b""),
     ("delete", p.DeleteRequest(keys=[K2, MISSING]), b"", p.DeleteReply(deleted=1), b""),
 ]
 
 CHECKSUM_INPUTS = [b"", b"a", b"abc", bytes(range(256)) * 17, b"\x00" * 4096]
+# (key, value) pairs of the object checksum (protocol 2); values of both xxh3 paths (<= 240 bytes, longer)
+KEYED_INPUTS = [(K1, b""), (K1, ABC), (K2, ABC), (b"k", bytes(range(256)) * 17), (MISSING, b"\x00" * 4096)]
 
 
 def frames() -> dict:
@@ -47,8 +55,9 @@ def frames() -> dict:
             "request": (p.encode_request(req, i) + req_payload).hex(),
             "reply": (p.encode_reply(rep, i) + rep_payload).hex(),
         })
-    for data in CHECKSUM_INPUTS:
-        out["checksums"].append({"data": data.hex(), "xxh3_64": p.checksum(data)})
+    for data in CHECKSUM_INPUTS:  # plain xxh3_64: the seed each key gives its checksum
+        out["checksums"].append({"data": data.hex(), "xxh3_64": xxhash.xxh3_64_intdigest(data)})
+    out["object_checksums"] = [{"key": k.hex(), "data": v.hex(), "checksum": p.checksum(k, v)} for k, v in KEYED_INPUTS]
     out["error_unknown_opcode"] = p.encode_error(99, 7, p.ErrorCode.UNKNOWN_OPCODE, "unknown opcode").hex()
     return out
 

@@ -69,7 +69,7 @@ def test_a_trickling_put_is_dropped_at_the_min_rate_bound_while_a_normal_put_wor
     n, size = 64, 2048
     keys = [b"slow%02d" % i for i in range(n)]
     values = [bytes([i]) * size for i in range(n)]
-    msg = p.PutRequest(keys=keys, sizes=[size] * n, checksums=[p.checksum(v) for v in values])
+    msg = p.PutRequest(keys=keys, sizes=[size] * n, checksums=[p.checksum(k, v) for k, v in zip(keys, values)])
     r = open_raw(srv.address)
     r.send(p.encode_request(msg, 1))
     start = time.monotonic()
@@ -93,7 +93,7 @@ def test_a_trickling_put_is_dropped_at_the_min_rate_bound_while_a_normal_put_wor
         assert srv.stats()["free_bytes"] == free - st["objects"] * 4096  # one page each, nothing left reserved
         # a normal PUT (1 MiB, well above the rate) and GET on the same server
         val = b"n" * (1 << 20)
-        assert c.request(p.PutRequest([b"normal"], [len(val)], [p.checksum(val)]), [val]).msg.status == [0]
+        assert c.request(p.PutRequest([b"normal"], [len(val)], [p.checksum(b"normal", val)]), [val]).msg.status == [0]
         buf = bytearray(len(val))
         assert c.request(p.GetRequest([b"normal"]), recv_buffers=[buf]).msg.sizes == [len(val)]
         assert bytes(buf) == val

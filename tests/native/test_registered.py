@@ -33,7 +33,7 @@ def _objects(seed: int, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:
 
 
 def _put(conn: tn.NativeConnection, keys: list[bytes], objs: list[bytes]) -> None:
-    msg = PutRequest(keys=keys, sizes=[len(o) for o in objs], checksums=[protocol.checksum(o) for o in objs])
+    msg = PutRequest(keys=keys, sizes=[len(o) for o in objs], checksums=[protocol.checksum(k, o) for k, o in zip(keys, objs)])
     reply = conn.request(msg, objs, deadline=time.monotonic() + 10).msg
     assert all(s in (0, 1) for s in reply.status)
 

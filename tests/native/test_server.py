@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 def put_frame(rid, keys, values, checksums=None):
     msg = p.PutRequest(keys=keys, sizes=[len(v) for v in values],
-                       checksums=checksums or [p.checksum(v) for v in values])
+                       checksums=checksums or [p.checksum(k, v) for k, v in zip(keys, values)])
     return p.encode_request(msg, rid) + b"".join(values)
 
 
@@ -80,7 +80,7 @@ def test_put_length_mismatch_closes(raw):
 
 def test_put_statuses(raw):
     big = b"x" * (16 * MiB + 1)  # larger than the whole arena
-    raw.send(put_frame(1, [b"a", b"b", b"c"], [b"1" * 5000, b"2", b"3"], [p.checksum(b"1" * 5000), 0, p.checksum(b"3")]))
+    raw.send(put_frame(1, [b"a", b"b", b"c"], [b"1" * 5000, b"2", b"3"], [p.checksum(b"a", b"1" * 5000), 0, p.checksum(b"c", b"3")]))
     assert reply_of(raw.recv_frame(), p.Op.PUT).status == [0, 4, 0]
     raw.send(put_frame(2, [b"a", b"big"], [b"1" * 5000, big]))
     assert reply_of(raw.recv_frame(), p.Op.PUT).status == [1, 2]
@@ -111,10 +111,10 @@ def test_lru_eviction_order_is_the_policys(make_server):
     val = b"v" * 4096  # one page each: 64 fit
     keys = [b"k%02d" % i for i in range(64)]
     for k in keys:
-        assert c.request(p.PutRequest([k], [4096], [p.checksum(val)]), [val]).msg.status == [0]
+        assert c.request(p.PutRequest([k], [4096], [p.checksum(k, val)]), [val]).msg.status == [0]
     c.request(p.GetRequest([keys[0]]))  # k00 becomes the most recent, k01 the coldest
     # the events reach the policy in order before it picks a victim for the next PUT
-    assert c.request(p.PutRequest([b"new"], [4096], [p.checksum(val)]), [val]).msg.status == [0]
+    assert c.request(p.PutRequest([b"new"], [4096], [p.checksum(b"new", val)]), [val]).msg.status == [0]
     present = c.request(p.ExistsRequest(keys[:3] + [b"new"])).msg.present
     assert present == [True, False, True, True]
     assert srv.stats()["evictions"] == 1
@@ -127,13 +127,13 @@ def test_leased_and_pinned_objects_are_not_evicted_and_a_full_pinned_arena_says_
     val = b"v" * 4096
     keys = [b"k%d" % i for i in range(8)]
     for k in keys:
-        c.request(p.PutRequest([k], [4096], [p.checksum(val)]), [val])
+        c.request(p.PutRequest([k], [4096], [p.checksum(k, val)]), [val])
     assert c.request(p.LookupRequest(keys, lease_ms=60_000)).msg.count == 8  # all leased
-    st = c.request(p.PutRequest([b"x"], [4096], [p.checksum(val)]), [val]).msg.status
+    st = c.request(p.PutRequest([b"x"], [4096], [p.checksum(b"x", val)]), [val]).msg.status
     assert st == [p.PutStatus.NO_SPACE]
     assert c.request(p.ExistsRequest(keys)).msg.present == [True] * 8
     assert c.request(p.DeleteRequest(keys[:1])).msg.deleted == 1  # delete still works on leased objects
-    assert c.request(p.PutRequest([b"x"], [4096], [p.checksum(val)]), [val]).msg.status == [0]
+    assert c.request(p.PutRequest([b"x"], [4096], [p.checksum(b"x", val)]), [val]).msg.status == [0]
     c.close()
 
 
@@ -142,7 +142,7 @@ def test_eviction_makes_room_for_a_stream_larger_than_the_arena(make_server):
     c = tcp.connect(srv.address, timeout_s=5)
     val = bytes(range(256)) * 256  # 64 KiB
     for i in range(64):  # 4 MiB through a 1 MiB arena
-        assert c.request(p.PutRequest([b"s%d" % i], [len(val)], [p.checksum(val)]), [val]).msg.status == [0]
+        assert c.request(p.PutRequest([b"s%d" % i], [len(val)], [p.checksum(b"s%d" % i, val)]), [val]).msg.status == [0]
     assert srv.stats()["evictions"] >= 48
     assert c.request(p.ExistsRequest([b"s63"])).msg.present == [True]
     assert srv._srv.check()
@@ -175,14 +175,14 @@ def test_zero_copy_sends_are_used_for_large_objects(make_server, server):
         pytest.skip("this kernel has no IORING_OP_SEND_ZC")
     c = tcp.connect(server.address, timeout_s=5)  # auto: loopback peers get copying sends
     val = b"z" * MiB
-    c.request(p.PutRequest([b"big"], [MiB], [p.checksum(val)]), [val])
+    c.request(p.PutRequest([b"big"], [MiB], [p.checksum(b"big", val)]), [val])
     assert c.request(p.GetRequest([b"big"])).payload == val
     assert server.stats()["zc_sends"] == 0
     c.close()
     server = make_server(zerocopy="on")  # forced: zero-copy even on loopback
     c = tcp.connect(server.address, timeout_s=5)
     val = b"z" * MiB
-    c.request(p.PutRequest([b"big"], [MiB], [p.checksum(val)]), [val])
+    c.request(p.PutRequest([b"big"], [MiB], [p.checksum(b"big", val)]), [val])
     buf = bytearray(MiB)
     assert c.request(p.GetRequest([b"big"]), recv_buffers=[buf]).msg.sizes == [MiB] and buf == val
     assert server.stats()["zc_sends"] >= 1
@@ -220,7 +220,7 @@ def test_watermarks_evict_ahead_of_demand(make_server):
     c = tcp.connect(srv.address, timeout_s=5)
     val = b"w" * 4096
     for i in range(52):  # 52 of 64 pages: free space drops below a quarter
-        assert c.request(p.PutRequest([b"w%02d" % i], [4096], [p.checksum(val)]), [val]).msg.status == [0]
+        assert c.request(p.PutRequest([b"w%02d" % i], [4096], [p.checksum(b"w%02d" % i, val)]), [val]).msg.status == [0]
     # the control thread evicts back towards half free (PUTs racing with it may use some of it)
     assert wait_for(lambda: srv.stats()["evictions"] > 0 and srv.stats()["free_bytes"] >= 16 * 4096)
     present = c.request(p.ExistsRequest([b"w%02d" % i for i in range(52)])).msg.present
@@ -247,7 +247,7 @@ def test_command_line_default_evicts_ahead_of_demand():
         c = tcp.connect(srv.address, timeout_s=5)
         val = b"a" * page
         for i in range(64):  # exactly the capacity
-            assert c.request(p.PutRequest([b"a%02d" % i], [page], [p.checksum(val)]), [val]).msg.status == [0]
+            assert c.request(p.PutRequest([b"a%02d" % i], [page], [p.checksum(b"a%02d" % i, val)]), [val]).msg.status == [0]
         st = c.request(p.StatsRequest()).msg.stats
         # evicted oldest-first down towards 10% free, with no PUT parked waiting for room
         assert wait_for(lambda: c.request(p.StatsRequest()).msg.stats["evictions"] >= 3)

@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 
 def put(c, key, val):
-    return c.request(p.PutRequest([key], [len(val)], [p.checksum(val)]), [val]).msg.status[0]
+    return c.request(p.PutRequest([key], [len(val)], [p.checksum(key, val)]), [val]).msg.status[0]
 
 
 def test_get_put_round_trip_with_parts_split_anyhow(server):
@@ -29,13 +29,13 @@ def test_get_put_round_trip_with_parts_split_anyhow(server):
     joined = b"".join(vals)
     parts = [joined[:3], joined[3:60000], joined[60000:]]  # do not line up with the objects
     keys = [b"a", b"b", b"c"]
-    st = c.request(p.PutRequest(keys, [len(v) for v in vals], [p.checksum(v) for v in vals]), parts).msg.status
+    st = c.request(p.PutRequest(keys, [len(v) for v in vals], [p.checksum(k, v) for k, v in zip(keys, vals)]), parts).msg.status
     assert st == [0, 0, 0]
     bufs = [bytearray(len(v) + 10) for v in vals] + [bytearray(1)]
     rep = c.request(p.GetRequest(keys + [b"missing"]), recv_buffers=bufs).msg
     assert rep.sizes == [5000, 0, 70000, -1]
     assert [bytes(b[:len(v)]) for b, v in zip(bufs, vals)] == vals
-    assert rep.checksums[:3] == [p.checksum(v) for v in vals]
+    assert rep.checksums[:3] == [p.checksum(k, v) for k, v in zip(keys, vals)]
     t = tcp.connect(server.address, timeout_s=5)  # the same objects over the wire
     assert t.request(p.GetRequest([b"c"])).payload == vals[2]
     assert server.stats()["shm"] == 1
@@ -53,7 +53,7 @@ def test_a_reserved_slot_is_never_served_before_commit(server):
     c._view[res["offsets"][0]:res["offsets"][0] + 4096] = b"q" * 4096
     assert other.request(p.ExistsRequest([b"r"])).msg.present == [False]
     assert other.request(p.GetRequest([b"r"])).msg.sizes == [-1]
-    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": [p.checksum(b"q" * 4096)]}, None)
+    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": [p.checksum(b"r", b"q" * 4096)]}, None)
     assert done["status"] == [0]
     assert other.request(p.GetRequest([b"r"])).payload == b"q" * 4096
     c.close()
@@ -64,7 +64,7 @@ def test_commit_checks_the_checksum(server):
     c = shm.connect(server.address, timeout_s=5)
     res = c._control(shm.OP_SHM_RESERVE, {"keys": [b"r"], "sizes": [10]}, None)
     c._view[res["offsets"][0]:res["offsets"][0] + 10] = b"0123456789"
-    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": [p.checksum(b"something else")]}, None)
+    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": [p.checksum(b"r", b"something else")]}, None)
     assert done["status"] == [p.PutStatus.CHECKSUM_MISMATCH]
     assert c.request(p.ExistsRequest([b"r"])).msg.present == [False]
     c.close()
@@ -110,7 +110,7 @@ def test_a_corrupted_arena_byte_is_caught_by_the_checksum(server):
     c._view[off] = ord("b")  # a stray write by some process that maps the arena
     buf = bytearray(4096)
     rep = c.request(p.GetRequest([b"k"]), recv_buffers=[buf]).msg
-    assert p.checksum(buf) != rep.checksums[0]  # the client's verification turns this into a miss
+    assert p.checksum(b"k", buf) != rep.checksums[0]  # the client's verification turns this into a miss
     t = tcp.connect(server.address, timeout_s=5)
     assert t.request(p.GetRequest([b"k"])).msg.sizes == [-1]  # the server drops it before sending
     assert server.stats()["checksum_failures"] == 1

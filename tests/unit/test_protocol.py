@@ -18,7 +18,7 @@ REQUESTS = [
     p.LookupRequest(keys=[KEY], lease_ms=250),
     p.LookupRequest(keys=[KEY]),
     p.GetRequest(keys=[KEY, b"x" * 64]),
-    p.PutRequest(keys=[KEY, b"k2"], sizes=[3, 0], checksums=[p.checksum(b"abc"), p.checksum(b"")]),
+    p.PutRequest(keys=[KEY, b"k2"], sizes=[3, 0], checksums=[p.checksum(KEY, b"abc"), p.checksum(b"k2", b"")]),
     p.PutRequest(keys=[KEY], sizes=[5], checksums=[1], parents=[b"parent"]),
     p.DeleteRequest(keys=[KEY]),
     p.StatsRequest(),
@@ -61,29 +61,29 @@ def test_reply_round_trip(msg):
 
 GOLDEN = {
     "put": (
-        p.encode_request(p.PutRequest(keys=[KEY], sizes=[3], checksums=[p.checksum(b"abc")], parents=[None]),
+        p.encode_request(p.PutRequest(keys=[KEY], sizes=[3], checksums=[p.checksum(KEY, b"abc")], parents=[None]),
                          0x0102030405060708),
-        "4b5646420100060008070605040302013f00000003000000000000000000000084a46b65797391c410000102030405060708"
-        "090a0b0c0d0e0fa573697a65739103a9636865636b73756d7391cf78af5f94892f3950a7706172656e747391c0",
+        "4b5646420200060008070605040302013f00000003000000000000000000000084a46b65797391c410000102030405060708"
+        "090a0b0c0d0e0fa573697a65739103a9636865636b73756d7391cfe9c45c35ea12b664a7706172656e747391c0",
     ),
     "get_reply": (
-        p.encode_reply(p.GetReply(sizes=[3, -1], checksums=[p.checksum(b"abc"), 0]), 1),
-        "4b5646420100050101000000000000001f00000003000000000000000000000082a573697a65739203ffa9636865636b73756d"
-        "7392cf78af5f94892f395000",
+        p.encode_reply(p.GetReply(sizes=[3, -1], checksums=[p.checksum(KEY, b"abc"), 0]), 1),
+        "4b5646420200050101000000000000001f00000003000000000000000000000082a573697a65739203ffa9636865636b73756d"
+        "7392cfe9c45c35ea12b66400",
     ),
     "error": (
         p.encode_error(5, 42, ErrorCode.TOO_MANY_KEYS, "too many"),
-        "4b564642010005032a000000000000001800000000000000000000000000000082a4636f646505a76d657373616765a8746f6f"
+        "4b564642020005032a000000000000001800000000000000000000000000000082a4636f646505a76d657373616765a8746f6f"
         "206d616e79",
     ),
     "lookup": (
         p.encode_request(p.LookupRequest(keys=[b"k1", b"k2"], lease_ms=500), 3),
-        "4b5646420100040003000000000000001b00000000000000000000000000000082a46b65797392c4026b31c4026b32a86c6561"
+        "4b5646420200040003000000000000001b00000000000000000000000000000082a46b65797392c4026b31c4026b32a86c6561"
         "73655f6d73cd01f4",
     ),
     "hello": (
         p.encode_request(p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), auth="tok"), 0),
-        "4b5646420100010000000000000000003e00000000000000000000000000000084a776657273696f6e01a6636c69656e74af6b"
+        "4b5646420200010000000000000000003e00000000000000000000000000000084a776657273696f6e02a6636c69656e74af6b"
         "766661627269632d70792f302e31aa7472616e73706f72747392a3746370a373686da461757468a3746f6b",
     ),
 }
@@ -95,21 +95,33 @@ def test_golden_bytes(name):
     assert frame.hex() == hexbytes
 
 
-def test_checksum_is_xxh3_64():
-    assert p.checksum(b"abc") == 8696274497037089104
+def test_checksum_binds_the_key():
+    """Protocol 2: xxh3_64(value, seed=xxh3_64(key)); the same bytes under two keys differ."""
+    assert p.checksum(KEY, b"abc") == 16844689892902614628 == 0xE9C45C35EA12B664
+    assert p.checksum(b"k", b"abc") == 13987658807790559195
+    assert p.checksum(KEY, b"abc") != p.checksum(b"k", b"abc")
+    # and differs from the version-1 checksum (xxh3_64 of the value alone)
+    assert p.checksum(KEY, b"abc") != 8696274497037089104
+    assert p.checksum(KEY, memoryview(b"abc")) == p.checksum(KEY, bytearray(b"abc"))  # any buffer
+
+
+def test_version_is_2_and_says_why():
+    assert p.VERSION == 2
+    assert p.BAD_VERSION_MESSAGE == "this server speaks protocol 2: checksums bind keys"
+    assert p.HelloRequest().to_meta()["version"] == 2
 
 
 def test_header_layout():
     assert p.HEADER_SIZE == 32
     raw = p.pack_header(p.Op.GET, 9, 10, 11, p.FLAG_REPLY)
     assert raw[:4] == b"KVFB"
-    assert struct.unpack_from("<H", raw, 4)[0] == 1
+    assert struct.unpack_from("<H", raw, 4)[0] == 2
     assert raw[6] == p.Op.GET and raw[7] == p.FLAG_REPLY
     assert struct.unpack_from("<QIQI", raw, 8) == (9, 10, 11, 0)
 
 
 def bad_header(**kw):
-    fields = dict(magic=b"KVFB", version=1, opcode=2, flags=0, rid=1, meta=0, payload=0, reserved=0)
+    fields = dict(magic=b"KVFB", version=2, opcode=2, flags=0, rid=1, meta=0, payload=0, reserved=0)
     fields.update(kw)
     return p.HEADER.pack(*fields.values())
 
@@ -118,7 +130,8 @@ def bad_header(**kw):
     "kw,code",
     [
         (dict(magic=b"HTTP"), ErrorCode.BAD_MAGIC),
-        (dict(version=2), ErrorCode.BAD_VERSION),
+        (dict(version=1), ErrorCode.BAD_VERSION),
+        (dict(version=3), ErrorCode.BAD_VERSION),
         (dict(flags=0x80), ErrorCode.MALFORMED),
         (dict(reserved=1), ErrorCode.MALFORMED),
         (dict(meta=p.MAX_META_BYTES + 1), ErrorCode.META_TOO_LARGE),

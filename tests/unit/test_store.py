@@ -41,7 +41,7 @@ def test_put_get_roundtrip_bytes_exact():
     assert s.put(b"a", data) == PutStatus.STORED
     got = s.acquire([b"a", b"missing"])
     assert got.sizes == [len(data), -1]
-    assert got.checksums == [checksum(data), 0]
+    assert got.checksums == [checksum(b"a", data), 0]
     assert bytes(got.views[0]) == data
     got.release()
     st = s.stats()
@@ -201,9 +201,9 @@ def test_corrupt_bytes_are_a_miss_dropped_and_counted():
 
 def test_put_with_wrong_checksum_is_rejected():
     s = make(2)
-    assert s.put(b"a", obj(1), csum=checksum(obj(2))) == PutStatus.CHECKSUM_MISMATCH
+    assert s.put(b"a", obj(1), csum=checksum(b"a", obj(2))) == PutStatus.CHECKSUM_MISMATCH
     assert b"a" not in s and s.arena.used_bytes == 0
-    assert s.stats()["put_checksum_mismatches"] == 1
+    assert s.stats()["checksum_rejects"] == 1
 
 
 def test_two_phase_put_abort_and_race():
@@ -219,8 +219,8 @@ def test_two_phase_put_abort_and_race():
     s1, s2 = s.begin_put(b"k", 10), s.begin_put(b"k", 10)
     s1.view[:] = b"x" * 10
     s2.view[:] = b"x" * 10
-    assert s.commit_put(b"k", s1, checksum(b"x" * 10)) == PutStatus.STORED
-    assert s.commit_put(b"k", s2, checksum(b"x" * 10)) == PutStatus.EXISTS
+    assert s.commit_put(b"k", s1, checksum(b"k", b"x" * 10)) == PutStatus.STORED
+    assert s.commit_put(b"k", s2, checksum(b"k", b"x" * 10)) == PutStatus.EXISTS
     assert s.arena.used_bytes == PAGE_SIZE
     s.check()
 
@@ -273,7 +273,7 @@ def test_handlers_put_ingest_fills_slots_then_get_serves_views():
     session = h.new_session("peer")
     vals = [b"a" * 5000, b"b" * 7000, b"a" * 5000]
     keys = [b"k1", b"k2", b"k1"]  # duplicate key inside one batch
-    header, msg = _request(h, session, P.PutRequest(keys, [len(v) for v in vals], [P.checksum(v) for v in vals]))
+    header, msg = _request(h, session, P.PutRequest(keys, [len(v) for v in vals], [P.checksum(k, v) for k, v in zip(keys, vals)]))
     ingest = h.begin_put(session, header, msg)
     for i, v in enumerate(vals):
         view = ingest.reserve(i)
