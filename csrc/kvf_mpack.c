@@ -1,6 +1,7 @@
 /* kvf_mpack.c: msgpack subset reader/writer (see kvf_mpack.h). */
 #include "kvf_mpack.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static inline int need(struct kvf_mr *r, size_t n) { return (size_t)(r->end - r->p) >= n ? 0 : -1; }
@@ -132,6 +133,97 @@ static int skip_depth(struct kvf_mr *r, int depth)
 }
 
 int kvf_mr_skip(struct kvf_mr *r) { return skip_depth(r, 0); }
+
+/* ---------------------------------------------------------------- strict check */
+
+struct mkey {
+    const uint8_t *p; /* the key's data */
+    uint32_t n;       /* its length, top bit set for a bin key */
+};
+
+static int mkey_cmp(const void *a, const void *b)
+{
+    const struct mkey *x = a, *y = b;
+    if (x->n != y->n) return x->n < y->n ? -1 : 1;
+    return memcmp(x->p, y->p, x->n & 0x7fffffffu);
+}
+
+static int check_value(struct kvf_mr *r, int depth);
+
+/* A map whose header was read: n key/value pairs, keys str or bin, no key twice.
+ * Keys are compared by type class (str or bin) and data, not by encoding, so
+ * "a" as fixstr and as str8 are the same key (as they are to msgpack-python). */
+static int check_map(struct kvf_mr *r, uint32_t n, int depth)
+{
+    struct mkey small[32];
+    struct mkey *keys = small;
+    if (n > 32) {
+        if ((size_t)(r->end - r->p) / 2 < n) return -1; /* each pair takes >= 2 bytes */
+        keys = malloc(sizeof *keys * n);
+        if (!keys) return -1;
+    }
+    int rc = 0;
+    for (uint32_t i = 0; i < n && !rc; i++) {
+        const char *s;
+        const uint8_t *b;
+        uint32_t l;
+        uint8_t t = r->p < r->end ? r->p[0] : 0;
+        int is_str = (t & 0xe0) == 0xa0 || t == 0xd9 || t == 0xda || t == 0xdb;
+        if (is_str) rc = kvf_mr_str(r, &s, &l), b = (const uint8_t *)s;
+        else rc = kvf_mr_bin(r, &b, &l);
+        if (rc) break;
+        if (l & 0x80000000u) { rc = -1; break; } /* cannot fit in metadata anyway */
+        keys[i].p = b;
+        keys[i].n = is_str ? l : l | 0x80000000u; /* class bit: a bin key never equals a str key */
+        rc = check_value(r, depth + 1);
+    }
+    if (!rc && n > 1) {
+        if (n <= 32) {
+            for (uint32_t i = 1; i < n && !rc; i++)
+                for (uint32_t j = 0; j < i; j++)
+                    if (keys[i].n == keys[j].n && memcmp(keys[i].p, keys[j].p, keys[i].n & 0x7fffffffu) == 0) {
+                        rc = -1;
+                        break;
+                    }
+        } else {
+            qsort(keys, n, sizeof *keys, mkey_cmp);
+            for (uint32_t i = 1; i < n; i++)
+                if (keys[i].n == keys[i - 1].n && memcmp(keys[i].p, keys[i - 1].p, keys[i].n & 0x7fffffffu) == 0) {
+                    rc = -1;
+                    break;
+                }
+        }
+    }
+    if (keys != small) free(keys);
+    return rc;
+}
+
+static int check_value(struct kvf_mr *r, int depth)
+{
+    if (depth > 32 || need(r, 1)) return -1;
+    uint8_t b = r->p[0];
+    uint32_t n;
+    if ((b & 0xf0) == 0x80 || b == 0xde || b == 0xdf) {
+        if (kvf_mr_map(r, &n)) return -1;
+        return check_map(r, n, depth);
+    }
+    if ((b & 0xf0) == 0x90 || b == 0xdc || b == 0xdd) {
+        if (kvf_mr_array(r, &n)) return -1;
+        if ((size_t)(r->end - r->p) < n) return -1; /* each element takes >= 1 byte */
+        for (uint32_t k = 0; k < n; k++)
+            if (check_value(r, depth + 1)) return -1;
+        return 0;
+    }
+    return skip_depth(r, depth);
+}
+
+int kvf_mr_check_meta(const uint8_t *meta, size_t len)
+{
+    struct kvf_mr r = {meta, meta + len};
+    uint32_t n;
+    if (kvf_mr_map(&r, &n) || check_map(&r, n, 0)) return -1;
+    return r.p == r.end ? 0 : -1;
+}
 
 int kvf_mr_find(const uint8_t *meta, size_t len, const char *name, struct kvf_mr *out)
 {

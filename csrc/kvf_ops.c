@@ -585,14 +585,16 @@ void kvf_ops_request(struct conn *c)
     struct kvf_server *s = c->srv;
     int op = c->hdr.opcode;
     struct meta m = {c->meta, c->hdr.meta_len};
-    struct kvf_mr r = {m.p, m.p + m.n};
-    uint32_t nmap;
     if (!c->authed && op != KVF_OP_HELLO) { reject(c, KVF_E_AUTH_FAILED, "authenticate with HELLO first"); return; }
     if (op < KVF_OP_HELLO || (op > KVF_OP_STATS && (op < KVF_OP_SHM_ATTACH || op > KVF_OP_SHM_COMMIT))) {
         reject(c, KVF_E_UNKNOWN_OPCODE, "unknown opcode");
         return;
     }
-    if (kvf_mr_map(&r, &nmap)) { reject(c, KVF_E_MALFORMED, "metadata must be a map"); return; }
+    /* the same rule as protocol.decode_meta: one map, nothing truncated or after it, no key twice */
+    if (kvf_mr_check_meta(m.p, m.n)) {
+        reject(c, KVF_E_MALFORMED, "metadata must be one msgpack map (no key twice, nothing truncated or after it)");
+        return;
+    }
     if (batch_alloc(&c->b, s->cfg.max_keys, 0)) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
     if (op != KVF_OP_PUT && c->hdr.payload_len) {
         reject(c, KVF_E_LENGTH_MISMATCH, "this request carries no payload");

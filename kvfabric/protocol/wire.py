@@ -211,9 +211,19 @@ def encode_meta(meta: dict[str, Any]) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
 
-def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Decode a metadata section; raises ProtocolError(MALFORMED) unless it is one msgpack map.
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("a map holds the same key twice")
+    return d
 
+
+def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Decode a metadata section; raises ProtocolError(MALFORMED) unless it is exactly one msgpack map.
+
+    MALFORMED too: truncated bytes, any byte after the map, a map (at any
+    depth) that holds the same key twice, a map key that is not str or bytes.
+    The C data plane applies the same rule (csrc/kvf_mpack.c kvf_mr_check_meta).
     Container and string sizes are capped inside the decoder by the metadata
     size (every element takes at least one byte), so a hostile length prefix
     cannot make it allocate; the per-message checks then apply the key limits.
@@ -224,6 +234,7 @@ def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             buf,
             raw=False,
             strict_map_key=True,
+            object_pairs_hook=_unique_map,
             max_bin_len=limits.max_meta_bytes,
             max_str_len=limits.max_meta_bytes,
             max_array_len=n,

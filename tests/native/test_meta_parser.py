@@ -1,0 +1,82 @@
+"""One metadata parser behaviour: both servers answer MALFORMED to the same bad metadata.
+
+The Python reference (kvfabric.testing.reference, protocol.decode_meta) and the C
+server (csrc/kvf_mpack.c kvf_mr_check_meta, called by kvf_ops_request) must agree:
+metadata is exactly one msgpack map, nothing truncated, nothing after it, no map
+that holds the same key twice. Either server answers an error frame with
+MALFORMED and keeps the connection (the frame's length fields were sound).
+"""
+
+import msgpack
+import pytest
+
+from kvfabric import protocol as p
+from kvfabric.errors import ErrorCode, ProtocolError
+
+K = b"k" * 16
+
+# (name, opcode, metadata bytes): each must be refused with MALFORMED
+BAD = [
+    # {"keys": [K], "keys": [K]}: msgpack-python would keep the last; both servers refuse
+    ("duplicate_key", p.Op.EXISTS, b"\x82" + msgpack.packb("keys") + msgpack.packb([K])
+     + msgpack.packb("keys") + msgpack.packb([K])),
+    # the same key spelled as fixstr and as str8 is still the same key
+    ("duplicate_key_other_encoding", p.Op.EXISTS, b"\x82" + msgpack.packb("keys") + msgpack.packb([K])
+     + b"\xd9\x04keys" + msgpack.packb([K])),
+    ("duplicate_key_nested", p.Op.EXISTS, b"\x82" + msgpack.packb("keys") + msgpack.packb([K])
+     + msgpack.packb("x") + b"\x82\xa1a\x01\xa1a\x02"),
+    ("trailing_byte", p.Op.EXISTS, msgpack.packb({"keys": [K]}) + b"\x00"),
+    ("trailing_map", p.Op.PING, msgpack.packb({}) + msgpack.packb({})),
+    ("truncated_map", p.Op.EXISTS, b"\x82" + msgpack.packb("keys") + msgpack.packb([K])),
+    ("truncated_array", p.Op.EXISTS, b"\x81" + msgpack.packb("keys") + b"\x92" + msgpack.packb(K)),
+    ("truncated_bin", p.Op.EXISTS, b"\x81" + msgpack.packb("keys") + b"\x91\xc4\x10" + K[:8]),
+    ("not_a_map", p.Op.PING, msgpack.packb([1, 2])),
+    ("empty", p.Op.PING, b""),
+    ("int_map_key", p.Op.PING, b"\x81\x01\x01"),
+]
+
+
+def exchange(raw, opcode, meta, rid):
+    raw.send(p.pack_header(opcode, rid, len(meta), 0) + meta)
+    frame = raw.recv_frame()
+    h = p.unpack_header(frame)
+    return h, p.decode_meta(frame[p.HEADER_SIZE:])
+
+
+@pytest.mark.parametrize("name,opcode,meta", BAD, ids=[b[0] for b in BAD])
+def test_bad_metadata_is_malformed_on_both_servers(address, open_raw, name, opcode, meta):
+    raw = open_raw(address)
+    h, reply = exchange(raw, opcode, meta, 5)
+    assert h.is_error and h.request_id == 5, (name, reply)
+    assert reply["code"] == ErrorCode.MALFORMED, (name, reply)
+    # the frame's lengths were sound: the connection goes on
+    h, reply = exchange(raw, p.Op.PING, p.encode_meta({}), 6)
+    assert not h.is_error and h.request_id == 6 and reply == {}
+
+
+def test_the_same_metadata_without_the_defect_is_accepted(address, open_raw):
+    raw = open_raw(address)
+    h, reply = exchange(raw, p.Op.EXISTS, msgpack.packb({"keys": [K], "x": {"a": 1, "b": 2}}), 1)
+    assert not h.is_error and reply == {"present": [False]}
+
+
+def test_python_decode_meta_refuses_what_the_servers_refuse():
+    for name, _, meta in BAD:
+        with pytest.raises(ProtocolError) as e:
+            p.decode_meta(meta)
+        assert e.value.code == ErrorCode.MALFORMED, name
+
+
+def test_a_large_map_with_one_duplicate_is_refused_by_the_c_server(server, open_raw):
+    pairs = b"".join(msgpack.packb(f"f{i}") + b"\x00" for i in range(200))
+    meta = b"\xde" + (202).to_bytes(2, "big") + pairs + msgpack.packb("keys") + msgpack.packb([K]) + \
+        msgpack.packb("f77") + b"\x01"
+    raw = open_raw(server.address)
+    h, reply = exchange(raw, p.Op.EXISTS, meta, 3)
+    assert h.is_error and reply["code"] == ErrorCode.MALFORMED
+    with pytest.raises(ProtocolError) as e:
+        p.decode_meta(meta)
+    assert e.value.code == ErrorCode.MALFORMED
+    ok = b"\xde" + (201).to_bytes(2, "big") + pairs + msgpack.packb("keys") + msgpack.packb([K])
+    h, reply = exchange(raw, p.Op.EXISTS, ok, 4)
+    assert not h.is_error and reply["present"] == [False]
