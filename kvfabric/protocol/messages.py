@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ErrorCode, ProtocolError
-from .wire import DEFAULT_LIMITS, U64_MAX, VERSION, Limits, Op, PutStatus, _field, _keys, _uint_list
+from .wire import DEFAULT_LIMITS, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -65,9 +66,11 @@ class HelloReply(Message):
     limits: Limits
     capacity: int
     version: int = VERSION
+    #: path of the unix socket same-host clients attach through (servers that offer ``shm``)
+    shm_socket: str | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        m: dict[str, Any] = {
             "version": self.version,
             "server": self.server,
             "server_id": self.server_id,
@@ -75,6 +78,9 @@ class HelloReply(Message):
             "limits": self.limits.to_meta(),
             "capacity": self.capacity,
         }
+        if self.shm_socket is not None:
+            m["shm_socket"] = self.shm_socket
+        return m
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HelloReply:
@@ -84,6 +90,9 @@ class HelloReply(Message):
         capacity = _field(meta, "capacity", int)
         if capacity < 0:
             raise ProtocolError(ErrorCode.MALFORMED, "capacity must be >= 0")
+        shm_socket = meta.get("shm_socket")
+        if shm_socket is not None and (not isinstance(shm_socket, str) or not shm_socket):
+            raise ProtocolError(ErrorCode.MALFORMED, "shm_socket must be a non-empty string")
         return cls(
             server=_field(meta, "server", str),
             server_id=_field(meta, "server_id", str),
@@ -91,6 +100,7 @@ class HelloReply(Message):
             limits=Limits.from_meta(_field(meta, "limits", dict)),
             capacity=capacity,
             version=_field(meta, "version", int),
+            shm_socket=shm_socket,
         )
 
 
@@ -244,14 +254,19 @@ class PutRequest(Message):
         keys = _keys(meta, limits)
         sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
         checksums = _uint_list(meta, "checksums", len(keys))
-        parents = meta.get("parents")
-        if parents is not None:
-            if not isinstance(parents, list) or len(parents) != len(keys):
-                raise ProtocolError(ErrorCode.MALFORMED, "parents must be a list as long as keys")
-            for p in parents:
-                if p is not None and (type(p) is not bytes or not 1 <= len(p) <= limits.max_key_bytes):
-                    raise ProtocolError(ErrorCode.BAD_KEY, "parents must be keys or nil")
-        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=parents)
+        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=_parents(meta, len(keys), limits))
+
+
+def _parents(meta: dict[str, Any], n: int, limits: Limits) -> list[bytes | None] | None:
+    """The optional ``parents`` field of PUT and SHM_RESERVE: nil, or a list of n keys-or-nil."""
+    parents = meta.get("parents")
+    if parents is not None:
+        if not isinstance(parents, list) or len(parents) != n:
+            raise ProtocolError(ErrorCode.MALFORMED, "parents must be a list as long as keys")
+        for p in parents:
+            if p is not None and (type(p) is not bytes or not 1 <= len(p) <= limits.max_key_bytes):
+                raise ProtocolError(ErrorCode.BAD_KEY, "parents must be keys or nil")
+    return parents
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +324,164 @@ class StatsReply(Message):
         return cls(stats=meta)
 
 
+# ----------------------------------------------------------------------------- same-host (shm)
+#
+# Valid only on the server's unix socket (HelloReply.shm_socket); see
+# kvfabric/transport/shm.py for the conversation and csrc/kvf_shm.c for the
+# server side. Field order in to_meta() is the order the C server writes.
+
+
+@dataclass(frozen=True, slots=True)
+class ShmAttachRequest(Message):
+    """Ask for the arena; the reply carries its memfd (SCM_RIGHTS)."""
+
+    op: ClassVar[ShmOp] = ShmOp.ATTACH
+
+
+@dataclass(frozen=True, slots=True)
+class ShmAttachReply(Message):
+    op: ClassVar[ShmOp] = ShmOp.ATTACH
+    capacity: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"capacity": self.capacity}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmAttachReply:
+        capacity = _field(meta, "capacity", int)
+        if capacity <= 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "capacity must be > 0")
+        return cls(capacity=capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmLeaseRequest(KeysMessage):
+    """Pin the found objects and say where they are (the shm GET)."""
+
+    op: ClassVar[ShmOp] = ShmOp.LEASE
+
+
+@dataclass(frozen=True, slots=True)
+class ShmLeaseReply(Message):
+    """``offsets[i]``/``sizes[i]`` are -1 for a miss. Pinned until RELEASE, disconnect or the
+    server's lease cap (``--max-lease-ms``)."""
+
+    op: ClassVar[ShmOp] = ShmOp.LEASE
+    lease: int = 0
+    offsets: Sequence[int] = ()
+    sizes: Sequence[int] = ()
+    checksums: Sequence[int] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"lease": self.lease, "offsets": list(self.offsets), "sizes": list(self.sizes),
+                "checksums": list(self.checksums)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmLeaseReply:
+        lease = _field(meta, "lease", int)
+        offsets = _field(meta, "offsets", list)
+        if len(offsets) > limits.max_keys_per_batch or lease < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "bad lease reply")
+        n = len(offsets)
+        return cls(lease=lease, offsets=_uint_list(meta, "offsets", n, allow_minus_one=True),
+                   sizes=_uint_list(meta, "sizes", n, allow_minus_one=True, maximum=limits.max_object_bytes),
+                   checksums=_uint_list(meta, "checksums", n))
+
+
+@dataclass(frozen=True, slots=True)
+class ShmReleaseRequest(Message):
+    """Drop a lease. The server sends no reply."""
+
+    op: ClassVar[ShmOp] = ShmOp.RELEASE
+    lease: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"lease": self.lease}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmReleaseRequest:
+        lease = _field(meta, "lease", int)
+        if lease < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "lease must be >= 0")
+        return cls(lease=lease)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmReserveRequest(Message):
+    """Reserve slots for objects the client then copies into the arena (the shm PUT, step 1).
+
+    ``parents`` as in :class:`PutRequest`; the server keeps them until COMMIT and
+    hands them to the eviction policy with the INSERT.
+    """
+
+    op: ClassVar[ShmOp] = ShmOp.RESERVE
+    keys: Sequence[bytes] = ()
+    sizes: Sequence[int] = ()
+    parents: Sequence[bytes | None] | None = None
+
+    def to_meta(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"keys": list(self.keys), "sizes": list(self.sizes)}
+        if self.parents is not None:
+            m["parents"] = list(self.parents)
+        return m
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmReserveRequest:
+        keys = _keys(meta, limits)
+        sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
+        return cls(keys=keys, sizes=sizes, parents=_parents(meta, len(keys), limits))
+
+
+@dataclass(frozen=True, slots=True)
+class ShmReserveReply(Message):
+    """``res`` names the reservation; ``offsets[i]`` is -1 where ``status[i]`` is not STORED
+    (already held, too large, no space)."""
+
+    op: ClassVar[ShmOp] = ShmOp.RESERVE
+    res: int = 0
+    offsets: Sequence[int] = ()
+    status: Sequence[int] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"res": self.res, "offsets": list(self.offsets), "status": [int(s) for s in self.status]}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmReserveReply:
+        res = _field(meta, "res", int)
+        offsets = _field(meta, "offsets", list)
+        if res < 0 or len(offsets) > limits.max_keys_per_batch:
+            raise ProtocolError(ErrorCode.MALFORMED, "bad reserve reply")
+        status = PutReply.from_meta(meta, limits).status
+        if len(status) != len(offsets):
+            raise ProtocolError(ErrorCode.MALFORMED, "offsets and status differ in length")
+        return cls(res=res, offsets=_uint_list(meta, "offsets", len(offsets), allow_minus_one=True), status=status)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmCommitRequest(Message):
+    """Index the reserved slots once each matches its checksum (the shm PUT, step 2)."""
+
+    op: ClassVar[ShmOp] = ShmOp.COMMIT
+    res: int = 0
+    checksums: Sequence[int] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"res": self.res, "checksums": list(self.checksums)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmCommitRequest:
+        res = _field(meta, "res", int)
+        checksums = _field(meta, "checksums", list)
+        if res < 0 or len(checksums) > limits.max_keys_per_batch:
+            raise ProtocolError(ErrorCode.MALFORMED, "bad commit")
+        return cls(res=res, checksums=_uint_list(meta, "checksums", len(checksums)))
+
+
+@dataclass(frozen=True, slots=True)
+class ShmCommitReply(PutReply):
+    op: ClassVar[ShmOp] = ShmOp.COMMIT
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorReply:
     code: int
@@ -322,7 +495,8 @@ class ErrorReply:
         return cls(code=_field(meta, "code", int), message=_field(meta, "message", str, default=""))
 
 
-REQUESTS: dict[Op, type[Message]] = {
+#: opcode (Op or ShmOp) -> message class
+REQUESTS: dict[int, type[Message]] = {
     Op.HELLO: HelloRequest,
     Op.PING: PingRequest,
     Op.EXISTS: ExistsRequest,
@@ -331,8 +505,13 @@ REQUESTS: dict[Op, type[Message]] = {
     Op.PUT: PutRequest,
     Op.DELETE: DeleteRequest,
     Op.STATS: StatsRequest,
+    ShmOp.ATTACH: ShmAttachRequest,
+    ShmOp.LEASE: ShmLeaseRequest,
+    ShmOp.RELEASE: ShmReleaseRequest,
+    ShmOp.RESERVE: ShmReserveRequest,
+    ShmOp.COMMIT: ShmCommitRequest,
 }
-REPLIES: dict[Op, type[Message]] = {
+REPLIES: dict[int, type[Message]] = {
     Op.HELLO: HelloReply,
     Op.PING: PingReply,
     Op.EXISTS: ExistsReply,
@@ -341,4 +520,8 @@ REPLIES: dict[Op, type[Message]] = {
     Op.PUT: PutReply,
     Op.DELETE: DeleteReply,
     Op.STATS: StatsReply,
+    ShmOp.ATTACH: ShmAttachReply,
+    ShmOp.LEASE: ShmLeaseReply,
+    ShmOp.RESERVE: ShmReserveReply,
+    ShmOp.COMMIT: ShmCommitReply,
 }

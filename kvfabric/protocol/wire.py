@@ -50,10 +50,10 @@ class Op(enum.IntEnum):
 
 class ShmOp(enum.IntEnum):
     """Same-host control opcodes of the ``shm`` transport, valid only on the
-    server's unix socket (whose name the native server's HELLO reply carries
-    as ``shm_socket``). Their metadata is built and read by
-    ``kvfabric.transport.shm`` and ``csrc/kvf_ops.c``; the numbers live here
-    so that one module owns every opcode on the wire."""
+    server's unix socket (whose path the native server's HELLO reply carries
+    as ``shm_socket``). Their typed messages are ``Shm*Request``/``Shm*Reply``
+    in :mod:`kvfabric.protocol.messages`; the server side is csrc/kvf_shm.c.
+    The numbers live here so that one module owns every opcode on the wire."""
 
     ATTACH = 32  # reply carries the arena memfd (SCM_RIGHTS)
     LEASE = 33  # keys -> offsets/sizes/checksums, pinned until RELEASE or disconnect

@@ -3,33 +3,41 @@
 How it works
 ------------
 The native server (:mod:`kvfabric.server.native`) keeps its arena in a
-``memfd``. A same-host client connects to the server's TCP address, learns
-from the HELLO reply that it offers ``shm`` and the name of its unix socket
-(``shm_socket``, abstract namespace), connects there, says HELLO again, and
-asks for the arena (``SHM_ATTACH``): the reply carries the memfd
-(``SCM_RIGHTS``), which the client maps shared.
+``memfd`` (sealed: it cannot be shrunk or grown). A same-host client connects
+to the server's TCP address, learns from the HELLO reply that it offers
+``shm`` and the path of its unix socket (``HelloReply.shm_socket``, a
+filesystem socket, 0600 by default), connects there (the server checks the
+peer's uid with SO_PEERCRED), says HELLO again (with the token, when the
+server has one), and asks for the arena (``SHM_ATTACH``): the reply carries
+the memfd (``SCM_RIGHTS``), which the client maps shared. Every frame is a
+typed message of :mod:`kvfabric.protocol` (``Shm*Request`` / ``Shm*Reply``).
 
 * GET = ``SHM_LEASE`` (the server pins the found objects and answers their
   offsets, sizes and checksums), one ``memcpy`` per object from the arena
   into the caller's buffer with the GIL released (``_native.copy_out``), then
   ``SHM_RELEASE`` (no reply awaited). One round trip plus one copy.
 * PUT = ``SHM_RESERVE`` (slots reserved for the objects that are not held
-  yet; a reserved slot is in no index, so nobody can read it), one copy per
-  object into its slot (``_native.copy_in``), then ``SHM_COMMIT`` with the
-  checksums: the server verifies each slot against its checksum before it
-  indexes it. Two round trips plus one copy.
+  yet; a reserved slot is in no index, so nobody can read it; ``parents``
+  ride along for the eviction policy), one copy per object into its slot
+  (``_native.copy_in``), then ``SHM_COMMIT`` with the checksums: the server
+  verifies each slot against its checksum before it indexes it. Two round
+  trips plus one copy.
 * Everything else (EXISTS, LOOKUP, DELETE, STATS, PING) is the ordinary
   frame on the unix socket.
 
 Leases and reservations belong to the unix connection: when a client dies
 (or closes without releasing) the server releases its leases and frees its
-reserved slots as the connection closes.
+reserved slots as the connection closes. They are bounded in time as well:
+a lease lasts at most the server's ``--max-lease-ms``, an uncommitted
+reservation at most its stall timeout (COMMIT then answers "reservation
+expired").
 
-Trust: a process that maps the arena can write any byte of it. shm is for
-clients on the same host that the operator trusts as much as the server (the
-engine processes of one deployment); checksums still catch torn or corrupted
-objects (the client verifies every GET), but not a malicious writer that
-also forges checksums. Use ``tcp``/``native`` across trust boundaries.
+Trust: a process that maps the arena can read and write any byte of it.
+shm is for clients on the same host that the operator trusts as much as the
+server (the engine processes of one deployment); checksums still catch torn
+or corrupted objects (the client verifies every GET), but not a malicious
+writer that also forges checksums. Use ``tcp``/``native`` across trust
+boundaries (docs/notes/security.md).
 
 ``connect`` raises :class:`~kvfabric.errors.TransportUnavailable` when the
 server is not on this host, does not offer ``shm``, or the extension is
@@ -65,7 +73,13 @@ from ..protocol import (
     Message,
     PutReply,
     PutRequest,
+    ShmAttachReply,
+    ShmAttachRequest,
+    ShmLeaseReply,
+    ShmLeaseRequest,
     ShmOp,
+    ShmReleaseRequest,
+    ShmReserveRequest,
 )
 from .base import Reply, dial, parse_address
 from .native import NativeConnection
@@ -124,9 +138,9 @@ def connect(
     if not _is_local(host):
         raise TransportUnavailable(f"shm needs a server on this host; {address} is not a loopback address")
     deadline = time.monotonic() + timeout_s
-    hello_meta = _tcp_hello(address, client_name, auth_token, deadline)
-    path = hello_meta.get("shm_socket")
-    if "shm" not in hello_meta.get("transports", ()) or not isinstance(path, str):
+    hello = _tcp_hello(address, client_name, auth_token, deadline)
+    path = hello.shm_socket
+    if "shm" not in hello.transports or path is None:
         raise TransportUnavailable(f"server {address} does not offer shm")
     usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     usock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -134,7 +148,8 @@ def connect(
         usock.connect(path)
     except OSError as e:
         usock.close()
-        raise TransportUnavailable(f"cannot reach the shm socket of {address} (another host or namespace?): {e}") from e
+        raise TransportUnavailable(f"cannot reach the shm socket {path} of {address} (permissions, another host "
+                                   f"or namespace?): {e}") from e
     conn = ShmConnection(usock, address)
     conn._shm_socket = path
     try:
@@ -146,8 +161,8 @@ def connect(
     return conn
 
 
-def _tcp_hello(address: str, client_name: str, auth_token: str | None, deadline: float) -> dict:
-    """HELLO over TCP, returning the raw reply metadata (it names the shm socket)."""
+def _tcp_hello(address: str, client_name: str, auth_token: str | None, deadline: float) -> HelloReply:
+    """HELLO over TCP; the reply names the shm socket."""
     sock = dial(address, deadline)
     try:
         sock.settimeout(None)
@@ -159,8 +174,9 @@ def _tcp_hello(address: str, client_name: str, auth_token: str | None, deadline:
                 lim.max_meta_bytes, lim.max_payload_bytes, deadline=deadline)
         except NativeError as e:
             raise TransportError(f"HELLO to {address} failed: {e}") from e
-        protocol.decode_reply(Header(opcode, flags, rid, len(meta), plen), meta, msg.op, lim)  # raises on errors
-        return protocol.decode_meta(meta, lim)
+        reply = protocol.decode_reply(Header(opcode, flags, rid, len(meta), plen), meta, msg.op, lim)
+        assert isinstance(reply, HelloReply)
+        return reply
     finally:
         sock.close()
 
@@ -240,9 +256,10 @@ class ShmConnection(NativeConnection):
 
     # ------------------------------------------------------------------ shm ops
 
-    def _control(self, opcode: int, meta: dict, deadline: float | None, *, reply: bool = True) -> dict | None:
-        """One shm control frame (and its reply's metadata). Failures close the connection."""
-        if self._sock is None or self._view is None and opcode != OP_SHM_ATTACH:
+    def _control(self, msg: Message, deadline: float | None) -> Message | None:
+        """One shm control frame and its typed reply (None for RELEASE, which has none).
+        Failures close the connection; an error reply raises RemoteError."""
+        if self._sock is None or self._view is None and msg.op != ShmOp.ATTACH:
             from ..errors import ConnectionClosed
 
             raise ConnectionClosed(f"connection to {self.address} is closed")
@@ -250,20 +267,23 @@ class ShmConnection(NativeConnection):
         self._next_id += 1
         dl = 0.0 if deadline is None else deadline
         lim = self._limits
+        meta = protocol.encode_meta(msg.to_meta())
         try:
-            if not reply:
-                _native.send_frame(self._fd, opcode, 0, rid, protocol.encode_meta(meta), [], dl)
+            if msg.op == ShmOp.RELEASE:
+                _native.send_frame(self._fd, int(msg.op), 0, rid, meta, [], dl)
                 return None
             opc, flags, got, mbytes, plen, _ = _native.request(
-                self._fd, opcode, rid, protocol.encode_meta(meta), [], None, lim.max_meta_bytes, 0, deadline=dl)
-            if got != rid or opc != opcode or plen:
-                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"unexpected reply to shm op {opcode}")
-            if flags & protocol.FLAG_ERROR:
-                protocol.decode_reply(Header(opc, flags, got, len(mbytes), plen), mbytes, protocol.Op.PING, lim)
-            return protocol.decode_meta(mbytes, lim)
+                self._fd, int(msg.op), rid, meta, [], None, lim.max_meta_bytes, 0, deadline=dl)
+            if got != rid or plen:
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"unexpected reply to shm op {int(msg.op)}")
+            return protocol.decode_reply(Header(opc, flags, got, len(mbytes), plen), mbytes, msg.op, lim)
         except NativeError as e:
             self.close()
             raise TransportError(f"shm op to {self.address} failed: {e}") from e
+        except RemoteError as e:
+            if e.code in FATAL_CODES:
+                self.close()
+            raise
         except BaseException:
             self.close()
             raise
@@ -273,8 +293,8 @@ class ShmConnection(NativeConnection):
         assert sock is not None
         rid = self._next_id
         self._next_id += 1
-        meta = protocol.encode_meta({})
-        _native.send_frame(self._fd, OP_SHM_ATTACH, 0, rid, meta, [], deadline)
+        msg = ShmAttachRequest()
+        _native.send_frame(self._fd, int(msg.op), 0, rid, protocol.encode_meta(msg.to_meta()), [], deadline)
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             head, fds, _flags, _addr = socket.recv_fds(sock, protocol.HEADER_SIZE, 1)
@@ -291,12 +311,11 @@ class ShmConnection(NativeConnection):
                     if not more:
                         raise TransportError(f"{self.address} closed the shm socket during attach")
                     mbytes += more
-                if header.is_error:
-                    protocol.decode_reply(header, mbytes, protocol.Op.PING)  # raises RemoteError
-                meta = protocol.decode_meta(mbytes)
-                if len(fds) != 1 or header.request_id != rid or type(meta.get("capacity")) is not int:
+                reply = protocol.decode_reply(header, mbytes, msg.op)  # raises RemoteError for an error reply
+                assert isinstance(reply, ShmAttachReply)
+                if len(fds) != 1 or header.request_id != rid:
                     raise ProtocolError(protocol.ErrorCode.MALFORMED, "shm attach reply without the arena")
-                self._arena = _map_arena(self._shm_socket, fds[0], meta["capacity"])
+                self._arena = _map_arena(self._shm_socket, fds[0], reply.capacity)
             finally:
                 for fd in fds:
                     import os
@@ -310,8 +329,9 @@ class ShmConnection(NativeConnection):
             sock.settimeout(None)
         self._view = memoryview(self._arena)
 
-    def _fused(self, fn, op: protocol.Op, *args: Any, deadline: float | None) -> dict:
-        """Run a one-call shm operation in C (two frames: request ids rid and rid + 1)."""
+    def _fused(self, fn, op: ShmOp, *args: Any, deadline: float | None) -> Message:
+        """Run a one-call shm operation in C (two frames: request ids rid and rid + 1); returns the typed
+        reply to ``op`` (LEASE for a GET, COMMIT for a PUT)."""
         if self._sock is None or self._view is None:
             from ..errors import ConnectionClosed
 
@@ -322,9 +342,7 @@ class ShmConnection(NativeConnection):
         try:
             opcode, flags, got, mbytes = fn(self._fd, self._view, rid, *args, lim.max_meta_bytes,
                                             0.0 if deadline is None else deadline)
-            if flags & protocol.FLAG_ERROR:
-                protocol.decode_reply(Header(opcode, flags, got, len(mbytes), 0), mbytes, op, lim)  # raises
-            return protocol.decode_meta(mbytes, lim)
+            return protocol.decode_reply(Header(opcode, flags, got, len(mbytes), 0), mbytes, op, lim)
         except ValueError:
             raise  # a buffer too small: nothing copied, lease released, stream in step
         except NativeError as e:
@@ -342,44 +360,37 @@ class ShmConnection(NativeConnection):
         n = len(msg.keys)
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
+        lease_msg = ShmLeaseRequest(keys=msg.keys)
         if recv_buffers is not None:  # the common case: one call into C, GIL released throughout
             for i, b in enumerate(recv_buffers):
                 v = memoryview(b)
                 if v.readonly or not v.c_contiguous:
                     raise ValueError(f"GET buffer {i} is read-only or not contiguous")
-            meta = self._fused(_native.shm_get, protocol.Op.GET, protocol.encode_meta({"keys": list(msg.keys)}),
-                               list(recv_buffers), deadline=deadline)
-            sizes, sums = meta.get("sizes"), meta.get("checksums")
-            if not isinstance(sizes, list) or not isinstance(sums, list) or len(sizes) != n or len(sums) != n:
+            rep = self._fused(_native.shm_get, ShmOp.LEASE, protocol.encode_meta(lease_msg.to_meta()),
+                              list(recv_buffers), deadline=deadline)
+            assert isinstance(rep, ShmLeaseReply)
+            if len(rep.sizes) != n:
                 self.close()
                 raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
-            return Reply(GetReply(sizes=sizes, checksums=sums))
-        meta = self._control(OP_SHM_LEASE, {"keys": list(msg.keys)}, deadline)
-        assert meta is not None
+            return Reply(GetReply(sizes=rep.sizes, checksums=rep.checksums))
+        lease = self._control(lease_msg, deadline)
+        assert isinstance(lease, ShmLeaseReply)
         try:
-            offsets, sizes, sums = meta["offsets"], meta["sizes"], meta["checksums"]
-            if not (len(offsets) == len(sizes) == len(sums) == n):
+            offsets, sizes, sums = lease.offsets, lease.sizes, lease.checksums
+            if len(offsets) != n:
                 self.close()
                 raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
-            payload = None
-            if recv_buffers is None:
-                total = sum(s for s in sizes if s > 0)
-                payload = bytearray(total)
-                pv = memoryview(payload)
-                bufs, pos = [], 0
-                for s in sizes:
-                    bufs.append(pv[pos:pos + max(s, 0)])
-                    pos += max(s, 0)
-            else:
-                bufs = list(recv_buffers)
-                for i, (size, b) in enumerate(zip(sizes, bufs)):
-                    nbytes = memoryview(b).nbytes
-                    if size > nbytes:  # checked before anything is copied; the lease is released below
-                        raise ValueError(f"GET buffer {i} holds {nbytes} bytes, the object has {size}")
+            total = sum(s for s in sizes if s > 0)
+            payload = bytearray(total)
+            pv = memoryview(payload)
+            bufs, pos = [], 0
+            for s in sizes:
+                bufs.append(pv[pos:pos + max(s, 0)])
+                pos += max(s, 0)
             _native.copy_out(self._view, offsets, sizes, bufs, None)
         finally:
             if self._sock is not None:
-                self._control(OP_SHM_RELEASE, {"lease": meta.get("lease", 0)}, deadline, reply=False)
+                self._control(ShmReleaseRequest(lease=lease.lease), deadline)
         return Reply(GetReply(sizes=sizes, checksums=sums), payload)
 
     def _put(self, msg: PutRequest, payload_parts: Sequence[Any], deadline: float | None) -> Reply:
@@ -387,12 +398,13 @@ class ShmConnection(NativeConnection):
         if sum(p.nbytes for p in parts) != msg.payload_len():
             raise ValueError(f"payload parts hold {sum(p.nbytes for p in parts)} bytes, the message announces "
                              f"{msg.payload_len()}")
-        # reserve, copy, commit: one call into C, GIL released throughout
-        reserve = protocol.encode_meta({"keys": list(msg.keys), "sizes": list(msg.sizes)})
-        meta = self._fused(_native.shm_put, protocol.Op.PUT, reserve, list(msg.sizes), list(msg.checksums),
-                           parts, deadline=deadline)
-        status = meta.get("status")
-        if not isinstance(status, list) or len(status) != len(msg.keys):
+        # reserve, copy, commit: one call into C, GIL released throughout (C builds the COMMIT frame,
+        # the bytes of ShmCommitRequest: tests/native/test_golden.py pins both)
+        reserve = ShmReserveRequest(keys=msg.keys, sizes=msg.sizes, parents=msg.parents)
+        rep = self._fused(_native.shm_put, ShmOp.COMMIT, protocol.encode_meta(reserve.to_meta()), list(msg.sizes),
+                          list(msg.checksums), parts, deadline=deadline)
+        assert isinstance(rep, PutReply)
+        if len(rep.status) != len(msg.keys):
             self.close()
             raise ProtocolError(protocol.ErrorCode.MALFORMED, "commit reply does not match the keys")
-        return Reply(PutReply(status=status))
+        return Reply(PutReply(status=rep.status))

@@ -41,6 +41,22 @@ CASES = [
     ("delete", p.DeleteRequest(keys=[K2, MISSING]), b"", p.DeleteReply(deleted=1), b""),
 ]
 
+# The same-host conversation on the shm (unix) socket of a fresh server with a 16 MiB arena and no
+# token: (name, request, reply or None for RELEASE, which has none). Before shm_commit the client
+# writes ABC at offset 0 of the mapped arena (the slot shm_reserve handed out).
+SHM_CAPACITY = 16 << 20
+SHM_CASES = [
+    ("shm_attach", p.ShmAttachRequest(), p.ShmAttachReply(capacity=SHM_CAPACITY)),
+    ("shm_reserve", p.ShmReserveRequest(keys=[K1, K2], sizes=[3, 0], parents=[None, K1]),
+     p.ShmReserveReply(res=1, offsets=[0, 4096], status=[0, 0])),
+    ("shm_commit", p.ShmCommitRequest(res=1, checksums=[p.checksum(K1, ABC), p.checksum(K2, b"")]),
+     p.ShmCommitReply(status=[0, 0])),
+    ("shm_lease", p.ShmLeaseRequest(keys=[K1, MISSING]),
+     p.ShmLeaseReply(lease=1, offsets=[0, -1], sizes=[3, -1], checksums=[p.checksum(K1, ABC), 0])),
+    ("shm_release", p.ShmReleaseRequest(lease=1), None),
+    ("shm_ping", p.PingRequest(), p.PingReply()),
+]
+
 CHECKSUM_INPUTS = [b"", b"a", b"abc", bytes(range(256)) * 17, b"\x00" * 4096]
 # (key, value) pairs of the object checksum (protocol 2); values of both xxh3 paths (<= 240 bytes, longer)
 KEYED_INPUTS = [(K1, b""), (K1, ABC), (K2, ABC), (b"k", bytes(range(256)) * 17), (MISSING, b"\x00" * 4096)]
@@ -54,6 +70,13 @@ def frames() -> dict:
             "name": name,
             "request": (p.encode_request(req, i) + req_payload).hex(),
             "reply": (p.encode_reply(rep, i) + rep_payload).hex(),
+        })
+    out["shm_cases"] = []
+    for i, (name, req, rep) in enumerate(SHM_CASES, start=1):
+        out["shm_cases"].append({
+            "name": name,
+            "request": p.encode_request(req, i).hex(),
+            "reply": p.encode_reply(rep, i).hex() if rep is not None else None,
         })
     for data in CHECKSUM_INPUTS:  # plain xxh3_64: the seed each key gives its checksum
         out["checksums"].append({"data": data.hex(), "xxh3_64": xxhash.xxh3_64_intdigest(data)})

@@ -5,7 +5,10 @@ C server must answer the golden requests with exactly the golden replies.
 """
 
 import json
+import mmap
+import os
 import pathlib
+import socket
 
 import native_golden
 import pytest
@@ -56,3 +59,44 @@ def test_c_error_reply_decodes_like_the_golden_one(raw):
     assert (h.flags, h.payload_len, err.code) == (gh.flags, gh.payload_len, gerr.code)
     raw.send(bytes.fromhex(GOLDEN["cases"][0]["request"]))  # still usable afterwards
     assert raw.recv_frame().hex() == GOLDEN["cases"][0]["reply"]
+
+
+def test_c_server_answers_the_shm_conversation_with_the_golden_bytes(server):
+    """The shm opcodes on the unix socket: typed messages in, golden bytes out (parents included)."""
+    assert server.capacity == native_golden.SHM_CAPACITY
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(server.shm_socket)
+    arena = None
+
+    def recv_exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            more = sock.recv(n - len(buf))
+            assert more, "closed"
+            buf += more
+        return buf
+
+    try:
+        for case in GOLDEN["shm_cases"]:
+            if case["name"] == "shm_commit":  # the client copies the object into its reserved slot
+                arena[0:3] = native_golden.ABC
+            sock.sendall(bytes.fromhex(case["request"]))
+            if case["reply"] is None:
+                continue
+            if case["name"] == "shm_attach":
+                head, fds, _, _ = socket.recv_fds(sock, p.HEADER_SIZE, 1)
+                head += recv_exact(p.HEADER_SIZE - len(head))
+                assert len(fds) == 1
+                arena = mmap.mmap(fds[0], server.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                for fd in fds:
+                    os.close(fd)
+            else:
+                head = recv_exact(p.HEADER_SIZE)
+            h = p.unpack_header(head)
+            got = head + recv_exact(h.meta_len + h.payload_len)
+            assert got.hex() == case["reply"], case["name"]
+    finally:
+        if arena is not None:
+            arena.close()
+        sock.close()

@@ -74,12 +74,12 @@ def test_a_zero_byte_object_binds_its_key_too(server):
 def test_shm_commit_refuses_another_keys_checksum(server):
     c = shm.connect(server.address, timeout_s=5)
     value = b"s" * 4096
-    res = c._control(shm.OP_SHM_RESERVE, {"keys": [b"mine", b"theirs"], "sizes": [4096, 4096]}, None)
-    for off in res["offsets"]:
+    res = c._control(p.ShmReserveRequest(keys=[b"mine", b"theirs"], sizes=[4096, 4096]), None)
+    for off in res.offsets:
         c._view[off:off + 4096] = value
     sums = [p.checksum(b"theirs", value), p.checksum(b"theirs", value)]  # the first claims another key's binding
-    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": sums}, None)
-    assert done["status"] == [p.PutStatus.CHECKSUM_MISMATCH, p.PutStatus.STORED]
+    done = c._control(p.ShmCommitRequest(res=res.res, checksums=sums), None)
+    assert done.status == [p.PutStatus.CHECKSUM_MISMATCH, p.PutStatus.STORED]
     assert server.stats()["checksum_rejects"] == 1
     assert c.request(p.ExistsRequest([b"mine", b"theirs"])).msg.present == [False, True]
     # the fused shm PUT path: the client's checksums are the keyed ones, the server agrees
@@ -94,12 +94,12 @@ def test_copy_out_returns_keyed_checksums(server):
     c = shm.connect(server.address, timeout_s=5)
     value = bytes(range(256)) * 20
     assert c.request(p.PutRequest([b"co"], [len(value)], [p.checksum(b"co", value)]), [value]).msg.status == [0]
-    lease = c._control(shm.OP_SHM_LEASE, {"keys": [b"co"]}, None)
+    lease = c._control(p.ShmLeaseRequest(keys=[b"co"]), None)
     buf = bytearray(len(value))
-    sums = native.copy_out(c._view, lease["offsets"], lease["sizes"], [buf], [b"co"])
-    assert sums == lease["checksums"] == [p.checksum(b"co", value)] and bytes(buf) == value
-    assert native.copy_out(c._view, lease["offsets"], lease["sizes"], [buf], None) == [None]
-    c._control(shm.OP_SHM_RELEASE, {"lease": lease["lease"]}, None, reply=False)
+    sums = native.copy_out(c._view, lease.offsets, lease.sizes, [buf], [b"co"])
+    assert sums == lease.checksums == [p.checksum(b"co", value)] and bytes(buf) == value
+    assert native.copy_out(c._view, lease.offsets, lease.sizes, [buf], None) == [None]
+    c._control(p.ShmReleaseRequest(lease=lease.lease), None)
     c.close()
 
 

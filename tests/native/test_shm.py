@@ -48,13 +48,13 @@ def test_get_put_round_trip_with_parts_split_anyhow(server):
 def test_a_reserved_slot_is_never_served_before_commit(server):
     c = shm.connect(server.address, timeout_s=5)
     other = tcp.connect(server.address, timeout_s=5)
-    res = c._control(shm.OP_SHM_RESERVE, {"keys": [b"r"], "sizes": [4096]}, None)
-    assert res["status"] == [0] and res["offsets"][0] >= 0
-    c._view[res["offsets"][0]:res["offsets"][0] + 4096] = b"q" * 4096
+    res = c._control(p.ShmReserveRequest(keys=[b"r"], sizes=[4096]), None)
+    assert res.status == [0] and res.offsets[0] >= 0
+    c._view[res.offsets[0]:res.offsets[0] + 4096] = b"q" * 4096
     assert other.request(p.ExistsRequest([b"r"])).msg.present == [False]
     assert other.request(p.GetRequest([b"r"])).msg.sizes == [-1]
-    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": [p.checksum(b"r", b"q" * 4096)]}, None)
-    assert done["status"] == [0]
+    done = c._control(p.ShmCommitRequest(res=res.res, checksums=[p.checksum(b"r", b"q" * 4096)]), None)
+    assert done.status == [0]
     assert other.request(p.GetRequest([b"r"])).payload == b"q" * 4096
     c.close()
     other.close()
@@ -62,10 +62,10 @@ def test_a_reserved_slot_is_never_served_before_commit(server):
 
 def test_commit_checks_the_checksum(server):
     c = shm.connect(server.address, timeout_s=5)
-    res = c._control(shm.OP_SHM_RESERVE, {"keys": [b"r"], "sizes": [10]}, None)
-    c._view[res["offsets"][0]:res["offsets"][0] + 10] = b"0123456789"
-    done = c._control(shm.OP_SHM_COMMIT, {"res": res["res"], "checksums": [p.checksum(b"r", b"something else")]}, None)
-    assert done["status"] == [p.PutStatus.CHECKSUM_MISMATCH]
+    res = c._control(p.ShmReserveRequest(keys=[b"r"], sizes=[10]), None)
+    c._view[res.offsets[0]:res.offsets[0] + 10] = b"0123456789"
+    done = c._control(p.ShmCommitRequest(res=res.res, checksums=[p.checksum(b"r", b"something else")]), None)
+    assert done.status == [p.PutStatus.CHECKSUM_MISMATCH]
     assert c.request(p.ExistsRequest([b"r"])).msg.present == [False]
     c.close()
 
@@ -76,11 +76,12 @@ def test_leases_and_reservations_of_a_dead_client_are_released(server):
     free_before = server.stats()["free_bytes"]
     child = textwrap.dedent(f"""
         import os, sys
+        from kvfabric import protocol as p
         from kvfabric.transport import shm
         c = shm.connect({server.address!r}, timeout_s=5)
-        lease = c._control(shm.OP_SHM_LEASE, {{"keys": [b"held"]}}, None)
-        res = c._control(shm.OP_SHM_RESERVE, {{"keys": [b"never"], "sizes": [65536]}}, None)
-        assert lease["sizes"] == [8192] and res["status"] == [0]
+        lease = c._control(p.ShmLeaseRequest(keys=[b"held"]), None)
+        res = c._control(p.ShmReserveRequest(keys=[b"never"], sizes=[65536]), None)
+        assert lease.sizes == [8192] and res.status == [0]
         print("ready", flush=True)
         sys.stdin.read()
     """)
@@ -104,9 +105,9 @@ def test_leases_and_reservations_of_a_dead_client_are_released(server):
 def test_a_corrupted_arena_byte_is_caught_by_the_checksum(server):
     c = shm.connect(server.address, timeout_s=5)
     assert put(c, b"k", b"a" * 4096) == 0
-    lease = c._control(shm.OP_SHM_LEASE, {"keys": [b"k"]}, None)
-    off = lease["offsets"][0]
-    c._control(shm.OP_SHM_RELEASE, {"lease": lease["lease"]}, None, reply=False)
+    lease = c._control(p.ShmLeaseRequest(keys=[b"k"]), None)
+    off = lease.offsets[0]
+    c._control(p.ShmReleaseRequest(lease=lease.lease), None)
     c._view[off] = ord("b")  # a stray write by some process that maps the arena
     buf = bytearray(4096)
     rep = c.request(p.GetRequest([b"k"]), recv_buffers=[buf]).msg
@@ -148,9 +149,9 @@ def test_a_large_corrupted_object_is_never_sent_whole(server):
     c = shm.connect(server.address, timeout_s=5)
     val = os.urandom(6 * MiB)
     assert put(c, b"big", val) == 0
-    lease = c._control(shm.OP_SHM_LEASE, {"keys": [b"big"]}, None)
-    off = lease["offsets"][0]
-    c._control(shm.OP_SHM_RELEASE, {"lease": lease["lease"]}, None, reply=False)
+    lease = c._control(p.ShmLeaseRequest(keys=[b"big"]), None)
+    off = lease.offsets[0]
+    c._control(p.ShmReleaseRequest(lease=lease.lease), None)
     c._view[off + 6 * MiB - 1] ^= 0xFF  # the very last byte
     t = tcp.connect(server.address, timeout_s=5)
     buf = bytearray(6 * MiB)
