@@ -166,7 +166,7 @@ static void op_stats(struct conn *c)
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 26 + s->cfg.stats_extra_pairs);
+    kvf_mw_map(&w, 29 + s->cfg.stats_extra_pairs);
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -190,6 +190,9 @@ static void op_stats(struct conn *c)
     KV("zc_copied_notifs", s->ctr.zc_copied_notifs);
     KV("stalled_connections", s->ctr.stalled);
     KV("slow_connections", s->ctr.too_slow);
+    KV("shm_refused", s->ctr.shm_refused);
+    KV("shm_leases_expired", s->ctr.shm_leases_expired);
+    KV("shm_reservations_expired", s->ctr.shm_reservations_expired);
     kvf_mw_cstr(&w, "uptime_s");
     kvf_mw_uint(&w, (uint64_t)((kvf_now_ms() - s->start_ms) / 1000));
     kvf_mw_cstr(&w, "data_plane");
@@ -435,148 +438,26 @@ void kvf_ops_batch_step(struct conn *c)
     kvf_conn_next_request(c);
 }
 
-/* ---------------------------------------------------------------- shm */
+/* ---------------------------------------------------------------- shm (kvf_shm.c) */
 
-static void resv_abort(struct conn *c)
+/* The shm handlers (kvf_shm.c) share the parsing and reply helpers above. */
+void kvf_ops_reject(struct conn *c, int code, const char *msg) { reject(c, code, msg); }
+int kvf_ops_batch_alloc(struct batch *b, uint32_t cap, int keybuf) { return batch_alloc(b, cap, keybuf); }
+int kvf_ops_parse_keys(struct conn *c, const uint8_t *p, size_t n, struct batch *b, uint32_t *cnt)
 {
-    struct batch *b = &c->resv;
-    if (!c->resv_open && c->batch_op != KVF_OP_SHM_RESERVE) return;
-    uint32_t upto = c->resv_open ? b->n : b->cur;
-    for (uint32_t i = 0; i < upto; i++)
-        if (b->status[i] == KVF_PUT_STORED) kvf_store_unreserve(c->srv->st, b->offs[i], b->sizes[i]);
-    c->resv_open = 0;
+    return parse_keys(c, (struct meta){p, n}, b, cnt);
 }
+int kvf_ops_parse_uints(const uint8_t *p, size_t n, const char *name, uint64_t *out, uint32_t cnt)
+{
+    return parse_uints((struct meta){p, n}, name, out, cnt);
+}
+int kvf_ops_parse_uint(const uint8_t *p, size_t n, const char *name, uint64_t *v, int required)
+{
+    return parse_uint((struct meta){p, n}, name, v, required);
+}
+void kvf_ops_put_reply(struct conn *c, struct batch *b, int op) { put_reply(c, b, op, 0); }
 
-static void op_shm(struct conn *c, struct meta m, int op)
-{
-    struct kvf_server *s = c->srv;
-    if (!c->is_unix) { reject(c, KVF_E_UNKNOWN_OPCODE, "shm operations need a same-host (unix socket) connection"); return; }
-    if (op == KVF_OP_SHM_ATTACH) {
-        BEGIN(64, 0);
-        kvf_mw_map(&w, 1);
-        kvf_mw_cstr(&w, "capacity");
-        kvf_mw_uint(&w, kvf_store_capacity(s->st));
-        rp->pass_fd = kvf_store_memfd(s->st);
-        kvf_reply_finish(c, rp, (uint8_t)op, KVF_FLAG_REPLY, w.len, 0);
-        kvf_conn_next_request(c);
-        return;
-    }
-    if (op == KVF_OP_SHM_RELEASE) {
-        uint64_t id;
-        if (parse_uint(m, "lease", &id, 1)) { reject(c, KVF_E_MALFORMED, "missing field 'lease'"); return; }
-        for (uint32_t i = 0; i < c->nleases; i++) {
-            if (c->leases[i].id != id) continue;
-            for (uint32_t k = 0; k < c->leases[i].n; k++) kvf_store_release(s->st, c->leases[i].entries[k]);
-            free(c->leases[i].entries);
-            c->leases[i] = c->leases[--c->nleases];
-            break;
-        }
-        kvf_conn_next_request(c); /* no reply: the client does not wait for it */
-        return;
-    }
-    if (op == KVF_OP_SHM_LEASE) {
-        uint32_t n;
-        int e = parse_keys(c, m, &c->b, &n);
-        if (e) { reject(c, e, "bad keys"); return; }
-        if (c->nleases >= s->cfg.max_in_flight) { reject(c, KVF_E_BUSY, "too many open leases"); return; }
-        if (!c->leases && !(c->leases = calloc(s->cfg.max_in_flight, sizeof(struct lease)))) {
-            reject(c, KVF_E_INTERNAL, "out of memory");
-            return;
-        }
-        struct lease *l = &c->leases[c->nleases];
-        l->entries = malloc(sizeof(uint32_t) * (n ? n : 1));
-        if (!l->entries) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
-        l->id = ++c->next_lease;
-        l->n = 0;
-        c->nleases++;
-        BEGIN(48 + (size_t)n * 30, 0);
-        struct batch *b = &c->b;
-        for (uint32_t i = 0; i < n; i++) {
-            uint32_t id;
-            b->status[i] = kvf_store_acquire(s->st, b->keys[i], b->klens[i], &id, &b->offs[i], &b->sizes[i],
-                                             &b->csums[i]) == 0;
-            if (b->status[i]) { l->entries[l->n++] = id; s->ctr.hits++; } else s->ctr.misses++;
-        }
-        kvf_mw_map(&w, 4);
-        kvf_mw_cstr(&w, "lease");
-        kvf_mw_uint(&w, l->id);
-        kvf_mw_cstr(&w, "offsets");
-        kvf_mw_array(&w, n);
-        for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->offs[i] : -1);
-        kvf_mw_cstr(&w, "sizes");
-        kvf_mw_array(&w, n);
-        for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->sizes[i] : -1);
-        kvf_mw_cstr(&w, "checksums");
-        kvf_mw_array(&w, n);
-        for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
-        kvf_reply_finish(c, rp, (uint8_t)op, KVF_FLAG_REPLY, w.len, 0);
-        kvf_conn_next_request(c);
-        return;
-    }
-    if (op == KVF_OP_SHM_RESERVE) {
-        resv_abort(c); /* one open reservation per connection */
-        if (batch_alloc(&c->resv, s->cfg.max_keys, 1)) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
-        struct batch *b = &c->resv;
-        uint32_t n;
-        int e = parse_keys(c, m, b, &n);
-        if (e) { reject(c, e, "bad keys"); return; }
-        if (parse_uints(m, "sizes", b->sizes, n)) { reject(c, KVF_E_MALFORMED, "sizes must be as long as keys"); return; }
-        for (uint32_t i = 0; i < n; i++) {
-            if (b->sizes[i] > s->cfg.max_object) { reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit"); return; }
-            memcpy(b->keybuf + (size_t)i * KVF_KEY_MAX, b->keys[i], b->klens[i]);
-            b->keys[i] = b->keybuf + (size_t)i * KVF_KEY_MAX;
-            b->status[i] = KVF_PUT_NO_SPACE;
-        }
-        b->n = n;
-        b->cur = 0;
-        b->park_round = 0;
-        c->resv_id++;
-        c->batch_op = KVF_OP_SHM_RESERVE;
-        kvf_ops_batch_step(c);
-        return;
-    }
-    /* COMMIT */
-    uint64_t id;
-    struct batch *b = &c->resv;
-    if (parse_uint(m, "res", &id, 1) || !c->resv_open || id != c->resv_id) {
-        reject(c, KVF_E_MALFORMED, "no open reservation with that id");
-        return;
-    }
-    uint64_t *cs = c->b.csums; /* scratch for the sent checksums */
-    if (batch_alloc(&c->b, s->cfg.max_keys, 0) || parse_uints(m, "checksums", (cs = c->b.csums), b->n)) {
-        reject(c, KVF_E_MALFORMED, "checksums must be as long as the reservation");
-        return;
-    }
-    for (uint32_t i = 0; i < b->n; i++) {
-        if (b->status[i] != KVF_PUT_STORED) continue;
-        if (kvf_obj_hash(b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i]) != cs[i]) {
-            kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
-            b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
-            s->ctr.checksum_rejects++;
-            continue;
-        }
-        int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], cs[i], NULL, 0);
-        b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
-        if (rc == 0) s->ctr.puts++;
-        s->ctr.bytes_in += b->sizes[i];
-    }
-    c->resv_open = 0;
-    put_reply(c, b, KVF_OP_SHM_COMMIT, 0);
-    kvf_conn_next_request(c);
-}
-
-void kvf_ops_conn_gone(struct conn *c)
-{
-    for (uint32_t i = 0; i < c->nleases; i++) {
-        for (uint32_t k = 0; k < c->leases[i].n; k++) kvf_store_release(c->srv->st, c->leases[i].entries[k]);
-        free(c->leases[i].entries);
-    }
-    free(c->leases);
-    c->leases = NULL;
-    c->nleases = 0;
-    resv_abort(c);
-    kvf_batch_free(&c->resv);
-}
+void kvf_ops_conn_gone(struct conn *c) { kvf_shm_conn_gone(c); }
 
 /* ---------------------------------------------------------------- dispatch */
 
@@ -615,6 +496,6 @@ void kvf_ops_request(struct conn *c)
     case KVF_OP_EXISTS:
     case KVF_OP_LOOKUP:
     case KVF_OP_DELETE: op_keys(c, m, op); break;
-    default: op_shm(c, m, op); break;
+    default: kvf_shm_op(c, m.p, m.n, op); break;
     }
 }

@@ -18,6 +18,7 @@ typedef struct {
     struct kvf_store *st;
     struct kvf_server *srv;
     char *auth;
+    uint32_t *shm_uids, *shm_gids; /* the C config points at these */
     PyObject *hello, *extra; /* bytes kept alive for the C config */
     int running;
 } ServerObject;
@@ -27,6 +28,8 @@ static void Server_dealloc(ServerObject *self)
     if (self->srv && !self->running) kvf_server_free(self->srv);
     if (self->st && !self->running) kvf_store_free(self->st);
     PyMem_Free(self->auth);
+    PyMem_Free(self->shm_uids);
+    PyMem_Free(self->shm_gids);
     Py_XDECREF(self->hello);
     Py_XDECREF(self->extra);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -36,17 +39,46 @@ PyDoc_STRVAR(Server_doc,
 "Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', stats_extra_pairs=0, auth=None,\n"
 "       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
-"       max_lease_ms=0, min_rate=0)\n"
+"       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=())\n"
 "The io_uring data plane over a memfd arena of `capacity` bytes. The caller owns the\n"
 "listening fds (-1 = none). run() blocks (GIL released) until stop(). The control\n"
 "methods (wait, drain, evict, is_pinned, space_done) are for one Python control thread.\n"
+"shm_uids / shm_gids: peers of the unix socket allowed besides the server's own uid\n"
+"(SO_PEERCRED; a gid matches the peer's effective or any supplementary group).\n"
 "Raises ValueError for bad sizes, NativeError when io_uring or the memory is unavailable.");
+
+/* A sequence of at most 64 uids/gids -> a PyMem array (NULL when empty). 0 or -1 with an exception. */
+static int id_list(PyObject *o, uint32_t **out, uint32_t *n, const char *what)
+{
+    *n = 0;
+    if (!o || o == Py_None) return 0;
+    PyObject *seq = PySequence_Fast(o, "a sequence of ids");
+    if (!seq) return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (len > 64) { Py_DECREF(seq); PyErr_Format(PyExc_ValueError, "%s: at most 64 ids", what); return -1; }
+    PyMem_Free(*out);
+    *out = len ? PyMem_Malloc(sizeof(uint32_t) * (size_t)len) : NULL;
+    if (len && !*out) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xfffffffful) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: ids are 32-bit", what);
+            return -1;
+        }
+        (*out)[i] = (uint32_t)v;
+    }
+    *n = (uint32_t)len;
+    Py_DECREF(seq);
+    return 0;
+}
 
 static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra", "stats_extra_pairs",
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
-                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate", NULL};
+                             "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
+                             "shm_uids", "shm_gids", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
@@ -61,13 +93,19 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.zerocopy = -1;
     unsigned int event_ring = 65536, extra_pairs = 0;
     unsigned long long min_rate = 0;
+    PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIK", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIKOO", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
-                                     &cfg.max_lease_ms, &min_rate))
+                                     &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o))
         return -1;
+    if (id_list(uids_o, &self->shm_uids, &cfg.n_shm_uids, "shm_uids") ||
+        id_list(gids_o, &self->shm_gids, &cfg.n_shm_gids, "shm_gids"))
+        return -1;
+    cfg.shm_uids = self->shm_uids;
+    cfg.shm_gids = self->shm_gids;
     if (cfg.max_keys > KVF_MAX_KEYS_PER_BATCH || cfg.max_key_bytes > KVF_MAX_KEY_BYTES || !cfg.max_in_flight ||
         event_ring == 0 || event_ring > (1u << 22)) {
         PyErr_SetString(PyExc_ValueError, "limits out of range");
@@ -239,7 +277,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
     kvf_store_stats(self->st, &ss);
     kvf_server_counters(self->srv, &c);
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
         "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
         "pinned", ss.pinned, "hits", c.hits, "misses", c.misses, "puts", c.puts, "bytes_in", c.bytes_in,
@@ -248,7 +286,8 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "fixed_buffers", c.fixed_buffers ? Py_True : Py_False, "tcp", c.by_transport[0],
         "native", c.by_transport[1], "shm", c.by_transport[2], "connections_refused", c.rejected,
         "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends,
-        "checksum_rejects", c.checksum_rejects);
+        "checksum_rejects", c.checksum_rejects, "shm_refused", c.shm_refused,
+        "shm_leases_expired", c.shm_leases_expired, "shm_reservations_expired", c.shm_reservations_expired);
 }
 
 static PyObject *Server_check(ServerObject *self, PyObject *noargs)

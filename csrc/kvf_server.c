@@ -266,6 +266,7 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
         close(res);
         return;
     }
+    if (is_unix && kvf_shm_peer_refused(s, res)) return; /* SO_PEERCRED: answered and closed */
     if (s->ctr.connections >= s->cfg.max_conns) {
         /* Over the bound: one BUSY error frame, as the Python server answers,
          * then close. A fresh socket's send buffer is empty, so the ~70-byte
@@ -472,6 +473,7 @@ int kvf_server_run(struct kvf_server *s)
         if (now - last_sweep >= 500) {
             last_sweep = now;
             sweep_stalled(s, now);
+            kvf_shm_sweep(s, now);
         }
     }
     return 0;

@@ -38,6 +38,10 @@ struct kvf_server_cfg {
     int zerocopy; /* -1 auto (probe), 0 never, 1 required (-EOPNOTSUPP if absent) */
     uint32_t max_lease_ms; /* cap on LOOKUP leases (0: the protocol's 3600000) */
     uint32_t stall_ms; /* a peer stalled this long mid-frame (or not reading a reply) is dropped; 0 = never */
+    /* shm peers (SO_PEERCRED): the server's own uid always; these uids and gids
+     * (effective or supplementary group of the peer) too. Arrays owned by the caller. */
+    const uint32_t *shm_uids, *shm_gids;
+    uint32_t n_shm_uids, n_shm_gids;
     uint64_t min_rate; /* bytes/s: a frame (from its header) or a reply (from its first byte out) of S bytes
                           must be done within stall_ms + S / min_rate even if bytes keep trickling, else the
                           peer is dropped (counted in `too_slow`); 0, or stall_ms 0: no such bound */
@@ -48,6 +52,9 @@ struct kvf_server_counters {
     uint64_t zc_sends, copy_sends, zc_copied_notifs, stalled;
     uint64_t too_slow; /* dropped over the min_rate bound while still making progress */
     uint64_t checksum_rejects; /* PUT objects refused: their checksum did not match key + bytes */
+    uint64_t shm_refused;              /* unix peers refused by the SO_PEERCRED check */
+    uint64_t shm_leases_expired;       /* shm leases dropped at max_lease_ms */
+    uint64_t shm_reservations_expired; /* shm reservations freed uncommitted after the stall timeout */
     uint64_t errors[16];
     uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
     int zerocopy, fixed_buffers;

@@ -59,6 +59,7 @@ struct reply {
 struct lease {
     uint32_t id, n;
     uint32_t *entries;
+    int64_t until_ms; /* dropped by kvf_shm_sweep after this (max_lease_ms) */
 };
 
 /* Batch state of a PUT (objects arriving) or shm RESERVE (slots handed out). */
@@ -107,6 +108,9 @@ struct conn {
     struct batch resv;             /* one open reservation (shm PUT) */
     uint32_t resv_id;
     int resv_open;
+    uint8_t *resv_parents;         /* RESERVE: parent keys copied out of the meta buffer, kept until COMMIT */
+    int64_t resv_until_ms;         /* open reservation expires after this (0: clock not started) */
+    uint32_t resv_expired;         /* id of the last reservation that expired (for COMMIT's answer) */
 };
 
 struct kvf_server {
@@ -168,5 +172,22 @@ void kvf_ops_batch_step(struct conn *c);       /* continue a PUT/RESERVE */
 void kvf_ops_object_done(struct conn *c);      /* a PUT object landed in its slot */
 void kvf_ops_conn_gone(struct conn *c);        /* free leases and reservations */
 void kvf_batch_free(struct batch *b);
+/* helpers shared with kvf_shm.c: parse_* return 0 or a wire error code (KVF_E_*) */
+void kvf_ops_reject(struct conn *c, int code, const char *msg);
+int kvf_ops_batch_alloc(struct batch *b, uint32_t cap, int keybuf); /* 0 or -ENOMEM */
+int kvf_ops_parse_keys(struct conn *c, const uint8_t *meta, size_t len, struct batch *b, uint32_t *n);
+int kvf_ops_parse_uints(const uint8_t *meta, size_t len, const char *name, uint64_t *out, uint32_t n);
+int kvf_ops_parse_uint(const uint8_t *meta, size_t len, const char *name, uint64_t *v, int required);
+void kvf_ops_put_reply(struct conn *c, struct batch *b, int op); /* {"status": [...]} */
+
+/* kvf_shm.c */
+void kvf_shm_op(struct conn *c, const uint8_t *meta, size_t len, int op); /* SHM_* on the unix socket */
+void kvf_shm_conn_gone(struct conn *c);  /* release leases, free the reservation */
+/* Loop thread, every ~500 ms: drop leases past max_lease_ms and reservations past the stall timeout. */
+void kvf_shm_sweep(struct kvf_server *s, int64_t now);
+/* A unix peer just accepted on fd: 0 allowed (same uid as the server, or in the
+ * configured uid / gid lists, SO_PEERCRED); 1 refused: an AUTH_FAILED frame was
+ * sent, fd is closed and counted (shm_refused). */
+int kvf_shm_peer_refused(struct kvf_server *s, int fd);
 
 #endif

@@ -16,6 +16,7 @@
 #include "kvf_store.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -248,9 +249,14 @@ int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring
     int rc = -ENOMEM;
     st->npages = (uint32_t)(capacity / KVF_PAGE);
     st->capacity = (uint64_t)st->npages * KVF_PAGE;
-    st->memfd = memfd_create("kvfabric-arena", MFD_CLOEXEC);
+    /* Sealed against shrink and grow once sized: shm clients get this fd, and a
+     * client's ftruncate(fd, 0) would otherwise SIGBUS the server on its next
+     * access. F_SEAL_SEAL: nobody can lift or add seals afterwards. (Writes stay
+     * allowed: attached clients copy PUT objects in; see docs/notes/security.md.) */
+    st->memfd = memfd_create("kvfabric-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (st->memfd < 0) { rc = -errno; goto fail; }
     if (ftruncate(st->memfd, (off_t)st->capacity)) { rc = -errno; goto fail; }
+    if (fcntl(st->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) { rc = -errno; goto fail; }
     st->base = mmap(NULL, st->capacity, PROT_READ | PROT_WRITE, MAP_SHARED, st->memfd, 0);
     if (st->base == MAP_FAILED) { st->base = NULL; rc = -errno; goto fail; }
     rc = -ENOMEM;

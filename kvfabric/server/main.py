@@ -16,7 +16,10 @@ Transports offered by default: ``tcp`` (plain frames; any client) and
 ``native`` (the same frames, served by the io_uring plane to the C client).
 ``shm`` (same-host clients map the arena) is offered only when asked for
 (``--transports tcp,native,shm``), because an attached client maps the whole
-arena: it is for trusted engines on the same host.
+arena: it is for trusted engines on the same host. Its unix socket is a
+filesystem socket, 0600 in a private directory (``--shm-socket``,
+``--shm-group``), and peers are checked by uid (``--shm-allow-uid``,
+``--shm-allow-gid``); see docs/notes/security.md.
 
 A machine where the extension did not build gets one clear error saying what
 to install and how to rebuild, and exit status 2; it never falls back to a
@@ -81,6 +84,15 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
                         "when asked for: an attached same-host client maps the arena)")
     p.add_argument("--zerocopy", default="auto", choices=["auto", "on", "off"],
                    help="IORING_OP_SEND_ZC for GET replies (default: for peers off this host, when the kernel has it)")
+    p.add_argument("--shm-socket", default=None, metavar="PATH",
+                   help="path of the shm unix socket (default: shm-<port>.sock in $XDG_RUNTIME_DIR/kvfabric or "
+                        "/tmp/kvfabric-<uid>, a directory created 0700)")
+    p.add_argument("--shm-group", default=None, metavar="GROUP",
+                   help="let this group (name or gid) attach too: socket 0660, default directory 0750")
+    p.add_argument("--shm-allow-uid", default="", metavar="UID[,UID]",
+                   help="shm peers allowed besides the server's own uid (checked with SO_PEERCRED)")
+    p.add_argument("--shm-allow-gid", default="", metavar="GID[,GID]",
+                   help="shm peers allowed by effective or supplementary group (SO_PEERCRED)")
     p.add_argument("--evict-watermarks", default="auto", metavar="LOW,HIGH",
                    help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
                         "is free; 0,0 evicts only when a PUT finds no room (default auto: 64 MiB / "
@@ -132,6 +144,27 @@ def validate_common(args: argparse.Namespace) -> tuple[int, str | None, int]:
         # An empty token would be one that anyone can send; never read it as "auth off" either.
         raise SystemExit("kvfabric serve: --auth-token must not be empty (omit it to run without authentication)")
     return capacity, token, min_rate
+
+
+def _ids(flag: str, text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"kvfabric serve: {flag} takes numeric ids, comma-separated") from None
+    if any(not 0 <= i < 2**32 - 1 for i in ids):
+        raise SystemExit(f"kvfabric serve: {flag}: ids must be in 0..4294967294")
+    return ids
+
+
+def shm_options(args: argparse.Namespace, transports: list[str]) -> dict[str, Any]:
+    """The --shm-* options as NativeServer keyword arguments (exits when given without shm)."""
+    given = [f for f, v in (("--shm-socket", args.shm_socket), ("--shm-group", args.shm_group),
+                            ("--shm-allow-uid", args.shm_allow_uid), ("--shm-allow-gid", args.shm_allow_gid)) if v]
+    if given and "shm" not in transports:
+        raise SystemExit(f"kvfabric serve: {', '.join(given)} need shm in --transports")
+    return {"shm_socket": args.shm_socket, "shm_group": args.shm_group,
+            "shm_allow_uids": _ids("--shm-allow-uid", args.shm_allow_uid),
+            "shm_allow_gids": _ids("--shm-allow-gid", args.shm_allow_gid)}
 
 
 def _watermarks(text: str, capacity: int) -> tuple[float, float]:
@@ -199,6 +232,7 @@ def main(argv: list[str]) -> int:
     low, high = _watermarks(args.evict_watermarks, capacity)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
+    shm = shm_options(args, transports)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)
@@ -214,7 +248,7 @@ def main(argv: list[str]) -> int:
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
-            max_lease_ms=args.max_lease_ms, min_rate=min_rate,
+            max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)

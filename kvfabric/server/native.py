@@ -19,9 +19,13 @@ Division of work
   space; it then tells C the round is done, and parked PUTs retry (an
   exhausted round, where everything left is pinned, answers them NO_SPACE).
 
-Same-host clients (``shm`` in ``--transports``) are served on a unix socket
-in the abstract namespace whose name is in the HELLO reply (``shm_socket``);
-see :mod:`kvfabric.transport.shm`.
+Same-host clients (``shm`` in ``--transports``) are served on a filesystem
+unix socket whose path is in the HELLO reply (``shm_socket``): by default
+``shm-<port>.sock`` in a private directory (:func:`default_shm_dir`, 0700),
+the socket 0600 (``shm_group``: 0660 / 0750 for that group); C checks every
+peer with SO_PEERCRED (the server's uid, plus ``shm_allow_uids`` /
+``shm_allow_gids``). The socket is removed on shutdown. See
+:mod:`kvfabric.transport.shm` and docs/notes/security.md.
 
 Failure: a missing extension or an io_uring that cannot be set up makes
 :class:`NativeServer` raise :class:`~kvfabric.errors.TransportUnavailable`
@@ -31,9 +35,11 @@ with what to install (:func:`native_unavailable_reason`).
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import socket
+import stat
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -83,10 +89,93 @@ def auto_watermarks(capacity: int) -> tuple[float, float]:
     return min(AUTO_LOW_BYTES / capacity, 0.05), min(AUTO_HIGH_BYTES / capacity, 0.10)
 
 
+def default_shm_dir() -> str:
+    """Where the shm socket goes unless ``shm_socket`` names it: ``$XDG_RUNTIME_DIR/kvfabric`` when that
+    runtime directory is ours, else ``/tmp/kvfabric-<uid>``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        try:
+            st = os.stat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                return os.path.join(xdg, "kvfabric")
+        except OSError:
+            pass
+    return f"/tmp/kvfabric-{os.geteuid()}"
+
+
+def resolve_group(group: str | int) -> int:
+    """A group name or number -> gid. ConfigError when there is no such group."""
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"unknown group {group!r}") from None
+
+
+def _private_dir(path: str, gid: int | None) -> None:
+    """Create (or check) the directory holding the shm socket: ours, not a symlink, writable by nobody
+    else; then exactly 0700 (0750 with group ``gid``). ConfigError when someone else could have put
+    things in it."""
+    mode = 0o750 if gid is not None else 0o700
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"shm socket directory {path} is not a directory (a symlink?)")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"shm socket directory {path} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise ConfigError(f"shm socket directory {path} is writable by others (mode {st.st_mode & 0o777:o}); "
+                          "remove it or give --shm-socket")
+    os.chmod(path, mode)
+    if gid is not None:
+        os.chown(path, -1, gid)
+
+
+def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
+    """Bind and listen on the filesystem unix socket ``path`` (0600; 0660 for group ``gid``).
+
+    A stale socket of ours at ``path`` (a server that died) is replaced; anything else there is an
+    error. Returns the socket and the inode bound (removed on shutdown only if it is still that one).
+    """
+    if len(os.fsencode(path)) >= 108:
+        raise ConfigError(f"shm socket path is too long for a unix socket (max 107 bytes): {path}")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise ConfigError(f"{path} exists and is not a socket of ours; not replacing it")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        # bind() creates it by the umask; until chmod the SO_PEERCRED check still stands
+        os.chmod(path, 0o660 if gid is not None else 0o600)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        sock.listen(256)
+        return sock, os.lstat(path).st_ino
+    except PermissionError as e:
+        sock.close()
+        raise ConfigError(f"cannot set up the shm socket {path}: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+
+
 class NativeServer:
     """One native pool server in this process: C data-plane thread + Python control thread.
 
-    ``transports`` is what HELLO advertises; ``shm`` adds the unix listener.
+    ``transports`` is what HELLO advertises; ``shm`` adds the unix listener
+    (``shm_socket``: its path, default in :func:`default_shm_dir`;
+    ``shm_group``: a group that may connect too, socket 0660; ``shm_allow_uids``
+    / ``shm_allow_gids``: peers allowed besides our own uid, checked with
+    SO_PEERCRED; ``shm_group`` is added to the allowed gids).
     ``low_watermark``/``high_watermark`` are fractions of the capacity: when
     free space drops below the low one the control thread evicts until the
     high one is free, ahead of demand. (0, 0), this class's default, evicts
@@ -121,6 +210,10 @@ class NativeServer:
         stall_timeout_s: float = 10.0,
         max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
         min_rate: float = 1024 * 1024,
+        shm_socket: str | None = None,
+        shm_group: str | int | None = None,
+        shm_allow_uids: Sequence[int] = (),
+        shm_allow_gids: Sequence[int] = (),
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -140,19 +233,27 @@ class NativeServer:
         self.host, self.port = self._tcp.getsockname()[:2]
         self.server_id = server_id or f"{self.host}:{self.port}"
         self._unix: socket.socket | None = None
+        self._unix_ino = 0
         self.shm_socket: str | None = None
+        allow_gids = [int(g) for g in shm_allow_gids]
         if "shm" in transports:
-            self.shm_socket = f"\0kvfabric-shm-{os.getpid()}-{self.port}"
-            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._unix.bind(self.shm_socket)
-            self._unix.listen(256)
+            try:
+                gid = resolve_group(shm_group) if shm_group is not None else None
+                if gid is not None:
+                    allow_gids.append(gid)
+                if shm_socket is None:
+                    _private_dir(default_shm_dir(), gid)
+                    shm_socket = os.path.join(default_shm_dir(), f"shm-{self.port}.sock")
+                self._unix, self._unix_ino = _bind_shm_socket(os.path.abspath(shm_socket), gid)
+            except BaseException:
+                self._tcp.close()
+                raise
+            self.shm_socket = os.path.abspath(shm_socket)
         self.transports = tuple(t for t in ("shm", "native", "tcp") if t in transports or t == "tcp")
         hello = HelloReply(
             server=f"kvfabric-native/{__version__}", server_id=self.server_id, transports=self.transports,
-            limits=limits, capacity=capacity,
+            limits=limits, capacity=capacity, shm_socket=self.shm_socket,
         ).to_meta()
-        if self.shm_socket:
-            hello["shm_socket"] = self.shm_socket
         extra = {"policy": self.policy.name, "transports": list(self.transports), "server_id": self.server_id}
         extra_bytes = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in extra.items())
         try:
@@ -164,7 +265,7 @@ class NativeServer:
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
                 stall_ms=max(0, int(stall_timeout_s * 1000)), max_lease_ms=max(0, int(max_lease_ms)),
-                min_rate=max(1, int(min_rate)),
+                min_rate=max(1, int(min_rate)), shm_uids=[int(u) for u in shm_allow_uids], shm_gids=allow_gids,
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
@@ -223,6 +324,13 @@ class NativeServer:
         for s in (self._tcp, self._unix):
             if s is not None:
                 s.close()
+        if self.shm_socket and self._unix_ino:
+            ino, self._unix_ino = self._unix_ino, 0
+            try:
+                if os.lstat(self.shm_socket).st_ino == ino:  # still ours, not a successor's
+                    os.unlink(self.shm_socket)
+            except OSError:
+                pass
 
     def _run_loop(self) -> None:
         try:
