@@ -150,6 +150,31 @@ static int mkey_cmp(const void *a, const void *b)
 
 static int check_value(struct kvf_mr *r, int depth);
 
+/* 1 if s[0..n) is strict UTF-8 (no overlong forms, no surrogates, <= U+10FFFF),
+ * as Python's decoder demands of a msgpack str. */
+static int utf8_ok(const uint8_t *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        if (c < 0x80) { i++; continue; }
+        size_t len;
+        uint32_t cp, min;
+        if ((c & 0xe0) == 0xc0) { len = 2; cp = c & 0x1f; min = 0x80; }
+        else if ((c & 0xf0) == 0xe0) { len = 3; cp = c & 0x0f; min = 0x800; }
+        else if ((c & 0xf8) == 0xf0) { len = 4; cp = c & 0x07; min = 0x10000; }
+        else return 0;
+        if (n - i < len) return 0;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3f);
+        }
+        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+        i += len;
+    }
+    return 1;
+}
+
 /* A map whose header was read: n key/value pairs, keys str or bin, no key twice.
  * Keys are compared by type class (str or bin) and data, not by encoding, so
  * "a" as fixstr and as str8 are the same key (as they are to msgpack-python). */
@@ -172,7 +197,7 @@ static int check_map(struct kvf_mr *r, uint32_t n, int depth)
         if (is_str) rc = kvf_mr_str(r, &s, &l), b = (const uint8_t *)s;
         else rc = kvf_mr_bin(r, &b, &l);
         if (rc) break;
-        if (l & 0x80000000u) { rc = -1; break; } /* cannot fit in metadata anyway */
+        if ((l & 0x80000000u) || (is_str && !utf8_ok(b, l))) { rc = -1; break; }
         keys[i].p = b;
         keys[i].n = is_str ? l : l | 0x80000000u; /* class bit: a bin key never equals a str key */
         rc = check_value(r, depth + 1);
@@ -213,6 +238,11 @@ static int check_value(struct kvf_mr *r, int depth)
         for (uint32_t k = 0; k < n; k++)
             if (check_value(r, depth + 1)) return -1;
         return 0;
+    }
+    if ((b & 0xe0) == 0xa0 || b == 0xd9 || b == 0xda || b == 0xdb) {
+        const char *s;
+        if (kvf_mr_str(r, &s, &n)) return -1;
+        return utf8_ok((const uint8_t *)s, n) ? 0 : -1;
     }
     return skip_depth(r, depth);
 }

@@ -28,8 +28,8 @@ int kvf_mr_is_nil(struct kvf_mr *r);            /* 1 and consumed if nil, else 0
 int kvf_mr_skip(struct kvf_mr *r);              /* skip one value (depth-limited) */
 /* Check that meta[0..len) is exactly one msgpack map, as kvfabric/protocol/wire.py
  * decode_meta accepts it: nothing truncated, no byte after the map, map keys
- * are str or bin, no map (at any depth) holds the same key twice, nesting at
- * most 32 deep. 0 valid, -1 malformed. Allocates only for a map of more than
+ * are str or bin, every str is UTF-8, no map (at any depth) holds the same key
+ * twice, nesting at most 32 deep. 0 valid, -1 malformed. Allocates only for a map of more than
  * 32 keys (its key list, freed before returning; -1 if it cannot be had). */
 int kvf_mr_check_meta(const uint8_t *meta, size_t len);
 /* Position on the value of top-level map key `name`; 0 found, -1 absent or bad. */

@@ -222,7 +222,7 @@ def decode_meta(buf: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Decode a metadata section; raises ProtocolError(MALFORMED) unless it is exactly one msgpack map.
 
     MALFORMED too: truncated bytes, any byte after the map, a map (at any
-    depth) that holds the same key twice, a map key that is not str or bytes.
+    depth) that holds the same key twice, a map key that is not str or bytes, a str that is not UTF-8.
     The C data plane applies the same rule (csrc/kvf_mpack.c kvf_mr_check_meta).
     Container and string sizes are capped inside the decoder by the metadata
     size (every element takes at least one byte), so a hostile length prefix

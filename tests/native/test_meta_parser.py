@@ -3,7 +3,7 @@
 The Python reference (kvfabric.testing.reference, protocol.decode_meta) and the C
 server (csrc/kvf_mpack.c kvf_mr_check_meta, called by kvf_ops_request) must agree:
 metadata is exactly one msgpack map, nothing truncated, nothing after it, no map
-that holds the same key twice. Either server answers an error frame with
+that holds the same key twice, every str valid UTF-8. Either server answers an error frame with
 MALFORMED and keeps the connection (the frame's length fields were sound).
 """
 
@@ -33,6 +33,10 @@ BAD = [
     ("not_a_map", p.Op.PING, msgpack.packb([1, 2])),
     ("empty", p.Op.PING, b""),
     ("int_map_key", p.Op.PING, b"\x81\x01\x01"),
+    ("invalid_utf8_value", p.Op.EXISTS, b"\x82" + msgpack.packb("keys") + msgpack.packb([K])
+     + msgpack.packb("x") + b"\xa2\xff\xfe"),
+    ("surrogate_in_key", p.Op.PING, b"\x81\xa3\xed\xa0\x80\x01"),
+    ("overlong_utf8", p.Op.PING, b"\x81\xa1x\xa2\xc0\xaf"),
 ]
 
 
