@@ -9,6 +9,7 @@ import mmap
 import os
 import pathlib
 import socket
+import threading
 
 import native_golden
 import pytest
@@ -100,3 +101,46 @@ def test_c_server_answers_the_shm_conversation_with_the_golden_bytes(server):
         if arena is not None:
             arena.close()
         sock.close()
+
+
+def test_c_shm_client_sends_the_golden_frames():
+    """The one-call C client (kvf_conn.c kvf_shm_get / kvf_shm_put) builds RELEASE and COMMIT itself:
+    replayed against the golden replies, every frame it sends is the golden request byte for byte."""
+    cases = {c["name"]: c for c in GOLDEN["shm_cases"]}
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.settimeout(10)
+    arena = bytearray(native_golden.SHM_CAPACITY)
+    seen: list[str] = []
+
+    def serve(names):
+        for name in names:
+            want = bytes.fromhex(cases[name]["request"])
+            got = b""
+            while len(got) < len(want):
+                more = theirs.recv(len(want) - len(got))
+                assert more
+                got += more
+            seen.append(name if got == want else f"{name}: got {got.hex()}")
+            if cases[name]["reply"] is not None:
+                theirs.sendall(bytes.fromhex(cases[name]["reply"]))
+
+    try:
+        t = threading.Thread(target=serve, args=(["shm_reserve", "shm_commit"],))
+        t.start()
+        reserve = cases["shm_reserve"]
+        meta = bytes.fromhex(reserve["request"])[p.HEADER_SIZE:]
+        sums = [p.checksum(native_golden.K1, native_golden.ABC), p.checksum(native_golden.K2, b"")]
+        _, flags, rid, _ = native.shm_put(ours.fileno(), arena, 2, meta, [3, 0], sums, [native_golden.ABC], 1 << 20)
+        t.join(10)
+        assert (flags, rid) == (p.FLAG_REPLY, 3) and arena[:3] == native_golden.ABC
+        t = threading.Thread(target=serve, args=(["shm_lease", "shm_release"],))
+        t.start()
+        meta = bytes.fromhex(cases["shm_lease"]["request"])[p.HEADER_SIZE:]
+        bufs = [bytearray(3), bytearray(1)]
+        _, flags, rid, _ = native.shm_get(ours.fileno(), arena, 4, meta, bufs, 1 << 20)
+        t.join(10)
+        assert (flags, rid) == (p.FLAG_REPLY, 4) and bytes(bufs[0]) == native_golden.ABC
+        assert seen == ["shm_reserve", "shm_commit", "shm_lease", "shm_release"]
+    finally:
+        ours.close()
+        theirs.close()
