@@ -138,8 +138,8 @@ def _private_dir(path: str, gid: int | None) -> None:
 def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
     """Bind and listen on the filesystem unix socket ``path`` (0600; 0660 for group ``gid``).
 
-    A stale socket of ours at ``path`` (a server that died) is replaced; anything else there is an
-    error. Returns the socket and the inode bound (removed on shutdown only if it is still that one).
+    A stale socket of ours at ``path`` (nobody listens: a server that died) is replaced; a live one,
+    or anything else there, is an error. Returns the socket and the inode bound (removed on shutdown only if it is still that one).
     """
     if len(os.fsencode(path)) >= 108:
         raise ConfigError(f"shm socket path is too long for a unix socket (max 107 bytes): {path}")
@@ -150,7 +150,16 @@ def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
     else:
         if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
             raise ConfigError(f"{path} exists and is not a socket of ours; not replacing it")
-        os.unlink(path)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1)
+            probe.connect(path)
+        except OSError:  # nobody listens: a server that died
+            os.unlink(path)
+        else:
+            raise ConfigError(f"another server is listening on {path}; give --shm-socket")
+        finally:
+            probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)

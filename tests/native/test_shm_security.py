@@ -118,6 +118,21 @@ def test_something_else_at_the_socket_path_is_not_replaced(open_dir):
         NativeServer(capacity=1 << 20, shm_socket=path)
 
 
+def test_a_live_socket_is_not_taken_over_but_a_stale_one_is(make_server, open_dir):
+    path = os.path.join(open_dir(), "s.sock")
+    first = make_server(shm_socket=path)
+    with pytest.raises(ConfigError, match="another server is listening"):
+        NativeServer(capacity=1 << 20, shm_socket=path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    first.stop()
+    stale.bind(path)  # a socket file nobody listens on, as a killed server leaves it
+    stale.close()
+    second = make_server(shm_socket=path)
+    c = shm.connect(second.address, timeout_s=5)
+    assert put(c, b"k", b"v") == 0
+    c.close()
+
+
 def test_shm_group_makes_the_socket_0660_for_that_group(make_server, open_dir):
     gid = NOBODY if os.geteuid() == 0 else os.getegid()
     srv = make_server(shm_socket=os.path.join(open_dir(), "g.sock"), shm_group=gid)
