@@ -84,3 +84,53 @@ def test_a_large_map_with_one_duplicate_is_refused_by_the_c_server(server, open_
     ok = b"\xde" + (201).to_bytes(2, "big") + pairs + msgpack.packb("keys") + msgpack.packb([K])
     h, reply = exchange(raw, p.Op.EXISTS, ok, 4)
     assert not h.is_error and reply["present"] == [False]
+
+
+def _random_meta(rng):
+    """Valid metadata, then (most of the time) one defect: a flipped byte, a cut, a byte after the map."""
+    def value(depth):
+        kind = rng.randrange(7 if depth < 3 else 4)
+        if kind == 0:
+            return rng.randrange(-(1 << 40), 1 << 63)
+        if kind == 1:
+            return rng.randbytes(rng.randrange(0, 40))
+        if kind == 2:
+            return "".join(rng.choice("ab\u00e9\u4e2d") for _ in range(rng.randrange(0, 8)))
+        if kind == 3:
+            return rng.choice([None, True, False, 1.5])
+        if kind in (4, 5):
+            return [value(depth + 1) for _ in range(rng.randrange(0, 5))]
+        return {f"f{rng.randrange(6)}": value(depth + 1) for _ in range(rng.randrange(0, 5))}
+
+    meta = bytearray(msgpack.packb({f"k{rng.randrange(20)}": value(0) for _ in range(rng.randrange(0, 6))}))
+    defect = rng.randrange(5)
+    if defect == 0 and meta:
+        meta[rng.randrange(len(meta))] = rng.randrange(256)
+    elif defect == 1 and len(meta) > 1:
+        del meta[rng.randrange(1, len(meta)):]
+    elif defect == 2:
+        meta += bytes([rng.randrange(256)])
+    return bytes(meta)
+
+
+def test_random_metadata_gets_the_same_verdict_from_both_servers_and_decode_meta(address, open_raw):
+    """PING takes any map, so its answer is the metadata parser's verdict alone."""
+    import random
+
+    rng = random.Random(1414)
+    raw = open_raw(address)
+    disagree = []
+    for rid in range(1, 301):
+        meta = _random_meta(rng)
+        try:
+            p.decode_meta(meta)
+            python_ok = True
+        except ProtocolError:
+            python_ok = False
+        h, reply = exchange(raw, p.Op.PING, meta, rid)
+        server_ok = not h.is_error
+        if not server_ok:
+            assert reply["code"] == ErrorCode.MALFORMED, reply
+        if server_ok != python_ok:
+            disagree.append((meta.hex(), python_ok, reply))
+    assert not disagree, disagree[:3]
