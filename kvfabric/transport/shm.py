@@ -153,7 +153,18 @@ def connect(
     conn = ShmConnection(usock, address)
     conn._shm_socket = path
     try:
-        conn.hello = conn._hello(client_name, auth_token, deadline)
+        try:
+            conn.hello = conn._hello(client_name, auth_token, deadline)
+        except RemoteError as e:
+            # The TCP HELLO took our token, so AUTH_FAILED here is the server's peer check
+            # (SO_PEERCRED: another uid): shm is not for this process, another transport may be.
+            if e.code != protocol.ErrorCode.AUTH_FAILED:
+                raise
+            raise TransportUnavailable(f"the shm socket of {address} refused this process: {e}") from e
+        except DeadlineExceeded:
+            raise
+        except TransportError as e:  # refused and closed before our HELLO went out
+            raise TransportUnavailable(f"the shm socket of {address} closed on this process: {e}") from e
         conn._attach(deadline)
     except BaseException:
         conn.close()

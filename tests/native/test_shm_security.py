@@ -227,6 +227,31 @@ def test_another_uid_is_refused_by_peer_credentials_even_through_open_permission
 
 
 @ROOT_ONLY
+def test_a_refused_process_falls_back_from_shm_to_another_transport(make_server, open_dir):
+    srv = make_server(shm_socket=os.path.join(open_dir(), "fb.sock"))
+    os.chmod(srv.shm_socket, 0o666)
+
+    def run():
+        from kvfabric import transport as tr
+        from kvfabric.config import ClientConfig
+        from kvfabric.errors import TransportUnavailable
+
+        try:
+            shm.connect(srv.address, timeout_s=5)
+            return b"shm attached?!"
+        except TransportUnavailable as e:
+            first = b"unavailable" if "refused" in str(e) or "closed" in str(e) else str(e).encode()
+        conn = tr.connect("auto", srv.address, ClientConfig(connect_timeout_s=5))
+        try:
+            return first + b" then " + conn.name.encode()
+        finally:
+            conn.close()
+
+    assert as_nobody(run) == b"unavailable then native"
+    assert srv.stats()["shm_refused"] == 2
+
+
+@ROOT_ONLY
 def test_an_allowed_uid_may_attach(make_server, open_dir):
     srv = make_server(shm_socket=os.path.join(open_dir(), "allowed.sock"), shm_allow_uids=[NOBODY])
     os.chmod(srv.shm_socket, 0o666)
