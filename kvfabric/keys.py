@@ -7,7 +7,24 @@ A prompt of tokens ``t`` cut into blocks of ``B = namespace.block_tokens``::
     key[i]  = H(key[i-1] || le_u32(t[iB:(i+1)B]))
 
 so ``key[i]`` names block *i* together with its whole prefix. Only whole
-blocks get keys. Token ids are packed as little-endian unsigned 32-bit
+blocks get keys.
+
+Chunk keys (the second key mode, position-independent): a *chunk* is a unit
+of content an engine can place anywhere in a prompt (a retrieved passage).
+Its blocks are cut from the chunk's own start, and the chain starts from a
+chunk namespace digest instead of the preceding prompt::
+
+    cns      = H("kvfabric-chunk" || canonical(namespace))
+    ckey[0]  = H(cns       || le_u32(c[0:B]))
+    ckey[i]  = H(ckey[i-1] || le_u32(c[iB:(i+1)B]))
+
+so ``ckey[i]`` names the chunk's first ``(i+1)B`` tokens wherever the chunk
+sits. A chunk is closed content, so its trailing partial block gets a key too
+(its shorter byte string is hashed as is; ``tail=False`` drops it). The
+``"kvfabric-chunk"`` domain keeps chunk keys apart from prefix keys even for a
+chunk at position 0: KV computed for a chunk alone is only reusable at another
+position with a selective recompute (CacheBlend-style blending), never as a
+prefix hit. Token ids are packed as little-endian unsigned 32-bit
 integers whatever the host or the input type (list, numpy array, CPU tensor).
 
 ``H`` is one of:
@@ -203,6 +220,27 @@ class KeyHasher:
     def namespace_digest(self, namespace: Namespace) -> bytes:
         return self.hash(b"kvfabric-namespace", namespace.canonical())
 
+    def chunk_namespace_digest(self, namespace: Namespace) -> bytes:
+        return self.hash(b"kvfabric-chunk", namespace.canonical())
+
+    def chunk_keys(self, namespace: Namespace, tokens: Any, *, tail: bool = True) -> list[BlockKey]:
+        """Position-independent keys of a chunk's blocks, cut from the chunk's own start.
+
+        The chain starts at :meth:`chunk_namespace_digest`, not at any prompt
+        prefix, so the same chunk gets the same keys wherever it sits in a
+        prompt. With ``tail`` (default) a trailing partial block gets a key.
+        """
+        data = pack_tokens(tokens)
+        stride = 4 * namespace.block_tokens
+        prev = self.chunk_namespace_digest(namespace)
+        mv = memoryview(data)
+        keys: list[BlockKey] = []
+        end = len(data) if tail else len(data) // stride * stride
+        for off in range(0, end, stride):
+            prev = self.hash(prev, mv[off : min(off + stride, end)])
+            keys.append(prev)
+        return keys
+
     def prefix_keys(self, namespace: Namespace, tokens: Any, parent: bytes | None = None) -> list[BlockKey]:
         """Keys of every whole block of ``tokens`` (a trailing partial block gets none).
 
@@ -243,4 +281,17 @@ def prefix_keys(
     return KeyHasher(algorithm, secret).prefix_keys(namespace, tokens, parent=parent)
 
 
-__all__ = ["BlockKey", "KeyAlgorithm", "Namespace", "KeyHasher", "pack_tokens", "prefix_keys", "KEY_SPEC_VERSION"]
+def chunk_keys(
+    namespace: Namespace,
+    tokens: Any,
+    *,
+    algorithm: str | KeyAlgorithm = KeyAlgorithm.XXH3_128,
+    secret: bytes | str = b"",
+    tail: bool = True,
+) -> list[BlockKey]:
+    """One-shot form of :meth:`KeyHasher.chunk_keys`."""
+    return KeyHasher(algorithm, secret).chunk_keys(namespace, tokens, tail=tail)
+
+
+__all__ = ["BlockKey", "KeyAlgorithm", "Namespace", "KeyHasher", "chunk_keys", "pack_tokens", "prefix_keys",
+           "KEY_SPEC_VERSION"]

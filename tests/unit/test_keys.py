@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from kvfabric.errors import ConfigError
-from kvfabric.keys import KeyAlgorithm, KeyHasher, Namespace, pack_tokens, prefix_keys
+from kvfabric.keys import KeyAlgorithm, KeyHasher, Namespace, chunk_keys, pack_tokens, prefix_keys
 
 GOLDEN_NS = Namespace(
     model="kvfabric/golden", revision="r1", dtype="float16", kv_layout="paged-v1",
@@ -160,3 +160,82 @@ def test_canonical_form_is_sorted_msgpack():
     meta = msgpack.unpackb(Namespace(model="m", extras={"z": 1, "a": {"y": 2, "b": 3}}).canonical())
     assert list(meta) == sorted(meta)
     assert list(meta["extras"]) == ["a", "z"] and list(meta["extras"]["a"]) == ["b", "y"]
+
+
+# Chunk keys (position-independent): same namespace and tokens as GOLDEN; the
+# third key is the trailing partial block [8, 9].
+GOLDEN_CHUNK = {
+    ("xxh3_128", b""): ["2196108bbc50978d1940d2cdd360e480", "86840d224c5bc11b1011ebc5b59c6035",
+                        "18668eea9987801b6dcb10d135a8c287"],
+    ("xxh3_128", b"deployment-secret"): ["688f38a571d4cfe281622cb9c6827749", "121b27e75d22e6bc769de53bdd967e1e",
+                                         "23ae2078ae41e6abae966cdfe49e55b1"],
+    ("blake3", b""): [
+        "50636ca0ade037a8d3769d5dade6b6c0ab04e43ac57f95c5864d648a933270f5",
+        "6e1b8a10daed207659e517be54485879359e4d4e54154393a561578826a61d76",
+        "ead73d3ded45e733653f91992200216bdc2a1c4ee172fde6f3777a8d7692b155",
+    ],
+    ("blake3", b"deployment-secret"): [
+        "f33ed9448132b339bb9d15a440008ca32e94208a0c13ee7afe66047ae2143ce3",
+        "d7039bedcc3d96504d29a1dc00f7e5e031a17ddbd30d26bef94049c474dd655e",
+        "075143dd8b9a34fcb9f2bd1b44934c5d611d88128dd7b5fd05fdb9230bb51c52",
+    ],
+    ("sha256", b""): [
+        "a43fa089e22b258ac153ff931fd06699a887ad17f41b3ccb74feb27b80e41f6b",
+        "bfc8ae61d992b2faa0bcdabdf3c59b8ea4a63f694590a01caab67277fe319b90",
+        "624e87ccfb7ee1873b568892cd3a438cee27b662904dcf36b5c0b762d5844864",
+    ],
+    ("sha256", b"deployment-secret"): [
+        "d2fde88df53f319bd5a027c008edc2b91e00af0c23e08e0b801a25df64926125",
+        "a5527b429c42da8ab996623801f54f55d53e29bd085e831a12281587d32d9227",
+        "8e0b91b60e74f85c91d7fe939dac3ab8311efcea0fb4603c60e976be3ef1a90a",
+    ],
+}
+
+
+@pytest.mark.parametrize("algorithm,secret", sorted(GOLDEN_CHUNK))
+def test_chunk_golden_vectors(algorithm, secret):
+    keys = KeyHasher(algorithm, secret).chunk_keys(GOLDEN_NS, GOLDEN_TOKENS)
+    assert [k.hex() for k in keys] == GOLDEN_CHUNK[(algorithm, secret)]
+    assert KeyHasher(algorithm, secret).chunk_keys(GOLDEN_NS, GOLDEN_TOKENS, tail=False) == keys[:2]
+
+
+def test_chunk_chain_matches_the_written_spec():
+    """Recompute the xxh3 chunk chain from the docstring, including the partial tail block."""
+    ns = Namespace(model="spec-check", block_tokens=3)
+    tokens = [7, 300, 70000, 1, 2, 3, 4]
+    seed = int.from_bytes(hashlib.blake2b(b"s", digest_size=32, person=b"kvfabric-key-v1").digest()[:8], "little")
+    prev = xxhash.xxh3_128_digest(b"kvfabric-chunk" + ns.canonical(), seed)
+    expected = []
+    for i in range(3):
+        block = b"".join(t.to_bytes(4, "little") for t in tokens[3 * i : 3 * i + 3])
+        prev = xxhash.xxh3_128_digest(prev + block, seed)
+        expected.append(prev)
+    assert KeyHasher("xxh3_128", b"s").chunk_keys(ns, tokens) == expected
+
+
+def test_chunk_keys_do_not_depend_on_position_and_differ_from_prefix_keys():
+    ns = Namespace(model="m", block_tokens=2)
+    passage = [5, 6, 7, 8, 9]
+    alone = chunk_keys(ns, passage)
+    assert len(alone) == 3  # two whole blocks and the tail [9]
+    for before in ([], [1, 2], [1, 2, 3], [4] * 7):
+        prompt = before + passage
+        # The same passage after any prefix keeps its chunk keys ...
+        assert chunk_keys(ns, prompt[len(before):]) == alone
+    # ... while its prefix keys change with what precedes it.
+    assert prefix_keys(ns, [1, 2] + passage)[1] != prefix_keys(ns, [3, 4] + passage)[1]
+    # Domain separation: a chunk at position 0 still does not collide with the prefix key.
+    assert chunk_keys(ns, passage)[:2] != prefix_keys(ns, passage)
+    # Chained within the chunk: a different first block changes the second key.
+    assert chunk_keys(ns, [0, 6, 7, 8])[1] != chunk_keys(ns, [5, 6, 7, 8])[1]
+    assert chunk_keys(ns, []) == []
+    # The tail key names the tail's length: [9] and [9, 0] are different blocks.
+    assert chunk_keys(ns, [5, 6, 9])[1] != chunk_keys(ns, [5, 6, 9, 0])[1]
+
+
+def test_chunk_keys_bind_the_namespace_and_secret():
+    base = Namespace(model="m", block_tokens=4)
+    t = list(range(6))
+    assert chunk_keys(base, t) != chunk_keys(Namespace(model="m", block_tokens=4, tenant="t2"), t)
+    assert chunk_keys(base, t) != chunk_keys(base, t, secret=b"x")
+    assert chunk_keys(base, np.arange(6, dtype=np.int64)) == chunk_keys(base, t)
