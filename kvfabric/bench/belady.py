@@ -23,6 +23,19 @@ against an exhaustive search on small traces.
 
 Cost: O(total blocks x log capacity) time, O(total blocks) memory for the
 next-use table.
+
+Chunk reuse (traces with ``chunks``, see :mod:`kvfabric.bench.traces`): in the
+*prefix+chunk* key mode the pool holds prefix-keyed blocks and, for every
+passage, its position-independent chunk-keyed blocks. A request's *chunk hit*
+(:class:`ChunkCount`) is the part of its passages that the pool holds under
+chunk keys (the leading run of each passage's chunk ids) and that its prefix
+hit does not already cover: KV an engine could reuse only by blending it in
+at a new position with a selective recompute (CacheBlend), never a loadable
+prefix hit, so it is counted apart. :func:`infinite_chunks` and
+:func:`belady_chunks` give the infinite and MIN references for that mode;
+MIN there maximises hits over both key streams together, which is not a
+proven bound on the chunk level (a chunk hit under the prefix hit does not
+count), so it is reported as a reference.
 """
 
 from __future__ import annotations
@@ -31,9 +44,10 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .traces import Trace
+from .traces import Request, Trace
 
 NEVER = 1 << 62
+CHUNK_ID_BASE = 1 << 64  # chunk ids are offset by this wherever they share a table with prefix ids
 
 
 @dataclass(slots=True)
@@ -74,6 +88,139 @@ class HitCount:
             "total_tokens": self.total_tokens,
             "token_hit_rate": self.token_hit_rate,
         }
+
+
+@dataclass(slots=True)
+class ChunkCount:
+    """Chunk hits beyond the prefix hit ("reusable with blending"), over the same totals as :class:`HitCount`.
+
+    Blocks: chunk blocks (cut from a passage's start) of which at least one
+    token lies beyond the prefix hit; tokens: exactly the tokens beyond it.
+    Rates are over the trace's prompt blocks and tokens, so a request's prefix
+    and chunk token rates add up to at most 100%.
+    """
+
+    hit_blocks: int = 0
+    total_blocks: int = 0
+    hit_tokens: int = 0
+    total_tokens: int = 0
+    chunk_tokens: int = 0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def add(self, trace: Trace, req_index: int, prefix_run: int, chunk_runs: list[int]) -> None:
+        r = trace.requests[req_index]
+        self.add_blocks(trace, req_index, chunk_hit_blocks(r, trace.block_tokens, prefix_run, chunk_runs))
+
+    def add_blocks(self, trace: Trace, req_index: int, hits: list[tuple[int, int, int]]) -> None:
+        """Count request ``req_index`` with the given ``(chunk, block, tokens beyond the prefix)`` hits."""
+        r = trace.requests[req_index]
+        bt = trace.block_tokens
+        n = len(r.hash_ids)
+        self.total_blocks += n
+        self.total_tokens += (n - 1) * bt + r.block_tokens(n - 1, bt) if n else 0
+        self.chunk_tokens += sum(c[1] for c in r.chunks)
+        self.hit_blocks += len(hits)
+        self.hit_tokens += sum(h[2] for h in hits)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"hit_blocks": self.hit_blocks, "total_blocks": self.total_blocks, "block_hit_rate": self.block_hit_rate,
+                "hit_tokens": self.hit_tokens, "total_tokens": self.total_tokens, "token_hit_rate": self.token_hit_rate,
+                "chunk_tokens": self.chunk_tokens}
+
+
+def prefix_hit_tokens(r: Request, block_tokens: int, run: int) -> int:
+    """Prompt tokens covered by a prefix hit of ``run`` blocks."""
+    return min(run * block_tokens, r.input_length) if run else 0
+
+
+def chunk_hit_blocks(r: Request, block_tokens: int, prefix_run: int, chunk_runs: list[int]) -> list[tuple[int, int, int]]:
+    """``(chunk index, block index in the chunk, tokens beyond the prefix hit)`` of every chunk hit worth loading.
+
+    ``chunk_runs[c]`` is how many leading blocks of chunk ``c`` the pool holds
+    under chunk keys; of those, the blocks with at least one token past the
+    prefix hit count.
+    """
+    end = prefix_hit_tokens(r, block_tokens, prefix_run)
+    out = []
+    for c, ((start, n, _), run) in enumerate(zip(r.chunks, chunk_runs)):
+        for j in range(run):
+            s, e = start + j * block_tokens, start + min((j + 1) * block_tokens, n)
+            if e > end:
+                out.append((c, j, e - max(s, end)))
+    return out
+
+
+def _run_of(ids: list[int], held) -> int:
+    run = 0
+    for h in ids:
+        if h not in held:
+            break
+        run += 1
+    return run
+
+
+def chunk_stream(r: Request) -> list[int]:
+    """The request's prefix ids then its chunk ids (offset by ``CHUNK_ID_BASE``): what a prefix+chunk pool sees."""
+    out = list(r.hash_ids)
+    for _, _, ids in r.chunks:
+        out.extend(CHUNK_ID_BASE + h for h in ids)
+    return out
+
+
+def infinite_chunks(trace: Trace) -> tuple[HitCount, ChunkCount]:
+    """Prefix and chunk hits of a prefix+chunk pool of unbounded capacity."""
+    seen: set[int] = set()
+    pre, ch = HitCount(), ChunkCount()
+    for i, r in enumerate(trace.requests):
+        run = _run_of(r.hash_ids, seen)
+        pre.add(trace, i, run)
+        ch.add(trace, i, run, [_run_of([CHUNK_ID_BASE + h for h in ids], seen) for _, _, ids in r.chunks])
+        seen.update(chunk_stream(r))
+    return pre, ch
+
+
+def belady_chunks(trace: Trace, capacity: int) -> tuple[HitCount, ChunkCount]:
+    """MIN with bypass over both key streams of a prefix+chunk pool (a reference; see the module doc)."""
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
+    streams = [chunk_stream(r) for r in trace.requests]
+    nu: list[int] = [NEVER] * sum(len(x) for x in streams)
+    last: dict[int, int] = {}
+    j = len(nu)
+    for i in range(len(streams) - 1, -1, -1):
+        for h in reversed(streams[i]):
+            j -= 1
+            nu[j] = last.get(h, NEVER)
+        for h in streams[i]:
+            last[h] = i
+    cache: dict[int, int] = {}
+    heap: list[tuple[int, int, int]] = []
+    pre, ch = HitCount(), ChunkCount()
+    j = 0
+    for i, r in enumerate(trace.requests):
+        run = _run_of(r.hash_ids, cache)
+        pre.add(trace, i, run)
+        ch.add(trace, i, run, [_run_of([CHUNK_ID_BASE + h for h in ids], cache) for _, _, ids in r.chunks])
+        for d, h in enumerate(streams[i]):
+            x = nu[j]
+            j += 1
+            cache[h] = x
+            heapq.heappush(heap, (-x, -d, h))
+            while len(cache) > capacity:
+                negx, _, k = heapq.heappop(heap)
+                if cache.get(k) == -negx:
+                    del cache[k]
+        if len(heap) > 4 * len(cache) + 1024:
+            heap = [e for e in heap if cache.get(e[2]) == -e[0]]
+            heapq.heapify(heap)
+    return pre, ch
 
 
 def next_uses(trace: Trace) -> list[int]:
@@ -200,4 +347,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["HitCount", "NEVER", "belady", "infinite", "next_uses", "reuse_oracle"]
+__all__ = ["CHUNK_ID_BASE", "ChunkCount", "HitCount", "NEVER", "belady", "belady_chunks", "chunk_hit_blocks",
+           "chunk_stream", "infinite", "infinite_chunks", "next_uses", "prefix_hit_tokens", "reuse_oracle"]

@@ -52,13 +52,17 @@ import numpy as np
 from ..config import ClientConfig
 from ..server.arena import PAGE_SIZE, pages_for
 from ..server.eviction import POLICIES
-from .belady import HitCount, belady, infinite
+from .belady import ChunkCount, HitCount, belady, belady_chunks, chunk_hit_blocks, infinite, infinite_chunks
 from .simulate import gap_closed, shard_capacity, simulate
-from .traces import Trace, TraceError, block_keys, load_trace
+from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 LLAMA31_8B_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 DEFAULT_BYTES_PER_TOKEN = 16
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
+DEFAULT_GET_WINDOW_BYTES = 64 << 20
+KEY_MODES = ("prefix", "chunk")
+# Client counters that mean transport trouble (a shard timed out, failed, or was skipped while down).
+TRANSPORT_COUNTERS = ("timeouts", "shard_errors", "skipped_down", "dropped_puts", "reconnects")
 
 
 @dataclass
@@ -76,6 +80,8 @@ class ReplayOptions:
     servers: list[str] | None = None
     check_sim: bool = True
     progress: bool = True
+    key_mode: str = "prefix"
+    get_window_bytes: int = DEFAULT_GET_WINDOW_BYTES
 
     def validate(self) -> None:
         if self.shards < 1 or self.shards > 64:
@@ -91,6 +97,14 @@ class ReplayOptions:
             raise ValueError("--prefill-tokens-per-s, --deadline-ms and --speedup must be > 0")
         if not 0 < self.timeout_s <= 3600:
             raise ValueError("--timeout-s must be in (0, 3600]")
+        for a in self.servers or []:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--servers takes host:port,... ; {a!r} is not host:port")
+        if self.key_mode not in KEY_MODES:
+            raise ValueError(f"--key-mode must be one of {KEY_MODES}, got {self.key_mode!r}")
+        if not 1 <= self.get_window_bytes <= 1 << 34:
+            raise ValueError("the GET window must be 1 B .. 16 GiB")
 
 
 def payload_for(key: bytes, nbytes: int) -> bytes:
@@ -106,32 +120,72 @@ def _pct(xs: list[float]) -> dict[str, float | None]:
     return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
 
 
+def _get_flags(client: Any, keys: list[bytes], views: list[memoryview], block_bytes: int, deadline_s: float,
+               moved: dict[str, int]) -> tuple[list[bool], float]:
+    """GET ``keys`` in windows of ``len(views)`` blocks within one deadline; per key: arrived whole and correct."""
+    flags: list[bool] = []
+    spent = 0.0
+    w = len(views)
+    for off in range(0, len(keys), w):
+        part = keys[off:off + w]
+        left = deadline_s - spent
+        if left <= 0:
+            moved["late_or_missing_blocks"] += len(keys) - off
+            flags += [False] * (len(keys) - off)
+            break
+        t0 = time.perf_counter()
+        sizes = client.get_into(part, views[:len(part)], timeout_s=left)
+        spent += time.perf_counter() - t0
+        for j, n in enumerate(sizes):
+            if n is None:
+                moved["late_or_missing_blocks"] += 1
+                flags.append(False)
+                continue
+            moved["get_bytes"] += n
+            ok = n == block_bytes and views[j] == payload_for(part[j], block_bytes)
+            moved["corrupt_blocks"] += not ok
+            flags.append(ok)
+    return flags, spent
+
+
+def _leading(flags: list[bool]) -> int:
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
+
+
 def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt: ReplayOptions,
                    desc: str = "replay") -> dict[str, Any]:
     """Replay ``trace`` against running servers; returns the three levels, bytes, latencies, throughput.
 
-    Server failures never raise (the client degrades them to misses, which
-    show up as lower loaded/useful levels and dropped puts); a programming
-    error in the client does.
+    Two clients: LOOKUP and PUT (what decides the exists level and what the
+    pool holds) go through a *control* client with the generous
+    ``--timeout-s``; GETs go through a *data* client with the request's
+    deadline. A GET that misses its deadline marks the shard down in the data
+    client only, so transport trouble lowers the loaded/useful levels but never
+    drops puts or hides keys from the policy's exists figure; the control
+    client's failure counters are reported under ``transport``.
+    Server failures never raise (the clients degrade them to misses); a
+    programming error in the client does. With ``opt.key_mode == "chunk"``
+    the pool also gets every passage's chunk keys and the chunk level
+    ("reusable with blending") is counted apart (:class:`ChunkCount`).
     """
     from ..client import Client  # imported here: the offline commands need no sockets
 
+    chunks = opt.key_mode == "chunk"
     levels = {"exists": HitCount(), "loaded": HitCount(), "useful": HitCount()}
+    clevels = {"exists": ChunkCount(), "loaded": ChunkCount(), "useful": ChunkCount()}
     lat: dict[str, list[float]] = {"lookup": [], "get": [], "put": []}
     moved = {"get_bytes": 0, "put_bytes": 0, "puts_stored": 0, "puts_existed": 0, "puts_dropped": 0,
              "corrupt_blocks": 0, "late_or_missing_blocks": 0}
-    max_blocks = max(len(r.hash_ids) for r in trace.requests)
-    buf = bytearray(max_blocks * block_bytes)
-    views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(max_blocks)]
+    # One window of GET buffers, reused: a long prompt is fetched window by window.
+    window = max(1, min(max(len(r.hash_ids) for r in trace.requests) or 1, opt.get_window_bytes // block_bytes))
+    buf = bytearray(window * block_bytes)
+    views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(window)]
     bt = trace.block_tokens
+    deadline_s = opt.deadline_ms / 1000.0
     bar = _progress(len(trace), desc, opt.progress)
-    # LOOKUP and PUT get a generous timeout: a shard that misses it is marked
-    # down and its keys miss / its puts drop, which would charge CPU
-    # contention on this machine to the eviction policy. GET has the
-    # request's deadline (the loaded level).
-    cfg = ClientConfig(timeout_s=opt.timeout_s, transport="auto")
-    t_start = time.perf_counter()
-    with Client(list(addresses), config=cfg) as client:
+    ctl_cfg = ClientConfig(timeout_s=opt.timeout_s, transport="auto")
+    data_cfg = ClientConfig(timeout_s=max(opt.timeout_s, deadline_s), transport="auto")
+    with Client(list(addresses), config=ctl_cfg) as client, Client(list(addresses), config=data_cfg) as data:
         t_start = time.perf_counter()
         ts0 = trace.requests[0].timestamp
         for i, r in enumerate(trace.requests):
@@ -142,32 +196,39 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
             keys = block_keys(r.hash_ids, opt.salt)
             t0 = time.perf_counter()
             run = client.lookup(keys)
+            ckeys = [chunk_block_keys(ids, opt.salt) for _, _, ids in r.chunks] if chunks else []
+            cruns = [client.lookup(ck) for ck in ckeys]
             t1 = time.perf_counter()
             lat["lookup"].append(t1 - t0)
-            loaded = 0
-            if run:
-                sizes = client.get_into(keys[:run], views[:run], timeout_s=opt.deadline_ms / 1000.0)
-                t2 = time.perf_counter()
-                lat["get"].append(t2 - t1)
-                for j in range(run):
-                    n = sizes[j]
-                    if n is None:
-                        moved["late_or_missing_blocks"] += run - j
-                        break
-                    moved["get_bytes"] += n
-                    if n != block_bytes or views[j] != payload_for(keys[j], block_bytes):
-                        moved["corrupt_blocks"] += 1
-                        break
-                    loaded += 1
-                get_s = t2 - t1
-            else:
-                t2 = t1
-                get_s = 0.0
+            flags, get_s = _get_flags(data, keys[:run], views, block_bytes, deadline_s, moved) if run else ([], 0.0)
+            loaded = _leading(flags)
             tokens = sum(r.block_tokens(j, bt) for j in range(loaded))
             useful = loaded if get_s <= tokens / opt.prefill_tokens_per_s else 0
-            if run < len(keys):
-                todo = keys[run:]
-                parents = [keys[j - 1] if j else None for j in range(run, len(keys))]
+            chits = chunk_hit_blocks(r, bt, run, cruns) if chunks else []
+            if chits:
+                cflags, cget_s = _get_flags(data, [ckeys[c][j] for c, j, _ in chits], views, block_bytes,
+                                            deadline_s, moved)
+                broken: set[int] = set()
+                cloaded = []
+                for (c, j, beyond), ok in zip(chits, cflags):
+                    if ok and c not in broken:
+                        cloaded.append((c, j, beyond))
+                    else:
+                        broken.add(c)
+                get_s += cget_s
+                ctok = sum(b for _, _, b in cloaded)
+                cuseful = cloaded if cget_s <= ctok / opt.prefill_tokens_per_s else []
+            else:
+                cloaded = cuseful = []
+            t2 = time.perf_counter()
+            if run or chits:
+                lat["get"].append(get_s)
+            todo = keys[run:]
+            parents: list[bytes | None] = [keys[j - 1] if j else None for j in range(run, len(keys))]
+            for ck, cr in zip(ckeys, cruns):
+                todo += ck[cr:]
+                parents += [ck[j - 1] if j else None for j in range(cr, len(ck))]
+            if todo:
                 res = client.put(todo, [payload_for(k, block_bytes) for k in todo], parents=parents)
                 lat["put"].append(time.perf_counter() - t2)
                 moved["put_bytes"] += len(todo) * block_bytes
@@ -177,12 +238,19 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
             levels["exists"].add(trace, i, run)
             levels["loaded"].add(trace, i, loaded)
             levels["useful"].add(trace, i, useful)
+            if chunks:
+                clevels["exists"].add_blocks(trace, i, chits)
+                clevels["loaded"].add_blocks(trace, i, cloaded)
+                clevels["useful"].add_blocks(trace, i, cuseful)
             bar.update(1)
         wall = time.perf_counter() - t_start
         all_stats = client.stats()
         server_stats = all_stats.get("servers", {})
+        data_stats = data.stats().get("client", {})
     bar.close()
-    return {
+    ctl = all_stats.get("client", {})
+    out = {
+        "key_mode": opt.key_mode,
         "levels": {k: v.as_dict() for k, v in levels.items()},
         "exists_runs": levels["exists"].runs,
         "latency": {k: _pct(v) for k, v in lat.items()},
@@ -190,10 +258,15 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
         "wall_s": wall,
         "requests_per_s": len(trace) / wall if wall > 0 else None,
         "get_mb_per_s": moved["get_bytes"] / sum(lat["get"]) / 1e6 if sum(lat["get"]) > 0 else None,
-        "client": {k: v for k, v in all_stats.get("client", {}).items() if isinstance(v, (int, float))},
+        "client": {k: v for k, v in ctl.items() if isinstance(v, (int, float))},
+        "transport": {"control": {k: ctl.get(k, 0) for k in TRANSPORT_COUNTERS},
+                      "data": {k: data_stats.get(k, 0) for k in TRANSPORT_COUNTERS}},
         "servers": {a: {k: s.get(k) for k in ("policy", "capacity", "objects", "evictions", "hits", "misses")}
                     for a, s in server_stats.items() if isinstance(s, dict)},
     }
+    if chunks:
+        out["chunk_levels"] = {k: v.as_dict() for k, v in clevels.items()}
+    return out
 
 
 class _NoBar:
@@ -218,9 +291,11 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
     """Replay ``trace`` once per policy (own servers) or once against ``opt.servers``; adds bound and gap.
 
     Raises ``ValueError`` for bad options and ``RuntimeError`` when a local
-    server does not start.
+    server does not start or one of ``opt.servers`` does not answer STATS.
     """
     opt.validate()
+    if opt.key_mode == "chunk" and not trace.has_chunks:
+        raise ValueError(f"--key-mode chunk needs a trace with chunks (passage boundaries); {trace.name} has none")
     block_bytes = trace.block_tokens * opt.bytes_per_token
     slot = pages_for(block_bytes) * PAGE_SIZE
     per_shard = shard_capacity(trace, opt.capacity, opt.shards)
@@ -229,18 +304,25 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         "unique_blocks": trace.unique_blocks, "block_tokens": trace.block_tokens,
         "bytes_per_token": opt.bytes_per_token, "block_bytes": block_bytes,
         "prefill_tokens_per_s": opt.prefill_tokens_per_s, "deadline_ms": opt.deadline_ms,
-        "timed": opt.timed, "speedup": opt.speedup, "salt": opt.salt, "timeout_s": opt.timeout_s, "runs": [],
+        "timed": opt.timed, "speedup": opt.speedup, "salt": opt.salt, "timeout_s": opt.timeout_s,
+        "key_mode": opt.key_mode, "runs": [],
     }
     if opt.servers:
         from ..client import Client
 
         with Client(opt.servers) as c:
             stats = c.stats().get("servers", {})
-        caps = [s.get("capacity", 0) // slot for s in stats.values() if isinstance(s, dict)]
-        if not caps:
-            raise RuntimeError(f"none of the servers {opt.servers} answered STATS")
-        policy = next(iter(stats.values())).get("policy", "?")
-        per_shard = min(caps)
+        bad = {a: (s.get("error") if isinstance(s, dict) else s) or "no policy/capacity in STATS"
+               for a, s in stats.items()
+               if not isinstance(s, dict) or "error" in s or not s.get("policy") or not s.get("capacity")}
+        if bad or not stats:
+            raise RuntimeError("cannot replay against servers that do not answer STATS: "
+                               + "; ".join(f"{a}: {e}" for a, e in bad.items()) if bad else f"no STATS from {opt.servers}")
+        policies = sorted({s["policy"] for s in stats.values()})
+        policy = policies[0] if len(policies) == 1 else "/".join(policies)
+        per_shard = min(s["capacity"] // slot for s in stats.values())
+        if per_shard < 1:
+            raise RuntimeError(f"a server's capacity holds no block of {block_bytes} B: {stats}")
         out = replay_against(trace, opt.servers, block_bytes, opt, f"replay {policy}")
         out.update(policy=policy, shards=len(opt.servers), blocks_per_shard=per_shard)
         report["runs"].append(out)
@@ -256,9 +338,12 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
                 addresses = pool.addresses
             out.update(policy=pol, shards=opt.shards, blocks_per_shard=per_shard)
             if opt.check_sim:
-                sim = simulate(trace, pol, per_shard, addresses, salt=opt.salt)
+                sim = simulate(trace, pol, per_shard, addresses, salt=opt.salt, chunks=opt.key_mode == "chunk")
                 diff = sum(1 for a, b in zip(sim.hits.runs, out["exists_runs"]) if a != b)
                 out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": diff}
+                if sim.chunk_hits is not None:
+                    out["sim"]["chunk_hit_blocks"] = sim.chunk_hits.hit_blocks
+                    out["sim"]["chunk_agrees"] = sim.chunk_hits.hit_blocks == out["chunk_levels"]["exists"]["hit_blocks"]
             report["runs"].append(out)
     total = per_shard * (len(opt.servers) if opt.servers else opt.shards)
     report["capacity_blocks"] = total
@@ -266,6 +351,10 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
     bound, inf = belady(trace, total), infinite(trace)
     report["belady"] = bound.as_dict()
     report["infinite"] = inf.as_dict()
+    if opt.key_mode == "chunk":
+        (bp, bc), (ip, ic) = belady_chunks(trace, total), infinite_chunks(trace)
+        report["chunk_reference"] = {"belady": {"prefix": bp.as_dict(), "chunk": bc.as_dict()},
+                                     "infinite": {"prefix": ip.as_dict(), "chunk": ic.as_dict()}}
     lru = next((r for r in report["runs"] if r["policy"] == "lru"), None)
     for r in report["runs"]:
         r["gap_closed"] = None if lru is None else gap_closed(
@@ -306,6 +395,46 @@ def print_report(report: dict[str, Any], out=None) -> None:
               f"{simtxt:>5}", file=out)
     print("gap = share of the LRU-to-Belady gap closed (exists level); sim = offline simulator agrees "
           "request by request", file=out)
+    for r in report["runs"]:
+        trouble = {k: v for k, v in r.get("transport", {}).get("control", {}).items() if v}
+        if trouble:
+            print(f"  {r['policy']}: transport trouble on LOOKUP/PUT {trouble}: its exists level is not the policy's "
+                  f"alone", file=out)
+    if any("chunk_levels" in r for r in report["runs"]):
+        print_chunk_levels(report, out)
+
+
+PREFIX_DEFINITION = ("prefix = leading prompt blocks the pool holds under prefix keys: loadable as they are "
+                     "(the hit rate an engine gets today)")
+CHUNK_DEFINITION = ("chunk  = passage tokens past the prefix hit that the pool holds under position-independent "
+                    "chunk keys: reusable only with blending (CacheBlend-style selective recompute), never a "
+                    "loadable hit")
+
+
+def print_chunk_levels(report: dict[str, Any], out=None) -> None:
+    """Prefix and chunk levels side by side (token rates), with the one-line definition of each."""
+    out = out or sys.stdout
+    ref = report.get("chunk_reference")
+    print(f"key mode prefix+chunk: the pool holds prefix keys and every passage's chunk keys "
+          f"(same capacity, {report['capacity_blocks']} blocks); token hit rates", file=out)
+    print(f"{'policy':>11} {'prefix exists':>13} {'loaded':>7} {'useful':>7} | {'chunk exists':>12} {'loaded':>7} "
+          f"{'useful':>7} | {'sim':>5}", file=out)
+    for r in report["runs"]:
+        lv, cl = r["levels"], r.get("chunk_levels")
+        if cl is None:
+            continue
+        sim = r.get("sim")
+        simtxt = "-" if sim is None else (
+            "ok" if sim["requests_differing"] == 0 and sim.get("chunk_agrees", True) else "differ")
+        print(f"{r['policy']:>11} {lv['exists']['token_hit_rate']:>13.1%} {lv['loaded']['token_hit_rate']:>7.1%} "
+              f"{lv['useful']['token_hit_rate']:>7.1%} | {cl['exists']['token_hit_rate']:>12.1%} "
+              f"{cl['loaded']['token_hit_rate']:>7.1%} {cl['useful']['token_hit_rate']:>7.1%} | {simtxt:>5}", file=out)
+    if ref:
+        for name in ("belady", "infinite"):
+            print(f"{name:>11} {ref[name]['prefix']['token_hit_rate']:>13.1%} {'':>7} {'':>7} | "
+                  f"{ref[name]['chunk']['token_hit_rate']:>12.1%}", file=out)
+    print(PREFIX_DEFINITION, file=out)
+    print(CHUNK_DEFINITION, file=out)
 
 
 def exit_on_sigterm() -> None:
@@ -329,6 +458,9 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
     p.add_argument("--salt", type=int, default=None, help="key salt (default 0; random with --servers)")
     p.add_argument("--no-check-sim", action="store_true", help="skip the offline simulator cross-check")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--key-mode", choices=KEY_MODES, default=None,
+                   help="prefix: the pool holds prefix keys (default); chunk: also every passage's chunk keys, and "
+                        "the chunk level is reported beside the prefix one (needs a trace with chunks)")
     if block_tokens:
         p.add_argument("--block-tokens", type=int, default=None,
                        help="tokens per trace block (default: the trace's, else 512)")
@@ -341,7 +473,7 @@ def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
     kw = dict(shards=args.shards, bytes_per_token=args.bytes_per_token, prefill_tokens_per_s=args.prefill_tokens_per_s,
               deadline_ms=args.deadline_ms, timeout_s=args.timeout_s, timed=args.timed, speedup=args.speedup,
               salt=salt, servers=servers,
-              check_sim=not args.no_check_sim, progress=not args.no_progress)
+              check_sim=not args.no_check_sim, progress=not args.no_progress, key_mode=args.key_mode or "prefix")
     kw.update(over)
     return ReplayOptions(**kw)
 

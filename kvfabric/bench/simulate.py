@@ -18,6 +18,16 @@ integration test checks that request by request). Per request:
    block fits, then ``on_insert(key, size, parent)`` (``Store.begin_put`` /
    ``commit_put``).
 
+With ``chunks=True`` (the *prefix+chunk* key mode, a trace with ``chunks``)
+the request also does what a blending engine's client does, in this order:
+after the prefix LOOKUP, one LOOKUP per passage of its chunk keys
+(:func:`kvfabric.bench.traces.chunk_block_keys`); after the prefix GET, one
+GET of the chunk hits beyond the prefix hit
+(:func:`kvfabric.bench.belady.chunk_hit_blocks`); after the prefix PUT, a PUT
+of every passage's missing chunk blocks, each with its parent (the previous
+block of the same passage). The chunk level is counted with
+:class:`kvfabric.bench.belady.ChunkCount`.
+
 Capacity is counted in blocks per shard. Every block has the same byte size
 (partial last blocks are stored at full size, as a paged engine allocates
 them), so ``blocks_per_shard`` blocks of ``block_bytes`` fill an arena of
@@ -34,8 +44,8 @@ from dataclasses import dataclass
 
 from ..server.eviction import POLICIES, make_policy
 from ..sharding import owners
-from .belady import HitCount, belady, infinite
-from .traces import Trace, TraceError, block_keys, load_trace
+from .belady import CHUNK_ID_BASE, ChunkCount, HitCount, belady, chunk_hit_blocks, infinite
+from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 
 def shard_capacity(trace: Trace, fraction: float, shards: int) -> int:
@@ -59,11 +69,14 @@ class SimResult:
     shards: int
     hits: HitCount
     evictions: int
+    chunk_hits: ChunkCount | None = None
 
     def as_dict(self) -> dict:
         out = {"policy": self.policy, "blocks_per_shard": self.blocks_per_shard, "shards": self.shards,
                "capacity_blocks": self.blocks_per_shard * self.shards, "evictions": self.evictions}
         out.update(self.hits.as_dict())
+        if self.chunk_hits is not None:
+            out["chunk"] = self.chunk_hits.as_dict()
         return out
 
 
@@ -111,11 +124,13 @@ def simulate(
     salt: int = 0,
     policy_kwargs: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    chunks: bool = False,
 ) -> SimResult:
     """Replay ``trace`` offline through ``policy`` on ``len(servers)`` shards of ``blocks_per_shard`` blocks.
 
     ``servers`` are the ``host:port`` ids used for sharding (one stand-in
-    shard when None); ``salt`` is the key salt of :func:`block_keys`. Raises
+    shard when None); ``salt`` is the key salt of :func:`block_keys`;
+    ``chunks`` selects the prefix+chunk key mode. Raises
     ``ValueError`` for an unknown policy or a capacity below one block.
     """
     if policy not in POLICIES:
@@ -125,24 +140,47 @@ def simulate(
     servers = list(servers) if servers else default_servers(1)
     shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
     owner: dict[int, int] = {}
-    hits = HitCount()
-    for i, r in enumerate(trace.requests):
-        keys = block_keys(r.hash_ids, salt)
+
+    def owned(ids: list[int], keys: list[bytes]) -> list[int]:
         own = []
-        for h, k in zip(r.hash_ids, keys):
+        for h, k in zip(ids, keys):
             s = owner.get(h)
             if s is None:
                 s = owner[h] = owners(k, servers)[0] if len(servers) > 1 else 0
             own.append(s)
+        return own
+
+    hits = HitCount()
+    chunk_hits = ChunkCount() if chunks else None
+    for i, r in enumerate(trace.requests):
+        keys = block_keys(r.hash_ids, salt)
+        own = owned(r.hash_ids, keys)
         run = _lookup(shards, keys, own)
+        ckeys: list[list[bytes]] = []
+        cown: list[list[int]] = []
+        cruns: list[int] = []
+        if chunks:
+            for _, _, ids in r.chunks:
+                ck = chunk_block_keys(ids, salt)
+                ckeys.append(ck)
+                cown.append(owned([CHUNK_ID_BASE + h for h in ids], ck))
+                cruns.append(_lookup(shards, ck, cown[-1]) if ck else 0)
         for k, s in zip(keys[:run], own[:run]):
             shards[s].policy.on_access(k)  # GET hit
+        if chunks:
+            for c, j, _ in chunk_hit_blocks(r, trace.block_tokens, run, cruns):
+                shards[cown[c][j]].policy.on_access(ckeys[c][j])  # GET of a chunk hit
         for j in range(run, len(keys)):
             shards[own[j]].put(keys[j], keys[j - 1] if j else None)
         hits.add(trace, i, run)
+        if chunk_hits is not None:
+            for c, ck in enumerate(ckeys):
+                for j in range(cruns[c], len(ck)):
+                    shards[cown[c][j]].put(ck[j], ck[j - 1] if j else None)
+            chunk_hits.add(trace, i, run, cruns)
         if progress is not None:
             progress(1)
-    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards))
+    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards), chunk_hits)
 
 
 def _lookup(shards: list[_Shard], keys: list[bytes], own: list[int]) -> int:

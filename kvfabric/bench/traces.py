@@ -11,7 +11,21 @@ One JSON object per line::
 partial). Equal ids mean equal content *including the whole prefix*, so an id
 plays the role of a kvfabric block key. Optional fields that kvfabric's own
 writers add and the loader keeps: ``block_tokens`` (the block size the ids were
-cut with), ``tenant`` and ``session`` (strings). Unknown fields are ignored.
+cut with), ``tenant`` and ``session`` (strings), and ``chunks``: the
+position-independent view of the prompt for chunk reuse (blending), a list of
+``[start_token, tokens, [chunk ids...]]``, one per chunk (a retrieved passage)
+in prompt order, not overlapping; a chunk's blocks are cut from its own start
+(``ceil(tokens / block_tokens)`` ids, the last one possibly partial) and equal
+chunk ids mean equal chunk content up to and including that block, wherever
+the chunk sits (:meth:`kvfabric.keys.KeyHasher.chunk_keys`). Chunk ids live in
+their own id space. Unknown fields are ignored.
+
+The chain property every bound here relies on: equal ids mean equal content
+including the whole prefix, so an id has the same parent (the id before it)
+and the same depth in every request that holds it, and no id appears twice in
+one request (likewise for chunk ids within their chunk). :func:`load_trace`
+checks it and refuses a trace that breaks it; a trace with no block at all is
+refused too (no hit rate can be computed from it).
 
 Loading checks every line and raises :class:`TraceError` naming the file and
 line for anything malformed: bad JSON, a missing or mistyped field, negative
@@ -48,6 +62,9 @@ _BUNDLED = Path(__file__).resolve().parents[2] / "data" / "traces"
 BUNDLED_TRACES = {
     "mooncake-conversation": _BUNDLED / "mooncake" / "conversation_trace.jsonl",
     "mooncake-synthetic": _BUNDLED / "mooncake" / "synthetic_trace.jsonl",
+    # Real multi-document RAG (MuSiQue), converted by kvfabric.bench.ragdata; see data/rag/musique/README.md.
+    "musique-b16": _BUNDLED.parent / "rag" / "musique" / "musique-b16.jsonl",
+    "musique-b256": _BUNDLED.parent / "rag" / "musique" / "musique-b256.jsonl",
 }
 
 
@@ -65,6 +82,7 @@ class Request:
     hash_ids: list[int]
     tenant: str = ""
     session: str = ""
+    chunks: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
     def block_tokens(self, i: int, block_tokens: int) -> int:
         """Prompt tokens in block ``i`` (the last block may be partial)."""
@@ -85,6 +103,8 @@ class Request:
             out["tenant"] = self.tenant
         if self.session:
             out["session"] = self.session
+        if self.chunks:
+            out["chunks"] = [[s, n, ids] for s, n, ids in self.chunks]
         return out
 
 
@@ -119,6 +139,21 @@ class Trace:
                 seen.update(r.hash_ids)
             self._stats["unique"] = len(seen)
         return self._stats["unique"]
+
+    @property
+    def has_chunks(self) -> bool:
+        return any(r.chunks for r in self.requests)
+
+    @property
+    def unique_chunk_blocks(self) -> int:
+        """Distinct chunk ids (0 for a trace without chunks)."""
+        if "unique_chunks" not in self._stats:
+            seen: set[int] = set()
+            for r in self.requests:
+                for _, _, ids in r.chunks:
+                    seen.update(ids)
+            self._stats["unique_chunks"] = len(seen)
+        return self._stats["unique_chunks"]
 
     @property
     def total_tokens(self) -> int:
@@ -167,7 +202,62 @@ def parse_request(obj: Any, block_tokens: int, where: str = "record") -> Request
     tenant, session = obj.get("tenant", ""), obj.get("session", "")
     if not isinstance(tenant, str) or not isinstance(session, str):
         raise TraceError(f"{where}: tenant and session must be strings")
-    return Request(ts, ints["input_length"], ints["output_length"], ids, tenant, session)
+    chunks = _parse_chunks(obj.get("chunks", []), ints["input_length"], block_tokens, where)
+    return Request(ts, ints["input_length"], ints["output_length"], ids, tenant, session, chunks)
+
+
+def _parse_chunks(raw: Any, input_length: int, block_tokens: int, where: str) -> list[tuple[int, int, list[int]]]:
+    if not isinstance(raw, list):
+        raise TraceError(f"{where}: chunks must be a list of [start_token, tokens, [ids]]")
+    out: list[tuple[int, int, list[int]]] = []
+    end = 0
+    for c in raw:
+        if not (isinstance(c, list) and len(c) == 3 and isinstance(c[2], list)):
+            raise TraceError(f"{where}: each chunk must be [start_token, tokens, [ids]], got {c!r:.80}")
+        start, n, ids = c
+        for v in (start, n):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TraceError(f"{where}: chunk start and length must be non-negative ints, got {v!r}")
+        if n == 0 or start < end or start + n > input_length:
+            raise TraceError(f"{where}: chunk [{start}, {start + n}) is empty, overlaps the previous one or runs past "
+                             f"input_length {input_length}")
+        if len(ids) != -(-n // block_tokens):
+            raise TraceError(f"{where}: a chunk of {n} tokens has {len(ids)} ids, expected {-(-n // block_tokens)}")
+        for h in ids:
+            if isinstance(h, bool) or not isinstance(h, int) or h < 0 or h >= 1 << 64:
+                raise TraceError(f"{where}: chunk ids must be ints in [0, 2**64), got {h!r}")
+        out.append((start, n, ids))
+        end = start + n
+    return out
+
+
+def check_chained(trace: Trace) -> None:
+    """Raise :class:`TraceError` unless every id keeps one parent and one depth (and chunk ids likewise).
+
+    This is what "equal ids mean equal content including the whole prefix"
+    implies, and what Belady's bound (:mod:`kvfabric.bench.belady`) assumes.
+    """
+    seen: dict[int, tuple[int | None, int]] = {}
+    cseen: dict[int, tuple[int | None, int, int]] = {}
+    for i, r in enumerate(trace.requests):
+        parent: int | None = None
+        for d, h in enumerate(r.hash_ids):
+            if seen.setdefault(h, (parent, d)) != (parent, d):
+                p0, d0 = seen[h]
+                raise TraceError(
+                    f"{trace.name or 'trace'}: request {i} (timestamp {r.timestamp}) holds id {h} at depth {d} after "
+                    f"{parent}, but an earlier request had it at depth {d0} after {p0}; ids must name whole prefixes "
+                    f"(equal id = equal content including the prefix)")
+            parent = h
+        for start, n, ids in r.chunks:
+            parent = None
+            for d, h in enumerate(ids):
+                # The tail block's length is part of its content.
+                v = (parent, d, min(trace.block_tokens, n - d * trace.block_tokens))
+                if cseen.setdefault(h, v) != v:
+                    raise TraceError(f"{trace.name or 'trace'}: request {i} holds chunk id {h} with another parent, "
+                                     f"depth or length than before; chunk ids must name a chunk's content up to that block")
+                parent = h
 
 
 def sniff_block_tokens(path: str | os.PathLike[str]) -> int | None:
@@ -183,7 +273,7 @@ def sniff_block_tokens(path: str | os.PathLike[str]) -> int | None:
 
 
 def resolve_trace_path(name: str | os.PathLike[str]) -> Path:
-    """A bundled trace name (``mooncake-conversation``, ``mooncake-synthetic``) or a path."""
+    """A bundled trace name (``mooncake-conversation``, ``mooncake-synthetic``, ``musique-b16``, ...) or a path."""
     if isinstance(name, str) and name in BUNDLED_TRACES:
         return BUNDLED_TRACES[name]
     p = Path(name)
@@ -214,7 +304,12 @@ def load_trace(
     if not reqs:
         raise TraceError(f"{p}: the trace holds no requests")
     reqs.sort(key=lambda r: r.timestamp)
-    return Trace(reqs, block_tokens, p.stem)
+    trace = Trace(reqs, block_tokens, p.stem)
+    if trace.total_blocks == 0:
+        raise TraceError(f"{p}: the trace's {len(reqs)} requests hold no blocks (input_length < block_tokens "
+                         f"{block_tokens}?); there is no hit rate to compute")
+    check_chained(trace)
+    return trace
 
 
 def _iter_lines(f: io.BufferedReader, name: str, block_tokens: int, limit: int | None) -> Iterator[Request]:
@@ -258,6 +353,13 @@ def block_keys(ids: Sequence[int], salt: int = 0) -> list[bytes]:
     return [h(pack(i), seed=salt) for i in ids]
 
 
+def chunk_block_keys(ids: Sequence[int], salt: int = 0) -> list[bytes]:
+    """16-byte pool keys for chunk ids: ``xxh3_128(b"chunk" || le_u64(id), seed=salt)``, apart from :func:`block_keys`."""
+    h = xxhash.xxh3_128_digest
+    pack = struct.Struct("<Q").pack
+    return [h(b"chunk" + pack(i), seed=salt) for i in ids]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``kvfabric bench traces FILE...``: validate traces and print their sizes."""
     import argparse
@@ -286,6 +388,8 @@ __all__ = [
     "Trace",
     "TraceError",
     "block_keys",
+    "check_chained",
+    "chunk_block_keys",
     "load_trace",
     "parse_request",
     "resolve_trace_path",
