@@ -26,11 +26,20 @@ question, answer), block ``i`` is the tuple of segment pieces covering tokens
 ``[iB, (i+1)B)``, and its id is interned from ``(id of block i-1, pieces)``;
 the first block's parent is the tenant, so tenants never share blocks (the
 tenant is part of the key namespace). The last block may be partial, as in
-Mooncake's traces. Everything is drawn from one ``random.Random(seed)`` and
+Mooncake's traces. Each document in a prompt is also written as a chunk
+(the trace's ``chunks`` field: start token, length, position-independent
+chunk ids cut from the document's start, per tenant), so the chunk level of
+``kvfabric bench replay --key-mode chunk`` works on generated traces too.
+Everything is drawn from one ``random.Random(seed)`` and
 one numpy generator seeded from it: the same flags give the same file.
 
 Run ``kvfabric bench ragtrace --out rag.jsonl [flags]``; ``--help`` lists
-every parameter. Bad parameters raise ``ValueError`` (exit status 2 from the
+every parameter. ``--preset musique`` sets the parameters measured on the
+bundled real workload (``data/rag/musique``, :mod:`kvfabric.bench.ragdata`):
+one tenant and template of 47 tokens, top-10 passages of ~624 tokens
+(sigma 0.056), 43-token questions, 32-token answers, no follow-ups, and a
+uniform pick over 4000 documents, which repeats 16.3% of the retrieved
+passages over 150 questions as MuSiQue does (explicit flags override it). Bad parameters raise ``ValueError`` (exit status 2 from the
 command line).
 """
 
@@ -116,6 +125,31 @@ class _Interner:
         return len(self._ids)
 
 
+# Parameters measured on the bundled MuSiQue traces (see the module doc).
+PRESETS: dict[str, dict[str, object]] = {
+    "musique": dict(requests=150, docs=4000, zipf=0.0, top_k=10, tenants=1, templates=1, template_tokens=47,
+                    doc_tokens_mean=624.0, doc_tokens_sigma=0.056, doc_tokens_min=64, question_tokens=43.0,
+                    output_tokens=32.0, followup_prob=0.0, block_tokens=16),
+}
+
+
+def doc_chunks(segments: list[tuple[object, int]], block_tokens: int, root: object,
+               intern: _Interner) -> list[tuple[int, int, list[int]]]:
+    """The ``chunks`` of a prompt: every ``("doc", d)`` segment with its position-independent block ids."""
+    out = []
+    off = 0
+    for seg, n in segments:
+        if isinstance(seg, tuple) and seg[0] == "doc":
+            ids: list[int] = []
+            parent: object = (root, seg)
+            for j in range(-(-n // block_tokens)):
+                parent = intern(parent, (j, min(block_tokens, n - j * block_tokens)))
+                ids.append(parent)  # type: ignore[arg-type]
+            out.append((off, n, ids))
+        off += n
+    return out
+
+
 def block_ids(segments: list[tuple[object, int]], block_tokens: int, root: object, intern: _Interner) -> tuple[list[int], int]:
     """Ids of the (possibly partial) blocks of a prompt made of ``(segment id, tokens)`` pieces.
 
@@ -176,6 +210,7 @@ def generate(cfg: RagConfig) -> Trace:
         return max(1, int(round(rng.expovariate(1.0 / mean))))
 
     intern = _Interner()
+    cintern = _Interner()
     out: list[Request] = []
     # Events: (time_s, seq, session, turn, segments, tenant); seq keeps ties deterministic.
     events: list[tuple[float, int, int, int, list, int]] = []
@@ -199,7 +234,8 @@ def generate(cfg: RagConfig) -> Trace:
         segs = segs + [(("q", sess, turn), draw_len(cfg.question_tokens))]
         ids, n = block_ids(segs, cfg.block_tokens, ("tenant", tenant), intern)
         out_len = draw_len(cfg.output_tokens)
-        out.append(Request(round(t * 1000.0, 3), n, out_len, ids, f"t{tenant}", f"s{sess}"))
+        chunks = doc_chunks(segs, cfg.block_tokens, ("tenant", tenant), cintern)
+        out.append(Request(round(t * 1000.0, 3), n, out_len, ids, f"t{tenant}", f"s{sess}", chunks))
         if turn < cfg.max_turns and rng.random() < cfg.followup_prob:
             nxt = segs + [(("a", sess, turn), out_len)]
             heapq.heappush(events, (t + rng.expovariate(1.0 / cfg.followup_delay_s), seq, sess, turn + 1, nxt, tenant))
@@ -207,15 +243,27 @@ def generate(cfg: RagConfig) -> Trace:
     return Trace(out, cfg.block_tokens, f"rag-seed{cfg.seed}")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per :class:`RagConfig` field (``--doc-tokens-mean`` etc.), defaults shown in --help."""
+def add_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) -> None:
+    """One ``--flag`` per :class:`RagConfig` field (``--doc-tokens-mean`` etc.), defaults shown in --help, and ``--preset``."""
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="start from parameters measured on a real workload (musique); explicit flags override")
     for f in fields(RagConfig):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+        if f.name == "block_tokens" and not block_tokens:
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
                        help=f"(default {f.default})")
 
 
 def config_from_args(args: argparse.Namespace) -> RagConfig:
-    return RagConfig(**{f.name: getattr(args, f.name) for f in fields(RagConfig)})
+    """Defaults, then ``--preset``, then explicit flags."""
+    kw: dict[str, object] = {f.name: f.default for f in fields(RagConfig)}
+    if getattr(args, "preset", None):
+        kw.update(PRESETS[args.preset])
+    for f in fields(RagConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            kw[f.name] = v
+    return RagConfig(**kw)  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..server.eviction import POLICIES
-from .belady import belady, infinite, reuse_oracle
+from .belady import belady, belady_chunks, infinite, infinite_chunks, reuse_oracle
 from .replay import (
     ReplayOptions,
     add_common_arguments,
@@ -56,7 +56,9 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                 opt: ReplayOptions, log=None) -> dict[str, Any]:
     """Simulated grid + Belady/infinite for every capacity, real replays at ``real``; a JSON-able dict."""
     log = log or sys.stderr
+    chunks = opt.key_mode == "chunk"
     inf = infinite(trace)
+    inf_c = infinite_chunks(trace) if chunks else None
     sim_servers = default_servers(opt.shards)
     points = []
     replays = []
@@ -69,17 +71,25 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                                "reuse_oracle": reuse_oracle(trace, total).block_hit_rate,
                                "belady_tokens": bound.token_hit_rate, "infinite_tokens": inf.token_hit_rate,
                                "sim": {}, "real": {}}
-        print(f"[sweep] {trace.name} capacity {frac:.0%}: simulating {', '.join(policies)}", file=log)
+        if inf_c is not None:
+            bc = belady_chunks(trace, total)
+            row["chunk_mode"] = {name: {"prefix_token_hit_rate": p.token_hit_rate, "chunk_token_hit_rate": c.token_hit_rate}
+                                 for name, (p, c) in (("belady", bc), ("infinite", inf_c))}
+        print(f"[sweep] {trace.name} capacity {frac:.0%}: simulating {', '.join(policies)}"
+              f"{' (prefix+chunk keys)' if chunks else ''}", file=log)
         for pol in policies:
-            r = simulate(trace, pol, per, sim_servers)
+            r = simulate(trace, pol, per, sim_servers, chunks=chunks)
             row["sim"][pol] = {"block_hit_rate": r.hits.block_hit_rate, "token_hit_rate": r.hits.token_hit_rate}
+            if r.chunk_hits is not None:
+                row["sim"][pol]["chunk_block_hit_rate"] = r.chunk_hits.block_hit_rate
+                row["sim"][pol]["chunk_token_hit_rate"] = r.chunk_hits.token_hit_rate
         if frac in real:
             rep = run_replay(trace, ReplayOptions(**{**opt.__dict__, "capacity": frac, "policies": policies,
                                                      "servers": None}))
             replays.append(rep)
             for run in rep["runs"]:
-                row["real"][run["policy"]] = {k: run[k] for k in ("levels", "latency", "bytes", "requests_per_s",
-                                                                   "gap_closed", "sim", "wall_s")}
+                row["real"][run["policy"]] = {k: run.get(k) for k in ("levels", "chunk_levels", "latency", "bytes",
+                                                                       "requests_per_s", "gap_closed", "sim", "wall_s")}
         for kind in ("sim", "real"):
             lru = row[kind].get("lru")
             for pol, v in row[kind].items():
@@ -90,7 +100,7 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
         points.append(row)
     return {"trace": trace.name, "requests": len(trace), "unique_blocks": trace.unique_blocks,
             "total_blocks": trace.total_blocks, "block_tokens": trace.block_tokens, "shards": opt.shards,
-            "bytes_per_token": opt.bytes_per_token, "points": points, "replays": replays}
+            "bytes_per_token": opt.bytes_per_token, "key_mode": opt.key_mode, "points": points, "replays": replays}
 
 
 def print_sweep(result: dict[str, Any], out=None) -> None:
