@@ -331,15 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trace = load_trace(args.trace, args.block_tokens)
         caps = args.capacity or [0.01, 0.05, 0.1, 0.25, 0.5]
-        if any(not c > 0 for c in caps):
-            raise ValueError("capacities must be > 0")
+        if any(not 0 < c <= 10 for c in caps):  # also refuses inf and nan
+            raise ValueError(f"capacities are fractions of unique blocks in (0, 10], got {caps}")
     except (TraceError, ValueError) as e:
         print(f"kvfabric bench belady: {e}", file=sys.stderr)
         return 2
     inf = infinite(trace)
     print(f"{'capacity':>9} {'blocks':>8} {'belady':>7} {'(tokens)':>8} {'reuse-oracle':>12} {'infinite':>8}")
     for c in caps:
-        n = int(c * trace.unique_blocks)
+        n = max(1, int(c * trace.unique_blocks))  # at least one block, as simulate and replay size it
         b = belady(trace, n)
         o = reuse_oracle(trace, n)
         print(f"{c:>9.1%} {n:>8} {b.block_hit_rate:>7.1%} {b.token_hit_rate:>8.1%} {o.block_hit_rate:>12.1%} "

@@ -499,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = run_replay(trace, opt)
+    except ValueError as e:
+        print(f"kvfabric bench replay: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         print(f"kvfabric bench replay: {e}", file=sys.stderr)
         return 1

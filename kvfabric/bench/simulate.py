@@ -50,8 +50,8 @@ from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 def shard_capacity(trace: Trace, fraction: float, shards: int) -> int:
     """Blocks per shard for a total of ``fraction`` x the trace's unique blocks (at least 1)."""
-    if not 0 < fraction:
-        raise ValueError(f"capacity fraction must be > 0, got {fraction!r}")
+    if not 0 < fraction <= 10:  # also refuses inf and nan
+        raise ValueError(f"capacity is a fraction of unique blocks in (0, 10], got {fraction!r}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards!r}")
     return max(1, int(fraction * trace.unique_blocks) // shards)

@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         opt = options_from_args(args, policies=policies)
         opt.validate()
         traces = [load_trace(t, args.block_tokens, args.limit) for t in args.traces]
+        if opt.key_mode == "chunk" and not all(t.has_chunks for t in traces):
+            raise ValueError("--key-mode chunk needs traces with chunks (passage boundaries)")
     except (TraceError, ValueError) as e:
         print(f"kvfabric bench sweep: {e}", file=sys.stderr)
         return 2

@@ -90,3 +90,70 @@ def test_sweep_cli_small(tmp_path, capsys):
         assert p["reuse_oracle"] <= p["belady"]
     assert (tmp_path / "s.png").exists()
     assert sweep_main(["--policies", "nope"]) == 2
+
+
+# --- issue 15: chunk key mode, streaming GETs, transport kept apart, dead servers, the real dataset -------------
+
+
+def test_chunk_mode_replay_matches_simulator_and_streams_gets_one_block_at_a_time():
+    trace = load_trace("musique-b256").head(60)
+    opt = ReplayOptions(shards=2, capacity=0.05, policies=["lru", "s3fifo"], progress=False, key_mode="chunk",
+                        get_window_bytes=1)  # a one-block window: every GET is streamed block by block
+    rep = run_replay(trace, opt)
+    assert rep["key_mode"] == "chunk"
+    ref = rep["chunk_reference"]
+    for run in rep["runs"]:
+        assert run["sim"]["requests_differing"] == 0 and run["sim"]["chunk_agrees"]
+        lv, cl = run["levels"], run["chunk_levels"]
+        assert cl["exists"]["hit_tokens"] > 0
+        assert cl["loaded"]["hit_blocks"] == cl["exists"]["hit_blocks"]
+        assert lv["loaded"]["hit_blocks"] == lv["exists"]["hit_blocks"]
+        assert run["bytes"]["corrupt_blocks"] == 0 and run["bytes"]["puts_dropped"] == 0
+        # Prefix and chunk hits are disjoint tokens; together never more than an unbounded pool reuses.
+        assert (lv["exists"]["hit_tokens"] + cl["exists"]["hit_tokens"]
+                <= ref["infinite"]["prefix"]["hit_tokens"] + ref["infinite"]["chunk"]["hit_tokens"])
+        assert run["bytes"]["get_bytes"] == (lv["exists"]["hit_blocks"] + cl["exists"]["hit_blocks"]) * rep["block_bytes"]
+
+
+def test_missed_get_deadlines_do_not_change_the_policys_exists_level():
+    trace = load_trace("mooncake-synthetic", limit=200)
+    # A deadline no GET can meet: the data client marks shards down, the control client does not.
+    opt = ReplayOptions(shards=2, capacity=0.1, policies=["lru"], progress=False, deadline_ms=0.001)
+    (run,) = run_replay(trace, opt)["runs"]
+    assert run["levels"]["exists"]["hit_blocks"] > 0
+    assert run["sim"]["requests_differing"] == 0
+    assert run["levels"]["loaded"]["hit_blocks"] < run["levels"]["exists"]["hit_blocks"]
+    assert run["bytes"]["late_or_missing_blocks"] > 0
+    assert run["bytes"]["puts_dropped"] == 0
+    assert not any(run["transport"]["control"].values())
+
+
+def test_replay_refuses_dead_and_malformed_servers(capsys):
+    assert main(["mooncake-synthetic", "--limit", "20", "--servers", "127.0.0.1:1", "--no-progress"]) == 1
+    assert "do not answer STATS" in capsys.readouterr().err
+    for bad in ("garbage", "127.0.0.1:0", "host:port", ":80"):
+        assert main(["mooncake-synthetic", "--limit", "20", "--servers", bad, "--no-progress"]) == 2
+        assert "host:port" in capsys.readouterr().err
+    assert main(["mooncake-synthetic", "--limit", "20", "--key-mode", "chunk", "--no-progress"]) == 2
+    assert "needs a trace with chunks" in capsys.readouterr().err
+
+
+def test_rag_dataset_prints_prefix_and_chunk_levels_side_by_side(tmp_path, capsys):
+    from kvfabric.bench.rag import main as rag_main
+    from kvfabric.bench.replay import CHUNK_DEFINITION, PREFIX_DEFINITION
+
+    rc = rag_main(["--dataset", "musique", "--limit", "60", "--capacity", "0.5", "--capacities", "0.1,0.5",
+                   "--policies", "lru", "--no-progress", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert PREFIX_DEFINITION in out and CHUNK_DEFINITION in out
+    assert "prefix+chunk pool" in out
+    doc = json.loads((tmp_path / "rag.json").read_text())
+    assert doc["dataset"] == "musique" and set(doc["modes"]) == {"prefix", "chunk"}
+    chunk_point = next(p for p in doc["modes"]["chunk"]["points"] if p["capacity_fraction"] == 0.5)
+    real = chunk_point["real"]["lru"]
+    assert real["sim"]["requests_differing"] == 0 and real["sim"]["chunk_agrees"]
+    assert real["chunk_levels"]["exists"]["hit_tokens"] > 0
+    assert (tmp_path / "rag.png").stat().st_size > 1000
+    assert not (tmp_path / "rag-trace.jsonl").exists()  # the dataset is bundled, nothing generated
+    assert rag_main(["--dataset", "musique", "--block-tokens", "64"]) == 2

@@ -74,3 +74,36 @@ def test_cli_writes_a_loadable_trace(tmp_path, capsys):
     t = load_trace(out)
     assert len(t) == 50 and t.block_tokens == 128
     assert main(["--out", str(out), "--requests", "-1"]) == 2
+
+
+def test_documents_are_written_as_chunks_with_position_independent_ids():
+    from kvfabric.bench.traces import check_chained
+
+    t = generate(RagConfig(requests=300, seed=3, block_tokens=64))
+    check_chained(t)
+    by_len: dict[int, list[int]] = {}
+    for r in t.requests:
+        assert r.chunks
+        for start, n, ids in r.chunks:
+            assert start + n <= r.input_length and len(ids) == -(-n // 64)
+            by_len.setdefault(ids[0], []).append(start)
+    # Some document's chunk appears at two different positions.
+    assert any(len(set(starts)) > 1 for starts in by_len.values())
+
+
+def test_musique_preset_and_flags_override_it(capsys):
+    import argparse
+
+    from kvfabric.bench.ragtrace import PRESETS, add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["--preset", "musique", "--requests", "40"]))
+    assert cfg.requests == 40 and cfg.top_k == 10 and cfg.followup_prob == 0.0 and cfg.block_tokens == 16
+    assert config_from_args(p.parse_args([])) == RagConfig()
+    t = generate(RagConfig(**PRESETS["musique"]))
+    from kvfabric.bench.belady import infinite_chunks
+
+    pre, ch = infinite_chunks(t)
+    # Calibrated on the bundled MuSiQue traces: ~1% prefix reuse, ~16% of tokens reusable as chunks.
+    assert pre.token_hit_rate < 0.03 and 0.12 < ch.token_hit_rate < 0.2

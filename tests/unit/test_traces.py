@@ -122,3 +122,65 @@ def test_convert_cli_and_errors(tmp_path, capsys):
     assert convert_main([str(bad), "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "b.jsonl:2" in capsys.readouterr().err
     assert convert_main([str(src), "--out", str(tmp_path / "y.jsonl"), "--tokenizer", "wat"]) == 2
+
+
+# --- chunks field, chain property, empty traces (issue 15) -----------------------------------------------------
+
+
+def test_chunks_round_trip_and_bundled_musique(tmp_path):
+    r = Request(0, 40, 1, [0, 1], chunks=[(3, 20, [7, 8]), (23, 17, [9, 10])])
+    write_trace(tmp_path / "c.jsonl", [r], 16)
+    (back,) = load_trace(tmp_path / "c.jsonl").requests
+    assert back.chunks == [(3, 20, [7, 8]), (23, 17, [9, 10])]
+    for name, bt in (("musique-b16", 16), ("musique-b256", 256)):
+        t = load_trace(name)
+        assert len(t) == 150 and t.block_tokens == bt and t.has_chunks
+        assert all(len(r.chunks) == 10 for r in t.requests)
+
+
+@pytest.mark.parametrize(
+    "chunks,match",
+    [
+        ("x", "list"),
+        ([[0, 20]], r"\[start_token"),
+        ([[0, 0, []]], "empty"),
+        ([[0, 20, [1]]], "expected 2"),
+        ([[30, 20, [1, 2]]], "past"),
+        ([[0, 20, [1, 2]], [10, 5, [3]]], "overlaps"),
+        ([[0, 5, [-1]]], "chunk ids"),
+        ([[True, 5, [1]]], "non-negative"),
+    ],
+)
+def test_bad_chunks_are_refused(tmp_path, chunks, match):
+    p = write_lines(tmp_path / "t.jsonl", [rec(n=40, ids=[0, 1], chunks=chunks)])
+    with pytest.raises(TraceError, match=match):
+        load_trace(p, 16)
+
+
+def test_unchained_traces_are_refused(tmp_path):
+    # Id 1 after 0 in one request and after 5 in another: ids do not name whole prefixes.
+    p = write_lines(tmp_path / "t.jsonl", [rec(0, 32, [0, 1]), rec(1, 32, [5, 1])])
+    with pytest.raises(TraceError, match="depth 1 after 5"):
+        load_trace(p, 16)
+    # The same id twice in one request.
+    p = write_lines(tmp_path / "d.jsonl", [rec(0, 48, [0, 1, 0])])
+    with pytest.raises(TraceError, match="whole prefixes"):
+        load_trace(p, 16)
+    # Chunk ids follow the same rule within their chunk (parent, depth, tail length).
+    p = write_lines(tmp_path / "c.jsonl", [rec(0, 64, [0, 1, 2, 3], chunks=[[0, 20, [1, 2]]]),
+                                           rec(1, 64, [0, 1, 2, 3], chunks=[[0, 30, [1, 2]]])])
+    with pytest.raises(TraceError, match="chunk id 2"):
+        load_trace(p, 16)
+
+
+def test_a_trace_without_blocks_is_refused_everywhere(tmp_path, capsys):
+    from kvfabric.bench.belady import main as belady_main
+    from kvfabric.bench.simulate import main as simulate_main
+    from kvfabric.bench.traces import main as traces_main
+
+    p = write_lines(tmp_path / "t.jsonl", [rec(0, 10, []), rec(1, 3, [])])
+    with pytest.raises(TraceError, match="hold no blocks"):
+        load_trace(p, 16)
+    for main in (traces_main, simulate_main, belady_main):
+        assert main([str(p), "--block-tokens", "16"]) == 2
+    assert "hold no blocks" in capsys.readouterr().err
