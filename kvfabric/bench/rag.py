@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 < c <= 10:
                 raise ValueError(f"capacities are fractions in (0, 10], got {c}")
         modes = [args.key_mode] if args.key_mode else list(KEY_MODES)
-        opts = {m: options_from_args(args, policies=policies, capacity=args.capacity, key_mode=m) for m in modes}
+        spread = 4 if args.spread is None else args.spread
+        opts = {m: options_from_args(args, policies=policies, capacity=args.capacity, key_mode=m, spread=spread)
+                for m in modes}
         for o in opts.values():
             o.validate()
         if args.dataset:

@@ -82,6 +82,7 @@ class ReplayOptions:
     progress: bool = True
     key_mode: str = "prefix"
     get_window_bytes: int = DEFAULT_GET_WINDOW_BYTES
+    spread: int = 0
 
     def validate(self) -> None:
         if self.shards < 1 or self.shards > 64:
@@ -101,6 +102,8 @@ class ReplayOptions:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--servers takes host:port,... ; {a!r} is not host:port")
+        if not 0 <= self.spread <= 64:
+            raise ValueError(f"--spread must be in 0..64, got {self.spread}")
         if self.key_mode not in KEY_MODES:
             raise ValueError(f"--key-mode must be one of {KEY_MODES}, got {self.key_mode!r}")
         if not 1 <= self.get_window_bytes <= 1 << 34:
@@ -287,6 +290,28 @@ def _progress(total: int, desc: str, on: bool):
     return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5, file=sys.stderr)
 
 
+def sharding_spread(trace: Trace, policy: str, per_shard: int, opt: ReplayOptions) -> dict[str, Any]:
+    """Exists level (block and token rates) over ``opt.spread`` other server-id sets, offline.
+
+    Local servers listen on random ports and the client shards by address,
+    so which shard owns a key, and with it a multi-shard result, changes from
+    run to run; this says by how much, next to the measured figure.
+    """
+    rates, toks, chunk = [], [], []
+    for k in range(opt.spread):
+        servers = [f"spread-{k}-{i}:0" for i in range(opt.shards)]
+        r = simulate(trace, policy, per_shard, servers, salt=opt.salt, chunks=opt.key_mode == "chunk")
+        rates.append(r.hits.block_hit_rate)
+        toks.append(r.hits.token_hit_rate)
+        if r.chunk_hits is not None:
+            chunk.append(r.chunk_hits.token_hit_rate)
+    out: dict[str, Any] = {"server_id_sets": opt.spread, "block_hit_rate": [min(rates), max(rates)],
+                           "token_hit_rate": [min(toks), max(toks)]}
+    if chunk:
+        out["chunk_token_hit_rate"] = [min(chunk), max(chunk)]
+    return out
+
+
 def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
     """Replay ``trace`` once per policy (own servers) or once against ``opt.servers``; adds bound and gap.
 
@@ -344,6 +369,8 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
                 if sim.chunk_hits is not None:
                     out["sim"]["chunk_hit_blocks"] = sim.chunk_hits.hit_blocks
                     out["sim"]["chunk_agrees"] = sim.chunk_hits.hit_blocks == out["chunk_levels"]["exists"]["hit_blocks"]
+            if opt.spread and opt.shards > 1:
+                out["sharding_spread"] = sharding_spread(trace, pol, per_shard, opt)
             report["runs"].append(out)
     total = per_shard * (len(opt.servers) if opt.servers else opt.shards)
     report["capacity_blocks"] = total
@@ -395,6 +422,18 @@ def print_report(report: dict[str, Any], out=None) -> None:
               f"{simtxt:>5}", file=out)
     print("gap = share of the LRU-to-Belady gap closed (exists level); sim = offline simulator agrees "
           "request by request", file=out)
+    for r in report["runs"]:
+        sp = r.get("sharding_spread")
+        if sp:
+            lo, hi = sp["block_hit_rate"]
+            chunk = ""
+            if "chunk_token_hit_rate" in sp and "chunk_levels" in r:
+                clo, chi = sp["chunk_token_hit_rate"]
+                chunk = (f"; chunk tokens {r['chunk_levels']['exists']['token_hit_rate']:.2%} measured, "
+                         f"{clo:.2%}..{chi:.2%} offline")
+            print(f"  {r['policy']}: exists {r['levels']['exists']['block_hit_rate']:.2%} measured; "
+                  f"{lo:.2%}..{hi:.2%} offline over {sp['server_id_sets']} other server-id sets (sharding spread)"
+                  f"{chunk}", file=out)
     for r in report["runs"]:
         trouble = {k: v for k, v in r.get("transport", {}).get("control", {}).items() if v}
         if trouble:
@@ -461,6 +500,9 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
     p.add_argument("--key-mode", choices=KEY_MODES, default=None,
                    help="prefix: the pool holds prefix keys (default); chunk: also every passage's chunk keys, and "
                         "the chunk level is reported beside the prefix one (needs a trace with chunks)")
+    p.add_argument("--spread", type=int, default=None,
+                   help="with 2+ shards, also simulate N other server-id sets and report the exists level's range "
+                        "(sharding follows the servers' random ports; default 0)")
     if block_tokens:
         p.add_argument("--block-tokens", type=int, default=None,
                        help="tokens per trace block (default: the trace's, else 512)")
@@ -473,7 +515,8 @@ def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
     kw = dict(shards=args.shards, bytes_per_token=args.bytes_per_token, prefill_tokens_per_s=args.prefill_tokens_per_s,
               deadline_ms=args.deadline_ms, timeout_s=args.timeout_s, timed=args.timed, speedup=args.speedup,
               salt=salt, servers=servers,
-              check_sim=not args.no_check_sim, progress=not args.no_progress, key_mode=args.key_mode or "prefix")
+              check_sim=not args.no_check_sim, progress=not args.no_progress, key_mode=args.key_mode or "prefix",
+              spread=args.spread or 0)
     kw.update(over)
     return ReplayOptions(**kw)
 

@@ -88,7 +88,7 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                                                      "servers": None}))
             replays.append(rep)
             for run in rep["runs"]:
-                row["real"][run["policy"]] = {k: run.get(k) for k in ("levels", "chunk_levels", "latency", "bytes",
+                row["real"][run["policy"]] = {k: run.get(k) for k in ("levels", "chunk_levels", "sharding_spread", "latency", "bytes",
                                                                        "requests_per_s", "gap_closed", "sim", "wall_s")}
         for kind in ("sim", "real"):
             lru = row[kind].get("lru")

@@ -157,3 +157,19 @@ def test_rag_dataset_prints_prefix_and_chunk_levels_side_by_side(tmp_path, capsy
     assert (tmp_path / "rag.png").stat().st_size > 1000
     assert not (tmp_path / "rag-trace.jsonl").exists()  # the dataset is bundled, nothing generated
     assert rag_main(["--dataset", "musique", "--block-tokens", "64"]) == 2
+
+
+def test_sharding_spread_is_reported_for_multi_shard_replays(capsys):
+    from kvfabric.bench.replay import print_report
+
+    trace = load_trace("mooncake-synthetic", limit=150)
+    rep = run_replay(trace, ReplayOptions(shards=2, capacity=0.1, policies=["lru"], progress=False, spread=3))
+    (run,) = rep["runs"]
+    sp = run["sharding_spread"]
+    assert sp["server_id_sets"] == 3
+    lo, hi = sp["block_hit_rate"]
+    assert 0 < lo <= hi <= rep["belady"]["block_hit_rate"]
+    print_report(rep)
+    assert "sharding spread" in capsys.readouterr().out
+    one = run_replay(trace, ReplayOptions(shards=1, capacity=0.1, policies=["lru"], progress=False, spread=3))
+    assert "sharding_spread" not in one["runs"][0]  # one shard: nothing to spread
