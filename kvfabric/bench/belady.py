@@ -19,7 +19,11 @@ parent (of the same request), so every block MIN finds is also a prefix hit.
 MIN maximises plain hits over all policies with the same capacity (uniform
 block sizes), and no policy's prefix hits exceed its plain hits; so no policy
 gets more prefix hits than MIN. ``tests/unit/test_belady.py`` checks it
-against an exhaustive search on small traces.
+against an exhaustive search on small traces. The argument needs the chain
+property (an id has one parent and one depth; no id twice in a request):
+:func:`kvfabric.bench.traces.load_trace` refuses traces that break it
+(:func:`~kvfabric.bench.traces.check_chained`), since on such a trace MIN can
+fall below LRU.
 
 Cost: O(total blocks x log capacity) time, O(total blocks) memory for the
 next-use table.

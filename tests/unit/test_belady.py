@@ -103,3 +103,18 @@ def test_reuse_oracle_example_and_below_belady():
     trace = tree_trace(random.Random(9), 40, 200)
     for cap in (3, 8, 20):
         assert reuse_oracle(trace, cap).hit_blocks <= belady(trace, cap).hit_blocks
+
+
+def test_the_bound_is_only_claimed_for_chained_traces():
+    """On ids that do not name whole prefixes MIN can lose to LRU; load_trace refuses such traces."""
+    from kvfabric.bench.simulate import simulate
+    from kvfabric.bench.traces import TraceError, check_chained
+
+    # Ids 2 and 3 appear in both orders: the depth tie-break keeps 2, but the next request starts with 3.
+    reqs = [[0], [2, 3], [3, 2]]
+    t = Trace([Request(i, 16 * len(x), 1, x) for i, x in enumerate(reqs)], 16)
+    assert belady(t, 1).hit_blocks == 0 < simulate(t, "lru", 1).hits.hit_blocks == 1
+    with pytest.raises(TraceError, match="whole prefixes"):
+        check_chained(t)
+    for seed in range(5):
+        check_chained(tree_trace(random.Random(seed), 8, 10))  # the traces the bound is tested on pass
