@@ -200,7 +200,14 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
             t0 = time.perf_counter()
             run = client.lookup(keys)
             ckeys = [chunk_block_keys(ids, opt.salt) for _, _, ids in r.chunks] if chunks else []
-            cruns = [client.lookup(ck) for ck in ckeys]
+            cruns = []
+            if ckeys:
+                # One EXISTS for every passage's chunk keys (it does not touch the policy); per passage the
+                # leading run of keys that exist is its chunk hit.
+                present = iter(client.exists([k for ck in ckeys for k in ck]))
+                for ck in ckeys:
+                    flags = [next(present) for _ in ck]
+                    cruns.append(_leading(flags))
             t1 = time.perf_counter()
             lat["lookup"].append(t1 - t0)
             flags, get_s = _get_flags(data, keys[:run], views, block_bytes, deadline_s, moved) if run else ([], 0.0)

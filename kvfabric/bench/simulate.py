@@ -20,8 +20,10 @@ integration test checks that request by request). Per request:
 
 With ``chunks=True`` (the *prefix+chunk* key mode, a trace with ``chunks``)
 the request also does what a blending engine's client does, in this order:
-after the prefix LOOKUP, one LOOKUP per passage of its chunk keys
-(:func:`kvfabric.bench.traces.chunk_block_keys`); after the prefix GET, one
+after the prefix LOOKUP, one EXISTS of every passage's chunk keys
+(:func:`kvfabric.bench.traces.chunk_block_keys`; EXISTS does not touch the
+policy, and a passage's hit is the leading run of its keys that exist);
+after the prefix GET, one
 GET of the chunk hits beyond the prefix hit
 (:func:`kvfabric.bench.belady.chunk_hit_blocks`); after the prefix PUT, a PUT
 of every passage's missing chunk blocks, each with its parent (the previous
@@ -164,7 +166,8 @@ def simulate(
                 ck = chunk_block_keys(ids, salt)
                 ckeys.append(ck)
                 cown.append(owned([CHUNK_ID_BASE + h for h in ids], ck))
-                cruns.append(_lookup(shards, ck, cown[-1]) if ck else 0)
+                cruns.append(next((j for j, (k, s) in enumerate(zip(ck, cown[-1])) if k not in shards[s].held),
+                                  len(ck)))
         for k, s in zip(keys[:run], own[:run]):
             shards[s].policy.on_access(k)  # GET hit
         if chunks:
