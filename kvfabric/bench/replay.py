@@ -504,9 +504,10 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
     p.add_argument("--salt", type=int, default=None, help="key salt (default 0; random with --servers)")
     p.add_argument("--no-check-sim", action="store_true", help="skip the offline simulator cross-check")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--key-mode", choices=KEY_MODES, default=None,
+    p.add_argument("--key-mode", choices=(*KEY_MODES, "both"), default=None,
                    help="prefix: the pool holds prefix keys (default); chunk: also every passage's chunk keys, and "
-                        "the chunk level is reported beside the prefix one (needs a trace with chunks)")
+                        "the chunk level is reported beside the prefix one (needs a trace with chunks); "
+                        "both (bench rag only): one run of each")
     p.add_argument("--spread", type=int, default=None,
                    help="with 2+ shards, also simulate N other server-id sets and report the exists level's range "
                         "(sharding follows the servers' random ports; default 0)")
