@@ -46,7 +46,6 @@ from .replay import (
     CHUNK_DEFINITION,
     KEY_MODES,
     PREFIX_DEFINITION,
-    ReplayOptions,
     add_common_arguments,
     exit_on_sigterm,
     options_from_args,

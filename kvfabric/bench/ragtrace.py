@@ -39,8 +39,8 @@ bundled real workload (``data/rag/musique``, :mod:`kvfabric.bench.ragdata`):
 one tenant and template of 47 tokens, top-10 passages of ~624 tokens
 (sigma 0.056), 43-token questions, 32-token answers, no follow-ups, and a
 uniform pick over 4000 documents, which repeats 16.3% of the retrieved
-passages over 150 questions as MuSiQue does (explicit flags override it). Bad parameters raise ``ValueError`` (exit status 2 from the
-command line).
+passages over 150 questions as MuSiQue does (explicit flags override it).
+Bad parameters raise ``ValueError`` (exit status 2 from the command line).
 """
 
 from __future__ import annotations

@@ -347,9 +347,11 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         bad = {a: (s.get("error") if isinstance(s, dict) else s) or "no policy/capacity in STATS"
                for a, s in stats.items()
                if not isinstance(s, dict) or "error" in s or not s.get("policy") or not s.get("capacity")}
-        if bad or not stats:
-            raise RuntimeError("cannot replay against servers that do not answer STATS: "
-                               + "; ".join(f"{a}: {e}" for a, e in bad.items()) if bad else f"no STATS from {opt.servers}")
+        if not stats:
+            raise RuntimeError(f"no STATS from {opt.servers}")
+        if bad:
+            why = "; ".join(f"{a}: {e}" for a, e in bad.items())
+            raise RuntimeError(f"cannot replay against servers that do not answer STATS: {why}")
         policies = sorted({s["policy"] for s in stats.values()})
         policy = policies[0] if len(policies) == 1 else "/".join(policies)
         per_shard = min(s["capacity"] // slot for s in stats.values())
@@ -375,7 +377,8 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
                 out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": diff}
                 if sim.chunk_hits is not None:
                     out["sim"]["chunk_hit_blocks"] = sim.chunk_hits.hit_blocks
-                    out["sim"]["chunk_agrees"] = sim.chunk_hits.hit_blocks == out["chunk_levels"]["exists"]["hit_blocks"]
+                    real_chunk = out["chunk_levels"]["exists"]["hit_blocks"]
+                    out["sim"]["chunk_agrees"] = sim.chunk_hits.hit_blocks == real_chunk
             if opt.spread and opt.shards > 1:
                 out["sharding_spread"] = sharding_spread(trace, pol, per_shard, opt)
             report["runs"].append(out)

@@ -73,8 +73,9 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                                "sim": {}, "real": {}}
         if inf_c is not None:
             bc = belady_chunks(trace, total)
-            row["chunk_mode"] = {name: {"prefix_token_hit_rate": p.token_hit_rate, "chunk_token_hit_rate": c.token_hit_rate}
-                                 for name, (p, c) in (("belady", bc), ("infinite", inf_c))}
+            row["chunk_mode"] = {
+                name: {"prefix_token_hit_rate": p.token_hit_rate, "chunk_token_hit_rate": c.token_hit_rate}
+                for name, (p, c) in (("belady", bc), ("infinite", inf_c))}
         print(f"[sweep] {trace.name} capacity {frac:.0%}: simulating {', '.join(policies)}"
               f"{' (prefix+chunk keys)' if chunks else ''}", file=log)
         for pol in policies:
@@ -88,8 +89,9 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                                                      "servers": None}))
             replays.append(rep)
             for run in rep["runs"]:
-                row["real"][run["policy"]] = {k: run.get(k) for k in ("levels", "chunk_levels", "sharding_spread", "latency", "bytes",
-                                                                       "requests_per_s", "gap_closed", "sim", "wall_s")}
+                keep = ("levels", "chunk_levels", "sharding_spread", "latency", "bytes", "requests_per_s",
+                        "gap_closed", "sim", "wall_s")
+                row["real"][run["policy"]] = {k: run.get(k) for k in keep}
         for kind in ("sim", "real"):
             lru = row[kind].get("lru")
             for pol, v in row[kind].items():
