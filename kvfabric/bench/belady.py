@@ -149,14 +149,17 @@ def chunk_hit_blocks(r: Request, block_tokens: int, prefix_run: int, chunk_runs:
 
     ``chunk_runs[c]`` is how many leading blocks of chunk ``c`` the pool holds
     under chunk keys; of those, the blocks with at least one token past the
-    prefix hit count.
+    prefix hit count. Tokens are counted only inside the prompt's blocks
+    (a converted trace keys whole blocks only, so the tokens after its last
+    whole block are in no rate's denominator either).
     """
     end = prefix_hit_tokens(r, block_tokens, prefix_run)
+    limit = min(r.input_length, len(r.hash_ids) * block_tokens)
     out = []
     for c, ((start, n, _), run) in enumerate(zip(r.chunks, chunk_runs)):
         for j in range(run):
-            s, e = start + j * block_tokens, start + min((j + 1) * block_tokens, n)
-            if e > end:
+            s, e = start + j * block_tokens, min(start + min((j + 1) * block_tokens, n), limit)
+            if e > end and e > s:
                 out.append((c, j, e - max(s, end)))
     return out
 

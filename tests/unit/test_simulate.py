@@ -130,6 +130,11 @@ def test_chunk_hits_count_only_tokens_past_the_prefix_hit():
     assert chunk_hit_blocks(r, 16, 1, [3]) == [(0, 0, 8), (0, 1, 16), (0, 2, 8)]  # prefix covers 0..16
     assert chunk_hit_blocks(r, 16, 3, [3]) == []  # prefix covers 0..48
     assert chunk_hit_blocks(r, 16, 0, [1]) == [(0, 0, 16)]
+    # Whole blocks only (a converted trace): tokens past the last whole block are in no denominator.
+    short = Request(0, 50, 1, [0, 1, 2], chunks=[(8, 40, [7, 8, 9])])  # blocks cover 0..48; P ends at 48
+    assert chunk_hit_blocks(short, 16, 0, [3]) == [(0, 0, 16), (0, 1, 16), (0, 2, 8)]
+    cut = Request(0, 50, 1, [0, 1], chunks=[(8, 40, [7, 8, 9])])  # blocks cover 0..32 only
+    assert chunk_hit_blocks(cut, 16, 0, [3]) == [(0, 0, 16), (0, 1, 8)]
 
 
 def test_chunk_mode_never_beats_infinite_and_min_reference_is_between():
