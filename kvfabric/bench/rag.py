@@ -118,7 +118,7 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
 
     panels = [(m, results[m]) for m in KEY_MODES if m in results]
     # One y scale for both panels, from 0, so the prefix level is read against the chunk level.
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.4), squeeze=False, sharey=True)
     for ax, (mode, res) in zip(axes[0], panels):
         pts = res["points"]
         xs = [p["capacity_fraction"] * 100 for p in pts]
@@ -158,7 +158,8 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
             ax.set_title(f"{res['trace']}: + chunk keys (reusable with blending)", fontsize=10)
         ax.tick_params(labelleft=True)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        # Below the panel: inside, it always covers some curve.
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     top = max(max(line.get_ydata(), default=0) for ax in axes[0] for line in ax.get_lines())
     axes[0][0].set_ylim(0, max(1.0, top * 1.08))  # shared: both panels from 0, one scale
     fig.suptitle(title + "\nlines: offline simulation of the server's policies; circles: measured on real servers",

@@ -173,3 +173,20 @@ def test_sharding_spread_is_reported_for_multi_shard_replays(capsys):
     assert "sharding spread" in capsys.readouterr().out
     one = run_replay(trace, ReplayOptions(shards=1, capacity=0.1, policies=["lru"], progress=False, spread=3))
     assert "sharding_spread" not in one["runs"][0]  # one shard: nothing to spread
+
+
+def test_rag_generator_in_both_key_modes(tmp_path, capsys):
+    from kvfabric.bench.rag import main as rag_main
+
+    rc = rag_main(["--requests", "150", "--key-mode", "both", "--capacity", "0.2", "--capacities", "0.2",
+                   "--policies", "lru", "--no-progress", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "rag.json").read_text())
+    assert set(doc["modes"]) == {"prefix", "chunk"} and doc["generator"]["requests"] == 150
+    (run,) = doc["modes"]["chunk"]["replays"][0]["runs"]
+    assert run["sim"]["requests_differing"] == 0 and run["sim"]["chunk_agrees"]
+    assert "chunk  = passage tokens past the prefix hit" in capsys.readouterr().out
+    # The generator alone defaults to the prefix mode (its 3000 requests take minutes in both here).
+    assert rag_main(["--requests", "60", "--capacities", "0.2", "--policies", "lru", "--no-progress",
+                     "--out-dir", str(tmp_path / "p")]) == 0
+    assert set(json.loads((tmp_path / "p" / "rag.json").read_text())["modes"]) == {"prefix"}
