@@ -9,7 +9,8 @@ possible, or ``--timed`` with ``--speedup``):
 
 1. LOOKUP the prompt's block keys: the leading run the pool holds is the
    *exists* level;
-2. GET those blocks into one preallocated buffer with a deadline of
+2. GET those blocks, through one reused window of ``--window-mib`` (64 MiB)
+   of buffers so long prompts at real KV sizes stream, with a deadline of
    ``--deadline-ms`` (LOOKUP and PUT get ``--timeout-s``): a block counts as *loaded* only if it arrived, whole,
    with the bytes that were PUT for its key, and every earlier block did too;
 3. *useful*: the loaded blocks count only if the GET finished faster than
@@ -107,7 +108,7 @@ class ReplayOptions:
         if self.key_mode not in KEY_MODES:
             raise ValueError(f"--key-mode must be one of {KEY_MODES}, got {self.key_mode!r}")
         if not 1 <= self.get_window_bytes <= 1 << 34:
-            raise ValueError("the GET window must be 1 B .. 16 GiB")
+            raise ValueError("--window-mib must be > 0 and at most 16 GiB")
 
 
 def payload_for(key: bytes, nbytes: int) -> bytes:
@@ -179,7 +180,7 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
     lat: dict[str, list[float]] = {"lookup": [], "get": [], "put": []}
     moved = {"get_bytes": 0, "put_bytes": 0, "puts_stored": 0, "puts_existed": 0, "puts_dropped": 0,
              "corrupt_blocks": 0, "late_or_missing_blocks": 0}
-    # One window of GET buffers, reused: a long prompt is fetched window by window.
+    # One window of GET buffers, reused: a long prompt is fetched (and PUT) window by window.
     window = max(1, min(max(len(r.hash_ids) for r in trace.requests) or 1, opt.get_window_bytes // block_bytes))
     buf = bytearray(window * block_bytes)
     views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(window)]
@@ -239,12 +240,16 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
                 todo += ck[cr:]
                 parents += [ck[j - 1] if j else None for j in range(cr, len(ck))]
             if todo:
-                res = client.put(todo, [payload_for(k, block_bytes) for k in todo], parents=parents)
+                # Window by window too: a long prompt's payloads never sit in memory all at once.
+                for off in range(0, len(todo), window):
+                    part = todo[off:off + window]
+                    res = client.put(part, [payload_for(k, block_bytes) for k in part],
+                                     parents=parents[off:off + window])
+                    moved["puts_stored"] += res.stored
+                    moved["puts_existed"] += res.existed
+                    moved["puts_dropped"] += res.dropped
                 lat["put"].append(time.perf_counter() - t2)
                 moved["put_bytes"] += len(todo) * block_bytes
-                moved["puts_stored"] += res.stored
-                moved["puts_existed"] += res.existed
-                moved["puts_dropped"] += res.dropped
             levels["exists"].add(trace, i, run)
             levels["loaded"].add(trace, i, loaded)
             levels["useful"].add(trace, i, useful)
@@ -511,6 +516,8 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
                    help="prefix: the pool holds prefix keys (default); chunk: also every passage's chunk keys, and "
                         "the chunk level is reported beside the prefix one (needs a trace with chunks); "
                         "both (bench rag only): one run of each")
+    p.add_argument("--window-mib", type=float, default=DEFAULT_GET_WINDOW_BYTES / (1 << 20),
+                   help="GET/PUT a long prompt's blocks in windows of this many MiB (default 64)")
     p.add_argument("--spread", type=int, default=None,
                    help="with 2+ shards, also simulate N other server-id sets and report the exists level's range "
                         "(sharding follows the servers' random ports; default 0)")
@@ -527,7 +534,7 @@ def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
               deadline_ms=args.deadline_ms, timeout_s=args.timeout_s, timed=args.timed, speedup=args.speedup,
               salt=salt, servers=servers,
               check_sim=not args.no_check_sim, progress=not args.no_progress, key_mode=args.key_mode or "prefix",
-              spread=args.spread or 0)
+              spread=args.spread or 0, get_window_bytes=int(args.window_mib * (1 << 20)))
     kw.update(over)
     return ReplayOptions(**kw)
 
