@@ -9,7 +9,12 @@ gets a connection to one server and what happens when that server fails:
   HELLO facts (transport, limits, server id), and its up/down state. A shard
   marked down closes its idle connections, drops the ones checked out when
   they come back (a generation counter), and makes every ``acquire`` raise
-  :class:`_Down` at once until it is reconnected.
+  :class:`_Down` at once until it is reconnected. Routing identity: a shard
+  routes under :attr:`_Shard.route_id`, the server id its HELLO reported, or
+  before any HELLO its ``hint`` (the id membership published, else the
+  configured address); ``on_identity`` tells the client when the HELLO id
+  changes that. A shard that left the membership is retired (:meth:`_Shard.retire`):
+  its connections close and it answers :class:`_Down` forever.
 * :class:`_Reconnector`: one daemon thread per client that reconnects down
   shards when their backoff is due (``reconnect_backoff_s`` doubling up to
   ``reconnect_backoff_max_s`` per failed attempt, reset on success).
@@ -51,6 +56,7 @@ _COUNTERS = (
     "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
     "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
     "bytes_in", "bytes_out", "requests", "buffer_registrations", "buffer_registration_failures",
+    "membership_changes",
 )
 
 
@@ -130,10 +136,11 @@ class _Reconnector:
         self._is_closed = is_closed
         self._join_timeout_s = join_timeout_s
         self._cond = threading.Condition()
-        self._shards: Sequence[_Shard] = ()
+        self._shards: Callable[[], Sequence[_Shard]] = tuple
         self._thread = threading.Thread(target=self._loop, name="kvfabric-reconnect", daemon=True)
 
-    def start(self, shards: Sequence[_Shard]) -> None:
+    def start(self, shards: Callable[[], Sequence[_Shard]]) -> None:
+        """Start the thread; ``shards()`` returns the current shards (membership may change them)."""
         self._shards = shards
         self._thread.start()
 
@@ -149,7 +156,8 @@ class _Reconnector:
     def _loop(self) -> None:
         while not self._is_closed():
             now = time.monotonic()
-            due = [s for s in self._shards if s.down_until and s.down_until <= now]
+            shards = self._shards()
+            due = [s for s in shards if s.down_until and s.down_until <= now]
             for s in due:
                 if self._is_closed():
                     return
@@ -157,7 +165,7 @@ class _Reconnector:
             with self._cond:
                 if self._is_closed():
                     return
-                pending = [s.down_until for s in self._shards if s.down_until]
+                pending = [s.down_until for s in shards if s.down_until]
                 timeout = max(0.0, min(pending) - time.monotonic()) if pending else None
                 self._cond.wait(timeout)
 
@@ -178,8 +186,13 @@ class _Shard:
         reconnector: _Reconnector,
         is_closed: Callable[[], bool],
         registration: _Registration | None = None,
+        hint: str = "",
+        on_identity: Callable[[_Shard], None] | None = None,
     ) -> None:
-        self.index = index
+        self.index = index  # unique in its client for the client's life (never reused), not a list position
+        self.hint = hint or address  # routing id until a HELLO reports the server's own
+        self._on_identity = on_identity
+        self.retired = False
         self._registration = registration
         self.address = address
         self._config = config
@@ -210,8 +223,16 @@ class _Shard:
         self.transport = conn.name
         lim = conn.hello.limits
         self.limits = lim
-        self.server_id = conn.hello.server_id
+        if conn.hello.server_id != self.server_id:
+            self.server_id = conn.hello.server_id
+            if self._on_identity is not None:
+                self._on_identity(self)
         return conn
+
+    @property
+    def route_id(self) -> str:
+        """The id this shard's keys are routed under (see the module docstring)."""
+        return self.server_id or self.hint
 
     def acquire(self, deadline: float) -> transport.Connection:
         """A connection for the caller's exclusive use; raises _Down, _Busy or a connect error."""
@@ -224,7 +245,7 @@ class _Shard:
         """An idle connection, or a new one while under ``connections_per_server``."""
         with self._cond:
             while True:
-                if self.down_until:
+                if self.down_until or self.retired:
                     raise _Down()
                 if self._idle:
                     return self._idle.pop()
@@ -264,7 +285,7 @@ class _Shard:
         """Close idle connections and schedule a background reconnect."""
         with self._cond:
             self.last_error = f"{type(err).__name__}: {err}"
-            if self.down_until:
+            if self.down_until or self.retired:
                 return
             self.down_until = time.monotonic() + self.backoff
             self._gen += 1
@@ -287,6 +308,9 @@ class _Shard:
                 self.down_until = time.monotonic() + self.backoff
             return False
         with self._cond:
+            if self.retired:  # left the membership while this attempt ran
+                conn.close()
+                return False
             self._conn_gen[id(conn)] = self._gen
             self._idle.append(conn)
             self._open += 1
@@ -299,6 +323,17 @@ class _Shard:
 
     def close(self) -> None:
         with self._cond:
+            idle = self._take_idle()
+        for c in idle:
+            c.close()
+
+    def retire(self) -> None:
+        """The server left the membership: close idle connections, drop checked-out ones when they come
+        back, and answer every later ``acquire`` with :class:`_Down` (no reconnects)."""
+        with self._cond:
+            self.retired = True
+            self.down_until = 0.0
+            self._gen += 1
             idle = self._take_idle()
         for c in idle:
             c.close()

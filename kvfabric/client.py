@@ -28,6 +28,22 @@ for the object found, mismatched lengths, an object larger than
 built, a forced transport that is unavailable or a server that rejects the
 auth token or protocol version.
 
+Membership and ownership: the servers come from a static list
+(``Client(servers)``) or from etcd (``Client(etcd=URL, cluster=NAME)``,
+``kvfabric/membership/``), which reports joins and leaves while the client
+runs. Keys are routed over server *ids*, never over address strings: a shard
+routes under the id its server reported in HELLO; before its first HELLO,
+under the id etcd published for it or, for a static entry, under its
+address as configured (``"127.0.0.1:7070"``, which is also a server's
+default id when it listens there). So two clients that list the same
+servers in a different order or spelling (``localhost`` vs ``127.0.0.1``)
+route every key identically once connected, and a server that moves to a
+new address keeps its keys. Each change of members or of a learned id
+builds a new routing view (ids and shards, swapped in one assignment);
+a call routes with the view it started with, and keys routed to a shard
+that left meanwhile are misses for that call. Two entries whose servers
+report the same id are one shard for routing (the first listed).
+
 Thread safety: one client may be shared by many threads; each shard keeps up
 to ``connections_per_server`` connections and a thread waits (until its
 deadline) when all of them are busy.
@@ -43,9 +59,13 @@ client's counters; ``kvfabric/transport/`` moves the bytes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 from . import protocol, sharding, transport
@@ -61,6 +81,7 @@ from .errors import (
     TransportUnavailable,
 )
 from .keys import BlockKey, KeyHasher, Namespace
+from .membership import Member, Membership, StaticMembership
 from ._plan import PutResult, combine_puts, leading_run, plan_chunks
 from .protocol import PutStatus
 
@@ -71,15 +92,38 @@ log = logging.getLogger("kvfabric.client")
 _checksum = protocol.checksum  # bound to the key (protocol 2)
 
 
+@dataclass(frozen=True)
+class _View:
+    """What keys are routed over: ``ids[p]`` is the routing id of ``shards[p]``; ``index[p]`` its ``shard.index``.
+
+    ``identity``: ``index[p] == p`` for every ``p`` (a static list whose ids are
+    all distinct), so sharding's positions need no translation.
+    """
+
+    ids: tuple[str, ...]
+    shards: tuple[_Shard, ...]
+    index: tuple[int, ...]
+    identity: bool
+
+    @classmethod
+    def of(cls, ids: Sequence[str], shards: Sequence[_Shard]) -> _View:
+        index = tuple(s.index for s in shards)
+        return cls(tuple(ids), tuple(shards), index, index == tuple(range(len(index))))
+
+
 class Client:
     """A sharded client over a list of pool servers (see the module docstring).
 
-    ``servers`` are ``"host:port"`` strings (``config.servers`` when empty).
-    Construction connects to every server in parallel; servers that cannot be
-    reached start out down (misses) and are retried in the background. Raises
-    ``ConfigError`` for a bad server list or replica count,
-    ``TransportUnavailable`` for a forced transport that cannot be used, and
-    ``RemoteError`` when a server rejects the auth token or protocol version.
+    ``servers`` are ``"host:port"`` strings (``config.servers`` when empty);
+    or ``etcd=URL, cluster=NAME`` (``config.etcd``/``config.cluster``) follow
+    a cluster's members in etcd instead. Construction connects to every server
+    in parallel; servers that cannot be reached start out down (misses) and
+    are retried in the background. An etcd that cannot be read starts the
+    client with no members (every call a miss) while it keeps trying. Raises
+    ``ConfigError`` for a bad server list or replica count, or both a list and
+    etcd, ``TransportUnavailable`` for a forced transport that cannot be used,
+    and ``RemoteError`` when a server rejects the auth token or protocol
+    version.
     """
 
     def __init__(
@@ -88,36 +132,59 @@ class Client:
         *,
         namespace: Namespace | None = None,
         config: ClientConfig | None = None,
+        etcd: str | None = None,
+        cluster: str | None = None,
+        membership: Membership | None = None,
     ) -> None:
         config = config or ClientConfig()
         if servers:
             config = config.with_(servers=tuple(servers))
-        if not config.servers:
-            raise ConfigError("a Client needs at least one server ('host:port')")
-        if config.replicas > len(config.servers):
-            raise ConfigError(f"replicas={config.replicas} but only {len(config.servers)} servers")
+        if etcd is not None or cluster is not None:
+            config = config.with_(etcd=config.etcd if etcd is None else etcd, cluster=cluster or config.cluster)
+        if config.etcd and config.servers:
+            raise ConfigError("give a Client servers or etcd=URL, not both")
+        if membership is None:
+            if config.etcd:
+                from .membership.watcher import EtcdMembership
+
+                membership = EtcdMembership(config.etcd, config.cluster, timeout_s=config.timeout_s)
+            elif config.servers:
+                membership = StaticMembership(config.servers)
+            else:
+                raise ConfigError("a Client needs at least one server ('host:port') or etcd=URL")
+        if not membership.dynamic and config.replicas > len(membership.members()):
+            raise ConfigError(f"replicas={config.replicas} but only {len(membership.members())} servers")
         self.config = config
-        self.servers: tuple[str, ...] = config.servers
         self.namespace = namespace
         self._hasher = KeyHasher(config.key_algorithm, config.key_secret)
         self._counters = _Counters()
         self._closed = False
         self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + 1)
         self._registration = _Registration(self._counters)
-        self._shards = [
-            _Shard(i, a, config, self._counters, self._reconnector, lambda: self._closed, self._registration)
-            for i, a in enumerate(self.servers)
-        ]
+        # Membership state, changed under _members_lock by _apply_members / _on_identity only:
+        # _shards: the current members' shards (rebound, never mutated); _view: what keys route over;
+        # _by_index: shard.index -> shard, for every shard a view may still name (weak: retired ones go).
+        self._membership = membership
+        self._members_lock = threading.Lock()
+        self._next_index = 0
+        self._shards: list[_Shard] = []
+        self._by_index: weakref.WeakValueDictionary[int, _Shard] = weakref.WeakValueDictionary()
+        self._view = _View.of((), ())
+        self.servers: tuple[str, ...] = ()
+        self._started = False
+        n = 64 if membership.dynamic else len(membership.members())
         self._pool = ThreadPoolExecutor(
-            max_workers=min(64, len(self.servers) * config.connections_per_server),
+            max_workers=min(64, n * config.connections_per_server),
             thread_name_prefix="kvfabric-fanout",
         )
         try:
+            membership.start(self._apply_members)
             self._initial_connect()
         except BaseException:
             self.close()
             raise
-        self._reconnector.start(self._shards)
+        self._started = True
+        self._reconnector.start(lambda: self._shards)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,6 +221,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._membership.close()
         self._reconnector.wake()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for s in self._shards:
@@ -184,6 +252,96 @@ class Client:
 
         for f in [self._pool.submit(first, s) for s in self._shards]:
             f.result()
+
+    # ------------------------------------------------------------------ membership
+
+    def _apply_members(self, members: tuple[Member, ...]) -> None:
+        """Make the shards match ``members`` (the membership's thread, or the constructor) and re-route.
+
+        A member whose address already has a shard keeps it (and its
+        connections) unless membership now names another server id for that
+        address; shards of members that left are retired; new ones are
+        connected in the background so their HELLO id is known early.
+        """
+        if self._closed:
+            return
+        cfg = self.config
+        added: list[_Shard] = []
+        with self._members_lock:
+            old = {s.address: s for s in self._shards}
+            gone: list[_Shard] = []
+            current: list[_Shard] = []
+            for m in members:
+                shard = old.pop(m.address, None)
+                if shard is not None and m.server_id and shard.hint != m.server_id:
+                    gone.append(shard)  # another server took this address over
+                    shard = None
+                if shard is None:
+                    shard = _Shard(self._next_index, m.address, cfg, self._counters, self._reconnector,
+                                   lambda: self._closed, self._registration, hint=m.route_id,
+                                   on_identity=self._on_identity)
+                    self._next_index += 1
+                    self._by_index[shard.index] = shard
+                    added.append(shard)
+                current.append(shard)
+            gone.extend(old.values())
+            self._shards = current
+            self.servers = tuple(s.address for s in current)
+            self._rebuild_view()
+        for s in gone:
+            s.retire()
+        if self._started:
+            self._counters.add(membership_changes=1)
+            log.info("kvfabric: members now %s (+%d -%d)", list(self._view.ids), len(added), len(gone))
+            for s in added:
+                try:
+                    self._pool.submit(self._warm, s)
+                except RuntimeError:  # the client closed meanwhile
+                    return
+
+    def _on_identity(self, shard: _Shard) -> None:
+        """A shard's HELLO reported a server id (its first, or a new one): route over it from now on."""
+        if shard.hint != shard.server_id:
+            log.info("kvfabric: %s is server %r (routed as %r until its HELLO)", shard.address, shard.server_id, shard.hint)
+        with self._members_lock:
+            self._rebuild_view()
+
+    def _rebuild_view(self) -> None:
+        """New routing view from ``_shards`` (caller holds ``_members_lock``); a duplicate id keeps the first."""
+        ids: list[str] = []
+        shards: list[_Shard] = []
+        for s in self._shards:
+            rid = s.route_id
+            if rid in ids:
+                log.debug("kvfabric: %s reports server id %r like another entry; one shard for routing", s.address, rid)
+                continue
+            ids.append(rid)
+            shards.append(s)
+        self._view = _View.of(ids, shards)
+
+    def _warm(self, shard: _Shard) -> None:
+        """Connect a shard that just joined (pool thread), so its HELLO id and a connection are ready."""
+        try:
+            shard.release(shard.acquire(time.monotonic() + self.config.connect_timeout_s))
+        except _Down:
+            pass
+        except (KVFabricError, _Busy) as e:
+            shard.mark_down(e)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The server ids keys are routed over now (see the module docstring)."""
+        return self._view.ids
+
+    def route(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """The server ids that own each key now, best first (``replicas`` of them, fewer when the
+        cluster is smaller; none when it is empty). Pure routing: no request is sent."""
+        keys = self._keys(keys)
+        view = self._view
+        if not view.ids:
+            return [[] for _ in keys]
+        return [[view.ids[p] for p in row]
+                for row in sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))]
 
     # ------------------------------------------------------------------ fan-out core
 
@@ -264,9 +422,12 @@ class Client:
 
     def _scatter(self, groups: dict[int, list[int]], make_job: Callable[[_Shard, list[int]], Any], deadline: float) -> dict[int, bool]:
         """One job per shard of ``groups`` (``make_job(shard, key_indices)``), run by :meth:`_fan_out`."""
-        order = list(groups)
-        jobs = [(self._shards[s], make_job(self._shards[s], groups[s])) for s in order]
-        return dict(zip(order, self._fan_out(jobs, deadline)))
+        shards = {s: self._by_index.get(s) for s in groups}
+        order = [s for s in groups if shards[s] is not None]  # a shard gone since routing: its keys miss
+        jobs = [(shards[s], make_job(shards[s], groups[s])) for s in order]
+        done = dict.fromkeys(groups, False)
+        done.update(zip(order, self._fan_out(jobs, deadline)))
+        return done
 
     @staticmethod
     def _by_owner(owners: list[list[int]], rank: int | None = None, idx: Sequence[int] | None = None) -> dict[int, list[int]]:
@@ -296,7 +457,26 @@ class Client:
         return out
 
     def _owners(self, keys: list[bytes]) -> list[list[int]]:
-        return sharding.owner_table(keys, self.servers, self.config.replicas)
+        """Owners of each key as ``shard.index`` values, routed over the current view's server ids."""
+        view = self._view
+        if not view.ids:
+            return [[] for _ in keys]
+        table = sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))
+        if view.identity:
+            return table
+        index = view.index
+        return [[index[p] for p in row] for row in table]
+
+    def _primary_groups(self, keys: list[bytes]) -> dict[int, list[int]]:
+        """``sharding.group_by_owner`` over the current view, keyed by ``shard.index``."""
+        view = self._view
+        if not view.ids:
+            return {}
+        groups = sharding.group_by_owner(keys, view.ids)
+        if view.identity:
+            return groups
+        index = view.index
+        return {index[p]: g for p, g in groups.items()}
 
     # ------------------------------------------------------------------ public API
 
@@ -488,7 +668,10 @@ class Client:
             run = next((i for i, p in enumerate(present) if not p), len(keys))
             self._counters.add(hits=run, misses=len(keys) - run)
             return run
-        groups = sharding.group_by_owner(keys, self.servers)
+        groups = self._primary_groups(keys)
+        if not groups:  # no members: nothing is held
+            self._counters.add(misses=len(keys))
+            return 0
         first_missing: dict[int, int] = {}  # shard -> global index of its first missing key
 
         def job_for(shard: _Shard, idx: list[int]):
@@ -515,7 +698,7 @@ class Client:
         self._check_open()
         keys = self._keys(keys)
         deadline = self._deadline(timeout_s)
-        deleted = [0] * len(self._shards)
+        deleted: Counter[int] = Counter()
 
         def job_for(shard: _Shard, idx: list[int]):
             def job(conn: transport.Connection, deadline: float) -> None:
@@ -526,7 +709,7 @@ class Client:
             return job
 
         self._scatter(self._by_owner(self._owners(keys)), job_for, deadline)
-        return sum(deleted)
+        return sum(deleted.values())
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """``{"client": {counters, "shards": {address: state}}, "servers": {address: STATS map}}``.
@@ -536,14 +719,15 @@ class Client:
         self._check_open()
         deadline = self._deadline(timeout_s)
         servers: dict[str, Any] = {}
+        shards, routed = self._shards, set(self._view.shards)
 
         def job_for(shard: _Shard):
             def job(conn: transport.Connection, deadline: float) -> None:
                 servers[shard.address] = conn.request(protocol.StatsRequest(), deadline=deadline).msg.stats
             return job
 
-        ok = self._fan_out([(s, job_for(s)) for s in self._shards], deadline)
-        for s, good in zip(self._shards, ok):
+        ok = self._fan_out([(s, job_for(s)) for s in shards], deadline)
+        for s, good in zip(shards, ok):
             if not good:
                 servers[s.address] = {"error": s.last_error or "unreachable"}
         client: dict[str, Any] = self._counters.snapshot()
@@ -552,13 +736,16 @@ class Client:
                 "up": not s.down_until,
                 "transport": s.transport,
                 "server_id": s.server_id,
+                "route_id": s.route_id,
+                "routed": s in routed,
                 "last_error": s.last_error,
             }
-            for s in self._shards
+            for s in shards
         }
+        client["members"] = list(self._view.ids)
         client["transports"] = sorted({s.transport for s in self._shards if s.transport})
         client["registered_buffers"] = self._registration.stats()
-        return {"client": client, "servers": {a: servers[a] for a in self.servers}}
+        return {"client": client, "servers": {s.address: servers[s.address] for s in shards}}
 
     @property
     def transports(self) -> dict[str, str | None]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .keys import KeyAlgorithm
+from .membership.registry import check_cluster_name
 
 TRANSPORTS = ("auto", "tcp", "native", "shm")
 
@@ -31,6 +32,8 @@ ENV_VARS: dict[str, str] = {
     "KVFABRIC_KEY_SECRET": "key_secret",
     "KVFABRIC_MAX_BATCH_KEYS": "max_batch_keys",
     "KVFABRIC_VERIFY_CHECKSUMS": "verify_checksums",
+    "KVFABRIC_ETCD": "etcd",
+    "KVFABRIC_CLUSTER": "cluster",
 }
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -84,6 +87,12 @@ class ClientConfig:
 
     ``timeout_s`` is the deadline of one client call (all shards together);
     a shard that has not answered by then counts as a miss for that call.
+
+    Membership: either ``servers`` (a static list) or ``etcd`` (one
+    ``http://host:port`` URL or a comma-separated list) with ``cluster``, the
+    name the servers registered under (``kvfabric serve --etcd URL --cluster
+    NAME``); the client then follows that cluster's members as they join and
+    leave. Not both.
     """
 
     servers: tuple[str, ...] = ()
@@ -99,6 +108,8 @@ class ClientConfig:
     connections_per_server: int = 4
     reconnect_backoff_s: float = 0.2
     reconnect_backoff_max_s: float = 5.0
+    etcd: str = ""
+    cluster: str = "default"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", parse_servers(self.servers) if self.servers else ())
@@ -114,6 +125,12 @@ class ClientConfig:
             raise ConfigError(f"max_batch_keys must be in 1..4096, got {self.max_batch_keys!r}")
         if type(self.connections_per_server) is not int or not 1 <= self.connections_per_server <= 64:
             raise ConfigError("connections_per_server must be in 1..64")
+        if not isinstance(self.etcd, str):
+            raise ConfigError(f"etcd must be a URL string, got {self.etcd!r}")
+        try:
+            check_cluster_name(self.cluster)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             KeyAlgorithm(self.key_algorithm)
         except ValueError:
