@@ -1,4 +1,4 @@
-"""The ``kvfabric`` command: ``serve``, ``stats``, ``top``, ``bench <name>``, ``--version``.
+"""The ``kvfabric`` command: ``serve``, ``stats``, ``top``, ``cluster ls``, ``bench <name>``, ``--version``.
 
 ``bench <name>`` imports ``kvfabric.bench.<name>`` lazily and calls its
 ``main(argv)`` with the remaining arguments, so a new benchmark is added by
@@ -18,6 +18,8 @@ commands:
   serve [options]        run a pool server (kvfabric serve --help)
   stats HOST:PORT...     one table of every server's STATS (--json for all of it)
   top HOST:PORT...       the same, refreshed every second, with GB/s and hits/s
+  cluster ls --etcd URL [--cluster NAME]
+                         members registered in etcd, their state and stats (--json)
   bench <name> [args]    run a benchmark (kvfabric bench --help lists them)
   --version              print the version
 """
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools import stats as tool
 
         return tool.stats_main(rest) if command == "stats" else tool.top_main(rest)
+    if command == "cluster":
+        from .tools import cluster
+
+        return cluster.main(rest)
     if command == "serve":
         from .server.main import main as serve_main
 

@@ -21,6 +21,16 @@ filesystem socket, 0600 in a private directory (``--shm-socket``,
 ``--shm-group``), and peers are checked by uid (``--shm-allow-uid``,
 ``--shm-allow-gid``); see docs/notes/security.md.
 
+Cluster membership (``--etcd URL --cluster NAME``): once listening, the
+server registers itself in etcd (its ``--server-id``, its address per
+transport, its capacity) under a lease of ``--etcd-ttl`` seconds that it
+keeps alive; on SIGTERM/SIGINT it revokes the lease (leaving the cluster)
+before it stops serving, so clients stop routing to it first. A server that
+dies leaves when its lease expires. The address published is
+``--advertise HOST`` (default: ``--host``, which must then not be a wildcard)
+with the listening port. An unreachable etcd is logged and retried; the
+server serves either way (see ``kvfabric/membership/registry.py``).
+
 A machine where the extension did not build gets one clear error saying what
 to install and how to rebuild, and exit status 2; it never falls back to a
 different server. The pure-Python server that used to be ``--data-plane
@@ -35,6 +45,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -101,7 +112,60 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
                    help="serve Prometheus metrics (a view of STATS) at http://METRICS_HOST:PORT/metrics; 0 picks a "
                         "free port (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
+    add_membership_arguments(p)
     return p
+
+
+def add_membership_arguments(p: argparse.ArgumentParser) -> None:
+    """``--etcd``, ``--cluster``, ``--etcd-ttl``, ``--advertise`` (cluster membership through etcd)."""
+    p.add_argument("--etcd", default=None, metavar="URL",
+                   help="register in this etcd (http://HOST:PORT, or a comma-separated list) under --cluster")
+    p.add_argument("--cluster", default="default", help="cluster name to register under (default 'default')")
+    p.add_argument("--etcd-ttl", type=int, default=10, metavar="SECONDS",
+                   help="etcd lease TTL: a server that dies leaves the cluster this long after (default 10)")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="host clients should connect to, published in etcd (default --host; needed when "
+                        "--host is a wildcard such as 0.0.0.0)")
+
+
+def membership_registration(args: argparse.Namespace, server_id: str, address: str, transports: list[str],
+                            capacity: int) -> Any:
+    """A started :class:`~kvfabric.membership.registry.Registration` for ``--etcd``, or None without it.
+    Exits (status 2) for bad membership options."""
+    if not args.etcd:
+        return None
+    import os
+    import socket
+
+    from .. import __version__
+    from ..membership import Member
+    from ..membership.etcd import EtcdClient, EtcdError
+    from ..membership.registry import Registration, check_cluster_name
+
+    try:
+        check_cluster_name(args.cluster)
+        etcd = EtcdClient(args.etcd, timeout_s=max(1.0, min(5.0, args.etcd_ttl / 2)))
+    except (ValueError, EtcdError) as e:
+        raise SystemExit(f"kvfabric serve: {e}") from None
+    if not 1 <= args.etcd_ttl <= 3600:
+        raise SystemExit("kvfabric serve: --etcd-ttl must be in 1..3600 seconds")
+    host, _, port = address.rpartition(":")
+    if args.advertise:
+        host = args.advertise
+    elif host in ("0.0.0.0", "::", ""):
+        raise SystemExit("kvfabric serve: --host is a wildcard; give --advertise HOST for clients to connect to")
+    if "/" in server_id:
+        raise SystemExit("kvfabric serve: --server-id must not contain '/' with --etcd")
+    public = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    member = Member(
+        server_id=server_id, address=public,
+        addresses={t: public for t in transports if t in ("tcp", "native")}, capacity=capacity,
+        info={"transports": transports, "hostname": socket.gethostname(), "pid": os.getpid(),
+              "version": __version__, "started_unix": round(time.time(), 3)},
+    )
+    reg = Registration(etcd, args.cluster, member, ttl_s=args.etcd_ttl)
+    reg.start()
+    return reg
 
 
 def _size(name: str, text: str) -> int:
@@ -272,13 +336,24 @@ def main(argv: list[str]) -> int:
             print(f"kvfabric serve: --metrics-port: {e}", file=sys.stderr)
             return 2
         print(f"kvfabric serve: metrics on {metrics.url}", file=sys.stderr, flush=True)
+    try:
+        registration = membership_registration(args, server.server_id, server.address, transports, capacity)
+    except SystemExit:
+        server.stop()
+        if metrics is not None:
+            metrics.close()
+        raise
     print(f"{LISTENING_PREFIX}{server.address}", flush=True)
     try:
         while not done.wait(0.5):
             if server.loop_error is not None:
+                if registration is not None:
+                    registration.stop()
                 server.stop()
                 return 1
         log.info("signal received: shutting down")
+        if registration is not None:
+            registration.stop()  # leave the cluster first: clients stop routing here before the port closes
         server.stop()
     finally:
         if metrics is not None:
