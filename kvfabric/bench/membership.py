@@ -1,0 +1,189 @@
+"""``kvfabric bench membership``: keys moved by a join or leave, and how fast clients follow etcd.
+
+Movement (pure computation over :mod:`kvfabric.sharding`, no servers): for
+each N in ``--sizes`` (4, 8) and ``--trials`` random sets of server ids,
+route ``--keys`` random keys over N servers, then over N+1 (a join) and N-1
+(one leaves, each of the N in turn), and count the keys whose primary owner
+changed. Rendezvous hashing should move about 1/(N+1) of the keys on a join
+and 1/N on a leave, and only keys that go to the joining server or come from
+the leaving one (``stray`` counts any other move: it must be 0). Target
+(issue 12): within 10 % of 1/N.
+
+Timing (``--live``, needs the ``etcd`` binary; skipped with the reason
+otherwise): a real etcd, N servers started with ``kvfabric serve --etcd``,
+one :class:`kvfabric.Client` following the cluster, its routed members
+sampled every ``--poll-ms``:
+
+* ``join``: a running server registers (the same
+  :class:`~kvfabric.membership.registry.Registration` that ``serve --etcd``
+  uses, started here so the instant is known) until the client routes to it;
+* ``serve_join``: from starting a ``kvfabric serve --etcd`` process until the
+  client routes to it (process start-up included);
+* ``leave``: SIGTERM to a ``serve --etcd`` process until the client no longer
+  routes to it (the server revokes its lease first);
+* ``crash``: SIGKILL until the client no longer routes to it (bounded by the
+  lease TTL, ``--ttl``). Targets: crash <= TTL + 1 s, join <= 1 s.
+
+Prints tables; writes JSON (``--out``, default bench-results/membership.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from . import write_json
+from .. import sharding
+
+
+def _primary(keys: list[bytes], ids: list[str]) -> list[str]:
+    return [ids[row[0]] for row in sharding.owner_table(keys, ids, 1)]
+
+
+def movement(sizes: list[int], n_keys: int, trials: int, seed: int = 1) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    keys = [rng.randbytes(16) for _ in range(n_keys)]
+    out = []
+    for n in sizes:
+        join, leave, stray = [], [], 0
+        for _ in range(trials):
+            ids = [f"srv-{rng.randbytes(4).hex()}" for _ in range(n + 1)]
+            base, extra = ids[:n], ids[n]
+            before = _primary(keys, base)
+            after = _primary(keys, base + [extra])
+            moved = [(b, a) for b, a in zip(before, after) if b != a]
+            stray += sum(1 for _, a in moved if a != extra)
+            join.append(len(moved) / n_keys)
+            for gone in base:
+                rest = [s for s in base if s != gone]
+                after = _primary(keys, rest)
+                moved = [(b, a) for b, a in zip(before, after) if b != a]
+                stray += sum(1 for b, _ in moved if b != gone)
+                leave.append(len(moved) / n_keys)
+        jm, lm = statistics.mean(join), statistics.mean(leave)
+        out.append({
+            "servers": n, "keys": n_keys, "trials": trials,
+            "join_moved": jm, "join_ideal": 1 / (n + 1), "join_ratio": jm * (n + 1),
+            "leave_moved": lm, "leave_ideal": 1 / n, "leave_ratio": lm * n,
+            "leave_moved_min": min(leave), "leave_moved_max": max(leave), "stray_moves": stray,
+            "within_10pct_of_1_over_n": abs(jm * (n + 1) - 1) <= 0.1 and abs(lm * n - 1) <= 0.1,
+        })
+    return out
+
+
+def _until(pred, poll_s: float, timeout_s: float = 120.0) -> float:
+    """Seconds until ``pred()`` is true (polled every ``poll_s``); raises TimeoutError."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError("the client did not follow the membership change")
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
+def live(n: int, trials: int, ttl: int, poll_s: float) -> dict[str, Any]:
+    from ..client import Client
+    from ..config import ClientConfig
+    from ..membership import Member
+    from ..membership.etcd import EtcdClient
+    from ..membership.registry import Registration
+    from ..testing.etcd import MISSING_REASON, etcd_binary, start_etcd
+    from ..testing.servers import start_server
+
+    if etcd_binary() is None:
+        return {"skipped": MISSING_REASON}
+    cluster = "bench"
+    times: dict[str, list[float]] = {"join": [], "serve_join": [], "leave": [], "crash": []}
+
+    def serve(sid: str):
+        return start_server(capacity="16MiB", extra_args=["--etcd", etcd.url, "--cluster", cluster,
+                                                          "--etcd-ttl", str(ttl), "--server-id", sid])
+
+    with start_etcd() as etcd:
+        procs = [serve(f"base-{i}") for i in range(n)]
+        client = Client(etcd=etcd.url, cluster=cluster, config=ClientConfig(transport="tcp"))
+        try:
+            _until(lambda: len(client.members) == n, poll_s)
+            for t in range(trials):
+                # join: a running server registers now
+                spare = start_server(capacity="16MiB", extra_args=["--server-id", f"reg-{t}"])
+                member = Member(f"reg-{t}", spare.address, {"tcp": spare.address}, 16 << 20)
+                reg = Registration(EtcdClient(etcd.url), cluster, member, ttl_s=ttl)
+                t0 = time.monotonic()
+                reg.start()
+                times["join"].append(time.monotonic() - t0 + _until(lambda: f"reg-{t}" in client.members, poll_s))
+                reg.stop()
+                _until(lambda: f"reg-{t}" not in client.members, poll_s)
+                spare.stop()
+                # serve_join: a serve --etcd process from its start
+                t0 = time.monotonic()
+                p = serve(f"new-{t}")
+                times["serve_join"].append(time.monotonic() - t0 + _until(lambda: f"new-{t}" in client.members, poll_s))
+                # leave: SIGTERM
+                t0 = time.monotonic()
+                p.popen.terminate()
+                times["leave"].append(_until(lambda: f"new-{t}" not in client.members, poll_s))
+                p.stop()
+                # crash: SIGKILL, gone at lease expiry
+                p = serve(f"crash-{t}")
+                _until(lambda: f"crash-{t}" in client.members, poll_s)
+                t0 = time.monotonic()
+                p.kill()
+                times["crash"].append(time.monotonic() - t0 + _until(lambda: f"crash-{t}" not in client.members, poll_s))
+        finally:
+            client.close()
+            for p in procs:
+                p.stop()
+    summary = {k: {"median_s": statistics.median(v), "max_s": max(v), "all_s": v} for k, v in times.items()}
+    return {"servers": n, "ttl_s": ttl, "trials": trials, "poll_ms": poll_s * 1000, "times": summary,
+            "targets": {"crash_max_s": ttl + 1, "join_max_s": 1.0},
+            "met": summary["crash"]["max_s"] <= ttl + 1 and summary["join"]["max_s"] <= 1.0}
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    print("key movement (primary owner changed), rendezvous over server ids")
+    print(f"{'N':>3} {'join moved':>11} {'1/(N+1)':>8} {'ratio':>6} {'leave moved':>12} {'1/N':>7} {'ratio':>6} "
+          f"{'stray':>6} within 10%")
+    for r in report["movement"]:
+        print(f"{r['servers']:>3} {r['join_moved']:>11.4f} {r['join_ideal']:>8.4f} {r['join_ratio']:>6.3f} "
+              f"{r['leave_moved']:>12.4f} {r['leave_ideal']:>7.4f} {r['leave_ratio']:>6.3f} {r['stray_moves']:>6} "
+              f"{'yes' if r['within_10pct_of_1_over_n'] else 'NO'}")
+    lv = report.get("live")
+    if lv is None:
+        return
+    if "skipped" in lv:
+        print(f"live: skipped ({lv['skipped']})")
+        return
+    print(f"\nclient following etcd: {lv['servers']} servers, lease TTL {lv['ttl_s']} s, {lv['trials']} trials, "
+          f"polled every {lv['poll_ms']:.0f} ms")
+    print(f"{'event':<11} {'median s':>9} {'max s':>7}")
+    for k, v in lv["times"].items():
+        print(f"{k:<11} {v['median_s']:>9.3f} {v['max_s']:>7.3f}")
+    print(f"targets: crash <= TTL + 1 = {lv['targets']['crash_max_s']} s, join <= 1 s: "
+          f"{'met' if lv['met'] else 'NOT met'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench membership", description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8],
+                    help="server counts N (default 4,8)")
+    ap.add_argument("--keys", type=int, default=50_000, help="keys routed per trial (default 50000)")
+    ap.add_argument("--trials", type=int, default=3, help="random id sets / live trials (default 3)")
+    ap.add_argument("--live", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time a real etcd + servers + client (default on; --no-live skips it)")
+    ap.add_argument("--live-servers", type=int, default=4, help="servers in the live run (default 4)")
+    ap.add_argument("--ttl", type=int, default=2, help="etcd lease TTL of the live servers, s (default 2)")
+    ap.add_argument("--poll-ms", type=float, default=1.0, help="how often the client's members are sampled")
+    ap.add_argument("--out", default="bench-results/membership.json")
+    args = ap.parse_args(argv)
+    if min(args.sizes) < 2 or args.keys < 1 or args.trials < 1 or args.ttl < 1 or args.live_servers < 1:
+        ap.error("bad arguments")
+    report: dict[str, Any] = {"movement": movement(args.sizes, args.keys, args.trials)}
+    if args.live:
+        report["live"] = live(args.live_servers, args.trials, args.ttl, args.poll_ms / 1000)
+    print_tables(report)
+    write_json(args.out, report)
+    return 0
