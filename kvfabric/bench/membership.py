@@ -24,6 +24,16 @@ sampled every ``--poll-ms``:
 * ``crash``: SIGKILL until the client no longer routes to it (bounded by the
   lease TTL, ``--ttl``). Targets: crash <= TTL + 1 s, join <= 1 s.
 
+Partition (``--netns``, needs root, ``ip`` and etcd; skipped with the reason
+otherwise): 4 servers, each in its own network namespace
+(:mod:`kvfabric.testing.netns`), etcd and the client in the caller's
+namespace over a private bridge. The client runs rounds of a read-through
+cache workload (GET ``--batch`` keys drawn from ``--working-set`` keys, PUT
+the misses); one server is cut off for ``--partition-s`` (10) seconds, then
+healed. Reported: client exceptions (target 0), the hit rate over the last
+2 s before the partition, the lowest round during it, and the time from the
+heal until a round's hit rate is back within 2 points of before (target 5 s).
+
 Prints tables; writes JSON (``--out``, default bench-results/membership.json).
 """
 
@@ -143,6 +153,71 @@ def live(n: int, trials: int, ttl: int, poll_s: float) -> dict[str, Any]:
             "met": summary["crash"]["max_s"] <= ttl + 1 and summary["join"]["max_s"] <= 1.0}
 
 
+def partition(partition_s: float, ttl: int, batch: int, working_set: int) -> dict[str, Any]:
+    from ..client import Client
+    from ..config import ClientConfig
+    from ..testing.etcd import MISSING_REASON, etcd_binary, start_etcd
+    from ..testing.netns import NetLab, missing_reason, start_server_in
+
+    why = missing_reason() or (MISSING_REASON if etcd_binary() is None else None)
+    if why:
+        return {"skipped": why}
+    rng = random.Random(5)
+    keys = [rng.randbytes(16) for _ in range(working_set)]
+    rounds: list[tuple[float, float]] = []  # (monotonic time, hit rate of the round)
+    errors: list[str] = []
+    with NetLab(4) as lab, start_etcd(host=lab.bridge_ip) as etcd:
+        procs = [start_server_in(lab, i, ["--etcd", etcd.url, "--cluster", "part", "--etcd-ttl", str(ttl),
+                                          "--server-id", f"host{i}"]) for i in range(4)]
+        client = Client(etcd=etcd.url, cluster="part",
+                        config=ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.3))
+        try:
+            _until(lambda: len(client.members) == 4, 0.01)
+
+            def run_until(t_end: float) -> None:
+                while time.monotonic() < t_end:
+                    b = rng.sample(keys, batch)
+                    try:
+                        got = client.get(b)
+                        miss = [k for k, v in zip(b, got) if v is None]
+                        if miss:
+                            client.put(miss, [k * 64 for k in miss])
+                    except Exception as e:  # counted: the target is none
+                        errors.append(f"{type(e).__name__}: {e}")
+                        continue
+                    rounds.append((time.monotonic(), 1 - len(miss) / batch))
+
+            run_until(time.monotonic() + 8.0)  # warm up to a steady hit rate
+            t_cut = time.monotonic()
+            lab.partition(1)
+            run_until(t_cut + partition_s)
+            t_heal = time.monotonic()
+            lab.heal(1)
+            run_until(t_heal + 10.0)
+        finally:
+            client.close()
+            for p in procs:
+                p.kill()
+    before = [h for t, h in rounds if t_cut - 2.0 <= t < t_cut]
+    during = [h for t, h in rounds if t_cut <= t < t_heal]
+    base = statistics.mean(before) if before else 0.0
+    back = next((t - t_heal for t, h in rounds if t >= t_heal and h >= base - 0.02), None)
+    # the cut-off server's keys are re-put on the others once clients stop routing to it (lease expiry),
+    # so the hit rate recovers during the partition too; and again when it returns with its data
+    failover = next((t - t_cut for t, h in rounds if t_cut + 0.5 <= t < t_heal and h >= base - 0.02), None)
+    after = [h for t, h in rounds if t >= t_heal]
+    return {"servers": 4, "ttl_s": ttl, "partition_s": partition_s, "batch": batch, "working_set": working_set,
+            "rounds": len(rounds), "exceptions": len(errors), "first_errors": errors[:3],
+            "hit_rate_before": base, "hit_rate_min_during": min(during) if during else None,
+            "recovered_after_heal_s": back, "recovered_during_partition_s": failover,
+            "hit_rate_min_after_heal": min(after) if after else None,
+            "met": not errors and back is not None and back <= 5.0}
+
+
+def _secs(v: float | None) -> str:
+    return "never" if v is None else f"{v:.2f} s"
+
+
 def print_tables(report: dict[str, Any]) -> None:
     print("key movement (primary owner changed), rendezvous over server ids")
     print(f"{'N':>3} {'join moved':>11} {'1/(N+1)':>8} {'ratio':>6} {'leave moved':>12} {'1/N':>7} {'ratio':>6} "
@@ -151,6 +226,19 @@ def print_tables(report: dict[str, Any]) -> None:
         print(f"{r['servers']:>3} {r['join_moved']:>11.4f} {r['join_ideal']:>8.4f} {r['join_ratio']:>6.3f} "
               f"{r['leave_moved']:>12.4f} {r['leave_ideal']:>7.4f} {r['leave_ratio']:>6.3f} {r['stray_moves']:>6} "
               f"{'yes' if r['within_10pct_of_1_over_n'] else 'NO'}")
+    pt = report.get("partition")
+    if pt is not None:
+        if "skipped" in pt:
+            print(f"partition: skipped ({pt['skipped']})")
+        else:
+            back = pt["recovered_after_heal_s"]
+            print(f"\npartition of 1 of 4 namespaced servers for {pt['partition_s']} s (TTL {pt['ttl_s']} s): "
+                  f"{pt['rounds']} rounds, {pt['exceptions']} client exceptions, hit rate before "
+                  f"{100 * pt['hit_rate_before']:.1f}%, lowest during {100 * (pt['hit_rate_min_during'] or 0):.1f}%, "
+                  f"back within 2 points {'%.2f s' % back if back is not None else 'never'} after healing "
+                  f"(lowest after healing {100 * (pt['hit_rate_min_after_heal'] or 0):.1f}%; already back "
+                  f"{_secs(pt['recovered_during_partition_s'])} into the partition, once its keys were re-put on the "
+                  f"others): {'met' if pt['met'] else 'NOT met'}")
     lv = report.get("live")
     if lv is None:
         return
@@ -177,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--live-servers", type=int, default=4, help="servers in the live run (default 4)")
     ap.add_argument("--ttl", type=int, default=2, help="etcd lease TTL of the live servers, s (default 2)")
     ap.add_argument("--poll-ms", type=float, default=1.0, help="how often the client's members are sampled")
+    ap.add_argument("--netns", action="store_true",
+                    help="also partition one of 4 servers in network namespaces (root, ip, etcd)")
+    ap.add_argument("--partition-s", type=float, default=10.0, help="how long the partition lasts (default 10)")
+    ap.add_argument("--batch", type=int, default=64, help="keys per round in the partition run (default 64)")
+    ap.add_argument("--working-set", type=int, default=2000, help="distinct keys in the partition run (default 2000)")
     ap.add_argument("--out", default="bench-results/membership.json")
     args = ap.parse_args(argv)
     if min(args.sizes) < 2 or args.keys < 1 or args.trials < 1 or args.ttl < 1 or args.live_servers < 1:
@@ -184,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"movement": movement(args.sizes, args.keys, args.trials)}
     if args.live:
         report["live"] = live(args.live_servers, args.trials, args.ttl, args.poll_ms / 1000)
+    if args.netns:
+        report["partition"] = partition(args.partition_s, args.ttl, args.batch, args.working_set)
     print_tables(report)
     write_json(args.out, report)
     return 0

@@ -112,14 +112,17 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_etcd(timeout_s: float = 30.0) -> EtcdProcess:
-    """Start etcd on two free loopback ports (client, peer) with a temporary data dir; wait until healthy."""
+def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1") -> EtcdProcess:
+    """Start etcd on two free ports (client, peer) with a temporary data dir; wait until healthy.
+
+    ``host``: the address clients reach it on (default loopback; a network-namespace test passes its
+    bridge address); the peer port stays on loopback."""
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError(MISSING_REASON)
-    client_port, peer_port = _free_ports(2)
+    client_port, peer_port = _free_ports(2)  # free on loopback; the client port is also free on ``host``
     data_dir = tempfile.mkdtemp(prefix="kvfabric-etcd-")
-    url = f"http://127.0.0.1:{client_port}"
+    url = f"http://{host}:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
     log_path = os.path.join(data_dir, "etcd.log")
     cmd = [
