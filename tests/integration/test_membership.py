@@ -241,3 +241,20 @@ def test_two_entries_for_one_server_are_one_shard(servers):
         assert c.put(keys, [_value(k) for k in keys]).stored == len(keys)
         assert c.get(keys) == [_value(k) for k in keys]
         assert c.delete(keys) == len(keys)  # each object removed once: one shard, not two
+
+
+def test_replicas_2_lose_no_hit_when_a_server_dies(etcd, servers):
+    servers += [_serve(etcd.url, "rep", f"r{i}", ttl=2) for i in range(3)]
+    cfg = ClientConfig(transport="tcp", replicas=2, timeout_s=10.0, connect_timeout_s=2.0)
+    with Client(etcd=etcd.url, cluster="rep", config=cfg) as client:
+        assert wait_for(lambda: sorted(client.members) == ["r0", "r1", "r2"], WAIT_S)
+        keys = [random.Random(50 + i).randbytes(16) for i in range(300)]
+        res = client.put(keys, [_value(k) for k in keys])
+        assert res.stored == len(keys) and client.stats()["client"]["replica_puts_dropped"] == 0
+        servers[0].kill()
+        # whether its lease has expired yet or not: a dead owner fails (or is gone) and the other replica answers
+        assert client.get(keys) == [_value(k) for k in keys]
+        assert wait_for(lambda: "r0" not in client.members, WAIT_S)
+        # re-routed over the two left: every key has one copy among them, found at rank 1 or 2
+        assert client.get(keys) == [_value(k) for k in keys]
+        assert client.lookup(keys) == len(keys)
