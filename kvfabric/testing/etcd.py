@@ -7,6 +7,7 @@ Usage::
     with start_etcd() as etcd:          # EtcdProcess
         etcd.url                        # "http://127.0.0.1:PORT"
         ...
+        etcd.outage(); etcd.resume()    # an etcd outage: stopped, then back on the same ports and data
         etcd.stop()                     # SIGTERM, wait; the data directory is removed
 
 ``etcd_binary()`` is the path of ``etcd`` (``$KVFABRIC_ETCD_BIN``, else on
@@ -62,11 +63,24 @@ def _free_ports(n: int) -> list[int]:
 class EtcdProcess:
     """A running etcd (see the module docstring)."""
 
-    def __init__(self, popen: subprocess.Popen, url: str, data_dir: str, log_path: str) -> None:
+    def __init__(self, popen: subprocess.Popen, url: str, data_dir: str, log_path: str, cmd: list[str]) -> None:
         self.popen = popen
         self.url = url
         self.data_dir = data_dir
         self.log_path = log_path
+        self.cmd = cmd
+
+    def outage(self) -> None:
+        """SIGTERM and wait, keeping the data directory (an etcd outage; :meth:`resume` ends it)."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(15)
+
+    def resume(self, timeout_s: float = 30.0) -> None:
+        """Start etcd again on the same ports and data (after :meth:`outage`); wait until healthy."""
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _wait_healthy(self, timeout_s)
 
     @property
     def alive(self) -> bool:
@@ -134,15 +148,19 @@ def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1") -> EtcdProcess:
     ]
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    proc = EtcdProcess(popen, url, data_dir, log_path)
+    proc = EtcdProcess(popen, url, data_dir, log_path, cmd)
+    _wait_healthy(proc, timeout_s)
+    return proc
+
+
+def _wait_healthy(proc: EtcdProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while not _healthy(url):
-        if popen.poll() is not None or time.monotonic() > deadline:
+    while not _healthy(proc.url):
+        if proc.popen.poll() is not None or time.monotonic() > deadline:
             text = proc.log_text()
             proc.stop()
-            raise RuntimeError(f"etcd did not become healthy ({' '.join(cmd)}):\n{text[-4000:]}")
+            raise RuntimeError(f"etcd did not become healthy ({' '.join(proc.cmd)}):\n{text[-4000:]}")
         time.sleep(0.05)
-    return proc
 
 
 try:

@@ -258,3 +258,49 @@ def test_replicas_2_lose_no_hit_when_a_server_dies(etcd, servers):
         # re-routed over the two left: every key has one copy among them, found at rank 1 or 2
         assert client.get(keys) == [_value(k) for k in keys]
         assert client.lookup(keys) == len(keys)
+
+
+def test_etcd_outage_keeps_the_last_members_and_changes_arrive_after_it(servers):
+    from kvfabric.testing.etcd import MISSING_REASON, etcd_binary, start_etcd
+
+    if etcd_binary() is None:
+        pytest.skip(MISSING_REASON)
+    with start_etcd() as own:  # its own etcd: this test stops it
+        servers += [_serve(own.url, "outage", "o1", ttl=5), _serve(own.url, "outage", "o2", ttl=5)]
+        with Client(etcd=own.url, cluster="outage", config=ClientConfig(transport="tcp", timeout_s=10.0)) as client:
+            assert wait_for(lambda: sorted(client.members) == ["o1", "o2"], WAIT_S)
+            keys = [bytes([i]) * 16 for i in range(1, 120)]
+            client.put(keys, [_value(k) for k in keys])
+            own.outage()
+            # etcd down: the client keeps routing over the last members it saw; the servers keep serving
+            assert sorted(client.members) == ["o1", "o2"]
+            assert client.get(keys) == [_value(k) for k in keys]
+            own.resume()
+            # back: the servers' leases are refreshed (or re-registered), and a join is seen again
+            servers.append(_serve(own.url, "outage", "o3", ttl=5))
+            assert wait_for(lambda: sorted(client.members) == ["o1", "o2", "o3"], WAIT_S), client.members
+            assert wait_for(lambda: _ids(own.url, "outage") == ["o1", "o2", "o3"], WAIT_S)
+            client.put(keys, [_value(k) for k in keys])
+            assert client.get(keys) == [_value(k) for k in keys]
+
+
+def test_serve_membership_options(servers):
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvfabric", "serve", "--port", "0", "--capacity", "16MiB", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    bad = serve("--etcd", "http://127.0.0.1:1", "--cluster", "a/b")
+    assert bad.returncode == 2 and "cluster name" in bad.stderr
+    bad = serve("--host", "0.0.0.0", "--etcd", "http://127.0.0.1:1")
+    assert bad.returncode == 2 and "--advertise" in bad.stderr
+    bad = serve("--etcd", "https://127.0.0.1:1")
+    assert bad.returncode == 2 and "TLS" in bad.stderr
+    bad = serve("--etcd", "http://127.0.0.1:1", "--etcd-ttl", "0")
+    assert bad.returncode == 2 and "--etcd-ttl" in bad.stderr
+    # an unreachable etcd does not stop a server: it serves and keeps trying to register
+    srv = start_server(capacity="16MiB", extra_args=["--etcd", "http://127.0.0.1:1", "--log-level", "warning"])
+    servers.append(srv)
+    with Client([srv.address], config=ClientConfig(transport="tcp")) as c:
+        assert c.put([b"k" * 16], [b"v"]).stored == 1
+    assert "cannot register" in srv.stderr_text()
+    assert srv.stop() == 0
