@@ -34,6 +34,19 @@ healed. Reported: client exceptions (target 0), the hit rate over the last
 2 s before the partition, the lowest round during it, and the time from the
 heal until a round's hit rate is back within 2 points of before (target 5 s).
 
+Trace replay under a partition (``--netns --trace NAME``, e.g.
+``mooncake-synthetic``): the same 4 namespaced servers, the trace's requests
+paced so that the partition covers 40 % of the replay (``--trace-rate``
+overrides the requests/s; LOOKUP the prompt's block keys, PUT the blocks
+past the run; the *exists* level, values of ``--value-bytes``), twice on
+fresh servers: once as a control, once with one server cut off for
+``--partition-s`` seconds starting at ``--cut-at`` (a fraction of the
+requests). Hit rates are compared window by window (``--window`` requests)
+against the control's same requests; reported: client exceptions, the
+difference before the cut (should be ~0), the worst window during the
+partition, and the wall time from the heal until a window is back within 2
+points of the control (target: 5 s).
+
 Prints tables; writes JSON (``--out``, default bench-results/membership.json).
 """
 
@@ -214,6 +227,98 @@ def partition(partition_s: float, ttl: int, batch: int, working_set: int) -> dic
             "met": not errors and back is not None and back <= 5.0}
 
 
+def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float, window: int,
+                    value_bytes: int, limit: int | None, rate: float | None = None) -> dict[str, Any]:
+    from ..client import Client
+    from ..config import ClientConfig
+    from ..testing.etcd import MISSING_REASON, etcd_binary, start_etcd
+    from ..testing.netns import NetLab, missing_reason, start_server_in
+    from .traces import block_keys, load_trace
+
+    why = missing_reason() or (MISSING_REASON if etcd_binary() is None else None)
+    if why:
+        return {"skipped": why}
+    trace = load_trace(trace_name, limit=limit)
+    reqs = [block_keys(r.hash_ids) for r in trace.requests]
+    n_cut = int(len(reqs) * cut_at)
+    rate = rate or len(reqs) * 0.4 / partition_s  # requests/s: the partition spans 40 % of the replay
+    unique = len({k for ks in reqs for k in ks})
+    capacity = f"{max(16, 2 * unique * (value_bytes + 256) // 4 >> 20)}MiB"  # every block fits: no eviction
+
+    def replay(lab: NetLab, etcd_url: str, cluster: str, cut: bool) -> dict[str, Any]:
+        procs = [start_server_in(lab, i, ["--etcd", etcd_url, "--cluster", cluster, "--etcd-ttl", str(ttl),
+                                          "--server-id", f"{cluster}-{i}"], capacity=capacity) for i in range(4)]
+        hits: list[int] = []
+        times: list[float] = []
+        errors: list[str] = []
+        t_cut = t_heal = None
+        i_heal = None
+        client = Client(etcd=etcd_url, cluster=cluster,
+                        config=ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.3))
+        try:
+            _until(lambda: len(client.members) == 4, 0.01)
+            t0 = time.monotonic()
+            for i, keys in enumerate(reqs):
+                ahead = t0 + i / rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+                if cut and i == n_cut:
+                    lab.partition(1)
+                    t_cut = time.monotonic()
+                if t_cut is not None and t_heal is None and time.monotonic() - t_cut >= partition_s:
+                    lab.heal(1)
+                    t_heal, i_heal = time.monotonic(), i
+                try:
+                    run = client.lookup(keys)
+                    if run < len(keys):
+                        client.put(keys[run:], [k * (value_bytes // 16) for k in keys[run:]])
+                except Exception as e:  # counted: the target is none
+                    errors.append(f"{type(e).__name__}: {e}")
+                    run = 0
+                hits.append(run)
+                times.append(time.monotonic())
+            if cut and t_heal is None:
+                lab.heal(1)
+        finally:
+            client.close()
+            for p in procs:
+                p.kill()
+        return {"hits": hits, "times": times, "errors": errors, "t_cut": t_cut, "t_heal": t_heal, "i_heal": i_heal}
+
+    with NetLab(4) as lab, start_etcd(host=lab.bridge_ip) as etcd:
+        control = replay(lab, etcd.url, "control", False)
+        part = replay(lab, etcd.url, "part", True)
+    sizes = [len(k) for k in reqs]
+
+    def window_rate(run: dict[str, Any], a: int, b: int) -> float:
+        return sum(run["hits"][a:b]) / max(1, sum(sizes[a:b]))
+
+    starts = range(0, len(reqs) - window + 1, window)
+    diff = {a: window_rate(part, a, a + window) - window_rate(control, a, a + window) for a in starts}
+    before = [d for a, d in diff.items() if a + window <= n_cut]
+    i_heal = part["i_heal"]
+    during = [d for a, d in diff.items() if a >= n_cut and (i_heal is None or a + window <= i_heal)]
+    back_s = None
+    if i_heal is not None:
+        for a, d in diff.items():
+            if a >= i_heal and d >= -0.02:
+                back_s = part["times"][a + window - 1] - part["t_heal"]
+                break
+    errors = control["errors"] + part["errors"]
+    return {
+        "trace": trace_name, "requests": len(reqs), "unique_blocks": unique, "servers": 4, "ttl_s": ttl,
+        "partition_s": partition_s, "requests_per_s": rate, "cut_at_request": n_cut, "healed_at_request": i_heal, "window": window,
+        "exceptions": len(errors), "first_errors": errors[:3],
+        "control_hit_rate": window_rate(control, 0, len(reqs)),
+        "partition_run_hit_rate": window_rate(part, 0, len(reqs)),
+        "diff_before_cut_points": 100 * statistics.mean(before) if before else None,
+        "worst_window_during_points": 100 * min(during) if during else None,
+        "back_within_2_points_after_heal_s": back_s,
+        "replay_wall_s": control["times"][-1] - control["times"][0] if control["times"] else None,
+        "met": not errors and back_s is not None and back_s <= 5.0,
+    }
+
+
 def _secs(v: float | None) -> str:
     return "never" if v is None else f"{v:.2f} s"
 
@@ -239,6 +344,21 @@ def print_tables(report: dict[str, Any]) -> None:
                   f"(lowest after healing {100 * (pt['hit_rate_min_after_heal'] or 0):.1f}%; already back "
                   f"{_secs(pt['recovered_during_partition_s'])} into the partition, once its keys were re-put on the "
                   f"others): {'met' if pt['met'] else 'NOT met'}")
+    tp = report.get("trace_partition")
+    if tp is not None:
+        if "skipped" in tp:
+            print(f"trace partition: skipped ({tp['skipped']})")
+        else:
+            print(f"\ntrace replay {tp['trace']} ({tp['requests']} requests) over 4 namespaced servers, one cut off "
+                  f"for {tp['partition_s']} s from request {tp['cut_at_request']} at {tp['requests_per_s']:.0f} "
+                  f"requests/s (healed at request "
+                  f"{tp['healed_at_request']}), windows of {tp['window']} requests vs a control run:")
+            print(f"  exceptions {tp['exceptions']}; hit rate control {100 * tp['control_hit_rate']:.1f}%, with the "
+                  f"partition {100 * tp['partition_run_hit_rate']:.1f}%; before the cut "
+                  f"{tp['diff_before_cut_points']:+.2f} points; worst window during "
+                  f"{tp['worst_window_during_points']:+.1f} points; back within 2 points "
+                  f"{_secs(tp['back_within_2_points_after_heal_s'])} after healing: "
+                  f"{'met' if tp['met'] else 'NOT met'}")
     lv = report.get("live")
     if lv is None:
         return
@@ -270,6 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partition-s", type=float, default=10.0, help="how long the partition lasts (default 10)")
     ap.add_argument("--batch", type=int, default=64, help="keys per round in the partition run (default 64)")
     ap.add_argument("--working-set", type=int, default=2000, help="distinct keys in the partition run (default 2000)")
+    ap.add_argument("--trace", default=None, metavar="NAME",
+                    help="with --netns: also replay this trace (e.g. mooncake-synthetic) with a partition vs a control")
+    ap.add_argument("--trace-limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--trace-rate", type=float, default=None,
+                    help="requests/s of the replay (default: the partition spans 40%% of it)")
+    ap.add_argument("--cut-at", type=float, default=0.3, help="partition starts at this fraction of the requests")
+    ap.add_argument("--window", type=int, default=100, help="requests per hit-rate window (default 100)")
+    ap.add_argument("--value-bytes", type=int, default=256, help="bytes per block in the trace replay (default 256)")
     ap.add_argument("--out", default="bench-results/membership.json")
     args = ap.parse_args(argv)
     if min(args.sizes) < 2 or args.keys < 1 or args.trials < 1 or args.ttl < 1 or args.live_servers < 1:
@@ -279,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         report["live"] = live(args.live_servers, args.trials, args.ttl, args.poll_ms / 1000)
     if args.netns:
         report["partition"] = partition(args.partition_s, args.ttl, args.batch, args.working_set)
+        if args.trace:
+            report["trace_partition"] = trace_partition(args.trace, args.partition_s, args.ttl, args.cut_at,
+                                                        args.window, args.value_bytes, args.trace_limit,
+                                                        args.trace_rate)
     print_tables(report)
     write_json(args.out, report)
     return 0
