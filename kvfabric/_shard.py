@@ -220,6 +220,19 @@ class _Shard:
             self._registration.apply(conn)
         return conn
 
+    def acquire_idle(self) -> transport.Connection | None:
+        """An idle pooled connection at once, or None when none is idle (nothing waits, nothing
+        connects: the caller takes the :meth:`acquire` path on a thread for that). Raises _Down."""
+        with self._cond:
+            if self.down_until:
+                raise _Down()
+            if not self._idle:
+                return None
+            conn = self._idle.pop()
+        if self._registration is not None:
+            self._registration.apply(conn)
+        return conn
+
     def _checkout(self, deadline: float) -> transport.Connection:
         """An idle connection, or a new one while under ``connections_per_server``."""
         with self._cond:
