@@ -3,6 +3,7 @@
  *
  *   route_owners(keys, seeds, replicas) -> list[list[int]] | None
  *   route_groups(keys, seeds)           -> dict[int, list[int]] | None
+ *   check_keys(keys, max_len)           -> bool
  *
  * `seeds` is the servers' seeds as native-endian uint64s (array("Q") bytes;
  * kvfabric.sharding computes and caches them per server list). Both return
@@ -190,7 +191,30 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(check_keys_doc,
+"check_keys(keys, max_len) -> bool: True when `keys` is a list or tuple of `bytes` (exactly) of 1..max_len\n"
+"bytes each; False otherwise (kvfabric.Client then names the first bad key). The client's key check in\n"
+"one C pass (a 2,000-key prompt: ~170 us as a Python loop).");
+
+static PyObject *py_check_keys(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *keys;
+    Py_ssize_t max_len;
+    if (!PyArg_ParseTuple(args, "On", &keys, &max_len)) return NULL;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) Py_RETURN_FALSE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);  /* no Python code runs below: the list cannot change */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i])) Py_RETURN_FALSE;
+        Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
+        if (len < 1 || len > max_len) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 PyMethodDef kvf_py_route_methods[] = {
+    {"check_keys", py_check_keys, METH_VARARGS, check_keys_doc},
     {"route_owners", py_route_owners, METH_VARARGS, route_owners_doc},
     {"route_groups", py_route_groups, METH_VARARGS, route_groups_doc},
     {NULL, NULL, 0, NULL},

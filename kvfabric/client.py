@@ -72,6 +72,11 @@ __all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
 
 log = logging.getLogger("kvfabric.client")
 
+try:  # the key check in one C pass; a client-only install (no extension) runs the loop
+    from ._native import check_keys as _c_check_keys
+except ImportError:  # pragma: no cover - depends on the build
+    _c_check_keys = None
+
 _checksum = protocol.checksum  # bound to the key (protocol 2)
 
 
@@ -485,6 +490,8 @@ class Client:
         if isinstance(keys, (bytes, bytearray, str)):
             raise TypeError("keys must be a sequence of keys, not a single key")
         out = list(keys)
+        if _c_check_keys is not None and _c_check_keys(out, protocol.MAX_KEY_BYTES):
+            return out  # all good, checked in one C pass; otherwise the loop names the first bad key
         for k in out:
             if type(k) is not bytes:
                 raise TypeError(f"a key must be bytes, got {type(k).__name__}")
@@ -650,7 +657,7 @@ class Client:
         def talk_for(shard: _Shard, idx: list[int]) -> Callable[[], Conversation]:
             def talk() -> Conversation:
                 for chunk in self._chunks(shard, idx):
-                    reply = (yield protocol.ExistsRequest(keys=[keys[i] for i in chunk])).msg
+                    reply = (yield protocol.ExistsRequest(keys=list(map(keys.__getitem__, chunk)))).msg
                     if len(reply.present) != len(chunk):
                         raise protocol.ProtocolError(ErrorCode.MALFORMED, "EXISTS reply length mismatch")
                     self._counters.add(requests=1)
@@ -695,7 +702,7 @@ class Client:
         def talk_for(shard: _Shard, idx: list[int]) -> Callable[[], Conversation]:
             def talk() -> Conversation:
                 for chunk in self._chunks(shard, idx):
-                    msg = protocol.LookupRequest(keys=[keys[i] for i in chunk], lease_ms=lease_ms)
+                    msg = protocol.LookupRequest(keys=list(map(keys.__getitem__, chunk)), lease_ms=lease_ms)
                     count = (yield msg).msg.count
                     self._counters.add(requests=1)
                     if count < len(chunk):

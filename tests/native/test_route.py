@@ -144,3 +144,16 @@ def test_many_threads_route_at_once():
     for t in threads:
         t.join()
     assert got == [[True] * 5] * 6
+
+
+def test_check_keys_is_the_clients_key_check():
+    from kvfabric.client import Client
+
+    ok = [b"k" * n for n in (1, 16, 64)]
+    assert native.check_keys(ok, 64) and native.check_keys(tuple(ok), 64) and native.check_keys([], 64)
+    for bad in ([b""], [b"k" * 65], [bytearray(b"k")], ["k"], [memoryview(b"k")], [1]):
+        assert not native.check_keys(ok + bad, 64)
+        with pytest.raises((TypeError, ValueError)):
+            Client._keys(ok + bad)
+    assert not native.check_keys(iter(ok), 64)  # not a list or tuple: the caller's loop decides
+    assert Client._keys(iter(ok)) == ok and Client._keys(tuple(ok)) == ok
