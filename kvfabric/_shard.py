@@ -9,7 +9,9 @@ gets a connection to one server and what happens when that server fails:
   HELLO facts (transport, limits, server id), and its up/down state. A shard
   marked down closes its idle connections, drops the ones checked out when
   they come back (a generation counter), and makes every ``acquire`` raise
-  :class:`_Down` at once until it is reconnected.
+  :class:`_Down` at once until it is reconnected. ``acquire_idle`` hands
+  out an idle connection without ever waiting or connecting (the client's
+  calling-thread fan-out).
 * :class:`_Reconnector`: one daemon thread per client that reconnects down
   shards when their backoff is due (``reconnect_backoff_s`` doubling up to
   ``reconnect_backoff_max_s`` per failed attempt, reset on success).

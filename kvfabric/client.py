@@ -2,8 +2,8 @@
 
 How a call runs:
 
-1. Every key is routed with rendezvous hashing (``sharding``) to its owner
-   servers (``replicas`` of them, best first).
+1. Every key is routed with rendezvous hashing (``sharding``, in C when the
+   extension is built) to its owner servers (``replicas`` of them, best first).
 2. Keys are grouped per shard, in the caller's order, and each shard gets one
    job: its requests (split only where the key count or payload exceeds the
    server's advertised limits) run back to back on one pooled connection.
@@ -11,7 +11,12 @@ How a call runs:
    thread pool, all under one deadline (``timeout_s`` from the call's start).
    At the deadline, jobs that have not started are cancelled and running ones
    stop at their next socket operation, so nothing writes into the caller's
-   buffers after the call returns.
+   buffers after the call returns. ``lookup`` and ``exists`` (small requests,
+   tiny replies) instead send every shard's request from the calling thread
+   and read the replies as they arrive, over the shards' idle pooled
+   connections (:meth:`Client._converse`); only shards that need a connect
+   or a wait for a busy connection go to the pool. Same deadline, same
+   degrade-to-miss.
 
 Degrade-to-miss: when a shard is dead, refuses connections, breaks a
 connection, sends garbage or misses the deadline, its keys become misses (its

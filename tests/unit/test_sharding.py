@@ -145,3 +145,14 @@ def test_batch_functions_agree_with_owners(table, groups):
     for i, k in enumerate(keys):
         want.setdefault(sharding.owners(k, SERVERS)[0], []).append(i)
     assert list(groups(keys, SERVERS).items()) == list(want.items())
+
+
+def test_without_the_extension_the_public_functions_run_the_reference(monkeypatch):
+    # A client-only install has no kvfabric._native: the batch functions must still answer.
+    keys = _keys(200)
+    want_table = sharding.reference_owner_table(keys, SERVERS, 2)
+    want_groups = sharding.reference_group_by_owner(keys, SERVERS)
+    monkeypatch.setattr(sharding, "_c_owners", None)
+    monkeypatch.setattr(sharding, "_c_groups", None)
+    assert sharding.owner_table(keys, SERVERS, 2) == want_table
+    assert list(sharding.group_by_owner(keys, SERVERS).items()) == list(want_groups.items())
