@@ -40,6 +40,8 @@ SOURCES = [
     "csrc/kvf_ops.c",
     "csrc/kvf_bench.c",
     "csrc/kvf_hash.c",
+    "csrc/kvf_route.c",
+    "csrc/kvf_py_route.c",
 ]
 DEFINES = []
 if platform.machine() in ("x86_64", "AMD64"):

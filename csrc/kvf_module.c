@@ -12,6 +12,7 @@
  *   kvf_py_server.c  the Server type (io_uring server + C store)
  *   kvf_py_shm.c     copy_out/copy_in, shm_get/shm_put (same-host client)
  *   kvf_py_bench.c   memcpy_ceiling/socket_ceiling
+ *   kvf_py_route.c   route_owners/route_groups (batch rendezvous routing)
  */
 #include "kvf_module_int.h"
 
@@ -271,7 +272,7 @@ PyMODINIT_FUNC PyInit__native(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddFunctions(m, kvf_py_client_methods) || PyModule_AddFunctions(m, kvf_py_shm_methods) ||
-        PyModule_AddFunctions(m, kvf_py_bench_methods)) { Py_DECREF(m); return NULL; }
+        PyModule_AddFunctions(m, kvf_py_bench_methods) || PyModule_AddFunctions(m, kvf_py_route_methods)) { Py_DECREF(m); return NULL; }
     if (PyType_Ready(&kvf_py_ServerType) < 0) { Py_DECREF(m); return NULL; }
     Py_INCREF(&kvf_py_ServerType);
     if (PyModule_AddObject(m, "Server", (PyObject *)&kvf_py_ServerType)) { Py_DECREF(&kvf_py_ServerType); Py_DECREF(m); return NULL; }

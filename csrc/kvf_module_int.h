@@ -27,5 +27,6 @@ extern PyTypeObject kvf_py_ServerType;  /* kvf_py_server.c: Server */
 extern PyMethodDef kvf_py_client_methods[];
 extern PyMethodDef kvf_py_shm_methods[];
 extern PyMethodDef kvf_py_bench_methods[];
+extern PyMethodDef kvf_py_route_methods[];  /* kvf_py_route.c: route_owners/route_groups */
 
 #endif

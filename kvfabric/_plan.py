@@ -36,6 +36,12 @@ def plan_chunks(
     """Split key indices, in order, into requests of at most ``max_keys`` keys and
     ``max_payload`` payload bytes (``nbytes(i)`` per key; a single key larger
     than ``max_payload`` still gets a request of its own)."""
+    # Without sizes only the key count splits: slices, no per-key loop (a lone chunk may be ``idx`` itself).
+    if nbytes is None and max_keys >= 1 and max_payload >= 0:
+        idx = idx if type(idx) is list else list(idx)
+        if len(idx) <= max_keys:
+            return [idx] if idx else []
+        return [idx[i : i + max_keys] for i in range(0, len(idx), max_keys)]
     out: list[list[int]] = []
     cur: list[int] = []
     size = 0

@@ -15,6 +15,8 @@ gets a connection to one server and what happens when that server fails:
   configured address); ``on_identity`` tells the client when the HELLO id
   changes that. A shard that left the membership is retired (:meth:`_Shard.retire`):
   its connections close and it answers :class:`_Down` forever.
+  ``acquire_idle`` hands out an idle connection without ever waiting or
+  connecting (the client's calling-thread fan-out).
 * :class:`_Reconnector`: one daemon thread per client that reconnects down
   shards when their backoff is due (``reconnect_backoff_s`` doubling up to
   ``reconnect_backoff_max_s`` per failed attempt, reset on success).
@@ -237,6 +239,19 @@ class _Shard:
     def acquire(self, deadline: float) -> transport.Connection:
         """A connection for the caller's exclusive use; raises _Down, _Busy or a connect error."""
         conn = self._checkout(deadline)
+        if self._registration is not None:
+            self._registration.apply(conn)
+        return conn
+
+    def acquire_idle(self) -> transport.Connection | None:
+        """An idle pooled connection at once, or None when none is idle (nothing waits, nothing
+        connects: the caller takes the :meth:`acquire` path on a thread for that). Raises _Down."""
+        with self._cond:
+            if self.down_until:
+                raise _Down()
+            if not self._idle:
+                return None
+            conn = self._idle.pop()
         if self._registration is not None:
             self._registration.apply(conn)
         return conn

@@ -14,19 +14,38 @@ spread evenly over all servers, so a long prefix is fetched in parallel.
 Ties between two servers' scores (probability 2**-64 per pair) are broken by
 the lower server index, so the result is still deterministic.
 
-Everything here is pure: no I/O, no global state apart from a small cache of
-server seeds. Bad input (an empty server list, a replica count out of range,
-a key that is not bytes) raises ``ValueError`` or ``TypeError``.
+Everything here is pure: no I/O, no global state apart from small caches of
+server seeds (per server id and per server list). Bad input (an empty server
+list, a replica count out of range, a key that is not bytes) raises
+``ValueError`` or ``TypeError``.
+
+Speed: ``owner_table`` and ``group_by_owner`` route a whole batch in C
+(``kvfabric._native.route_owners``/``route_groups``, csrc/kvf_route.c, the
+GIL released) when the extension is built and every key is a non-empty
+``bytes``; otherwise, and always for a client-only install, the pure-Python
+reference below (``reference_owner_table``/``reference_group_by_owner``)
+answers, which is the spec: tests/native/test_route.py checks that both agree
+on random keys, server lists and replica counts. 2,000 keys over 4 servers:
+~10 ms in Python, well under 0.5 ms in C.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from functools import lru_cache
 
 import xxhash
 
-__all__ = ["server_seed", "score", "owners", "owner_table", "group_by_owner"]
+try:  # the batch routing in C; a client-only install (no extension) keeps the reference
+    from ._native import route_groups as _c_groups, route_owners as _c_owners
+except ImportError:  # pragma: no cover - depends on the build
+    _c_groups = _c_owners = None
+
+__all__ = [
+    "server_seed", "score", "owners", "owner_table", "group_by_owner",
+    "reference_owner_table", "reference_group_by_owner",
+]
 
 
 @lru_cache(maxsize=1024)
@@ -50,6 +69,24 @@ def _check_servers(servers: Sequence[str]) -> list[int]:
     if len(set(servers)) != len(servers):
         raise ValueError(f"duplicate server ids in {list(servers)!r}")
     return [server_seed(s) for s in servers]
+
+
+@lru_cache(maxsize=64)
+def _seeds_of(servers: tuple[str, ...]) -> bytes:
+    """The checked seeds of a server list as native uint64s (what the C routing takes), cached:
+    a client routes every call over the same list. Errors are raised, never cached."""
+    return array("Q", _check_servers(servers)).tobytes()
+
+
+def _packed_seeds(servers: Sequence[str]) -> bytes:
+    if isinstance(servers, str):
+        raise TypeError("servers must be a sequence of 'host:port' strings, not one str")
+    return _seeds_of(servers if type(servers) is tuple else tuple(servers))
+
+
+def _as_list(keys: Sequence[bytes]) -> Sequence[bytes]:
+    # A one-shot iterable must survive the C attempt for the reference to see it too.
+    return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
 def _check_key(key: bytes) -> None:
@@ -86,7 +123,39 @@ def _check_replicas(replicas: int, n: int) -> None:
 
 
 def owner_table(keys: Sequence[bytes], servers: Sequence[str], replicas: int = 1) -> list[list[int]]:
-    """``owners()`` for every key at once: one list of server indices per key."""
+    """``owners()`` for every key at once: one list of server indices per key.
+
+    Errors as :func:`owners`. Runs in C when it can (module docstring);
+    the result is the one :func:`reference_owner_table` gives.
+    """
+    if _c_owners is None:
+        return reference_owner_table(keys, servers, replicas)
+    packed = _packed_seeds(servers)
+    _check_replicas(replicas, len(packed) // 8)
+    keys = _as_list(keys)
+    out = _c_owners(keys, packed, replicas)
+    return reference_owner_table(keys, servers, replicas) if out is None else out
+
+
+def group_by_owner(keys: Sequence[bytes], servers: Sequence[str]) -> dict[int, list[int]]:
+    """Group key positions by their primary owner.
+
+    Returns ``{server_index: [key_index, ...]}`` with key indices in ascending
+    order (so each shard sees its keys in prompt order), servers in the order
+    of their first key; servers that own none of the keys are absent. Errors
+    as :func:`owners`. Runs in C when it can (module docstring); the result is
+    the one :func:`reference_group_by_owner` gives.
+    """
+    if _c_groups is None:
+        return reference_group_by_owner(keys, servers)
+    packed = _packed_seeds(servers)
+    keys = _as_list(keys)
+    out = _c_groups(keys, packed)
+    return reference_group_by_owner(keys, servers) if out is None else out
+
+
+def reference_owner_table(keys: Sequence[bytes], servers: Sequence[str], replicas: int = 1) -> list[list[int]]:
+    """:func:`owner_table` in pure Python: the spec, and the path without the extension."""
     seeds = _check_servers(servers)
     _check_replicas(replicas, len(seeds))
     out = []
@@ -96,13 +165,8 @@ def owner_table(keys: Sequence[bytes], servers: Sequence[str], replicas: int = 1
     return out
 
 
-def group_by_owner(keys: Sequence[bytes], servers: Sequence[str]) -> dict[int, list[int]]:
-    """Group key positions by their primary owner.
-
-    Returns ``{server_index: [key_index, ...]}`` with key indices in ascending
-    order (so each shard sees its keys in prompt order); servers that own none
-    of the keys are absent.
-    """
+def reference_group_by_owner(keys: Sequence[bytes], servers: Sequence[str]) -> dict[int, list[int]]:
+    """:func:`group_by_owner` in pure Python: the spec, and the path without the extension."""
     seeds = _check_servers(servers)
     groups: dict[int, list[int]] = {}
     for i, k in enumerate(keys):

@@ -26,7 +26,9 @@ received into ``recv_buffers[i][:sizes[i]]`` with no intermediate copy.
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import termios
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConfigError, DeadlineExceeded, ErrorCode, ProtocolError, TransportError
-from ..protocol import HelloReply, Message
+from ..protocol import HEADER, HEADER_SIZE, HelloReply, Limits, Message
 
 __all__ = ["Connection", "Reply", "parse_address", "remaining", "get_sinks"]
 
@@ -102,9 +104,62 @@ class Connection(ABC):
 
 
 class SocketConnection(Connection):
-    """A connection that owns one socket: ``closed`` and an idempotent ``close``."""
+    """A connection that owns one socket: ``closed`` and an idempotent ``close``.
+
+    Its requests can also be split in two, so that one thread can have a
+    request outstanding on several connections at once (the client's
+    single-thread fan-out of small requests): :meth:`send_request` puts the
+    frame on the wire, :meth:`reply_ready` says (without blocking) whether the
+    whole reply has arrived, and :meth:`recv_reply` reads it. Only for
+    requests that carry no payload and expect none (not GET/PUT).
+    """
 
     _sock: socket.socket | None
+    _limits: Limits
+
+    @abstractmethod
+    def send_request(self, msg: Message, *, deadline: float | None = None) -> int:
+        """Send ``msg`` and return its request id, without waiting for the reply.
+
+        The reply must be read with :meth:`recv_reply` before anything else is
+        sent. Raises ``ValueError`` for GET/PUT (and sends nothing); errors
+        otherwise as for :meth:`request`.
+        """
+
+    @abstractmethod
+    def recv_reply(self, msg: Message, request_id: int, *, deadline: float | None = None) -> Reply:
+        """Read the reply to ``msg`` sent by :meth:`send_request`. Errors as for :meth:`request`."""
+
+    def fileno(self) -> int:
+        """The socket's descriptor (for ``poll``); -1 once closed."""
+        sock = self._sock
+        return -1 if sock is None else sock.fileno()
+
+    def reply_ready(self) -> bool:
+        """True when :meth:`recv_reply` will not block: a whole reply frame is queued on the
+        socket, or the read will fail at once (closed connection, peer gone, a header over
+        the limits). Never blocks, never raises. A partly arrived frame is not ready."""
+        sock = self._sock
+        if sock is None:
+            return True
+        try:
+            head = sock.recv(HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        if len(head) < HEADER_SIZE:
+            return not head  # b"": the peer closed
+        _, _, _, _, _, meta_len, payload_len, _ = HEADER.unpack(head)
+        if meta_len > self._limits.max_meta_bytes or payload_len > self._limits.max_payload_bytes:
+            return True  # refused at the header
+        want = HEADER_SIZE + meta_len + payload_len
+        queued = bytearray(4)
+        try:
+            fcntl.ioctl(sock.fileno(), termios.FIONREAD, queued)
+        except OSError:
+            return True
+        return int.from_bytes(queued, "little", signed=True) >= want
 
     @property
     def closed(self) -> bool:

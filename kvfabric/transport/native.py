@@ -50,7 +50,7 @@ from ..errors import (
     RemoteError,
     TransportError,
 )
-from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
+from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message, PutRequest
 from .base import Reply, SocketConnection, dial
 
 try:  # the extension is optional: without it this transport is unavailable
@@ -293,6 +293,44 @@ class NativeConnection(SocketConnection):
         if first_error is not None:
             raise first_error
         return replies
+
+    def send_request(self, msg: Message, *, deadline: float | None = None) -> int:
+        if self._sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        if isinstance(msg, (GetRequest, PutRequest)):  # shm moves those through the arena
+            raise ValueError("send_request is for requests without payload (not GET/PUT)")
+        _, rid, meta, parts, _ = self._prepare(msg, (), None)
+        if deadline is not None and deadline <= time.monotonic():
+            self.close()
+            raise DeadlineExceeded(f"deadline passed before talking to {self.address}")
+        try:
+            _native.send_frame(self._fd, int(msg.op), 0, rid, meta, parts, 0.0 if deadline is None else deadline)
+        except NativeError as e:
+            self.close()
+            raise TransportError(f"request to {self.address} failed: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+        return rid
+
+    def recv_reply(self, msg: Message, request_id: int, *, deadline: float | None = None) -> Reply:
+        if self._sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        lim = self._limits
+        try:
+            res = _native.recv_frame(self._fd, None, lim.max_meta_bytes, lim.max_payload_bytes,
+                                     0.0 if deadline is None else deadline, None)
+            return self._decode(msg, request_id, res)
+        except RemoteError as e:
+            if e.code in FATAL_CODES:
+                self.close()
+            raise
+        except NativeError as e:
+            self.close()
+            raise TransportError(f"request to {self.address} failed: {e}") from e
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ internals
 

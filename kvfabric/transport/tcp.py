@@ -39,7 +39,7 @@ from ..errors import (
     RemoteError,
     TransportError,
 )
-from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message
+from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message, PutRequest
 from .base import Reply, SocketConnection, dial, get_sinks
 
 __all__ = ["TcpConnection", "connect", "probe"]
@@ -151,7 +151,42 @@ class TcpConnection(SocketConnection):
             raise ValueError(problem)
         return reply
 
+    def send_request(self, msg: Message, *, deadline: float | None = None) -> int:
+        if self._sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        if isinstance(msg, (GetRequest, PutRequest)):
+            raise ValueError("send_request is for requests without payload (not GET/PUT)")
+        rid = self._next_id
+        self._next_id += 1
+        self._guarded(msg, self._send, [memoryview(protocol.encode_request(msg, rid))], deadline)
+        return rid
+
+    def recv_reply(self, msg: Message, request_id: int, *, deadline: float | None = None) -> Reply:
+        return self._guarded(msg, self._read_reply, msg, request_id, None, deadline)[0]
+
     # ------------------------------------------------------------------ internals
+
+    def _guarded(self, msg: Message, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with :meth:`request`'s failure mapping: a broken or timed-out stream
+        closes the connection and raises a TransportError; fatal error replies close it too."""
+        try:
+            return fn(*args)
+        except RemoteError as e:
+            if e.code in FATAL_CODES:
+                self.close()
+            raise
+        except KVFabricError:
+            self.close()
+            raise
+        except TimeoutError as e:
+            self.close()
+            raise DeadlineExceeded(f"{msg.op.name} to {self.address} ran past its deadline") from e
+        except OSError as e:
+            self.close()
+            raise TransportError(f"{msg.op.name} to {self.address} failed: {e}") from e
+        except BaseException:
+            self.close()
+            raise
 
     def _timeout(self, deadline: float | None) -> socket.socket:
         sock = self._sock

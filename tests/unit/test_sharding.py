@@ -128,3 +128,31 @@ def test_single_server_owns_everything():
     keys = _keys(100)
     assert sharding.group_by_owner(keys, ["h:1"]) == {0: list(range(100))}
     assert collections.Counter(r[0] for r in sharding.owner_table(keys, ["h:1"])) == {0: 100}
+
+
+@pytest.mark.parametrize("table,groups", [
+    (sharding.owner_table, sharding.group_by_owner),
+    (sharding.reference_owner_table, sharding.reference_group_by_owner),
+], ids=["public", "reference"])
+def test_batch_functions_agree_with_owners(table, groups):
+    # The public batch functions run in C when the extension is built; the reference is what a
+    # client-only install runs. Both must give owners()'s answer (tests/native/test_route.py
+    # compares them on random inputs).
+    keys = [k for k, _, _ in GOLDEN] + _keys(300)
+    for r in (1, 2, 3):
+        assert table(keys, SERVERS, r) == [sharding.owners(k, SERVERS, r) for k in keys]
+    want: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        want.setdefault(sharding.owners(k, SERVERS)[0], []).append(i)
+    assert list(groups(keys, SERVERS).items()) == list(want.items())
+
+
+def test_without_the_extension_the_public_functions_run_the_reference(monkeypatch):
+    # A client-only install has no kvfabric._native: the batch functions must still answer.
+    keys = _keys(200)
+    want_table = sharding.reference_owner_table(keys, SERVERS, 2)
+    want_groups = sharding.reference_group_by_owner(keys, SERVERS)
+    monkeypatch.setattr(sharding, "_c_owners", None)
+    monkeypatch.setattr(sharding, "_c_groups", None)
+    assert sharding.owner_table(keys, SERVERS, 2) == want_table
+    assert list(sharding.group_by_owner(keys, SERVERS).items()) == list(want_groups.items())
