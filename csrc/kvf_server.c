@@ -421,7 +421,12 @@ int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
     int zc = kvf_ring_probe_op(&s->ring, IORING_OP_SEND_ZC);
     if (cfg->zerocopy == 1 && !zc) { close(s->efd); kvf_ring_exit(&s->ring); free(s); return -EOPNOTSUPP; }
     s->zerocopy = cfg->zerocopy != 0 && zc;
-    if (s->zerocopy) {
+    /* Registering the arena as fixed buffers pins every page of it (7.8 s for
+     * 3 GiB here), so it is done only when zero-copy is forced on (every TCP
+     * peer then sends from it); with `auto` SEND_ZC goes to off-host peers
+     * from unregistered memory (the kernel pins the pages per send), and the
+     * server starts in milliseconds at any capacity. */
+    if (s->zerocopy && cfg->zerocopy == 1) {
         uint64_t cap = kvf_store_capacity(s->st);
         unsigned n = (unsigned)((cap + KVF_FIXED_CHUNK - 1) / KVF_FIXED_CHUNK);
         struct iovec iov[64];
@@ -444,6 +449,11 @@ int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
 
 int kvf_server_run(struct kvf_server *s)
 {
+    /* The owner hands over bound sockets that are not listening yet: a peer
+     * can connect only from here on, when this loop is about to answer it
+     * (listen() on a socket that already listens just sets its backlog). */
+    if (s->cfg.tcp_fd >= 0 && listen(s->cfg.tcp_fd, KVF_LISTEN_BACKLOG)) return -errno;
+    if (s->cfg.unix_fd >= 0 && listen(s->cfg.unix_fd, KVF_LISTEN_BACKLOG)) return -errno;
     if (s->cfg.tcp_fd >= 0) arm_accept(s, s->cfg.tcp_fd, &s->tag_tcp);
     if (s->cfg.unix_fd >= 0) arm_accept(s, s->cfg.unix_fd, &s->tag_unix);
     arm_efd(s);

@@ -22,9 +22,12 @@
 
 #include "kvf_store.h"
 
+/* backlog of the listen() that kvf_server_run() calls on the owner's sockets */
+#define KVF_LISTEN_BACKLOG 1024
+
 struct kvf_server_cfg {
-    int tcp_fd;  /* listening TCP socket, or -1 */
-    int unix_fd; /* listening unix socket for shm clients, or -1 */
+    int tcp_fd;  /* bound TCP socket (kvf_server_run listens on it), or -1 */
+    int unix_fd; /* bound unix socket for shm clients (listened on likewise), or -1 */
     struct kvf_store *store;
     uint32_t max_conns;
     uint32_t max_keys, max_key_bytes, max_meta, max_in_flight;
@@ -63,7 +66,8 @@ struct kvf_server_counters {
 struct kvf_server;
 
 int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg);
-/* Run the loop on this thread until kvf_server_stop(). */
+/* Listen on the configured sockets, then run the loop on this thread until
+ * kvf_server_stop(). Returns 0, or -errno when listen() or io_uring fails. */
 int kvf_server_run(struct kvf_server *s);
 /* Any thread: ask the loop to stop (run returns once connections are closed). */
 void kvf_server_stop(struct kvf_server *s);

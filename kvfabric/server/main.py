@@ -324,7 +324,11 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server.start()
+    try:
+        server.start()  # returns once the port accepts connections (the C loop listens when it runs)
+    except TransportUnavailable as e:
+        print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)
+        return 2
     metrics = None
     if args.metrics_port is not None:
         from .metrics import MetricsServer

@@ -41,6 +41,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,6 +178,19 @@ def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
         raise
 
 
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), SO_REUSEADDR, not listening yet (the C loop listens)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class NativeServer:
     """One native pool server in this process: C data-plane thread + Python control thread.
 
@@ -238,7 +252,9 @@ class NativeServer:
         self.policy: EvictionPolicy = make_policy(policy)
         self._sizes: dict[bytes, int] = {}
         self._lock = threading.Lock()
-        self._tcp = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        # Bound now (so the port is known and taken), listened on by the C loop
+        # only once it runs: a client never connects to a server that cannot answer.
+        self._tcp = _bound_socket(host, port)
         self.host, self.port = self._tcp.getsockname()[:2]
         self.server_id = server_id or f"{self.host}:{self.port}"
         self._unix: socket.socket | None = None
@@ -294,11 +310,22 @@ class NativeServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> NativeServer:
-        """Start the data-plane and control threads; returns self."""
+        """Start the data-plane and control threads; returns self once the port accepts connections.
+
+        The C loop calls ``listen()`` itself when it starts, so the port
+        accepts only when the loop can answer. Raises ``TransportUnavailable``
+        when the loop fails to start (the threads are stopped).
+        """
         for target, name in ((self._run_loop, "kvf-io_uring"), (self._control, "kvf-control")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+        while not self._tcp.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if self.loop_error is not None or not self._threads[0].is_alive():
+                err = self.loop_error
+                self.stop()
+                raise TransportUnavailable(f"the io_uring loop did not start: {err}")
+            time.sleep(0.001)
         st = self._srv.stats()
         log.warning(
             "native server %s: capacity %d, policy %s, transports %s, send_zc %s, fixed buffers %s",
