@@ -41,9 +41,25 @@ static void reject(struct conn *c, int code, const char *msg)
 
 /* ---------------------------------------------------------------- batches */
 
-static int batch_alloc(struct batch *b, uint32_t cap, int keybuf)
+/* Arrays for `cap` entries (and a key buffer when keybuf, or when b had one),
+ * sized to the request: kept when b already holds as many, else replaced.
+ * Arrays over KVF_BATCH_KEEP entries are charged to the server's request
+ * budget (and freed after the request, kvf_conn_next_request). Returns 0,
+ * -EBUSY over the budget, -ENOMEM. */
+static int batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf)
 {
-    if (b->keys) return 0;
+    struct kvf_server *s = c->srv;
+    if (cap == 0) cap = 1;
+    keybuf = keybuf || b->keybuf != NULL;
+    if (b->keys && b->cap >= cap && (!keybuf || b->keybuf)) return 0;
+    kvf_batch_free(b);
+    size_t mem = (size_t)cap * (sizeof *b->keys + 1 + 4 * sizeof(uint64_t) + sizeof *b->parents + 2) +
+                 (keybuf ? (size_t)cap * KVF_KEY_MAX : 0);
+    size_t charge = cap > KVF_BATCH_KEEP ? mem : 0;
+    if (charge && s->ctr.request_bytes + charge > s->cfg.request_budget) {
+        s->ctr.request_busy++;
+        return -EBUSY;
+    }
     b->keys = calloc(cap, sizeof *b->keys);
     b->klens = calloc(cap, 1);
     b->sizes = calloc(cap, sizeof(uint64_t));
@@ -58,11 +74,16 @@ static int batch_alloc(struct batch *b, uint32_t cap, int keybuf)
         kvf_batch_free(b);
         return -ENOMEM;
     }
+    b->cap = cap;
+    b->mem = charge;
+    b->acct = &s->ctr.request_bytes;
+    s->ctr.request_bytes += charge;
     return 0;
 }
 
 void kvf_batch_free(struct batch *b)
 {
+    if (b->acct) *b->acct -= b->mem;
     free(b->keys); free(b->klens); free(b->sizes); free(b->csums); free(b->offs);
     free(b->parents); free(b->plens); free(b->status); free(b->keybuf);
     memset(b, 0, sizeof *b);
@@ -75,13 +96,16 @@ struct meta {
     size_t n;
 };
 
-/* keys -> b->keys/klens. Returns 0 or a wire error code. */
+/* keys -> b->keys/klens (b sized to them). Returns 0 or a wire error code
+ * (BUSY when the arrays are over the request budget). */
 static int parse_keys(struct conn *c, struct meta m, struct batch *b, uint32_t *n)
 {
     struct kvf_mr r;
     uint32_t cnt;
     if (kvf_mr_find(m.p, m.n, "keys", &r) || kvf_mr_array(&r, &cnt)) return KVF_E_MALFORMED;
     if (cnt > c->srv->cfg.max_keys) return KVF_E_TOO_MANY_KEYS;
+    int rc = batch_alloc(c, b, cnt, 0);
+    if (rc) return rc == -EBUSY ? KVF_E_BUSY : KVF_E_INTERNAL;
     for (uint32_t i = 0; i < cnt; i++) {
         const uint8_t *k;
         uint32_t kl;
@@ -92,6 +116,13 @@ static int parse_keys(struct conn *c, struct meta m, struct batch *b, uint32_t *
     }
     *n = cnt;
     return 0;
+}
+
+static const char *keys_error(int e)
+{
+    return e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : e == KVF_E_BUSY
+           ? "server busy: request buffers over their budget" : e == KVF_E_INTERNAL ? "out of memory"
+           : "missing field 'keys'";
 }
 
 static int parse_uints(struct meta m, const char *name, uint64_t *out, uint32_t n)
@@ -166,7 +197,7 @@ static void op_stats(struct conn *c)
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 29 + s->cfg.stats_extra_pairs);
+    kvf_mw_map(&w, 38 + s->cfg.stats_extra_pairs);
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -193,6 +224,15 @@ static void op_stats(struct conn *c)
     KV("shm_refused", s->ctr.shm_refused);
     KV("shm_leases_expired", s->ctr.shm_leases_expired);
     KV("shm_reservations_expired", s->ctr.shm_reservations_expired);
+    KV("idle_timeouts", s->ctr.idle_closed);
+    KV("preauth_timeouts", s->ctr.preauth_closed);
+    KV("reply_budget_waits", s->ctr.reply_waits);
+    KV("reserve_budget_waits", s->ctr.reserve_waits);
+    KV("request_budget_busy", s->ctr.request_busy);
+    KV("reply_budget_busy", s->ctr.reply_busy);
+    KV("reply_bytes", s->ctr.reply_bytes);
+    KV("request_bytes", s->ctr.request_bytes);
+    KV("reserved_bytes", s->ctr.reserved_bytes);
     kvf_mw_cstr(&w, "uptime_s");
     kvf_mw_uint(&w, (uint64_t)((kvf_now_ms() - s->start_ms) / 1000));
     kvf_mw_cstr(&w, "data_plane");
@@ -216,7 +256,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
     struct kvf_server *s = c->srv;
     uint32_t n;
     int e = parse_keys(c, m, &c->b, &n);
-    if (e) { reject(c, e, e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : "missing field 'keys'"); return; }
+    if (e) { reject(c, e, keys_error(e)); return; }
     uint64_t lease_ms = 0;
     if (op == KVF_OP_LOOKUP && (parse_uint(m, "lease_ms", &lease_ms, 0) || lease_ms > 3600000)) {
         reject(c, KVF_E_MALFORMED, "lease_ms must be in 0..3600000");
@@ -224,6 +264,13 @@ static void op_keys(struct conn *c, struct meta m, int op)
     }
     struct batch *b = &c->b;
     if (op == KVF_OP_GET) {
+        /* over the server-wide reply budget only small replies are made */
+        size_t need = sizeof(struct reply) + KVF_HEADER_SIZE + 32 + (size_t)n * (20 + sizeof(struct seg));
+        if (need > KVF_REPLY_SMALL && s->ctr.reply_bytes + need > s->cfg.reply_budget) {
+            s->ctr.reply_busy++;
+            reject(c, KVF_E_BUSY, "server busy: queued replies over their budget");
+            return;
+        }
         BEGIN(32 + (size_t)n * 20, n);
         uint32_t found = 0;
         uint64_t payload = 0;
@@ -302,7 +349,7 @@ static void op_put(struct conn *c, struct meta m)
     struct batch *b = &c->b;
     uint32_t n;
     int e = parse_keys(c, m, b, &n);
-    if (e) { reject(c, e, e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : "missing field 'keys'"); return; }
+    if (e) { reject(c, e, keys_error(e)); return; }
     if (parse_uints(m, "sizes", b->sizes, n) || parse_uints(m, "checksums", b->csums, n)) {
         reject(c, KVF_E_MALFORMED, "sizes and checksums must be lists of ints as long as keys");
         return;
@@ -333,6 +380,7 @@ static void op_put(struct conn *c, struct meta m)
     b->n = n;
     b->cur = 0;
     b->park_round = 0;
+    c->staged_idx = 0;
     c->batch_op = KVF_OP_PUT;
     kvf_ops_batch_step(c);
 }
@@ -356,8 +404,16 @@ static void finish_object(struct conn *c, uint32_t i, int received)
     if (rc == 0) s->ctr.puts++;
 }
 
+void kvf_ops_staged(struct conn *c)
+{
+    c->staged = (uint32_t)c->want;
+    c->staged_idx = c->b.cur + 1;
+    kvf_ops_batch_step(c);
+}
+
 void kvf_ops_object_done(struct conn *c)
 {
+    kvf_conn_unreserved(c);
     finish_object(c, c->b.cur, 1);
     c->b.cur++;
     kvf_ops_batch_step(c);
@@ -369,6 +425,26 @@ static int reserve_one(struct conn *c, struct batch *b, uint32_t i)
 {
     struct kvf_server *s = c->srv;
     if (kvf_store_exists(s->st, b->keys[i], b->klens[i])) { b->status[i] = KVF_PUT_EXISTS; return 1; }
+    int on_wire = b == &c->b && b->sizes[i]; /* a PUT object still to arrive on the socket */
+    if (on_wire) {
+        /* Never reserve (and evict) for a bare header: the server-wide bytes
+         * reserved and not yet received stay within reserve_budget (one
+         * object may always go), and the object's first bytes must be there. */
+        if (s->ctr.reserved_bytes && s->ctr.reserved_bytes + b->sizes[i] > s->cfg.reserve_budget) {
+            if (c->rs != RS_RESV_WAIT) {
+                s->ctr.reserve_waits++;
+                c->park_ms = kvf_now_ms();
+            }
+            c->rs = RS_RESV_WAIT;
+            s->resv_waiting = 1;
+            return -1;
+        }
+        if (c->staged_idx != i + 1) {
+            if (b->sizes[i] > kvf_store_capacity(s->st)) { b->status[i] = KVF_PUT_TOO_LARGE; return 1; }
+            kvf_conn_stage(c, b->sizes[i] < KVF_PUT_GATE ? (uint32_t)b->sizes[i] : KVF_PUT_GATE);
+            return -1;
+        }
+    }
     int rc = kvf_store_reserve(s->st, b->sizes[i], &b->offs[i]);
     if (rc == -EFBIG) { b->status[i] = KVF_PUT_TOO_LARGE; return 1; }
     if (rc == -ENOSPC) {
@@ -384,6 +460,10 @@ static int reserve_one(struct conn *c, struct batch *b, uint32_t i)
         return -1;
     }
     b->park_round = 0;
+    if (on_wire) {
+        c->reserved = b->sizes[i];
+        s->ctr.reserved_bytes += b->sizes[i];
+    }
     return 0;
 }
 
@@ -425,13 +505,15 @@ void kvf_ops_batch_step(struct conn *c)
         uint32_t i = b->cur;
         int rc = reserve_one(c, b, i);
         if (rc < 0) return;
+        uint32_t staged = c->staged_idx == i + 1 ? c->staged : 0; /* consumed from the socket already */
+        c->staged_idx = 0;
         if (rc == 1) {
-            if (b->sizes[i]) { kvf_conn_drain(c, b->sizes[i]); return; }
+            if (b->sizes[i] > staged) { kvf_conn_drain(c, b->sizes[i] - staged); return; }
             b->cur++;
             continue;
         }
         if (b->sizes[i] == 0) { finish_object(c, i, 0); b->cur++; continue; }
-        kvf_conn_recv_into(c, s->base + b->offs[i], b->sizes[i], RS_OBJ);
+        kvf_conn_recv_obj(c, s->base + b->offs[i], b->sizes[i], staged);
         return;
     }
     put_reply(c, b, KVF_OP_PUT, 0);
@@ -442,7 +524,7 @@ void kvf_ops_batch_step(struct conn *c)
 
 /* The shm handlers (kvf_shm.c) share the parsing and reply helpers above. */
 void kvf_ops_reject(struct conn *c, int code, const char *msg) { reject(c, code, msg); }
-int kvf_ops_batch_alloc(struct batch *b, uint32_t cap, int keybuf) { return batch_alloc(b, cap, keybuf); }
+int kvf_ops_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf) { return batch_alloc(c, b, cap, keybuf); }
 int kvf_ops_parse_keys(struct conn *c, const uint8_t *p, size_t n, struct batch *b, uint32_t *cnt)
 {
     return parse_keys(c, (struct meta){p, n}, b, cnt);
@@ -463,7 +545,6 @@ void kvf_ops_conn_gone(struct conn *c) { kvf_shm_conn_gone(c); }
 
 void kvf_ops_request(struct conn *c)
 {
-    struct kvf_server *s = c->srv;
     int op = c->hdr.opcode;
     struct meta m = {c->meta, c->hdr.meta_len};
     if (!c->authed && op != KVF_OP_HELLO) { reject(c, KVF_E_AUTH_FAILED, "authenticate with HELLO first"); return; }
@@ -476,7 +557,6 @@ void kvf_ops_request(struct conn *c)
         reject(c, KVF_E_MALFORMED, "metadata must be one msgpack map (no key twice, nothing truncated or after it)");
         return;
     }
-    if (batch_alloc(&c->b, s->cfg.max_keys, 0)) { reject(c, KVF_E_INTERNAL, "out of memory"); return; }
     if (op != KVF_OP_PUT && c->hdr.payload_len) {
         reject(c, KVF_E_LENGTH_MISMATCH, "this request carries no payload");
         return;

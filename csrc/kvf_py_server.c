@@ -39,9 +39,11 @@ PyDoc_STRVAR(Server_doc,
 "Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', stats_extra_pairs=0, auth=None,\n"
 "       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
-"       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=())\n"
+"       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=(), idle_ms=0,\n"
+"       preauth_ms=0, drain_ms=0, reply_conn_budget=0, reply_budget=0, request_budget=0, reserve_budget=0)\n"
 "The io_uring data plane over a memfd arena of `capacity` bytes. The caller owns the\n"
-"listening fds (-1 = none). run() blocks (GIL released) until stop(). The control\n"
+"bound sockets (-1 = none); run() listens on them, then blocks (GIL released) until stop()\n"
+"has drained the connections (drain_ms). Budgets of 0 take kvf_server.h's defaults. The control\n"
 "methods (wait, drain, evict, is_pinned, space_done) are for one Python control thread.\n"
 "shm_uids / shm_gids: peers of the unix socket allowed besides the server's own uid\n"
 "(SO_PEERCRED; a gid matches the peer's effective or any supplementary group).\n"
@@ -78,7 +80,8 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra", "stats_extra_pairs",
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
                              "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
-                             "shm_uids", "shm_gids", NULL};
+                             "shm_uids", "shm_gids", "idle_ms", "preauth_ms", "drain_ms", "reply_conn_budget",
+                             "reply_budget", "request_budget", "reserve_budget", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
@@ -92,14 +95,15 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.max_in_flight = KVF_MAX_IN_FLIGHT;
     cfg.zerocopy = -1;
     unsigned int event_ring = 65536, extra_pairs = 0;
-    unsigned long long min_rate = 0;
+    unsigned long long min_rate = 0, reply_conn_budget = 0, reply_budget = 0, request_budget = 0, reserve_budget = 0;
     PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIKOO", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIKOOIIIKKKK", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
-                                     &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o))
+                                     &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o, &cfg.idle_ms, &cfg.preauth_ms,
+                                     &cfg.drain_ms, &reply_conn_budget, &reply_budget, &request_budget, &reserve_budget))
         return -1;
     if (id_list(uids_o, &self->shm_uids, &cfg.n_shm_uids, "shm_uids") ||
         id_list(gids_o, &self->shm_gids, &cfg.n_shm_gids, "shm_gids"))
@@ -115,6 +119,10 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.max_payload = max_payload;
     cfg.max_object = max_object;
     cfg.min_rate = min_rate;
+    cfg.reply_conn_budget = reply_conn_budget;
+    cfg.reply_budget = reply_budget;
+    cfg.request_budget = request_budget;
+    cfg.reserve_budget = reserve_budget;
     int rc = kvf_store_new(&self->st, capacity, event_ring);
     if (rc) { raise_errno(rc, 0, "creating the arena"); return -1; }
     if (auth) {

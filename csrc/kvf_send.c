@@ -27,6 +27,12 @@ struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg)
     if (!r->head || (nseg && !r->segs)) { free(r->head); free(r->segs); free(r); return NULL; }
     r->conn = c;
     r->pass_fd = -1;
+    /* counted in full (the iovec array comes when it is sent) against the
+     * connection's and the server's reply budgets */
+    r->mem = sizeof *r + KVF_HEADER_SIZE + meta_cap + (size_t)nseg * sizeof(struct seg) +
+             sizeof(struct iovec) * KVF_SEND_IOV;
+    c->reply_mem += r->mem;
+    c->srv->ctr.reply_bytes += r->mem;
     c->srv->live_replies++;
     return r;
 }
@@ -38,6 +44,8 @@ void kvf_reply_try_free(struct kvf_server *s, struct reply *r)
     free(r->head);
     free(r->segs);
     free(r->iovs);
+    s->ctr.reply_bytes -= r->mem;
+    s->freed_since_trim += r->mem;
     free(r);
     s->live_replies--;
 }
@@ -46,6 +54,7 @@ static void start_send(struct conn *c);
 
 void kvf_reply_drop(struct conn *c, struct reply *r)
 {
+    c->reply_mem -= r->mem;
     r->done = 1;
     r->nseg = 0;
     kvf_reply_try_free(c->srv, r);
@@ -187,11 +196,12 @@ static void start_send(struct conn *c)
             c->q_head = r->next;
             if (!c->q_head) c->q_tail = NULL;
             c->nreplies--;
+            c->reply_mem -= r->mem;
             r->done = 1;
             r->conn = NULL;
             kvf_reply_try_free(s, r);
             if (c->close_after_send && !c->q_head) { kvf_conn_close(c); return; }
-            if (c->rs == RS_BLOCKED && c->nreplies < s->cfg.max_in_flight) kvf_conn_next_request(c);
+            if (c->rs == RS_BLOCKED) kvf_conn_next_request(c); /* blocks again if still over a budget */
             continue;
         }
         if (!r->deadline_ms && s->cfg.min_rate && s->cfg.stall_ms) {

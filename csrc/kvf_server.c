@@ -21,12 +21,15 @@
 #include "kvf_server_int.h"
 
 #include <errno.h>
+#include <malloc.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include "kvf_hash.h"
@@ -98,12 +101,16 @@ static void conn_destroy(struct conn *c)
     kvf_ops_conn_gone(c);
     if (c->batch_op == KVF_OP_PUT && c->rs == RS_OBJ) /* a half-received object */
         kvf_store_unreserve(s->st, c->b.offs[c->b.cur], c->b.sizes[c->b.cur]);
+    kvf_conn_unreserved(c);
     kvf_batch_free(&c->b);
     close(c->fd);
     if (c->xxh) kvf_hash_free(c->xxh);
     if (c->xxh_tx) kvf_hash_free(c->xxh_tx);
+    s->ctr.request_bytes -= c->meta_mem;
+    s->freed_since_trim += c->meta_cap + (c->scratch ? 1u << 16 : 0) + sizeof *c;
     free(c->meta);
     free(c->scratch);
+    free(c->stage);
     if (c->prev) c->prev->next = c->next; else s->conns = c->next;
     if (c->next) c->next->prev = c->prev;
     s->ctr.connections--;
@@ -126,7 +133,10 @@ static void post_recv(struct conn *c)
     q->fd = c->fd;
     q->addr = (uint64_t)(uintptr_t)(c->rbuf + c->got);
     q->len = (uint32_t)n;
-    q->msg_flags = MSG_WAITALL;
+    /* A header is read without MSG_WAITALL, so that each byte of a trickled
+     * one completes (and counts as a frame in progress for the stall and
+     * min_rate checks); the rest of a frame has a known length: WAITALL. */
+    q->msg_flags = c->rs == RS_HDR ? 0 : MSG_WAITALL;
     q->user_data = KVF_TAG(c, T_RECV);
     c->refs++;
     c->recv_posted = 1;
@@ -154,15 +164,101 @@ void kvf_conn_drain(struct conn *c, uint64_t n)
     kvf_conn_recv_into(c, c->scratch, n < (1 << 16) ? n : (1 << 16), RS_DRAIN);
 }
 
-/* Ready for the next header, unless too many replies are queued. */
+/* Give back what the request just done needed beyond the per-connection keep
+ * sizes (a large metadata buffer, large batch arrays, the drain buffer). */
+static void shrink_buffers(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    if (c->meta_cap > KVF_META_KEEP) {
+        s->ctr.request_bytes -= c->meta_mem;
+        s->freed_since_trim += c->meta_cap;
+        free(c->meta);
+        c->meta = NULL;
+        c->meta_cap = 0;
+        c->meta_mem = 0;
+    }
+    if (c->b.cap > KVF_BATCH_KEEP) {
+        s->freed_since_trim += c->b.mem;
+        kvf_batch_free(&c->b);
+    }
+    if (!c->resv_open && c->resv.cap > KVF_BATCH_KEEP) {
+        s->freed_since_trim += c->resv.mem;
+        kvf_batch_free(&c->resv);
+    }
+    free(c->scratch);
+    c->scratch = NULL;
+    free(c->stage);
+    c->stage = NULL;
+}
+
+/* Whether c must wait for its replies to go out before reading another request. */
+static int replies_over_budget(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    if (c->nreplies >= s->cfg.max_in_flight) return 1;
+    if (c->nreplies && c->reply_mem > s->cfg.reply_conn_budget) return 1;
+    /* Over the server-wide budget, connections with replies queued wait; one
+     * with none may read its next request (a large GET reply is then
+     * answered BUSY in op_keys), so fresh and well-behaved peers are never
+     * held up by others that do not read. */
+    if (c->nreplies && s->ctr.reply_bytes > s->cfg.reply_budget) {
+        s->wake_blocked = 1; /* woken by the loop once replies were freed */
+        return 1;
+    }
+    return 0;
+}
+
+/* Ready for the next header, unless too many replies (or bytes of them) are
+ * queued, or the server is stopping (then close once the replies are out). */
 void kvf_conn_next_request(struct conn *c)
 {
     c->batch_op = 0;
     c->rx_deadline_ms = 0;
+    shrink_buffers(c);
     if (c->closing) return;
-    if (c->close_after_send) { c->rs = RS_STOP; return; }
-    if (c->nreplies >= c->srv->cfg.max_in_flight) { c->rs = RS_BLOCKED; return; }
+    if (c->srv->stop) c->close_after_send = 1;
+    if (c->close_after_send) {
+        c->rs = RS_STOP;
+        if (!c->q_head) kvf_conn_close(c);
+        return;
+    }
+    if (replies_over_budget(c)) {
+        if (c->rs != RS_BLOCKED && c->nreplies < c->srv->cfg.max_in_flight) c->srv->ctr.reply_waits++;
+        c->rs = RS_BLOCKED;
+        return;
+    }
     kvf_conn_recv_into(c, &c->hdr, KVF_HEADER_SIZE, RS_HDR);
+}
+
+void kvf_conn_stage(struct conn *c, uint32_t n)
+{
+    if (!c->stage && !(c->stage = malloc(KVF_PUT_GATE))) { kvf_conn_close(c); return; }
+    kvf_conn_recv_into(c, c->stage, n, RS_GATE);
+}
+
+void kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t staged)
+{
+    if (!c->xxh && !(c->xxh = kvf_hash_new())) { kvf_conn_close(c); return; }
+    /* object b.cur of the PUT batch: its checksum is seeded from its key (kvf_hash.h) */
+    kvf_hash_reset_key(c->xxh, c->b.keys[c->b.cur], c->b.klens[c->b.cur]);
+    if (staged) {
+        memcpy(slot, c->stage, staged);
+        kvf_hash_update(c->xxh, slot, staged);
+    }
+    c->rs = RS_OBJ;
+    c->rbuf = slot;
+    c->want = size;
+    c->got = staged;
+    if (c->got == c->want) kvf_ops_object_done(c);
+    else post_recv(c);
+}
+
+void kvf_conn_unreserved(struct conn *c)
+{
+    if (!c->reserved) return;
+    c->srv->ctr.reserved_bytes -= c->reserved;
+    c->reserved = 0;
+    if (c->srv->resv_waiting) c->srv->wake_resv = 1;
 }
 
 uint64_t kvf_conn_obj_digest(struct conn *c) { return kvf_hash_digest(c->xxh); }
@@ -199,10 +295,26 @@ static void on_header(struct conn *c)
     /* the rest of the frame has stall + its size / min_rate, however it trickles */
     c->rx_deadline_ms = kvf_rate_deadline(s, c->progress_ms, (uint64_t)c->hdr.meta_len + c->hdr.payload_len);
     if (c->hdr.meta_len > c->meta_cap) {
-        uint8_t *m = realloc(c->meta, c->hdr.meta_len);
-        if (!m) { kvf_conn_close(c); return; }
-        c->meta = m;
-        c->meta_cap = c->hdr.meta_len;
+        /* Metadata beyond the keep size is charged to the server-wide request
+         * budget; over it the frame is read past (not stored) and answered BUSY. */
+        uint32_t cap = c->hdr.meta_len > KVF_META_KEEP ? c->hdr.meta_len : KVF_META_KEEP;
+        size_t charge = cap > KVF_META_KEEP ? cap : 0;
+        if (charge && s->ctr.request_bytes + charge > s->cfg.request_budget) {
+            s->ctr.request_busy++;
+            c->pend_code = KVF_E_BUSY;
+            snprintf(c->pend_msg, sizeof c->pend_msg, "server busy: request buffers over their budget");
+            c->batch_op = 0;
+            kvf_conn_drain(c, (uint64_t)c->hdr.meta_len + c->hdr.payload_len);
+            return;
+        }
+        s->ctr.request_bytes -= c->meta_mem;
+        free(c->meta);
+        c->meta_cap = 0;
+        c->meta_mem = 0;
+        if (!(c->meta = malloc(cap))) { kvf_conn_close(c); return; }
+        c->meta_cap = cap;
+        c->meta_mem = charge;
+        s->ctr.request_bytes += charge;
     }
     if (c->hdr.meta_len) kvf_conn_recv_into(c, c->meta, c->hdr.meta_len, RS_META);
     else kvf_ops_request(c);
@@ -222,6 +334,7 @@ static void on_recv(struct conn *c, int res)
     case RS_HDR: on_header(c); break;
     case RS_META: kvf_ops_request(c); break;
     case RS_OBJ: kvf_ops_object_done(c); break;
+    case RS_GATE: kvf_ops_staged(c); break;
     case RS_DRAIN:
         c->srv->ctr.bytes_in += c->want;
         c->drain_left -= c->want;
@@ -299,7 +412,7 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
     s->conns = c;
     s->ctr.connections++;
     s->ctr.connections_total++;
-    c->progress_ms = kvf_now_ms();
+    c->progress_ms = c->accepted_ms = kvf_now_ms();
     kvf_conn_next_request(c);
 }
 
@@ -312,10 +425,22 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
  * alone, and so is a PUT parked waiting for space. */
 static void sweep_stalled(struct kvf_server *s, int64_t now)
 {
-    if (!s->cfg.stall_ms) return;
     for (struct conn *c = s->conns; c; c = c->next) {
         if (c->closing) continue;
-        int mid_frame = c->rs == RS_META || c->rs == RS_OBJ || c->rs == RS_DRAIN || (c->rs == RS_HDR && c->got > 0);
+        int idle = c->rs == RS_HDR && c->got == 0 && !c->q_head;
+        if (s->cfg.auth && !c->authed && s->cfg.preauth_ms && now - c->accepted_ms >= (int64_t)s->cfg.preauth_ms) {
+            s->ctr.preauth_closed++; /* silent unauthenticated sockets must not fill max_conns */
+            kvf_conn_close(c);
+            continue;
+        }
+        if (idle && s->cfg.idle_ms && now - c->progress_ms >= (int64_t)s->cfg.idle_ms) {
+            s->ctr.idle_closed++;
+            kvf_conn_close(c);
+            continue;
+        }
+        if (!s->cfg.stall_ms) continue;
+        int mid_frame = c->rs == RS_META || c->rs == RS_OBJ || c->rs == RS_DRAIN || c->rs == RS_GATE ||
+                        (c->rs == RS_HDR && c->got > 0);
         int sending = c->send_posted;
         int late = (mid_frame && c->rx_deadline_ms && now > c->rx_deadline_ms) ||
                    (sending && c->q_head && c->q_head->deadline_ms && now > c->q_head->deadline_ms);
@@ -323,6 +448,33 @@ static void sweep_stalled(struct kvf_server *s, int64_t now)
         if (stalled || late) {
             if (stalled) s->ctr.stalled++; else s->ctr.too_slow++;
             kvf_conn_close(c);
+        }
+    }
+    /* glibc keeps freed heap (and the loop thread's arena) unless asked */
+    if (s->freed_since_trim >= (4u << 20)) {
+        s->freed_since_trim = 0;
+        malloc_trim(0);
+    }
+}
+
+/* A budget was freed: connections paused on it go on (each checks again). */
+static void wake_waiters(struct kvf_server *s)
+{
+    int blocked = s->wake_blocked && s->ctr.reply_bytes <= s->cfg.reply_budget;
+    int resv = s->wake_resv;
+    if (!blocked && !resv) return;
+    if (blocked) s->wake_blocked = 0; /* set again by a connection still over it */
+    if (resv) s->wake_resv = s->resv_waiting = 0;
+    int64_t now = kvf_now_ms();
+    for (struct conn *c = s->conns, *n; c; c = n) {
+        n = c->next;
+        if (c->closing) continue;
+        if (blocked && c->rs == RS_BLOCKED) {
+            kvf_conn_next_request(c);
+        } else if (resv && c->rs == RS_RESV_WAIT) {
+            if (c->rx_deadline_ms) c->rx_deadline_ms += now - c->park_ms; /* the wait was ours */
+            c->progress_ms = now;
+            kvf_ops_batch_step(c);
         }
     }
 }
@@ -342,6 +494,7 @@ static void retry_parked(struct kvf_server *s)
         c->park_next = NULL;
         if (c->closing) { conn_check(c); continue; }
         if (c->rx_deadline_ms) c->rx_deadline_ms += kvf_now_ms() - c->park_ms; /* the wait was ours */
+        c->progress_ms = kvf_now_ms(); /* nor is it a stall of the peer */
         kvf_ops_batch_step(c);
     }
 }
@@ -371,6 +524,7 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
         conn_check(c);
         break;
     }
+
     case T_ZC: {
         struct reply *r = p;
         if (cqe->flags & IORING_CQE_F_NOTIF) {
@@ -414,6 +568,15 @@ int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
     s->cfg = *cfg;
     s->st = cfg->store;
     s->base = kvf_store_base(s->st);
+    if (!s->cfg.drain_ms) s->cfg.drain_ms = 5000;
+    if (!s->cfg.reply_conn_budget) s->cfg.reply_conn_budget = 1u << 20;
+    if (!s->cfg.reply_budget) s->cfg.reply_budget = 32u << 20;
+    if (!s->cfg.request_budget) s->cfg.request_budget = 32u << 20;
+    if (!s->cfg.reserve_budget) s->cfg.reserve_budget = kvf_store_capacity(s->st) / 4;
+    /* A fixed mmap threshold (glibc otherwise raises it after large frees,
+     * keeping later large buffers in the heap): reply and request buffers of
+     * 128 KiB or more are mapped and go back to the kernel when freed. */
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024);
     int rc = kvf_ring_init(&s->ring, 1024);
     if (rc) { free(s); return rc; }
     s->efd = eventfd(0, EFD_CLOEXEC);
@@ -457,18 +620,33 @@ int kvf_server_run(struct kvf_server *s)
     if (s->cfg.tcp_fd >= 0) arm_accept(s, s->cfg.tcp_fd, &s->tag_tcp);
     if (s->cfg.unix_fd >= 0) arm_accept(s, s->cfg.unix_fd, &s->tag_unix);
     arm_efd(s);
-    int64_t stop_at = 0, last_sweep = kvf_now_ms();
+    /* Stopping drains: accepts are cancelled, idle connections closed at
+     * once, frames being received finish and their replies go out (each
+     * connection closes after its last reply, kvf_conn_next_request), for at
+     * most drain_ms; then every connection is closed, and zero-copy sends get
+     * 2 s more for their notifications. */
+    int64_t drain_until = 0, stop_at = 0, last_sweep = kvf_now_ms();
     for (;;) {
         if (s->stop) {
-            if (!stop_at) {
-                stop_at = kvf_now_ms() + 2000;
-                for (struct conn *c = s->conns; c; c = c->next) kvf_conn_close(c);
+            int64_t now = kvf_now_ms();
+            if (!drain_until) {
+                drain_until = now + s->cfg.drain_ms;
+                for (struct conn *c = s->conns; c; c = c->next) {
+                    if (c->closing) continue;
+                    c->close_after_send = 1;
+                    int idle = (c->rs == RS_HDR && c->got == 0) || c->rs == RS_BLOCKED || c->rs == RS_STOP;
+                    if (idle && !c->q_head) kvf_conn_close(c);
+                }
                 /* listeners: the owner closes the fds; cancel our accepts */
                 struct io_uring_sqe *q;
                 if ((q = kvf_sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = KVF_TAG(&s->tag_tcp, T_ACCEPT); }
                 if ((q = kvf_sqe_get(s))) { q->opcode = IORING_OP_ASYNC_CANCEL; q->addr = KVF_TAG(&s->tag_unix, T_ACCEPT); }
             }
-            if ((!s->conns && !s->live_replies) || kvf_now_ms() > stop_at) break;
+            if (!stop_at && (!s->conns || now > drain_until)) {
+                stop_at = now + 2000;
+                for (struct conn *c = s->conns; c; c = c->next) kvf_conn_close(c);
+            }
+            if ((!s->conns && !s->live_replies) || (stop_at && now > stop_at)) break;
         }
         int rc = kvf_ring_submit_wait(&s->ring, 1, s->stop ? 50 : 500);
         if (rc && rc != -ETIME) return rc;
@@ -479,6 +657,7 @@ int kvf_server_run(struct kvf_server *s)
             dispatch(s, &copy);
         }
         if (s->parked) retry_parked(s);
+        if (s->wake_blocked || s->wake_resv) wake_waiters(s);
         int64_t now = kvf_now_ms();
         if (now - last_sweep >= 500) {
             last_sweep = now;

@@ -48,6 +48,17 @@ struct kvf_server_cfg {
     uint64_t min_rate; /* bytes/s: a frame (from its header) or a reply (from its first byte out) of S bytes
                           must be done within stall_ms + S / min_rate even if bytes keep trickling, else the
                           peer is dropped (counted in `too_slow`); 0, or stall_ms 0: no such bound */
+    uint32_t idle_ms;    /* a connection idle between frames this long is closed; 0 = never */
+    uint32_t preauth_ms; /* with auth: a connection not authenticated this long after accept is closed; 0 = never */
+    uint32_t drain_ms;   /* after kvf_server_stop(): frames in flight may finish for this long (0: 5000) */
+    /* Memory budgets (0: the default in brackets). Replies queued on one
+     * connection [1 MiB] or on all [32 MiB] over their budget pause reading
+     * (the connection's next request waits until replies went out); request
+     * buffers above the per-connection keep sizes (metadata > KVF_META_KEEP,
+     * batch arrays > KVF_BATCH_KEEP keys) over request_budget [32 MiB] answer
+     * BUSY; PUT slots reserved but not yet received over reserve_budget
+     * [capacity / 4] make the next PUT object wait (one object may always go). */
+    uint64_t reply_conn_budget, reply_budget, request_budget, reserve_budget;
 };
 
 struct kvf_server_counters {
@@ -58,6 +69,13 @@ struct kvf_server_counters {
     uint64_t shm_refused;              /* unix peers refused by the SO_PEERCRED check */
     uint64_t shm_leases_expired;       /* shm leases dropped at max_lease_ms */
     uint64_t shm_reservations_expired; /* shm reservations freed uncommitted after the stall timeout */
+    uint64_t idle_closed, preauth_closed; /* closed by idle_ms / preauth_ms */
+    uint64_t reply_waits;   /* times a connection paused reading on a reply budget */
+    uint64_t reserve_waits; /* times a PUT object waited for the reserve budget */
+    uint64_t request_busy;  /* requests answered BUSY over the request budget */
+    uint64_t reply_busy;    /* GETs answered BUSY over the server-wide reply budget */
+    uint64_t reply_bytes, request_bytes, reserved_bytes; /* now: queued replies, large request buffers,
+                                                            PUT slots reserved and not yet received */
     uint64_t errors[16];
     uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
     int zerocopy, fixed_buffers;

@@ -14,7 +14,23 @@
 #include "kvf_store.h"
 #include "kvf_uring.h"
 
-enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP };
+/* RS_GATE: the first bytes of a PUT object are received into c->stage before
+ * a slot is reserved for it; RS_RESV_WAIT: it waits for the server-wide
+ * reserve budget. */
+enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP, RS_GATE, RS_RESV_WAIT };
+
+/* Per-connection buffers kept between requests: a metadata buffer of up to
+ * KVF_META_KEEP bytes and batch arrays of up to KVF_BATCH_KEEP keys; larger
+ * ones are charged to the request budget and freed once the request is done. */
+#define KVF_META_KEEP 4096u
+#define KVF_BATCH_KEEP 64u
+/* A PUT object's slot is reserved (and space evicted for it) only once its
+ * first min(size, KVF_PUT_GATE) bytes have arrived, received into a staging
+ * buffer and then copied into the slot: never for a bare header. */
+#define KVF_PUT_GATE (16u << 10)
+/* Over the server-wide reply budget, a connection with no reply queued may
+ * still get a reply of up to this many bytes (a larger GET is answered BUSY). */
+#define KVF_REPLY_SMALL 4096u
 
 /* A PUT object is received in chunks of this size, each hashed while it is
  * still in cache and while the next one is on its way. */
@@ -51,6 +67,7 @@ struct reply {
     int done;            /* sent or orphaned */
     int pass_fd;         /* >= 0: send with SCM_RIGHTS (shm attach) */
     int64_t deadline_ms; /* min_rate bound, set when it starts going out; 0: none */
+    size_t mem;          /* bytes allocated for it (the reply budgets count these) */
     struct msghdr mh;
     struct iovec *iovs;  /* KVF_SEND_IOV entries, for SENDMSG */
     union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } cmsg;
@@ -73,6 +90,9 @@ struct batch {
     uint8_t *status;
     uint8_t *keybuf; /* RESERVE: keys copied out of the meta buffer */
     uint64_t park_round;
+    uint32_t cap;    /* entries allocated (batch_alloc sizes them to the request) */
+    size_t mem;      /* bytes charged to *acct (arrays over KVF_BATCH_KEEP keys), 0 otherwise */
+    uint64_t *acct;  /* the server's request-buffer gauge */
 };
 
 struct conn {
@@ -84,6 +104,13 @@ struct conn {
     int64_t progress_ms;           /* last time a frame or a reply made progress */
     int64_t rx_deadline_ms;        /* min_rate bound of the frame being read (0: none / between frames) */
     int64_t park_ms;               /* when it parked (waiting for space is not the peer's time) */
+    int64_t accepted_ms;           /* pre-auth timeout */
+    size_t reply_mem;              /* bytes of its queued replies */
+    size_t meta_mem;               /* bytes of c->meta charged to the request budget */
+    uint64_t reserved;             /* bytes of the PUT slot reserved and not yet received */
+    uint8_t *stage;                /* RS_GATE: an object's first bytes (KVF_PUT_GATE), freed after the request */
+    uint32_t staged;               /* bytes of object staged_idx - 1 in stage (0: none) */
+    uint32_t staged_idx;
     uint32_t refs;                 /* SQEs in flight that point at this conn */
     enum rs rs;
     struct kvf_header hdr;
@@ -128,6 +155,9 @@ struct kvf_server {
     int64_t start_ms;
     struct kvf_server_counters ctr;
     uint64_t live_replies;
+    uint64_t freed_since_trim;     /* heap bytes freed since the last malloc_trim */
+    int wake_blocked;              /* a connection waits for the server-wide reply budget */
+    int resv_waiting, wake_resv;   /* one waits for the reserve budget / some of it was freed */
     uint64_t tag_tcp, tag_unix, tag_efd; /* 8-aligned addresses used as user_data for listeners */
     uint8_t busy_frame[KVF_HEADER_SIZE + 96]; /* BUSY error frame (request id 0) for a peer over max_conns */
     size_t busy_len;
@@ -147,6 +177,14 @@ void kvf_conn_drain(struct conn *c, uint64_t n);
 void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
 void kvf_conn_next_request(struct conn *c);
 void kvf_conn_park(struct conn *c, uint64_t bytes);
+/* Receive the first n (<= KVF_PUT_GATE) bytes of the current PUT object into
+ * c->stage (RS_GATE; kvf_ops_staged runs when they are in). No return. */
+void kvf_conn_stage(struct conn *c, uint32_t n);
+/* Receive a PUT object of `size` bytes into its slot, the first `staged` of
+ * them already in c->stage (copied and hashed here). No return. */
+void kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t staged);
+/* A PUT slot of c is received (or given up): return its bytes to the reserve budget. */
+void kvf_conn_unreserved(struct conn *c);
 uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
 
 /* kvf_send.c */
@@ -170,11 +208,12 @@ void kvf_reply_zc_notif(struct kvf_server *s, struct reply *r, int res);
 void kvf_ops_request(struct conn *c);          /* header + meta are in */
 void kvf_ops_batch_step(struct conn *c);       /* continue a PUT/RESERVE */
 void kvf_ops_object_done(struct conn *c);      /* a PUT object landed in its slot */
+void kvf_ops_staged(struct conn *c);           /* a PUT object's first bytes are in c->stage */
 void kvf_ops_conn_gone(struct conn *c);        /* free leases and reservations */
 void kvf_batch_free(struct batch *b);
 /* helpers shared with kvf_shm.c: parse_* return 0 or a wire error code (KVF_E_*) */
 void kvf_ops_reject(struct conn *c, int code, const char *msg);
-int kvf_ops_batch_alloc(struct batch *b, uint32_t cap, int keybuf); /* 0 or -ENOMEM */
+int kvf_ops_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf); /* 0, -EBUSY, -ENOMEM */
 int kvf_ops_parse_keys(struct conn *c, const uint8_t *meta, size_t len, struct batch *b, uint32_t *n);
 int kvf_ops_parse_uints(const uint8_t *meta, size_t len, const char *name, uint64_t *out, uint32_t n);
 int kvf_ops_parse_uint(const uint8_t *meta, size_t len, const char *name, uint64_t *v, int required);

@@ -261,7 +261,7 @@ static void op_reserve(struct conn *c, const uint8_t *m, size_t mn)
 {
     struct kvf_server *s = c->srv;
     resv_abort(c); /* one open reservation per connection */
-    if (kvf_ops_batch_alloc(&c->resv, s->cfg.max_keys, 1)) { kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }
+    if (kvf_ops_batch_alloc(c, &c->resv, 1, 1)) { /* a key buffer; parse_keys sizes it to the keys */ kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }
     struct batch *b = &c->resv;
     uint32_t n;
     int e = kvf_ops_parse_keys(c, m, mn, b, &n);
@@ -310,7 +310,7 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
         return;
     }
     uint64_t *cs; /* scratch for the sent checksums */
-    if (kvf_ops_batch_alloc(&c->b, s->cfg.max_keys, 0) || kvf_ops_parse_uints(m, mn, "checksums", (cs = c->b.csums), b->n)) {
+    if (kvf_ops_batch_alloc(c, &c->b, b->n, 0) || kvf_ops_parse_uints(m, mn, "checksums", (cs = c->b.csums), b->n)) {
         kvf_ops_reject(c, KVF_E_MALFORMED, "checksums must be as long as the reservation");
         return;
     }

@@ -60,6 +60,18 @@ LISTENING_PREFIX = "kvfabric serve: listening on "
 #: Default cap on LOOKUP (and shm) leases, in milliseconds.
 DEFAULT_MAX_LEASE_MS = 60_000
 
+#: Connections idle between frames this long are closed (0: never).
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+#: On SIGTERM, frames in flight may finish for this long before every connection is closed.
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+#: Queued replies of one connection over this many bytes pause reading its next request ...
+DEFAULT_REPLY_BUDGET_CONN = 1 << 20
+#: ... and of all connections together, every connection's.
+DEFAULT_REPLY_BUDGET = 32 << 20
+#: Request buffers beyond the per-connection keep sizes (large metadata, large key batches),
+#: server-wide; a request over it is answered BUSY.
+DEFAULT_REQUEST_BUDGET = 32 << 20
+
 #: What to tell a user whose installation has no C extension.
 BUILD_HINT = (
     "the pool server needs kvfabric's C extension (kvfabric._native), which was not built{why}. "
@@ -104,6 +116,22 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
                    help="shm peers allowed besides the server's own uid (checked with SO_PEERCRED)")
     p.add_argument("--shm-allow-gid", default="", metavar="GID[,GID]",
                    help="shm peers allowed by effective or supplementary group (SO_PEERCRED)")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                   help=f"close connections idle between frames this many seconds; 0 = never "
+                        f"(default {DEFAULT_IDLE_TIMEOUT_S:g})")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help=f"on SIGTERM, let frames in flight finish for up to this many seconds "
+                        f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    p.add_argument("--reply-budget-conn", default="1MiB",
+                   help="bytes of queued replies on one connection before its next request waits (default 1MiB)")
+    p.add_argument("--reply-budget", default="32MiB",
+                   help="bytes of queued replies on all connections before every next request waits (default 32MiB)")
+    p.add_argument("--request-budget", default="32MiB",
+                   help="bytes of large request buffers (metadata > 4 KiB, batches > 64 keys) server-wide; "
+                        "over it a request gets BUSY (default 32MiB)")
+    p.add_argument("--reserve-budget", default="auto",
+                   help="bytes of PUT slots reserved but not yet received server-wide; over it the next PUT "
+                        "object waits (default auto: a quarter of the capacity)")
     p.add_argument("--evict-watermarks", default="auto", metavar="LOW,HIGH",
                    help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
                         "is free; 0,0 evicts only when a PUT finds no room (default auto: 64 MiB / "
@@ -297,6 +325,15 @@ def main(argv: list[str]) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
     shm = shm_options(args, transports)
+    if args.idle_timeout < 0:
+        raise SystemExit("kvfabric serve: --idle-timeout must be >= 0 (0 = never)")
+    if args.drain_timeout <= 0:
+        raise SystemExit("kvfabric serve: --drain-timeout must be > 0")
+    budgets = {name: _size(f"--{name.replace('_', '-')}", getattr(args, name))
+               for name in ("reply_budget_conn", "reply_budget", "request_budget")}
+    reserve = None if args.reserve_budget == "auto" else _size("--reserve-budget", args.reserve_budget)
+    if min(*budgets.values(), reserve or 1) < 1:
+        raise SystemExit("kvfabric serve: memory budgets must be >= 1 byte")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)
@@ -312,7 +349,8 @@ def main(argv: list[str]) -> int:
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
-            max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm,
+            max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
+            drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)

@@ -51,7 +51,14 @@ from .. import __version__, protocol
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
-from .main import DEFAULT_MAX_LEASE_MS
+from .main import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_LEASE_MS,
+    DEFAULT_REPLY_BUDGET,
+    DEFAULT_REPLY_BUDGET_CONN,
+    DEFAULT_REQUEST_BUDGET,
+)
 
 try:
     from .. import _native
@@ -210,7 +217,13 @@ class NativeServer:
     for ``stall_timeout_s`` is disconnected (idle connections are kept), and so
     is one whose frame (or reply) of S bytes is not done within
     ``stall_timeout_s + S / min_rate`` seconds of its start even though bytes keep
-    trickling (``min_rate`` bytes/s, default 1 MiB/s, as the Python server). Raises ``TransportUnavailable`` when the extension or
+    trickling (``min_rate`` bytes/s, default 1 MiB/s, as the Python server). A connection idle
+    between frames for ``idle_timeout_s`` (0: never) is closed, and with a token one that has not
+    authenticated within ``stall_timeout_s`` of its accept. Memory: queued replies pause a
+    connection's reading over ``reply_budget_conn`` bytes (its own) or ``reply_budget`` (all),
+    large request buffers answer BUSY over ``request_budget``, and PUT slots reserved but not yet
+    received wait over ``reserve_budget`` (default: a quarter of the capacity); see
+    docs/notes/server.md for the bound they give. Raises ``TransportUnavailable`` when the extension or
     io_uring is unavailable, ``ConfigError`` for bad options, ``OSError``
     when the port cannot be bound.
     """
@@ -237,6 +250,12 @@ class NativeServer:
         shm_group: str | int | None = None,
         shm_allow_uids: Sequence[int] = (),
         shm_allow_gids: Sequence[int] = (),
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        reply_budget_conn: int = DEFAULT_REPLY_BUDGET_CONN,
+        reply_budget: int = DEFAULT_REPLY_BUDGET,
+        request_budget: int = DEFAULT_REQUEST_BUDGET,
+        reserve_budget: int | None = None,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -244,6 +263,10 @@ class NativeServer:
             raise ConfigError(f"zerocopy must be auto|on|off, got {zerocopy!r}")
         if min_rate <= 0:
             raise ConfigError("min_rate must be > 0 bytes/s")
+        if idle_timeout_s < 0 or drain_timeout_s <= 0:
+            raise ConfigError("idle_timeout_s must be >= 0 (0: never) and drain_timeout_s > 0")
+        if min(reply_budget_conn, reply_budget, request_budget, reserve_budget or 1) < 1:
+            raise ConfigError("memory budgets must be >= 1 byte")
         if not 0 <= low_watermark <= high_watermark < 1:
             raise ConfigError("watermarks must satisfy 0 <= low <= high < 1")
         unknown = set(transports) - {"tcp", "native", "shm"}
@@ -291,6 +314,13 @@ class NativeServer:
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
                 stall_ms=max(0, int(stall_timeout_s * 1000)), max_lease_ms=max(0, int(max_lease_ms)),
                 min_rate=max(1, int(min_rate)), shm_uids=[int(u) for u in shm_allow_uids], shm_gids=allow_gids,
+                idle_ms=int(idle_timeout_s * 1000),
+                # with a token, a connection must authenticate within the stall timeout
+                preauth_ms=max(1, int(stall_timeout_s * 1000)) if auth_token else 0,
+                drain_ms=max(1, int(drain_timeout_s * 1000)),
+                reply_conn_budget=int(reply_budget_conn), reply_budget=int(reply_budget),
+                request_budget=int(request_budget),
+                reserve_budget=int(reserve_budget if reserve_budget is not None else max(1, capacity // 4)),
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
@@ -299,9 +329,11 @@ class NativeServer:
         self._low = int(capacity * low_watermark)
         self._high = int(capacity * high_watermark)
         self._stop = threading.Event()
+        self._stopping = False
         self._events_dropped = 0
         self.loop_error: BaseException | None = None  # set if the io_uring loop failed (the process should stop)
         self._threads: list[threading.Thread] = []
+        self._drain_timeout_s = drain_timeout_s
 
     @property
     def address(self) -> str:
@@ -335,12 +367,21 @@ class NativeServer:
         return self
 
     def stop(self) -> None:
-        """Stop accepting, close connections, join the threads (idempotent)."""
-        if self._stop.is_set():
+        """Stop accepting, drain, join the threads (idempotent).
+
+        Idle connections are closed at once; frames being received finish and
+        their replies go out, for at most ``drain_timeout_s``, then everything
+        is closed. The control thread runs until the loop is done, so a PUT
+        waiting for eviction during the drain still gets its space.
+        """
+        if self._stopping:
             return
-        self._stop.set()
+        self._stopping = True
         self._srv.stop()
-        for t in self._threads:
+        if self._threads:
+            self._threads[0].join(self._drain_timeout_s + 10)
+        self._stop.set()
+        for t in self._threads[1:]:
             t.join(10)
         self._close_sockets()
 
