@@ -150,6 +150,16 @@ static int parse_uint(struct meta m, const char *name, uint64_t *v, int required
     struct kvf_mw w;                                      \
     kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
 
+/* Whether the al bytes at a are the token, in time that depends only on the
+ * token's length (not on where a guess first differs, nor on al). */
+static int token_equal(const char *a, uint32_t al, const char *token)
+{
+    size_t tl = strlen(token);
+    volatile uint8_t diff = (uint8_t)(al != tl);
+    for (size_t i = 0; i < tl; i++) diff |= (uint8_t)(token[i] ^ (i < al ? a[i] : 0));
+    return diff == 0;
+}
+
 static void op_hello(struct conn *c, struct meta m)
 {
     struct kvf_server *s = c->srv;
@@ -163,8 +173,7 @@ static void op_hello(struct conn *c, struct meta m)
     if (s->cfg.auth) {
         const char *a;
         uint32_t al;
-        if (kvf_mr_find(m.p, m.n, "auth", &r) || kvf_mr_str(&r, &a, &al) || al != strlen(s->cfg.auth) ||
-            memcmp(a, s->cfg.auth, al) != 0) {
+        if (kvf_mr_find(m.p, m.n, "auth", &r) || kvf_mr_str(&r, &a, &al) || !token_equal(a, al, s->cfg.auth)) {
             reject(c, KVF_E_AUTH_FAILED, "authentication failed");
             return;
         }
@@ -197,12 +206,13 @@ static void op_stats(struct conn *c)
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 38 + s->cfg.stats_extra_pairs);
+    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs);
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
     KV("capacity", ss.capacity);
     KV("free_bytes", ss.free_bytes);
+    KV("bytes_allocated", ss.capacity - ss.free_bytes); /* slots of objects and reservations, whole pages */
     KV("pinned", ss.pinned);
     KV("hits", s->ctr.hits);
     KV("misses", s->ctr.misses);

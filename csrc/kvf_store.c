@@ -55,6 +55,7 @@ struct kvf_store {
     uint32_t *buckets;
     uint32_t nbuckets; /* power of two */
     uint64_t objects, bytes_used, evictions, checksum_failures, events_dropped;
+    uint64_t pinned; /* indexed entries with pins > 0, kept as pins change (STATS is O(1)) */
     struct kvf_event *ring;
     uint32_t ring_cap, ring_head, ring_len;
     uint64_t want_bytes, round, low_bytes;
@@ -193,6 +194,7 @@ static void unlink_entry(struct kvf_store *st, uint32_t id)
     *pp = e->next;
     st->objects--;
     st->bytes_used -= e->size;
+    if (e->pins) st->pinned--; /* a DEAD entry's pins are no longer an indexed object's */
 }
 
 static void release_entry(struct kvf_store *st, uint32_t id)
@@ -368,7 +370,7 @@ int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, u
     uint32_t i = find(st, key, klen);
     if (i == NONE) { pthread_mutex_unlock(&st->mu); return -ENOENT; }
     struct entry *e = &st->ents[i];
-    e->pins++;
+    if (e->pins++ == 0) st->pinned++;
     *id = i; *off = e->off; *size = e->size; *csum = e->csum;
     event(st, KVF_EV_ACCESS, key, klen, 0, NULL, 0);
     pthread_mutex_unlock(&st->mu);
@@ -379,7 +381,7 @@ void kvf_store_release(struct kvf_store *st, uint32_t id)
 {
     pthread_mutex_lock(&st->mu);
     struct entry *e = &st->ents[id];
-    if (e->pins) e->pins--;
+    if (e->pins && --e->pins == 0 && e->state == E_LIVE) st->pinned--;
     if (e->pins == 0 && e->state == E_DEAD) release_entry(st, id);
     pthread_mutex_unlock(&st->mu);
 }
@@ -486,11 +488,7 @@ void kvf_store_stats(struct kvf_store *st, struct kvf_store_stats *s)
     s->evictions = st->evictions;
     s->checksum_failures = st->checksum_failures;
     s->events_dropped = st->events_dropped;
-    int64_t now = kvf_now_ms();
-    uint64_t p = 0;
-    for (uint32_t i = 0; i < st->nents; i++)
-        if (st->ents[i].state == E_LIVE && pinned(&st->ents[i], now)) p++;
-    s->pinned = p;
+    s->pinned = st->pinned;
     pthread_mutex_unlock(&st->mu);
 }
 

@@ -38,9 +38,11 @@ struct kvf_event {
     uint8_t parent[KVF_KEY_MAX];
 };
 
+/* Every figure is kept as it changes: kvf_store_stats is O(1). */
 struct kvf_store_stats {
     uint64_t objects, bytes_used, capacity, free_bytes, evictions, checksum_failures, events_dropped;
-    uint64_t pinned;
+    uint64_t pinned; /* indexed objects held by a send in progress or an shm lease (pins > 0; LOOKUP
+                        leases, which expire by the clock, are not counted) */
 };
 
 struct kvf_store;

@@ -80,3 +80,18 @@ def test_a_client_connecting_the_moment_the_port_opens_gets_its_hello_answered_a
     # the figure (process start -> HELLO answered) goes to the notes, not into an assertion
     print(f"3 GiB: first HELLO answered {result['answered'] - started:.3f} s after the process was started, "
           f"{result['answered'] - result['connected']:.3f} s after its connect")
+
+
+def test_only_the_exact_token_authenticates():
+    from kvfabric.errors import ErrorCode, RemoteError
+
+    with start_server(capacity="4MiB", extra_args=["--auth-token", "open-sesame"]) as srv:
+        for wrong in ("open-sesam", "open-sesame!", "open-sesamE", "x", "open-sesame\0"):
+            try:
+                tcp.connect(srv.address, timeout_s=30, auth_token=wrong).close()
+            except RemoteError as e:
+                assert e.code == ErrorCode.AUTH_FAILED
+            else:
+                raise AssertionError(f"token {wrong!r} was accepted")
+        with tcp.connect(srv.address, timeout_s=30, auth_token="open-sesame") as c:
+            assert isinstance(c.request(p.PingRequest()).msg, p.PingReply)
