@@ -206,7 +206,7 @@ static void op_stats(struct conn *c)
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs);
+    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs); /* protocol/stats.py STATS_KEYS + the optional ones */
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);

@@ -267,12 +267,16 @@ class Handlers:
         return Reply(protocol.encode_reply(StatsReply(self.stats()), header.request_id))
 
     def stats(self) -> dict[str, Any]:
-        """The STATS map of docs/ARCHITECTURE.md (plus a few extra counters)."""
+        """The STATS map: every key of ``protocol.STATS_KEYS`` plus the reference's optional ones."""
         out = self.store.stats()
         out.update(self.counters.snapshot())
         out["transports"] = list(self.transports)
         out["server_id"] = self.server_id
         out["uptime_s"] = round(time.monotonic() - self.started, 3)
+        out["free_bytes"] = self.store.arena.free_bytes
+        out["stalled_connections"] = out["drops"].get("stalled", 0)  # the min-rate bound included
+        for key in protocol.STATS_KEYS:
+            out.setdefault(key, 0)  # a mechanism the reference does not have (budgets, idle timeouts)
         for name, source in self.stats_sources.items():
             out[name] = source()
         return out

@@ -58,3 +58,22 @@ def test_stats_stay_exact_through_puts_gets_deletes_and_evictions():
             assert wait_for(lambda: c.request(p.StatsRequest()).msg.stats["pinned"] == 0)
             present = c.request(p.ExistsRequest(list(held))).msg.present
             assert all(present)
+
+
+def test_both_servers_report_the_stats_schema():
+    reported = {}
+    for impl, module in (("native", "kvfabric"), ("reference", "kvfabric.testing.reference")):
+        with start_server(capacity="4MiB", module=module) as srv:
+            with tcp.connect(srv.address, timeout_s=30) as c:
+                v = b"x" * 100
+                c.request(p.PutRequest([b"k"], [100], [p.checksum(b"k", v)]), [v])
+                c.request(p.GetRequest([b"k", b"missing"]))
+                reported[impl] = c.request(p.StatsRequest()).msg.stats
+    for impl, st in reported.items():
+        missing = set(p.STATS_KEYS) - set(st)
+        extra = set(st) - set(p.STATS_KEYS) - set(p.STATS_OPTIONAL_KEYS[impl])
+        assert not missing and not extra, (impl, sorted(missing), sorted(extra))
+    native, ref = reported["native"], reported["reference"]
+    # the same keys, and the same figures for the same traffic
+    for key in ("objects", "bytes_used", "bytes_allocated", "capacity", "free_bytes", "hits", "misses", "puts"):
+        assert native[key] == ref[key], (key, native[key], ref[key])

@@ -1,0 +1,78 @@
+"""The STATS schema: the keys every pool server reports, defined once.
+
+Both implementations fill exactly :data:`STATS_KEYS` (the product server,
+``csrc/kvf_ops.c`` ``op_stats``, and the test reference,
+``kvfabric/server/handlers.py``), plus only the implementation-specific keys
+listed in :data:`STATS_OPTIONAL_KEYS`. ``tests/native/test_stats.py`` checks
+both against these tuples, so a key added to one server and not to the
+schema (or to the other server) fails the suite.
+
+Counts are since start; gauges (``connections``, ``pinned``, ``*_bytes``) are
+now. Where a server has no such mechanism the value is 0 (the reference has
+no reply, request or reserve budgets and no idle or pre-auth timeout).
+"""
+
+from __future__ import annotations
+
+#: Every server reports these keys (name: meaning).
+STATS_FIELDS: dict[str, str] = {
+    # store
+    "objects": "objects indexed",
+    "bytes_used": "bytes of the indexed objects",
+    "bytes_allocated": "arena bytes in slots (objects and reservations, whole pages)",
+    "capacity": "arena bytes",
+    "free_bytes": "arena bytes free",
+    "pinned": "indexed objects held by a send in progress or an shm lease (LOOKUP leases not counted)",
+    "hits": "GET keys found",
+    "misses": "GET keys not found",
+    "puts": "objects stored",
+    "evictions": "objects evicted by the policy",
+    "checksum_failures": "stored objects whose bytes failed their checksum when read (dropped, a miss)",
+    "checksum_rejects": "PUT objects refused because their checksum did not match their key and bytes",
+    # traffic and connections
+    "bytes_in": "bytes received in frames",
+    "bytes_out": "bytes sent in frames",
+    "connections": "connections open",
+    "connections_total": "connections accepted",
+    "connections_refused": "connections refused (over --max-connections, or while stopping)",
+    "stalled_connections": "peers dropped for making no progress mid-frame or not reading a reply",
+    "slow_connections": "peers dropped over the --min-rate bound while still trickling bytes",
+    "idle_timeouts": "connections closed after --idle-timeout between frames",
+    "preauth_timeouts": "connections closed for not authenticating in time (with a token)",
+    # memory budgets (docs/notes/server.md)
+    "reply_budget_waits": "times a connection stopped reading over its or the server's reply budget",
+    "reply_budget_busy": "GETs answered BUSY over the server-wide reply budget",
+    "request_budget_busy": "requests answered BUSY over the request-buffer budget",
+    "reserve_budget_waits": "times a PUT object waited for the reserve budget",
+    "reply_bytes": "bytes of queued replies now",
+    "request_bytes": "bytes of large request buffers now",
+    "reserved_bytes": "bytes of PUT slots reserved and not yet received now",
+    # identity
+    "errors": "error replies by code name {NAME: count}",
+    "policy": "eviction policy",
+    "transports": "transports offered",
+    "server_id": "the id reported in HELLO",
+    "uptime_s": "seconds since start",
+}
+
+STATS_KEYS: tuple[str, ...] = tuple(STATS_FIELDS)
+
+#: Implementation-specific keys a server may add, by implementation.
+STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
+    # the product server (C io_uring data plane)
+    "native": (
+        "events_dropped",  # eviction events lost to a full ring (the policy was resynchronised)
+        "zc_sends", "copy_sends", "zc_copied_notifs",  # how GET objects went out
+        "data_plane",  # io_uring[+send_zc[+fixed]]
+        "transports_in_use",  # {tcp, native, shm}: connections by what they said at HELLO
+        "shm_refused",  # unix peers refused by the SO_PEERCRED check
+        "shm_leases_expired",  # shm leases dropped at --max-lease-ms
+        "shm_reservations_expired",  # shm reservations freed uncommitted
+    ),
+    # the test reference (pure Python)
+    "reference": (
+        "leased", "free_extents", "put_exists", "put_too_large", "put_no_space", "put_checksum_mismatches",
+        "evicted_bytes", "deletes", "lookups", "lookup_keys", "lookup_hits", "exists_keys", "requests",
+        "drops",  # {reason: n} connections dropped without an error reply
+    ),
+}
