@@ -298,6 +298,19 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "shm_leases_expired", c.shm_leases_expired, "shm_reservations_expired", c.shm_reservations_expired);
 }
 
+static PyObject *Server_populate(ServerObject *self, PyObject *args)
+{
+    NEED_SRV(self);
+    unsigned long long off, len;
+    if (!PyArg_ParseTuple(args, "KK", &off, &len)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_store_populate(self->st, off, len);
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_errno(rc, 0, "populating the arena");
+    Py_RETURN_NONE;
+}
+
 static PyObject *Server_check(ServerObject *self, PyObject *noargs)
 {
     (void)noargs;
@@ -326,6 +339,8 @@ static PyMethodDef Server_methods[] = {
     {"keys", (PyCFunction)Server_keys, METH_NOARGS, "[(key, size)] of every indexed object (policy resync)"},
     {"stats", (PyCFunction)Server_stats, METH_NOARGS, "store and data-plane counters"},
     {"check", (PyCFunction)Server_check, METH_NOARGS, "allocator self-check -> bool"},
+    {"populate", (PyCFunction)Server_populate, METH_VARARGS,
+     "populate(offset, length): fault arena pages in without changing them (GIL released); NativeError"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -300,6 +300,20 @@ void kvf_store_free(struct kvf_store *st)
     free(st);
 }
 
+int kvf_store_populate(struct kvf_store *st, uint64_t off, uint64_t len)
+{
+#ifdef MADV_POPULATE_WRITE
+    if (off >= st->capacity) return 0;
+    if (len > st->capacity - off) len = st->capacity - off;
+    /* faults the pages in writable without writing them: safe while the
+     * data plane fills slots in the same range */
+    return madvise(st->base + off, len, MADV_POPULATE_WRITE) ? -errno : 0;
+#else
+    (void)st; (void)off; (void)len;
+    return -EOPNOTSUPP;
+#endif
+}
+
 uint8_t *kvf_store_base(struct kvf_store *st) { return st->base; }
 int kvf_store_memfd(struct kvf_store *st) { return st->memfd; }
 uint64_t kvf_store_capacity(struct kvf_store *st) { return st->capacity; }

@@ -51,6 +51,11 @@ struct kvf_store;
  * page, -ENOMEM / other -errno when the memory cannot be had. */
 int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring);
 void kvf_store_free(struct kvf_store *st);
+/* Fault in the arena pages of [off, off + len) (clipped to the arena) without
+ * changing their bytes, so that the data plane does not take a page fault per
+ * 4 KiB on its first pass through the arena. Not a pin. 0, -EOPNOTSUPP (no
+ * MADV_POPULATE_WRITE here) or -errno. */
+int kvf_store_populate(struct kvf_store *st, uint64_t off, uint64_t len);
 uint8_t *kvf_store_base(struct kvf_store *st);
 int kvf_store_memfd(struct kvf_store *st);
 uint64_t kvf_store_capacity(struct kvf_store *st);
