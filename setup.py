@@ -37,6 +37,7 @@ SOURCES = [
     "csrc/kvf_uring.c",
     "csrc/kvf_server.c",
     "csrc/kvf_send.c",
+    "csrc/kvf_limits.c",
     "csrc/kvf_ops.c",
     "csrc/kvf_bench.c",
     "csrc/kvf_hash.c",

@@ -2,8 +2,8 @@
  *
  * Owns the server object (new/run/stop/free), the listeners and accept, the
  * connection lifetime (close, destroy), the receive path (header, metadata,
- * objects, drain), CQE dispatch, the stall / min-rate sweep and the retry of
- * PUTs parked waiting for space. The reply send path is kvf_send.c, the
+ * objects, drain), CQE dispatch, the drain on stop and the retry of PUTs
+ * parked waiting for space. Timeouts and memory budgets are kvf_limits.c. The reply send path is kvf_send.c, the
  * request handlers kvf_ops.c.
  *
  * user_data of every SQE is a pointer with a tag in its low 3 bits:
@@ -23,13 +23,11 @@
 #include <errno.h>
 #include <malloc.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include "kvf_hash.h"
@@ -164,57 +162,13 @@ void kvf_conn_drain(struct conn *c, uint64_t n)
     kvf_conn_recv_into(c, c->scratch, n < (1 << 16) ? n : (1 << 16), RS_DRAIN);
 }
 
-/* Give back what the request just done needed beyond the per-connection keep
- * sizes (a large metadata buffer, large batch arrays, the drain buffer). */
-static void shrink_buffers(struct conn *c)
-{
-    struct kvf_server *s = c->srv;
-    if (c->meta_cap > KVF_META_KEEP) {
-        s->ctr.request_bytes -= c->meta_mem;
-        s->freed_since_trim += c->meta_cap;
-        free(c->meta);
-        c->meta = NULL;
-        c->meta_cap = 0;
-        c->meta_mem = 0;
-    }
-    if (c->b.cap > KVF_BATCH_KEEP) {
-        s->freed_since_trim += c->b.mem;
-        kvf_batch_free(&c->b);
-    }
-    if (!c->resv_open && c->resv.cap > KVF_BATCH_KEEP) {
-        s->freed_since_trim += c->resv.mem;
-        kvf_batch_free(&c->resv);
-    }
-    free(c->scratch);
-    c->scratch = NULL;
-    free(c->stage);
-    c->stage = NULL;
-}
-
-/* Whether c must wait for its replies to go out before reading another request. */
-static int replies_over_budget(struct conn *c)
-{
-    struct kvf_server *s = c->srv;
-    if (c->nreplies >= s->cfg.max_in_flight) return 1;
-    if (c->nreplies && c->reply_mem > s->cfg.reply_conn_budget) return 1;
-    /* Over the server-wide budget, connections with replies queued wait; one
-     * with none may read its next request (a large GET reply is then
-     * answered BUSY in op_keys), so fresh and well-behaved peers are never
-     * held up by others that do not read. */
-    if (c->nreplies && s->ctr.reply_bytes > s->cfg.reply_budget) {
-        s->wake_blocked = 1; /* woken by the loop once replies were freed */
-        return 1;
-    }
-    return 0;
-}
-
 /* Ready for the next header, unless too many replies (or bytes of them) are
  * queued, or the server is stopping (then close once the replies are out). */
 void kvf_conn_next_request(struct conn *c)
 {
     c->batch_op = 0;
     c->rx_deadline_ms = 0;
-    shrink_buffers(c);
+    kvf_conn_shrink(c);
     if (c->closing) return;
     if (c->srv->stop) c->close_after_send = 1;
     if (c->close_after_send) {
@@ -222,7 +176,7 @@ void kvf_conn_next_request(struct conn *c)
         if (!c->q_head) kvf_conn_close(c);
         return;
     }
-    if (replies_over_budget(c)) {
+    if (kvf_conn_replies_over_budget(c)) {
         if (c->rs != RS_BLOCKED && c->nreplies < c->srv->cfg.max_in_flight) c->srv->ctr.reply_waits++;
         c->rs = RS_BLOCKED;
         return;
@@ -251,14 +205,6 @@ void kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t st
     c->got = staged;
     if (c->got == c->want) kvf_ops_object_done(c);
     else post_recv(c);
-}
-
-void kvf_conn_unreserved(struct conn *c)
-{
-    if (!c->reserved) return;
-    c->srv->ctr.reserved_bytes -= c->reserved;
-    c->reserved = 0;
-    if (c->srv->resv_waiting) c->srv->wake_resv = 1;
 }
 
 uint64_t kvf_conn_obj_digest(struct conn *c) { return kvf_hash_digest(c->xxh); }
@@ -417,67 +363,6 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
 }
 
 /* ---------------------------------------------------------------- loop */
-
-/* Drop peers that stall mid-frame or stop reading their replies (a slow
- * reader or writer would otherwise hold slots and pins forever), and, with
- * min_rate, peers whose frame or reply overruns stall + size / min_rate while
- * trickling bytes (slowloris). Idle connections between requests are left
- * alone, and so is a PUT parked waiting for space. */
-static void sweep_stalled(struct kvf_server *s, int64_t now)
-{
-    for (struct conn *c = s->conns; c; c = c->next) {
-        if (c->closing) continue;
-        int idle = c->rs == RS_HDR && c->got == 0 && !c->q_head;
-        if (s->cfg.auth && !c->authed && s->cfg.preauth_ms && now - c->accepted_ms >= (int64_t)s->cfg.preauth_ms) {
-            s->ctr.preauth_closed++; /* silent unauthenticated sockets must not fill max_conns */
-            kvf_conn_close(c);
-            continue;
-        }
-        if (idle && s->cfg.idle_ms && now - c->progress_ms >= (int64_t)s->cfg.idle_ms) {
-            s->ctr.idle_closed++;
-            kvf_conn_close(c);
-            continue;
-        }
-        if (!s->cfg.stall_ms) continue;
-        int mid_frame = c->rs == RS_META || c->rs == RS_OBJ || c->rs == RS_DRAIN || c->rs == RS_GATE ||
-                        (c->rs == RS_HDR && c->got > 0);
-        int sending = c->send_posted;
-        int late = (mid_frame && c->rx_deadline_ms && now > c->rx_deadline_ms) ||
-                   (sending && c->q_head && c->q_head->deadline_ms && now > c->q_head->deadline_ms);
-        int stalled = now - c->progress_ms >= (int64_t)s->cfg.stall_ms && (mid_frame || sending);
-        if (stalled || late) {
-            if (stalled) s->ctr.stalled++; else s->ctr.too_slow++;
-            kvf_conn_close(c);
-        }
-    }
-    /* glibc keeps freed heap (and the loop thread's arena) unless asked */
-    if (s->freed_since_trim >= (4u << 20)) {
-        s->freed_since_trim = 0;
-        malloc_trim(0);
-    }
-}
-
-/* A budget was freed: connections paused on it go on (each checks again). */
-static void wake_waiters(struct kvf_server *s)
-{
-    int blocked = s->wake_blocked && s->ctr.reply_bytes <= s->cfg.reply_budget;
-    int resv = s->wake_resv;
-    if (!blocked && !resv) return;
-    if (blocked) s->wake_blocked = 0; /* set again by a connection still over it */
-    if (resv) s->wake_resv = s->resv_waiting = 0;
-    int64_t now = kvf_now_ms();
-    for (struct conn *c = s->conns, *n; c; c = n) {
-        n = c->next;
-        if (c->closing) continue;
-        if (blocked && c->rs == RS_BLOCKED) {
-            kvf_conn_next_request(c);
-        } else if (resv && c->rs == RS_RESV_WAIT) {
-            if (c->rx_deadline_ms) c->rx_deadline_ms += now - c->park_ms; /* the wait was ours */
-            c->progress_ms = now;
-            kvf_ops_batch_step(c);
-        }
-    }
-}
 
 static void retry_parked(struct kvf_server *s)
 {
@@ -657,11 +542,11 @@ int kvf_server_run(struct kvf_server *s)
             dispatch(s, &copy);
         }
         if (s->parked) retry_parked(s);
-        if (s->wake_blocked || s->wake_resv) wake_waiters(s);
+        if (s->wake_blocked || s->wake_resv) kvf_wake_waiters(s);
         int64_t now = kvf_now_ms();
         if (now - last_sweep >= 500) {
             last_sweep = now;
-            sweep_stalled(s, now);
+            kvf_sweep(s, now);
             kvf_shm_sweep(s, now);
         }
     }

@@ -187,6 +187,12 @@ void kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t st
 void kvf_conn_unreserved(struct conn *c);
 uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
 
+/* kvf_limits.c */
+void kvf_conn_shrink(struct conn *c);             /* free buffers over the keep sizes (request done) */
+int kvf_conn_replies_over_budget(struct conn *c); /* 1: c waits for its replies before its next request */
+void kvf_sweep(struct kvf_server *s, int64_t now); /* timeouts (every 500 ms) and heap trim */
+void kvf_wake_waiters(struct kvf_server *s);      /* a budget was freed: resume who waits on it */
+
 /* kvf_send.c */
 extern const char *const kvf_err_names[16];
 struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);

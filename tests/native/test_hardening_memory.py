@@ -148,6 +148,8 @@ def test_queued_unread_replies_stay_within_the_reply_budget_and_memory_comes_bac
         assert wait_for(lambda: stats(srv.address)["connections"] == 1, timeout_s=60)
         time.sleep(1.0)  # the sweep trims the heap at most every 500 ms
         after = check_rss(srv, limit, "after the clients left")
+        st = stats(srv.address)  # the budgets' gauges are back to nothing (but this STATS reply)
+        assert st["request_bytes"] == 0 and st["reserved_bytes"] == 0 and st["reply_bytes"] < 16384, st
         print(f"after/peak {after / MiB:.1f}/{peak / MiB:.1f} MiB")
 
 

@@ -1,0 +1,127 @@
+/* kvf_limits.c: the native server's timeouts and memory budgets (see kvf_server.h).
+ *
+ * Runs on the loop thread. Per-connection buffers beyond the keep sizes are
+ * given back after each request; queued replies are held to the
+ * per-connection and server-wide reply budgets; the 500 ms sweep drops peers
+ * that stall mid-frame, trickle under the min-rate bound, sit idle past the
+ * idle timeout or do not authenticate in time, and trims the heap; a freed
+ * budget wakes the connections waiting on it.
+ */
+#define _GNU_SOURCE
+#include "kvf_server_int.h"
+
+#include <malloc.h>
+#include <stdlib.h>
+
+/* Give back what the request just done needed beyond the per-connection keep
+ * sizes (a large metadata buffer, large batch arrays, the drain buffer). */
+void kvf_conn_shrink(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    if (c->meta_cap > KVF_META_KEEP) {
+        s->ctr.request_bytes -= c->meta_mem;
+        s->freed_since_trim += c->meta_cap;
+        free(c->meta);
+        c->meta = NULL;
+        c->meta_cap = 0;
+        c->meta_mem = 0;
+    }
+    if (c->b.cap > KVF_BATCH_KEEP) {
+        s->freed_since_trim += c->b.mem;
+        kvf_batch_free(&c->b);
+    }
+    if (!c->resv_open && c->resv.cap > KVF_BATCH_KEEP) {
+        s->freed_since_trim += c->resv.mem;
+        kvf_batch_free(&c->resv);
+    }
+    free(c->scratch);
+    c->scratch = NULL;
+    free(c->stage);
+    c->stage = NULL;
+}
+
+/* Whether c must wait for its replies to go out before reading another request. */
+int kvf_conn_replies_over_budget(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    if (c->nreplies >= s->cfg.max_in_flight) return 1;
+    if (c->nreplies && c->reply_mem > s->cfg.reply_conn_budget) return 1;
+    /* Over the server-wide budget, connections with replies queued wait; one
+     * with none may read its next request (a large GET reply is then
+     * answered BUSY in op_keys), so fresh and well-behaved peers are never
+     * held up by others that do not read. */
+    if (c->nreplies && s->ctr.reply_bytes > s->cfg.reply_budget) {
+        s->wake_blocked = 1; /* woken by the loop once replies were freed */
+        return 1;
+    }
+    return 0;
+}
+
+/* Drop peers that stall mid-frame or stop reading their replies (a slow
+ * reader or writer would otherwise hold slots and pins forever), and, with
+ * min_rate, peers whose frame or reply overruns stall + size / min_rate while
+ * trickling bytes (slowloris). Idle connections between requests are left
+ * alone, and so is a PUT parked waiting for space. */
+void kvf_sweep(struct kvf_server *s, int64_t now)
+{
+    for (struct conn *c = s->conns; c; c = c->next) {
+        if (c->closing) continue;
+        int idle = c->rs == RS_HDR && c->got == 0 && !c->q_head;
+        if (s->cfg.auth && !c->authed && s->cfg.preauth_ms && now - c->accepted_ms >= (int64_t)s->cfg.preauth_ms) {
+            s->ctr.preauth_closed++; /* silent unauthenticated sockets must not fill max_conns */
+            kvf_conn_close(c);
+            continue;
+        }
+        if (idle && s->cfg.idle_ms && now - c->progress_ms >= (int64_t)s->cfg.idle_ms) {
+            s->ctr.idle_closed++;
+            kvf_conn_close(c);
+            continue;
+        }
+        if (!s->cfg.stall_ms) continue;
+        int mid_frame = c->rs == RS_META || c->rs == RS_OBJ || c->rs == RS_DRAIN || c->rs == RS_GATE ||
+                        (c->rs == RS_HDR && c->got > 0);
+        int sending = c->send_posted;
+        int late = (mid_frame && c->rx_deadline_ms && now > c->rx_deadline_ms) ||
+                   (sending && c->q_head && c->q_head->deadline_ms && now > c->q_head->deadline_ms);
+        int stalled = now - c->progress_ms >= (int64_t)s->cfg.stall_ms && (mid_frame || sending);
+        if (stalled || late) {
+            if (stalled) s->ctr.stalled++; else s->ctr.too_slow++;
+            kvf_conn_close(c);
+        }
+    }
+    /* glibc keeps freed heap (and the loop thread's arena) unless asked */
+    if (s->freed_since_trim >= (4u << 20)) {
+        s->freed_since_trim = 0;
+        malloc_trim(0);
+    }
+}
+
+/* A budget was freed: connections paused on it go on (each checks again). */
+void kvf_wake_waiters(struct kvf_server *s)
+{
+    int blocked = s->wake_blocked && s->ctr.reply_bytes <= s->cfg.reply_budget;
+    int resv = s->wake_resv;
+    if (!blocked && !resv) return;
+    if (blocked) s->wake_blocked = 0; /* set again by a connection still over it */
+    if (resv) s->wake_resv = s->resv_waiting = 0;
+    int64_t now = kvf_now_ms();
+    for (struct conn *c = s->conns, *n; c; c = n) {
+        n = c->next;
+        if (c->closing) continue;
+        if (blocked && c->rs == RS_BLOCKED) {
+            kvf_conn_next_request(c);
+        } else if (resv && c->rs == RS_RESV_WAIT) {
+            if (c->rx_deadline_ms) c->rx_deadline_ms += now - c->park_ms; /* the wait was ours */
+            c->progress_ms = now;
+            kvf_ops_batch_step(c);
+        }
+    }
+}
+
+void kvf_conn_unreserved(struct conn *c)
+{
+    if (!c->reserved) return;
+    c->srv->ctr.reserved_bytes -= c->reserved;
+    c->reserved = 0;
+    if (c->srv->resv_waiting) c->srv->wake_resv = 1;
+}
