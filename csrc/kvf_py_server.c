@@ -285,7 +285,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
     kvf_store_stats(self->st, &ss);
     kvf_server_counters(self->srv, &c);
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
         "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
         "pinned", ss.pinned, "hits", c.hits, "misses", c.misses, "puts", c.puts, "bytes_in", c.bytes_in,
@@ -295,7 +295,11 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "native", c.by_transport[1], "shm", c.by_transport[2], "connections_refused", c.rejected,
         "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends,
         "checksum_rejects", c.checksum_rejects, "shm_refused", c.shm_refused,
-        "shm_leases_expired", c.shm_leases_expired, "shm_reservations_expired", c.shm_reservations_expired);
+        "shm_leases_expired", c.shm_leases_expired, "shm_reservations_expired", c.shm_reservations_expired,
+        "idle_timeouts", c.idle_closed, "preauth_timeouts", c.preauth_closed, "reply_budget_waits", c.reply_waits,
+        "reply_budget_busy", c.reply_busy, "request_budget_busy", c.request_busy,
+        "reserve_budget_waits", c.reserve_waits, "reply_bytes", c.reply_bytes, "request_bytes", c.request_bytes,
+        "reserved_bytes", c.reserved_bytes);
 }
 
 static PyObject *Server_populate(ServerObject *self, PyObject *args)
