@@ -67,8 +67,9 @@ void kvf_sweep(struct kvf_server *s, int64_t now)
     for (struct conn *c = s->conns; c; c = c->next) {
         if (c->closing) continue;
         int idle = c->rs == RS_HDR && c->got == 0 && !c->q_head;
+        /* with a token, silent unauthenticated sockets must not fill max_conns */
         if (s->cfg.auth && !c->authed && s->cfg.preauth_ms && now - c->accepted_ms >= (int64_t)s->cfg.preauth_ms) {
-            s->ctr.preauth_closed++; /* silent unauthenticated sockets must not fill max_conns */
+            s->ctr.preauth_closed++;
             kvf_conn_close(c);
             continue;
         }

@@ -60,8 +60,11 @@ LISTENING_PREFIX = "kvfabric serve: listening on "
 #: Default cap on LOOKUP (and shm) leases, in milliseconds.
 DEFAULT_MAX_LEASE_MS = 60_000
 
-#: Connections idle between frames this long are closed (0: never).
-DEFAULT_IDLE_TIMEOUT_S = 300.0
+#: Connections idle between frames this long are closed (0: never). Off by default: the client
+#: reuses pooled connections without checking whether the server closed them, so a shard would be
+#: marked down (misses) after each idle spell. With a token, silent sockets are closed by the pre-auth
+#: timeout (the stall timeout) anyway.
+DEFAULT_IDLE_TIMEOUT_S = 0.0
 #: On SIGTERM, frames in flight may finish for this long before every connection is closed.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 #: Queued replies of one connection over this many bytes pause reading its next request ...
