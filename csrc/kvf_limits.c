@@ -57,11 +57,14 @@ int kvf_conn_replies_over_budget(struct conn *c)
     return 0;
 }
 
-/* Drop peers that stall mid-frame or stop reading their replies (a slow
- * reader or writer would otherwise hold slots and pins forever), and, with
- * min_rate, peers whose frame or reply overruns stall + size / min_rate while
- * trickling bytes (slowloris). Idle connections between requests are left
- * alone, and so is a PUT parked waiting for space. */
+/* Every 500 ms: drop peers that stall mid-frame (a trickled header
+ * included) or stop reading their replies (a slow reader or writer would
+ * otherwise hold slots and pins forever), and, with min_rate, peers whose
+ * frame or reply overruns stall + size / min_rate while trickling bytes
+ * (slowloris); close connections idle between frames past idle_ms and, with
+ * a token, ones not authenticated preauth_ms after their accept. A PUT
+ * waiting for space or for the reserve budget is waiting on us: left alone.
+ * Then trim the heap once 4 MiB were freed since the last trim. */
 void kvf_sweep(struct kvf_server *s, int64_t now)
 {
     for (struct conn *c = s->conns; c; c = c->next) {
