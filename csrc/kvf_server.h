@@ -4,11 +4,12 @@
  * (and, for same-host clients, a unix listener), reads each request header
  * and metadata, receives PUT objects straight into arena slots reserved for
  * them, verifies and commits them, and sends GET replies from the slots with
- * IORING_OP_SEND_ZC when the kernel supports it (the arena registered as
- * fixed buffers), keeping each slot pinned until the kernel's notification
- * says it is done with the pages. Requests on one connection are read and
- * answered in order while earlier replies are still being sent; at most
- * max_in_flight replies are queued per connection before reading pauses.
+ * IORING_OP_SEND_ZC to off-host peers when the kernel supports it (the arena
+ * registered as fixed buffers only when zero-copy is forced on), keeping each
+ * slot pinned until the kernel's notification says it is done with the
+ * pages. Requests on one connection are read and answered in order while
+ * earlier replies are still being sent; reading pauses at max_in_flight
+ * queued replies or over the reply budgets (kvf_limits.c).
  *
  * No Python runs per frame: decisions arrive as data (limits, the pre-encoded
  * HELLO reply, which keys to evict via kvf_store_evict from the control

@@ -9,7 +9,8 @@ Division of work
   owns the arena (a memfd), the index, the allocator and every byte: it
   accepts, parses frames, receives PUT objects straight into arena slots,
   verifies and commits them, and sends GET replies from the slots
-  (``IORING_OP_SEND_ZC`` from registered buffers when the kernel has it). No
+  (``IORING_OP_SEND_ZC`` to off-host peers when the kernel has it; the arena is
+  registered as fixed buffers only with ``zerocopy="on"``). No
   Python runs per frame.
 * Python (this module) owns the decisions: configuration, the HELLO reply,
   logging, and eviction. A control thread waits (GIL released) for the data
