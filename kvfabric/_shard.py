@@ -249,12 +249,25 @@ class _Shard:
         with self._cond:
             if self.down_until:
                 raise _Down()
-            if not self._idle:
+            conn = self._pop_idle()
+            if conn is None:
                 return None
-            conn = self._idle.pop()
         if self._registration is not None:
             self._registration.apply(conn)
         return conn
+
+    def _pop_idle(self) -> transport.Connection | None:
+        """The most recently used idle connection that can still serve a request, or None; connections
+        the server closed meanwhile (its idle timeout, a restart) are dropped here, so a quiet engine's
+        next call connects afresh instead of failing on a dead socket. Called with ``_cond`` held."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.stale():
+                return conn
+            conn.close()
+            self._conn_gen.pop(id(conn), None)
+            self._open -= 1
+        return None
 
     def _checkout(self, deadline: float) -> transport.Connection:
         """An idle connection, or a new one while under ``connections_per_server``."""
@@ -262,8 +275,9 @@ class _Shard:
             while True:
                 if self.down_until or self.retired:
                     raise _Down()
-                if self._idle:
-                    return self._idle.pop()
+                conn = self._pop_idle()
+                if conn is not None:
+                    return conn
                 if self._open < self._config.connections_per_server:
                     self._open += 1
                     break

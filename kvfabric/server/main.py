@@ -60,11 +60,12 @@ LISTENING_PREFIX = "kvfabric serve: listening on "
 #: Default cap on LOOKUP (and shm) leases, in milliseconds.
 DEFAULT_MAX_LEASE_MS = 60_000
 
-#: Connections idle between frames this long are closed (0: never). Off by default: the client
-#: reuses pooled connections without checking whether the server closed them, so a shard would be
-#: marked down (misses) after each idle spell. With a token, silent sockets are closed by the pre-auth
-#: timeout (the stall timeout) anyway.
-DEFAULT_IDLE_TIMEOUT_S = 0.0
+#: Connections idle between frames this long are closed (0: never), so silent sockets cannot hold
+#: --max-connections forever even without a token (with one, the pre-auth timeout closes a socket
+#: that never authenticates after the stall timeout). Five minutes: far longer than an engine's
+#: gap between requests under load; the client drops pooled connections the server closed
+#: (``Connection.stale``) and connects afresh, so a quiet engine pays one connect, not a miss.
+DEFAULT_IDLE_TIMEOUT_S = 300.0
 #: On SIGTERM, frames in flight may finish for this long before every connection is closed.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 #: Queued replies of one connection over this many bytes pause reading its next request ...

@@ -219,7 +219,7 @@ class NativeServer:
     is one whose frame (or reply) of S bytes is not done within
     ``stall_timeout_s + S / min_rate`` seconds of its start even though bytes keep
     trickling (``min_rate`` bytes/s, default 1 MiB/s, as the Python server). A connection idle
-    between frames for ``idle_timeout_s`` (0: never, the default) is closed, and with a token
+    between frames for ``idle_timeout_s`` (0: never; default 300 s) is closed, and with a token
     one that has not authenticated within ``stall_timeout_s`` of its accept. Memory: queued replies pause a
     connection's reading over ``reply_budget_conn`` bytes (its own) or ``reply_budget`` (all),
     large request buffers answer BUSY over ``request_budget``, and PUT slots reserved but not yet

@@ -27,6 +27,7 @@ received into ``recv_buffers[i][:sizes[i]]`` with no intermediate copy.
 from __future__ import annotations
 
 import fcntl
+import select
 import socket
 import termios
 import time
@@ -96,6 +97,12 @@ class Connection(ABC):
     def closed(self) -> bool:
         """True once the connection is closed or broken."""
 
+    def stale(self) -> bool:
+        """For an idle connection (no request outstanding): True when it can no longer serve one,
+        because the peer closed it (a server's idle timeout, a restart) or left bytes nobody asked
+        for. Never blocks, never raises. Connections that cannot tell answer False."""
+        return self.closed
+
     def __enter__(self) -> Connection:
         return self
 
@@ -164,6 +171,18 @@ class SocketConnection(Connection):
     @property
     def closed(self) -> bool:
         return self._sock is None
+
+    def stale(self) -> bool:
+        sock = self._sock
+        if sock is None:
+            return True
+        try:  # poll, not a recv: it never waits, whatever timeout the socket has
+            p = select.poll()
+            p.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+            # readable = closed by the peer (EOF), an error, or bytes nobody asked for
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return True
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
