@@ -31,12 +31,6 @@ def server(request):
         assert srv.alive
 
 
-def _needs_stats_schema(server) -> None:
-    # interim (issue 14 in progress): the C server reports these counters under the one STATS schema
-    if server.kind == "native":
-        pytest.skip("interim: the C server's STATS lacks bytes_allocated/drops until the shared schema lands")
-
-
 # ------------------------------------------------------------------ raw frame helpers
 
 
@@ -260,7 +254,6 @@ def test_truncated_header_then_close(server):
 
 
 def test_payload_shorter_than_announced_frees_its_slot(server):
-    _needs_stats_schema(server)
     allocated = stats(server)["bytes_allocated"]
     objects = stats(server)["objects"]
     data = os.urandom(1 << 20)
@@ -277,17 +270,15 @@ def test_payload_shorter_than_announced_frees_its_slot(server):
 
 
 def test_stall_mid_header_is_dropped(server):
-    _needs_stats_schema(server)
-    before = stats(server)["drops"].get("stalled", 0)
+    before = stats(server)["stalled_connections"]
     with connect(server) as s:
         s.sendall(frame(P.Op.PING, {})[:5])
         expect_closed(s)  # after the stall timeout
         assert_serving(server)
-    assert stats(server)["drops"]["stalled"] == before + 1
+    assert stats(server)["stalled_connections"] == before + 1
 
 
 def test_stall_mid_payload_is_dropped_and_slot_freed(server):
-    _needs_stats_schema(server)
     allocated = stats(server)["bytes_allocated"]
     data = os.urandom(256 * 1024)
     with connect(server) as s:
