@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ClientConfig
-from ..server.arena import PAGE_SIZE, pages_for
+from ..testing.reference.arena import PAGE_SIZE, pages_for
 from ..server.eviction import POLICIES
 from .belady import ChunkCount, HitCount, belady, belady_chunks, chunk_hit_blocks, infinite, infinite_chunks
 from .simulate import gap_closed, shard_capacity, simulate

@@ -2,7 +2,7 @@
 
 Both implementations fill exactly :data:`STATS_KEYS` (the product server,
 ``csrc/kvf_ops.c`` ``op_stats``, and the test reference,
-``kvfabric/server/handlers.py``), plus only the implementation-specific keys
+``kvfabric/testing/reference/handlers.py``), plus only the implementation-specific keys
 listed in :data:`STATS_OPTIONAL_KEYS`. ``tests/native/test_stats.py`` checks
 both against these tuples, so a key added to one server and not to the
 schema (or to the other server) fails the suite.

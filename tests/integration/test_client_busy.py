@@ -2,7 +2,7 @@
 
 ``kvfabric serve --max-connections 1`` answers a connection over the bound
 with one BUSY error frame whose request id is 0, then closes it
-(kvfabric/server/tcp.py; the native server, csrc/kvf_server.c, sends the
+(kvfabric/testing/reference/tcp.py; the native server, csrc/kvf_server.c, sends the
 same frame; both kinds run here). The transports must report that as
 ``RemoteError(BUSY)``, not as a malformed reply, and a ``Client`` on such a
 server must turn it into misses and counted drops without raising, then

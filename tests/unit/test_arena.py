@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvfabric.server.arena import PAGE_SIZE, Arena, ArenaError, pages_for
+from kvfabric.testing.reference.arena import PAGE_SIZE, Arena, ArenaError, pages_for
 
 
 def test_pages_for_rounds_up_with_one_page_minimum():

@@ -6,9 +6,9 @@ import pytest
 from kvfabric import protocol as P
 from kvfabric.errors import ErrorCode, ProtocolError
 from kvfabric.protocol import PutStatus, checksum
-from kvfabric.server.arena import PAGE_SIZE
-from kvfabric.server.handlers import Handlers
-from kvfabric.server.store import Slot, Store
+from kvfabric.testing.reference.arena import PAGE_SIZE
+from kvfabric.testing.reference.handlers import Handlers
+from kvfabric.testing.reference.store import Slot, Store
 
 
 class FakeClock:

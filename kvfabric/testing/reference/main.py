@@ -21,9 +21,9 @@ from ...server.main import (
     raise_fd_limit,
     validate_common,
 )
-from ...server.handlers import Handlers
-from ...server.store import Store
-from ...server.tcp import TcpServer
+from .handlers import Handlers
+from .store import Store
+from .tcp import TcpServer
 
 log = logging.getLogger("kvfabric.testing.reference")
 

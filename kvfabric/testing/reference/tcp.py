@@ -49,12 +49,12 @@ import threading
 import time
 from typing import Any
 
-from .. import protocol
-from ..errors import ErrorCode, ProtocolError
-from ..protocol import HEADER, HEADER_SIZE, PutRequest
+from ... import protocol
+from ...errors import ErrorCode, ProtocolError
+from ...protocol import HEADER, HEADER_SIZE, PutRequest
 from .handlers import Handlers, Reply, Session
 
-log = logging.getLogger("kvfabric.server.tcp")
+log = logging.getLogger("kvfabric.testing.reference.tcp")
 
 _IOV_MAX = 512
 _SCRATCH = 64 * 1024

@@ -46,11 +46,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import PutStatus, checksum
+from ...protocol import PutStatus, checksum
+from ...server.eviction import EvictionPolicy, make_policy
+from ...server.main import DEFAULT_MAX_LEASE_MS
 from .arena import Arena, pages_for
-from .eviction import EvictionPolicy, make_policy
-
-DEFAULT_MAX_LEASE_MS = 60_000
 
 
 class Entry:
@@ -109,7 +108,7 @@ class Store:
     ``policy`` is an :class:`EvictionPolicy` or a name for ``make_policy``.
     ``clock`` returns seconds (monotonic); tests pass a fake one to expire
     leases without sleeping. Raises ``ValueError`` for an unknown policy name
-    and :class:`~kvfabric.server.arena.ArenaError` for a capacity under 4 KiB.
+    and :class:`~kvfabric.testing.reference.arena.ArenaError` for a capacity under 4 KiB.
     """
 
     def __init__(

@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import __version__, protocol
-from ..errors import FATAL_CODES, ErrorCode, ProtocolError
-from ..protocol import (
+from ... import __version__, protocol
+from ...errors import FATAL_CODES, ErrorCode, ProtocolError
+from ...protocol import (
     DEFAULT_LIMITS,
     PRE_AUTH_LIMITS,
     DeleteReply,
