@@ -64,24 +64,22 @@ client's counters; ``kvfabric/transport/`` moves the bytes.
 from __future__ import annotations
 
 import logging
-import select
 import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from . import protocol, sharding, transport
+from ._fanout import Conversation, _FanOut, _small
 from ._shard import _Busy, _Counters, _Down, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
 from .errors import (
-    FATAL_CODES,
     ConfigError,
     ConnectionClosed,
-    DeadlineExceeded,
     ErrorCode,
     KVFabricError,
     RemoteError,
@@ -91,7 +89,6 @@ from .keys import BlockKey, KeyHasher, Namespace
 from .membership import Member, Membership, StaticMembership
 from ._plan import PutResult, combine_puts, leading_run, plan_chunks
 from .protocol import PutStatus
-from .transport.base import SocketConnection
 
 __all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
 
@@ -122,60 +119,7 @@ class _View:
     def of(cls, ids: Sequence[str], shards: Sequence[_Shard]) -> _View:
         index = tuple(s.index for s in shards)
         return cls(tuple(ids), tuple(shards), index, index == tuple(range(len(index))))
-Conversation = Generator[protocol.Message, transport.Reply, None]
-
-
-@dataclass(slots=True, eq=False)
-class _Flight:
-    """One shard's conversation in :meth:`Client._pipeline`: its connection and the request out."""
-
-    pos: int
-    shard: _Shard
-    conn: SocketConnection
-    talk: Conversation
-    fd: int = -1
-    msg: protocol.Message | None = None
-    rid: int = 0  # request id of the request out, 0 when none is
-    done: bool = False
-
-    def __post_init__(self) -> None:
-        self.fd = self.conn.fileno()
-
-    def finish(self) -> None:
-        """Hand the connection back (a closed one is dropped by the pool); once."""
-        if not self.done:
-            self.done = True
-            self.shard.release(self.conn)
-
-
-#: Requests of at most this many key bytes go out from the calling thread, pipelined over the shards
-#: (:meth:`Client._converse`). Well under a fresh loopback connection's receive window, so a send
-#: to a server that is not reading still completes at once and cannot hold up the other shards.
-_SMALL_REQUEST_BYTES = 64 << 10
-
-
-def _small(keys: list[bytes], idx: list[int]) -> bool:
-    """Whether the keys ``idx`` make a small request (each key costs up to 3 bytes of framing)."""
-    if len(idx) * (protocol.MAX_KEY_BYTES + 3) <= _SMALL_REQUEST_BYTES:
-        return True
-    return sum(len(keys[i]) + 3 for i in idx) <= _SMALL_REQUEST_BYTES
-
-
-def _as_job(make: Callable[[], Conversation]) -> Callable[[transport.Connection, float], None]:
-    """A conversation as a :meth:`Client._fan_out` job: its requests one after another on one connection."""
-    def job(conn: transport.Connection, deadline: float) -> None:
-        talk = make()
-        reply = None
-        while True:
-            try:
-                msg = talk.send(reply)
-            except StopIteration:
-                return
-            reply = conn.request(msg, deadline=deadline)
-    return job
-
-
-class Client:
+class Client(_FanOut):
     """A sharded client over a list of pool servers (see the module docstring).
 
     ``servers`` are ``"host:port"`` strings (``config.servers`` when empty);
@@ -419,203 +363,6 @@ class Client:
             raise ValueError(f"timeout_s must be > 0, got {t!r}")
         return time.monotonic() + t
 
-    def _on_shard(self, shard: _Shard, deadline: float, job: Callable[[transport.Connection, float], None]) -> bool:
-        """Run ``job`` on a pooled connection of ``shard``; False when the shard failed it."""
-        try:
-            conn = shard.acquire(deadline)
-        except _Down:
-            self._counters.add(skipped_down=1)
-            return False
-        except _Busy:
-            self._counters.add(timeouts=1)
-            return False
-        except KVFabricError as e:
-            self._counters.add(shard_errors=1)
-            shard.mark_down(e)
-            return False
-        try:
-            job(conn, deadline)
-            return True
-        except KVFabricError as e:
-            self._shard_failed(shard, e, deadline)
-            return False
-        finally:
-            shard.release(conn)
-
-    def _shard_failed(self, shard: _Shard, e: KVFabricError, deadline: float) -> None:
-        """Count a shard's failed request; mark the shard down unless the server answered a
-        non-fatal error (the connection is then still in step)."""
-        if isinstance(e, RemoteError):
-            self._counters.add(shard_errors=1)
-            if e.code in FATAL_CODES:
-                shard.mark_down(e)
-            else:
-                log.debug("kvfabric: %s answered %s", shard.address, e)
-            return
-        self._counters.add(shard_errors=1, timeouts=int(time.monotonic() >= deadline))
-        shard.mark_down(e)
-
-    def _fan_out(self, jobs: list[tuple[_Shard, Callable[[transport.Connection, float], None]]], deadline: float) -> list[bool]:
-        """Run one job per shard in parallel; returns which succeeded.
-
-        Re-raises a programming error from any job, but only after every job
-        has stopped.
-        """
-        futures: list[Future] = [self._pool.submit(self._on_shard, s, deadline, j) for s, j in jobs[1:]]
-        results: list[bool] = []
-        error: BaseException | None = None
-        if jobs:
-            try:
-                results.append(self._on_shard(jobs[0][0], deadline, jobs[0][1]))
-            except BaseException as e:  # programming error: still wait for the others
-                error = e
-                results.append(False)
-        late, late_error = self._wait_for(futures, deadline)
-        results += late
-        error = error or late_error
-        if error is not None:
-            raise error
-        return results
-
-    def _wait_for(self, futures: list[Future], deadline: float) -> tuple[list[bool], BaseException | None]:
-        """Wait for pool jobs until ``deadline``; jobs not started by then never start. Returns
-        each job's result (False when cancelled or failed) and the first programming error."""
-        results: list[bool] = []
-        error: BaseException | None = None
-        if futures:
-            _, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-            for f in late:
-                f.cancel()  # not started yet: never will
-            if late:
-                wait(late)  # started: they stop at their next socket op, deadline passed
-        for f in futures:
-            if f.cancelled():
-                self._counters.add(timeouts=1)
-                results.append(False)
-            elif f.exception() is not None:
-                error = error or f.exception()
-                results.append(False)
-            else:
-                results.append(f.result())
-        return results, error
-
-    # A conversation is one shard's part of a call written once for both drivers: a generator
-    # that yields request messages (no payload either way) and is sent each one's Reply.
-
-    def _converse(self, talks: list[tuple[_Shard, Callable[[], Conversation], bool]], deadline: float) -> list[bool]:
-        """Run one conversation per shard; returns which succeeded (as :meth:`_fan_out`).
-
-        ``talks`` holds ``(shard, make_conversation, small)``. A small
-        conversation on a shard with an idle pooled socket connection runs on
-        this thread, pipelined across shards: every shard's request is sent,
-        then replies are read as they arrive (``poll``), each one reading only
-        a reply that has fully arrived, so a slow or dead shard holds up no
-        other. The rest (large requests, or no idle connection: a connect or a
-        wait for a busy one) run on the pool as :meth:`_fan_out` jobs. The
-        outcomes are :meth:`_fan_out`'s: a shard past the deadline is closed,
-        counted and marked down, nothing waits past ``deadline``, and a
-        programming error is raised after every shard has stopped.
-        """
-        results = [False] * len(talks)
-        flights: list[_Flight] = []
-        pooled: list[int] = []
-        for pos, (shard, make, small) in enumerate(talks):
-            conn = None
-            if small:
-                try:
-                    conn = shard.acquire_idle()
-                except _Down:
-                    self._counters.add(skipped_down=1)
-                    continue
-                if conn is not None and not isinstance(conn, SocketConnection):
-                    shard.release(conn)
-                    conn = None
-            if conn is None:
-                pooled.append(pos)
-            else:
-                flights.append(_Flight(pos, shard, conn, make()))
-        futures = [self._pool.submit(self._on_shard, talks[p][0], deadline, _as_job(talks[p][1])) for p in pooled]
-        error: BaseException | None = None
-        try:
-            self._pipeline(flights, deadline, results)
-        except BaseException as e:  # programming error: still wait for the pool's jobs
-            error = e
-        late, late_error = self._wait_for(futures, deadline)
-        for p, ok in zip(pooled, late):
-            results[p] = ok
-        error = error or late_error
-        if error is not None:
-            raise error
-        return results
-
-    def _pipeline(self, flights: list[_Flight], deadline: float, results: list[bool]) -> None:
-        """Drive ``flights`` on this thread until each is done, failed or past ``deadline``."""
-        waiting: dict[int, _Flight] = {}  # fd -> flight whose reply has not started to arrive
-        partial: dict[int, _Flight] = {}  # fd -> flight whose reply has partly arrived
-        poller = select.poll()
-        try:
-            for f in flights:
-                if self._advance(f, None, deadline, results):
-                    waiting[f.fd] = f
-                    poller.register(f.fd, select.POLLIN)
-            while waiting or partial:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                # A partly arrived reply is checked again every millisecond: poll cannot wait for "more".
-                step = min(left, 0.001) if partial else left
-                if waiting:
-                    events = poller.poll(step * 1000)
-                else:
-                    time.sleep(step)
-                    events = []
-                ready = []
-                for fd, _ in events:
-                    poller.unregister(fd)
-                    ready.append(waiting.pop(fd))
-                ready += [partial.pop(fd) for fd in [fd for fd, f in partial.items() if f.conn.reply_ready()]]
-                for f in ready:
-                    if not f.conn.reply_ready():
-                        partial[f.fd] = f
-                        continue
-                    try:
-                        reply = f.conn.recv_reply(f.msg, f.rid, deadline=deadline)
-                    except KVFabricError as e:
-                        self._shard_failed(f.shard, e, deadline)
-                        f.finish()
-                        continue
-                    f.rid = 0  # the stream is in step again
-                    if self._advance(f, reply, deadline, results):
-                        waiting[f.fd] = f
-                        poller.register(f.fd, select.POLLIN)
-        finally:
-            for f in flights:
-                if f.done:
-                    continue
-                if f.rid:  # a request is out (past the deadline, or a programming error): out of step
-                    f.conn.close()
-                    if time.monotonic() >= deadline:
-                        self._shard_failed(f.shard, DeadlineExceeded(
-                            f"{f.msg.op.name if f.msg else 'request'} to {f.shard.address} ran past its deadline"),
-                            deadline)
-                f.finish()
-
-    def _advance(self, f: _Flight, reply: transport.Reply | None, deadline: float, results: list[bool]) -> bool:
-        """Give ``reply`` (None: start) to a flight's conversation and send its next request.
-        True while a reply is awaited; otherwise the flight is over (result recorded, connection
-        released). A programming error propagates with the flight left to :meth:`_pipeline`."""
-        try:
-            f.msg = f.talk.send(reply)
-            f.rid = f.conn.send_request(f.msg, deadline=deadline)
-            return True
-        except StopIteration:
-            results[f.pos] = True
-        except KVFabricError as e:
-            f.rid = 0
-            self._shard_failed(f.shard, e, deadline)
-        f.finish()
-        return False
-
     def _scatter(self, groups: dict[int, list[int]], make_job: Callable[[_Shard, list[int]], Any], deadline: float) -> dict[int, bool]:
         """One job per shard of ``groups`` (``make_job(shard, key_indices)``), run by :meth:`_fan_out`."""
         shards = {s: self._by_index.get(s) for s in groups}
@@ -628,7 +375,7 @@ class Client:
     def _talk(self, groups: dict[int, list[int]], make_talk: Callable[[_Shard, list[int]], Callable[[], Conversation]],
               keys: list[bytes], deadline: float) -> dict[int, bool]:
         """One conversation per shard of ``groups`` (``make_talk(shard, key_indices)``), run by
-        :meth:`_converse`; a shard's requests count as small when their keys fit ``_SMALL_REQUEST_BYTES``."""
+        :meth:`_converse`; a shard's requests count as small when their keys fit ``_fanout._SMALL_REQUEST_BYTES``."""
         shards = {s: self._by_index.get(s) for s in groups}
         order = [s for s in groups if shards[s] is not None]  # a shard gone since routing: its keys miss
         talks = [(shards[s], make_talk(shards[s], groups[s]), _small(keys, groups[s])) for s in order]
