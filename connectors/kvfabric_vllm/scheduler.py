@@ -235,6 +235,11 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:
                 st.loading = False
+                # Offer no hit again in this epoch: a load that failed from its first
+                # block leaves the request at 0 computed tokens, and vLLM then asks
+                # again; the same hit would be loaded (and fail) forever.
+                st.pool_run = 0
+                st.hit_counted = True
 
     # ------------------------------------------------------------------ per step
 

@@ -127,6 +127,8 @@ def test_no_client_means_every_load_fails_cleanly():
     ({"servers": ["nohost"]}, "host:port"),
     ({"servers": ["127.0.0.1:1"], "lookup_timeout_ms": 0}, "lookup_timeout_ms"),
     ({"servers": ["127.0.0.1:1"], "save": "yes"}, "save must be true or false"),
+    ({"servers": ["127.0.0.1:1"], "load_async": 1}, "load_async must be true or false"),
+    ({"servers": ["127.0.0.1:1"], "shutdown_drain_s": -1}, "shutdown_drain_s"),
 ])
 def test_bad_extra_config_is_a_clear_error(extra, message):
     with pytest.raises(ConfigError, match=message):
