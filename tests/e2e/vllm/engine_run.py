@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--batch", action="store_true", help="all prompts in one generate call")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys (JSON)")
+    ap.add_argument("--enable-lora", action="store_true")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
 
@@ -59,7 +60,7 @@ def main() -> int:
         }
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_cache_memory_bytes=args.kv_cache_mb << 20, max_model_len=args.max_model_len,
-              max_num_batched_tokens=1024, seed=0, **kw)
+              max_num_batched_tokens=1024, seed=0, **({"enable_lora": True} if args.enable_lora else {}), **kw)
     with open(args.prompts) as f:
         prompts = json.load(f)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

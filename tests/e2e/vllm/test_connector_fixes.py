@@ -6,6 +6,8 @@ Each test names the defect it pins down. Engines are their own processes
 
 from __future__ import annotations
 
+import pytest
+
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 
@@ -81,3 +83,11 @@ def test_waiting_and_preempted_requests_count_once_and_look_up_again(run_engine,
     assert c["scheduled_load_tokens"] >= 2 * BUSY_LOADABLE, c
     assert c["load_tokens"] == c["scheduled_load_tokens"] and c["async_loads"] >= 2, c
     assert c["load_failed_chunks"] == 0 and c["load_errors"] == 0, c
+
+
+def test_lora_engine_is_refused_at_start_with_a_clear_error(run_engine):
+    """Defect: LoRA (and multimodal) models were not refused: an adapter changes the KV of
+    the same tokens, which the keys do not bind. The connector now refuses to start."""
+    with pytest.raises(AssertionError, match="engine failed") as err:
+        run_engine(["salt"], ["127.0.0.1:1"], args=["--enable-lora"])
+    assert "kvfabric: LoRA is not supported" in str(err.value), str(err.value)[-3000:]
