@@ -243,8 +243,9 @@ class KVFabricL2Adapter(L2AdapterInterface):
             log.warning("kvfabric L2: stored object rejected, treated as a miss: %s", e)
             return False
         dst = memoryview(obj.byte_array).cast("B")
+        shapes, dtypes = value.shapes_dtypes(obj)
         if (meta.nbytes != len(dst) or meta.fmt != obj.get_memory_format()
-                or list(meta.shapes) != list(obj.get_shapes()) or list(meta.dtypes) != list(obj.get_dtypes())):
+                or list(meta.shapes) != shapes or list(meta.dtypes) != dtypes):
             log.warning("kvfabric L2: stored %r does not match the load buffer, treated as a miss", meta)
             return False
         dst[:] = payload

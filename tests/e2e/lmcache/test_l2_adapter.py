@@ -235,3 +235,22 @@ def test_lmcache_storage_manager_offloads_to_and_prefetches_from_the_pool(pool) 
         sm.finish_read_prefetched(keys)
     finally:
         sm.close()
+
+
+def test_lmcache_own_l2_adapter_check_passes(pool, capsys) -> None:
+    """Issue 13: LMCache's own L2-adapter check (``lmcache.v1.check``, mode test_l2_adapter,
+    also behind ``lmcache bench l2``) stored 0 of 5: its memory objects carry only
+    ``shape``/``dtype`` (``get_shapes()`` asserts). It now stores, finds and loads 5 of 5."""
+    import asyncio
+
+    from lmcache.v1.check.check_mode_test_l2_adapter import run_test_mode
+
+    url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=10&connect_timeout_s=5"
+    spec = {"type": "plugin", "module_path": "kvfabric_lmcache.l2_adapter", "class_name": "KVFabricL2Adapter",
+            "adapter_params": {"url": url}}
+    asyncio.run(run_test_mode("org/model", l2_adapter=[json.dumps(spec)], num_keys=5))
+    out = capsys.readouterr().out
+    for line in ("Batch store OK", "Validation: 5/5 correctly absent", "Validation: 5/5 found",
+                 "Validation (loaded): 5/5", "Validation (content): 5/5"):
+        assert line in out, out
+    assert "Test Failed" not in out, out
