@@ -18,8 +18,11 @@ of :mod:`.config` (``timeout_s``, ``lease_ms``, ``io_threads``...).
 How each task runs (on a small thread pool, ``io_threads``):
 
 * **store**: one ``Client.put`` of header+bytes per object (:mod:`.value`).
-  The task succeeds when no key was dropped; its byte count is the objects'
-  sizes. The adapter never touches the objects' reference counts (the L1
+  The objects are encoded (copied) in ``submit_store_task`` itself, before it
+  returns: LMCache's L1 read lock on them lasts only ``--l1-read-ttl-seconds``,
+  after which their memory may be reused, so a task that read them later (a
+  slow pool) stored other keys' bytes. The task succeeds when no key was
+  dropped; its byte count is the objects' sizes. The adapter never touches the objects' reference counts (the L1
   manager owns them).
 * **lookup and lock**: ``Client.exists`` gives the bitmap; the found keys are
   then leased with ``Client.lookup(found, lease_ms)`` so the servers do not
@@ -176,13 +179,22 @@ class KVFabricL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         ks = [self.keymap(k) for k in keys]
+        # Copy the bytes out now, while LMCache's read lock holds the objects: it
+        # expires after --l1-read-ttl-seconds and the memory is then reused.
+        try:
+            values = [value.encode(o) for o in objects]
+            sizes = [o.get_size() for o in objects]
+            error = None
+        except Exception as exc:  # noqa: BLE001 - an unstorable object fails its task, never the caller
+            values, sizes, error = [], [], exc
 
         def work() -> L2StoreResult:
-            values = [value.encode(o) for o in objects]
+            if error is not None:
+                log.warning("kvfabric L2: cannot encode a store task's objects: %r", error)
+                return L2StoreResult(False, 0)
             res = self.client.put(ks, values)
             if res.dropped:
                 return L2StoreResult(False, 0)
-            sizes = [o.get_size() for o in objects]
             self._notify_keys_stored(keys, sizes)
             return L2StoreResult(True, sum(sizes))
 
@@ -231,8 +243,9 @@ class KVFabricL2Adapter(L2AdapterInterface):
             log.warning("kvfabric L2: stored object rejected, treated as a miss: %s", e)
             return False
         dst = memoryview(obj.byte_array).cast("B")
+        shapes, dtypes = value.shapes_dtypes(obj)
         if (meta.nbytes != len(dst) or meta.fmt != obj.get_memory_format()
-                or list(meta.shapes) != list(obj.get_shapes()) or list(meta.dtypes) != list(obj.get_dtypes())):
+                or list(meta.shapes) != shapes or list(meta.dtypes) != dtypes):
             log.warning("kvfabric L2: stored %r does not match the load buffer, treated as a miss", meta)
             return False
         dst[:] = payload

@@ -76,10 +76,26 @@ class ChunkMeta:
         return f"ChunkMeta(fmt={self.fmt.name}, shapes={[list(s) for s in self.shapes]}, dtypes={self.dtypes}, nbytes={self.nbytes})"
 
 
+def shapes_dtypes(memory_obj: MemoryObj) -> tuple[list[torch.Size], list[torch.dtype]]:
+    """The object's groups: ``get_shapes()``/``get_dtypes()``, or its single ``get_shape()``/``get_dtype()``.
+
+    LMCache 0.5 objects built with only ``MemoryObjMetadata(shape=, dtype=)``
+    (its own L2-adapter check, ``lmcache bench l2``) assert in ``get_shapes()``
+    because ``meta.shapes`` is None; they are one group.
+    """
+    try:
+        shapes, dtypes = memory_obj.get_shapes(), memory_obj.get_dtypes()
+    except (AssertionError, AttributeError, NotImplementedError):
+        shapes = dtypes = None
+    if not shapes or dtypes is None:
+        shapes, dtypes = [memory_obj.get_shape()], [memory_obj.get_dtype()]
+    return [torch.Size(s) for s in shapes], list(dtypes)
+
+
 def encode_header(memory_obj: MemoryObj) -> bytes:
     """The header for ``memory_obj``. ValueError for a dtype outside ``DTYPES`` or too many groups/dims."""
-    shapes = [list(map(int, s)) for s in memory_obj.get_shapes()]
-    dtypes = memory_obj.get_dtypes()
+    obj_shapes, dtypes = shapes_dtypes(memory_obj)
+    shapes = [list(map(int, s)) for s in obj_shapes]
     if not 1 <= len(shapes) <= MAX_GROUPS or len(dtypes) != len(shapes):
         raise ValueError(f"a chunk needs 1..{MAX_GROUPS} groups with one dtype each, got {len(shapes)} shapes, {len(dtypes)} dtypes")
     names = []
@@ -162,4 +178,5 @@ def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
 
 
 __all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_HEADER_BYTES", "MAX_META_BYTES", "ValueFormatError", "decode", "encode",
+           "shapes_dtypes",
            "encode_header", "encode_into", "encoded_size"]

@@ -10,15 +10,25 @@ key                default   meaning
 servers            required  ``["host:port", ...]`` or ``"h1:p1,h2:p2"``
 chunk_tokens       256       tokens per pool object; a multiple of vLLM's block size
 model_id           (model)   id bound into keys; set it when engines load the same
-                             weights from different paths
+                             weights from different paths (the weights' fingerprint,
+                             see ``weights_fingerprint``, is bound as well)
 tenant             ""        bound into keys: caches of different tenants never mix
 lookup_timeout_ms  1000      after this the lookup answers "no hit" (scheduler
                              never waits longer; it is asked again meanwhile)
 lookup_wait_ms     20        how long the scheduler waits inline for a lookup
                              before answering "ask me later"
 lease_ms           30000     the pool pins what a lookup found for this long
-load_timeout_s     2.0       deadline of one step's pool reads (then recompute); the
-                             worker's step waits at most this long on a stalled pool
+load_timeout_s     2.0       deadline of one request's pool reads (then recompute)
+load_async         true      load between steps (vLLM's ``load_kv_async``): a slow pool
+                             delays only the requests loading from it, never the batch;
+                             false: load inside the step, which then waits up to
+                             ``load_timeout_s`` on a stalled pool
+load_poll_ms       2         with ``load_async``: how long one step's ``get_finished``
+                             waits for a load that is still in flight (the bound a
+                             slow pool adds to a step)
+shutdown_drain_s   3.0       at shutdown, wait at most this long for queued saves (vLLM
+                             kills the engine core 5 s after SIGTERM); the rest is
+                             abandoned and counted
 save_timeout_s     10.0      deadline of one save job's pool writes
 max_pending_save_mb 512      bound on gathered-but-unsent save bytes; beyond it
                              chunks are skipped (counted), never queued
@@ -31,17 +41,25 @@ transport, timeout_s, connect_timeout_s, replicas, auth_token, key_algorithm,
 key_secret, verify_checksums: passed to ``kvfabric.ClientConfig`` (env
 ``KVFABRIC_*`` variables apply first, these keys win).
 ================== ========= ====================================================
+
+Per request, vLLM's ``cache_salt`` is bound into the namespace
+(``request_namespace``), so a salted request never reads KV saved without
+that salt, the same isolation vLLM's own prefix cache gives.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvfabric import ClientConfig, ConfigError, Namespace
 
-__all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "kv_layout_name", "KV_LAYOUT_VERSION"]
+__all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_namespace", "kv_layout_name",
+           "weights_fingerprint", "KV_LAYOUT_VERSION"]
 
 # Bumped whenever the byte layout of a chunk object changes (see worker.py).
 KV_LAYOUT_VERSION = 1
@@ -63,6 +81,9 @@ class ConnectorConfig:
     lookup_wait_ms: int = 20
     lease_ms: int = 30_000
     load_timeout_s: float = 2.0
+    load_async: bool = True
+    load_poll_ms: int = 2
+    shutdown_drain_s: float = 3.0
     save_timeout_s: float = 10.0
     max_pending_save_bytes: int = 512 << 20
     load: bool = True
@@ -95,8 +116,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
     extra = dict(extra or {})
     known = {"servers", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
-             "lease_ms", "load_timeout_s", "save_timeout_s", "max_pending_save_mb", "load", "save",
-             "register_load_buffer", *_CLIENT_KEYS}
+             "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
+             "max_pending_save_mb", "load", "save", "register_load_buffer", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -135,6 +156,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         lookup_wait_ms=_int(extra, "lookup_wait_ms", min(20, lookup_timeout_ms), 0, lookup_timeout_ms),
         lease_ms=_int(extra, "lease_ms", 30_000, 0, 3_600_000),
         load_timeout_s=_float(extra, "load_timeout_s", 2.0, 0, 600),
+        load_async=_bool(extra, "load_async", True),
+        load_poll_ms=_int(extra, "load_poll_ms", 2, 0, 1000),
+        shutdown_drain_s=_float(extra, "shutdown_drain_s", 3.0, 0, 600),
         save_timeout_s=_float(extra, "save_timeout_s", 10.0, 0, 600),
         max_pending_save_bytes=_int(extra, "max_pending_save_mb", 512, 1, 1 << 20) << 20,
         load=_bool(extra, "load", load_default),
@@ -144,12 +168,15 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
 
 
 def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dtype: str, kv_layout: str,
-                   tp_rank: int, tp_size: int) -> Namespace:
+                   tp_rank: int, tp_size: int, weights: str = "") -> Namespace:
     """The namespace of one TP rank: binds model, dtype, KV layout, chunk size and TP coordinates.
 
     ``kv_layout`` describes the bytes of one chunk object (vLLM layout name,
     heads, head size, block size, layer count, connector layout version), so
-    engines whose KV bytes differ can never exchange chunks.
+    engines whose KV bytes differ can never exchange chunks. ``weights`` is
+    ``weights_fingerprint`` of a local model directory (empty for a hub id,
+    whose ``revision`` is bound instead): weights replaced under the same path
+    get other keys.
     """
     return Namespace(
         model=cfg.model_id or model,
@@ -160,7 +187,56 @@ def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dt
         tp_rank=tp_rank,
         tp_size=tp_size,
         tenant=cfg.tenant,
+        extras={"weights": weights} if weights else {},
     )
+
+
+def request_namespace(base: Namespace, cache_salt: str | None) -> Namespace:
+    """``base`` for one request: vLLM's per-request ``cache_salt`` is bound into the keys."""
+    if not cache_salt:
+        return base
+    return dataclasses.replace(base, extras={**base.extras, "cache_salt": cache_salt})
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                 "pytorch_model.bin.index.json", "params.json")
+_SAMPLES, _SAMPLE_BYTES = 8, 64 << 10
+
+
+def weights_fingerprint(model: str) -> str:
+    """A digest of what the weights under a local model directory are, "" if ``model`` is no directory.
+
+    Hashes the config and index files whole, and of every weight file its
+    name, size and eight 64 KiB samples at evenly spaced offsets (first and
+    last included): a few MiB read at start-up even for large models, the
+    same on every node that holds the same files (no mtimes, no paths), and
+    different when weights are replaced under the same path (fine-tuned
+    weights differ everywhere, so a sample sees it). Not a full content hash:
+    two weight files equal in size and in every sampled range are taken for
+    equal.
+    """
+    if not os.path.isdir(model):
+        return ""
+    h = hashlib.sha256(b"kvfabric-weights-v1")
+    names = sorted(os.listdir(model))
+    for name in names:
+        path = os.path.join(model, name)
+        if not os.path.isfile(path):
+            continue
+        if name in _CONFIG_FILES:
+            with open(path, "rb") as f:
+                data = f.read()
+            h.update(b"C%s\0%d\0" % (name.encode(), len(data)))
+            h.update(data)
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            size = os.path.getsize(path)
+            h.update(b"W%s\0%d\0" % (name.encode(), size))
+            with open(path, "rb") as f:
+                for i in range(_SAMPLES):
+                    f.seek(max(0, (size - _SAMPLE_BYTES) * i // (_SAMPLES - 1)))
+                    h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:32]
 
 
 def kv_layout_name(layout: str, *, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int,

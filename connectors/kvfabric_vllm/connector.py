@@ -6,8 +6,10 @@ Enable with ``"kv_connector": "KVFabricConnector", "kv_connector_module_path":
 role (``scheduler.SchedulerSide``) and one per worker with the WORKER role
 (``worker.WorkerSide``); this class only routes vLLM's calls to them.
 
-Failure policy: configuration errors and unsupported models raise
-``kvfabric.ConfigError`` when vLLM builds the connector. After that nothing
+Failure policy: configuration errors and unsupported models (LoRA enabled,
+multimodal models, several KV cache groups, pipeline parallelism) raise
+``kvfabric.ConfigError`` when vLLM builds the connector: their KV depends on
+more than the token ids and the namespace, so sharing it would be wrong. After that nothing
 raises into vLLM: a pool that cannot be reached (at start or later), a dead
 shard, a checksum failure or a slow pool become misses or failed loads that
 vLLM recomputes. Failed loads are reported per block, which vLLM turns into a
@@ -31,7 +33,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from kvfabric import ConfigError, KVFabricError
 from kvfabric import Client
 
-from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config
+from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
 from .meta import KVFabricMetadata
 from .metrics import Counters, log
 from .scheduler import SchedulerSide
@@ -72,6 +74,15 @@ class KVFabricConnector(KVConnectorBase_V1):
         par = vllm_config.parallel_config
         if par.pipeline_parallel_size != 1:
             raise ConfigError("kvfabric: pipeline parallelism is not supported yet")
+        mc = vllm_config.model_config
+        if vllm_config.lora_config is not None:
+            raise ConfigError("kvfabric: LoRA is not supported (an adapter changes the KV of the same tokens "
+                              "and is not bound into the pool's keys yet); start vLLM without --enable-lora "
+                              "or without the kvfabric connector")
+        if mc is not None and mc.is_multimodal_model:
+            raise ConfigError(f"kvfabric: multimodal models are not supported ({mc.model}: image/audio "
+                              "inputs change the KV of the same placeholder tokens and are not bound into "
+                              "the pool's keys yet); use a text-only model or run without the connector")
         xfer = self._kv_transfer_config
         self._cfg = parse_extra_config(xfer.kv_connector_extra_config, xfer.kv_role, spec.block_size)
         if xfer.kv_load_failure_policy != "recompute":
@@ -82,10 +93,10 @@ class KVFabricConnector(KVConnectorBase_V1):
         layout = kv_layout_name(str(kv_cache_config.kv_cache_layout), num_kv_heads=spec.num_kv_heads,
                                 head_size=spec.head_size, head_size_v=spec.head_size_v,
                                 block_size=spec.block_size, num_layers=len(layer_names))
-        mc = vllm_config.model_config
+        weights = weights_fingerprint(mc.model)
         namespaces = [
             make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),
-                           kv_layout=layout, tp_rank=r, tp_size=par.tensor_parallel_size)
+                           kv_layout=layout, tp_rank=r, tp_size=par.tensor_parallel_size, weights=weights)
             for r in range(par.tensor_parallel_size)
         ]
         self._counters = Counters()
@@ -129,9 +140,10 @@ class KVFabricConnector(KVConnectorBase_V1):
             self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads complete in start_load_kv, before the forward: on the CPU
-        # backend copies and compute share the same cores, so pipelining
-        # layer loads with attention would not overlap anything.
+        # Sync loads complete in start_load_kv, before the forward; async ones
+        # (the default) run between steps and are reported by get_finished.
+        # On the CPU backend copies and compute share the same cores, so
+        # pipelining layer loads with attention would not overlap anything.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -148,9 +160,11 @@ class KVFabricConnector(KVConnectorBase_V1):
             self._worker.submit_saves(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Loads are synchronous and saves copy their bytes out during the
-        # step, so no request ever waits on this connector to free blocks.
-        return None, None
+        # Saves copy their bytes out during the step, so no request waits on a
+        # save; async loads report here once done (failed blocks are handed to
+        # get_block_ids_with_load_errors, which vLLM calls right after).
+        assert self._worker is not None
+        return None, self._worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -168,8 +182,8 @@ class KVFabricConnector(KVConnectorBase_V1):
         assert self._sched is not None
         try:
             return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-        except KVFabricError as exc:
-            self._counters.fail("lookup_errors", "lookup failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - a lookup never fails vLLM's step
+            self._counters.fail("lookup_errors", "lookup failed: %r", exc)
             return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -180,7 +194,13 @@ class KVFabricConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output.finished_recving)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        self._sched.request_finished(request)
-        return False, None
+        # True only while an async load still writes into the request's blocks
+        # (it was aborted while loading): vLLM frees them when get_finished
+        # reports the load.
+        return self._sched.request_finished(request), None

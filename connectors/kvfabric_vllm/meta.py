@@ -17,7 +17,10 @@ __all__ = ["LoadSpec", "SaveSpec", "KVFabricMetadata"]
 
 @dataclass
 class LoadSpec:
-    """Read ``len(block_ids)`` chunks from the pool into vLLM blocks, before this step's forward.
+    """Read ``len(block_ids)`` chunks from the pool into vLLM blocks.
+
+    Before this step's forward, or with ``async_load`` on the worker's loader
+    thread, reported done through ``get_finished`` (vLLM's ``load_kv_async``).
 
     ``block_ids[i]`` are the vLLM blocks of chunk ``i`` (``chunk_tokens //
     block_size`` each). The first ``skip_blocks`` blocks of chunk 0 are
@@ -28,6 +31,7 @@ class LoadSpec:
     keys: list[list[bytes]]
     block_ids: list[list[int]]
     skip_blocks: int = 0
+    async_load: bool = False      # load between steps, report through get_finished
 
 
 @dataclass

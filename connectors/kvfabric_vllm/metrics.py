@@ -5,6 +5,11 @@ goes through :func:`Counters.fail`: the counter goes up every time, the
 warning is logged only the first time for that counter in this process, so a
 dead pool does not flood the log.
 
+The logger is ``vllm.kvfabric_vllm``: under vLLM's ``vllm`` logger, so
+vLLM's logging setup (handler, format, ``VLLM_LOGGING_LEVEL``) prints the
+connector's INFO lines with its own (vLLM's ``init_logger`` convention,
+without importing vLLM here).
+
 Counters are per connector instance; ``all_counters()`` sums the live
 instances of this process (tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` read
 it; the same numbers are logged at shutdown).
@@ -16,26 +21,32 @@ import logging
 import threading
 import weakref
 
-log = logging.getLogger("kvfabric.vllm")
+LOGGER_NAME = "vllm.kvfabric_vllm"
+log = logging.getLogger(LOGGER_NAME)
 
 COUNTER_NAMES = (
     # scheduler side
-    "lookups",            # pool lookups started
+    "lookups",            # pool lookups started (one per request, again after each preemption)
+    "relookups",          # of which after a preemption
     "lookup_timeouts",    # lookups that missed their deadline (answered "no hit")
     "lookup_errors",      # lookups that raised (answered "no hit")
-    "lookup_hit_tokens",  # tokens the pool reported beyond vLLM's local hit
+    "lookup_hit_tokens",  # loadable tokens the pool held beyond vLLM's local hit, once per lookup
     "scheduled_load_tokens",  # tokens vLLM accepted to load from the pool
+    "save_known_chunks",  # prompt chunks not saved because the lookup found them in the pool
+    "save_unchecked_jobs",  # saves sent before their lookup answered (may re-send held chunks)
     # worker side
     "load_chunks",        # chunks copied into paged KV blocks
     "load_tokens",        # tokens copied into paged KV blocks
     "load_failed_chunks",  # chunks that missed / were malformed -> recomputed
     "load_errors",        # whole load steps that raised -> recomputed
+    "async_loads",        # loads run between steps (load_kv_async)
     "save_jobs",          # put jobs queued (one per request per step that completed chunks)
     "save_jobs_done",     # put jobs finished, whatever their outcome (== save_jobs: nothing in flight)
     "save_chunks",        # chunks handed to the pool (stored or already there)
     "save_dropped_chunks",  # chunks the pool did not take (down, full, slow)
     "save_skipped_chunks",  # chunks not even sent (pending-save bound reached)
     "save_errors",        # save jobs that raised
+    "save_abandoned_jobs",  # save jobs still queued or running when the shutdown drain bound ran out
     "client_errors",      # the kvfabric client could not be built (pool off)
 )
 

@@ -3,26 +3,44 @@
 Per request the scheduler keeps the chunk keys of its prompt (computed once,
 for every TP rank, by ``kvfabric.KeyHasher`` over the prompt token ids; never
 vLLM's own block hashes) and a lookup of how many leading chunks the pool
-holds.
+holds. The request's namespace binds vLLM's per-request ``cache_salt``
+(``config.request_namespace``): salted requests never share KV with requests
+of another salt or none, as in vLLM's own prefix cache.
 
 Lookup never blocks the scheduler for long: the first call starts the lookup
 on a background thread and waits at most ``lookup_wait_ms`` for it (a
 loopback lookup answers well within that); if it has not answered, vLLM is
 told "ask again later" (``None``) and skips the request for this step (each
 later call waits at most 2 ms more); past ``lookup_timeout_ms`` the answer
-is "no hit". A lookup that fails is "no
-hit" too (counted, warned once). The lookup takes a lease so the chunks found
-are not evicted before the load.
+is "no hit". A lookup that fails is "no hit" too (counted, warned once). The
+lookup takes a lease so the chunks found are not evicted before the load.
+Every request is looked up, also when vLLM's local prefix cache covers all
+it could load and in save-only roles: then only to learn what the pool
+already holds (no lease), so nothing it holds is gathered and sent again.
+A request that vLLM preempted (its blocks freed, ``num_preemptions`` up) is
+looked up again when it is rescheduled: the pool may hold more by then (its
+own chunks saved before the preemption, or another engine's).
 
 Loads: only whole chunks, only beyond vLLM's local hit, and never the last
-prompt token (vLLM must compute at least one token to sample from). The hit
-is loaded synchronously by the workers before the step's forward
-(``load_kv_async=False``); a chunk that then fails to load is reported
-through ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+prompt token (vLLM must compute at least one token to sample from). With
+``load_async`` (default) the hit is loaded between steps
+(``load_kv_async=True``): vLLM parks the request in
+``WAITING_FOR_REMOTE_KVS``, the workers load on a background thread and
+report it through ``get_finished``, and no step of the batch waits on the
+pool. A request finished (aborted) while its load is in flight keeps its
+blocks until the load reports (``request_finished`` returns True). A chunk
+that fails to load is reported through ``get_block_ids_with_load_errors``
+and vLLM recomputes it.
 
 Saves: after every step, the prompt chunks that became fully computed in
 that step (chunked prefill included) and that the pool did not already hold
-at lookup time are handed to the workers, which gather and put them.
+at lookup time are handed to the workers, which gather and put them. A save
+whose lookup has not answered yet waits for it at most ``lookup_wait_ms``,
+then goes out unchecked (counted: ``save_unchecked_jobs``).
+
+Counters are honest: ``lookup_hit_tokens`` is added once per lookup (not per
+scheduler call: vLLM asks again every step a request waits), and
+``scheduled_load_tokens`` once per load vLLM accepted.
 """
 
 from __future__ import annotations
@@ -33,9 +51,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvfabric import KeyHasher, KVFabricError, Namespace
+from kvfabric import KeyHasher, Namespace
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, request_namespace
 from .meta import KVFabricMetadata, LoadSpec, SaveSpec
 from .metrics import Counters, log
 
@@ -56,10 +74,13 @@ class _Req:
     keys: list[list[bytes]]          # [rank][chunk] for every whole chunk of the prompt
     lookup: Future | None = None
     lookup_t0: float = 0.0
+    lookup_epoch: int = -1           # request.num_preemptions when the lookup was started
     pool_run: int | None = None      # leading chunks the pool holds (None: not known yet)
+    hit_counted: bool = False        # lookup_hit_tokens added for this lookup
     local_computed: int = 0          # vLLM's local hit passed to the last lookup call
     saved_upto: int = 0              # chunks [0, saved_upto) are in the pool or being put
     load: LoadSpec | None = None     # planned by update_state_after_alloc, sent next meta
+    loading: bool = False            # an async load was planned and has not reported back
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -77,6 +98,7 @@ class SchedulerSide:
         self._cache_manager = cache_manager
         self._hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
         self._reqs: dict[str, _Req] = {}
+        self._loading: set[str] = set()   # requests whose async load has not reported yet
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfabric-lookup")
 
     # ------------------------------------------------------------------ state
@@ -89,37 +111,46 @@ class SchedulerSide:
         if tokens is None:           # prompt embeddings: no token ids to key on
             return None
         n_chunks = len(tokens) // self.cfg.chunk_tokens
-        keys = [self._hasher.prefix_keys(ns, tokens[: n_chunks * self.cfg.chunk_tokens]) for ns in self.namespaces]
+        salt = getattr(request, "cache_salt", None)
+        keys = [self._hasher.prefix_keys(request_namespace(ns, salt), tokens[: n_chunks * self.cfg.chunk_tokens])
+                for ns in self.namespaces]
         st = _Req(prompt_len=len(tokens), keys=keys)
         self._reqs[request.request_id] = st
         return st
 
     # ------------------------------------------------------------------ lookup
 
-    def _lookup_all_ranks(self, keys: list[list[bytes]]) -> int:
+    def _lookup_all_ranks(self, keys: list[list[bytes]], lease_ms: int) -> int:
         assert self.client is not None
         timeout = self.cfg.lookup_timeout_ms / 1000
         run = len(keys[0])
         for rank_keys in keys:       # every rank must hold a chunk for it to be a hit
-            run = min(run, self.client.lookup(rank_keys[:run], lease_ms=self.cfg.lease_ms, timeout_s=timeout))
+            run = min(run, self.client.lookup(rank_keys[:run], lease_ms=lease_ms, timeout_s=timeout))
             if run == 0:
                 break
         return run
 
-    def _pool_run(self, st: _Req, n_chunks: int) -> int | None:
+    def _start_lookup(self, st: _Req, epoch: int, lease: bool) -> bool:
+        """Start (again, after a preemption) the lookup of every whole prompt chunk; True if started."""
+        if st.lookup is not None and st.lookup_epoch == epoch:
+            return False
+        if st.lookup is not None:    # preempted since: what the pool holds may have grown
+            self.counters.add("relookups")
+            if not st.lookup.done():
+                st.lookup.cancel()
+        self.counters.add("lookups")
+        st.lookup_epoch = epoch
+        st.pool_run = None
+        st.hit_counted = False
+        st.lookup_t0 = time.monotonic()
+        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms if lease else 0)
+        return True
+
+    def _pool_run(self, st: _Req, wait_s: float) -> int | None:
         """Leading chunks held by the pool, or None while the lookup is still pending."""
         if st.pool_run is not None:
             return st.pool_run
-        if st.lookup is None:
-            self.counters.add("lookups")
-            st.lookup_t0 = time.monotonic()
-            st.lookup = self._pool.submit(self._lookup_all_ranks, [k[:n_chunks] for k in st.keys])
-            wait_s = self.cfg.lookup_wait_ms / 1000
-        else:
-            # vLLM asks again at its next step; when nothing else is running
-            # that is at once, so wait a little (GIL released) instead of
-            # letting the engine loop spin against the lookup thread.
-            wait_s = min(_POLL_WAIT_S, self.cfg.lookup_wait_ms / 1000)
+        assert st.lookup is not None
         if wait_s and not st.lookup.done():
             try:
                 st.lookup.result(timeout=wait_s)
@@ -128,36 +159,49 @@ class SchedulerSide:
         if st.lookup.done():
             try:
                 st.pool_run = st.lookup.result()
-            except (KVFabricError, OSError) as exc:
-                self.counters.fail("lookup_errors", "pool lookup failed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss, never vLLM's error
+                self.counters.fail("lookup_errors", "pool lookup failed: %r", exc)
                 st.pool_run = 0
         elif time.monotonic() - st.lookup_t0 > self.cfg.lookup_timeout_ms / 1000:
             self.counters.fail("lookup_timeouts", "pool lookup took longer than %d ms",
                                self.cfg.lookup_timeout_ms)
             st.pool_run = 0
-        if st.pool_run is not None:
-            st.saved_upto = max(st.saved_upto, st.pool_run)
+        if st.pool_run is not None and st.pool_run > st.saved_upto:
+            if self.cfg.save:
+                self.counters.add("save_known_chunks", st.pool_run - st.saved_upto)
+            st.saved_upto = st.pool_run
         return st.pool_run
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.client is None:
             return 0, False
         st = self._state(request)       # also for save-only roles: saves need the keys
-        if st is None or not self.cfg.load:
+        if st is None or not st.keys[0]:
             return 0, False
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
-        if n_load * chunk <= num_computed_tokens:
+        loadable = self.cfg.load and n_load * chunk > num_computed_tokens
+        # Looked up even when nothing is loadable: saves must know what the pool holds.
+        started = self._start_lookup(st, getattr(request, "num_preemptions", 0), lease=loadable)
+        if not loadable:
             return 0, False
-        run = self._pool_run(st, n_load)
+        # vLLM asks again at its next step; when nothing else is running that
+        # is at once, so a later call waits a little (GIL released) instead of
+        # letting the engine loop spin against the lookup thread.
+        wait_s = self.cfg.lookup_wait_ms / 1000
+        if not started:
+            wait_s = min(_POLL_WAIT_S, wait_s)
+        run = self._pool_run(st, wait_s)
         if run is None:
             return None, False
         st.local_computed = num_computed_tokens
         hit = min(run, n_load) * chunk
         ext = max(0, hit - num_computed_tokens)
-        if ext:
-            self.counters.add("lookup_hit_tokens", ext)
-        return ext, False
+        if not st.hit_counted:        # once per lookup, however often vLLM asks
+            st.hit_counted = True
+            if ext:
+                self.counters.add("lookup_hit_tokens", ext)
+        return ext, bool(ext) and self.cfg.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -177,8 +221,25 @@ class SchedulerSide:
             keys=[k[c0:c1] for k in st.keys],
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
             skip_blocks=(start - c0 * chunk) // bs,
+            async_load=self.cfg.load_async,
         )
+        if self.cfg.load_async:
+            st.loading = True
+            self._loading.add(request.request_id)
         self.counters.add("scheduled_load_tokens", num_external_tokens)
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        """The workers reported these async loads done (or failed): their blocks are vLLM's again."""
+        for rid in finished_recving or ():
+            self._loading.discard(rid)
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.loading = False
+                # Offer no hit again in this epoch: a load that failed from its first
+                # block leaves the request at 0 computed tokens, and vLLM then asks
+                # again; the same hit would be loaded (and fail) forever.
+                st.pool_run = 0
+                st.hit_counted = True
 
     # ------------------------------------------------------------------ per step
 
@@ -202,11 +263,19 @@ class SchedulerSide:
         manager = self._cache_manager()
         for rid, computed in progress:
             st = self._reqs.get(rid)
-            if st is None or st.pool_run is None and st.lookup is not None:
+            if st is None or manager is None:
                 continue
             done = min(computed, st.prompt_len) // self.cfg.chunk_tokens
-            if done <= st.saved_upto or manager is None:
+            if done <= st.saved_upto:
                 continue
+            if st.lookup is not None and st.pool_run is None:
+                # What does the pool hold already? Wait a little for the lookup
+                # (started when the request was scheduled), then send unchecked.
+                self._pool_run(st, self.cfg.lookup_wait_ms / 1000)
+                if st.pool_run is None:
+                    self.counters.add("save_unchecked_jobs")
+                elif done <= st.saved_upto:
+                    continue
             spec = self._save_spec(rid, st, st.saved_upto, done, manager.get_block_ids(rid)[0])
             meta.saves.append(spec)
             st.saved_upto = done
@@ -221,12 +290,17 @@ class SchedulerSide:
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
         )
 
-    def request_finished(self, request: Request) -> None:
-        """Forget the request. Saves already gathered stay in flight; blocks can be freed now
-        because the workers copy a chunk out of vLLM's blocks during the step that completes it."""
+    def request_finished(self, request: Request) -> bool:
+        """Forget the request; True when its blocks must wait for an async load still in flight.
+
+        Saves already gathered stay in flight; their blocks can be freed now
+        because the workers copy a chunk out of vLLM's blocks during the step
+        that completes it. A load, though, writes into the blocks until the
+        worker reports it in ``get_finished``; vLLM frees them then."""
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None and not st.lookup.done():
             st.lookup.cancel()
+        return request.request_id in self._loading
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

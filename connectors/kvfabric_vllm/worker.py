@@ -11,9 +11,13 @@ V). Layers are in the model order vLLM lists them in. The namespace binds
 the layout name, heads, head sizes, block size and layer count, so engines
 whose pages differ never share keys.
 
-Loads (``load``) run synchronously in ``start_load_kv``, before the forward
-that reads them: one batched ``Client.get_into`` per step straight into a
-staging tensor, then one ``copy_`` per page into the blocks. The staging
+Loads (``load``): an async spec (``load_async``, the default) is queued on
+one loader thread and reported through ``finished_loads`` (vLLM's
+``get_finished``), so no step of the batch waits on the pool; a step waits
+for a load still in flight at most ``load_poll_ms`` (2 ms). A sync spec runs
+in ``start_load_kv``, before the forward that reads it. Either way one
+batched ``Client.get_into`` per request (bounded by ``load_timeout_s``)
+straight into a staging tensor, then one ``copy_`` per page into the blocks. The staging
 tensor is reused and registered with the client (``register_load_buffer``),
 so on ``native`` connections the chunks are received with io_uring
 READ_FIXED into pre-registered memory. A chunk
@@ -28,13 +32,19 @@ not seen yet and hands the staging tensors to one background thread that
 ``put``s them. Since the bytes are copied out during the step, vLLM may
 free or reuse the blocks as soon as the step ends. Pending save bytes are
 bounded: past ``max_pending_save_bytes`` new chunks are skipped and counted.
+
+Shutdown (vLLM calls it on SIGTERM in every mode, then kills the process 5 s
+later) drains queued saves for at most ``shutdown_drain_s``; what is still
+queued or running then is abandoned and counted (``save_abandoned_jobs``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,6 +91,10 @@ class WorkerSide:
         self._load_buf: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-save")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-load")
+        self._loads: dict[str, Future] = {}      # req_id -> async load in flight, until reported
+        self._save_jobs: set[Future] = set()
+        self._closed = False
 
     # ------------------------------------------------------------------ registration
 
@@ -108,13 +122,42 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
 
     def load(self, specs: Iterable[LoadSpec]) -> None:
-        """Copy every spec's chunks into vLLM's blocks; failures land in ``failed_block_ids``."""
+        """Copy every spec's chunks into vLLM's blocks (async specs: queue them); failures land
+        in ``failed_block_ids`` (async: when ``finished_loads`` reports the request)."""
         for spec in specs:
-            try:
-                self._load_one(spec)
-            except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
-                self.counters.fail("load_errors", "loading %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
-                self._failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+            if spec.async_load:
+                self.counters.add("async_loads")
+                self._loads[spec.req_id] = self._loader.submit(self._load_guarded, spec)
+            else:
+                failed = self._load_guarded(spec)
+                with self._lock:
+                    self._failed.update(failed)
+
+    def _load_guarded(self, spec: LoadSpec) -> set[int]:
+        """Load one spec; the blocks that must be recomputed (never raises)."""
+        failed: set[int] = set()
+        try:
+            self._load_one(spec, failed)
+        except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
+            self.counters.fail("load_errors", "loading %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
+            failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+        return failed
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose async load is done; their failed blocks join ``failed_block_ids`` now,
+        so vLLM sees both in the same step. Waits at most ``load_poll_ms`` for one in flight."""
+        if not self._loads:
+            return set()
+        if self.cfg.load_poll_ms and not any(f.done() for f in self._loads.values()):
+            wait_futures(list(self._loads.values()), timeout=self.cfg.load_poll_ms / 1000,
+                         return_when="FIRST_COMPLETED")
+        done = {rid for rid, f in self._loads.items() if f.done()}
+        for rid in done:
+            fut = self._loads.pop(rid)
+            failed = fut.result() if not fut.cancelled() else set()
+            with self._lock:
+                self._failed.update(failed)
+        return done
 
     def _blocks_to_write(self, spec: LoadSpec, chunks: Iterable[int]) -> list[int]:
         out: list[int] = []
@@ -122,7 +165,7 @@ class WorkerSide:
             out.extend(spec.block_ids[i][spec.skip_blocks if i == 0 else 0 :])
         return out
 
-    def _load_one(self, spec: LoadSpec) -> None:
+    def _load_one(self, spec: LoadSpec, failed: set[int]) -> None:
         n = len(spec.block_ids)
         if n == 0:
             return
@@ -139,7 +182,7 @@ class WorkerSide:
         if bad:
             self.counters.fail("load_failed_chunks", "%d of %d chunks were missing or malformed in the pool",
                                len(bad), n, n=len(bad))
-            self._failed.update(self._blocks_to_write(spec, bad))
+            failed.update(self._blocks_to_write(spec, bad))
         if not good:
             return
         data = raw.view(self.dtype).view(n, len(self.layers), self.per_chunk, *self.page_shape)
@@ -159,8 +202,10 @@ class WorkerSide:
 
     def _load_staging(self, n: int) -> torch.Tensor:
         """A reused staging buffer for ``n`` chunks: a fresh multi-MiB allocation would be
-        page-faulted in by the receive on every load. Loads are synchronous, so one buffer
-        suffices; it never outgrows the largest load seen (bounded by vLLM's KV cache)."""
+        page-faulted in by the receive on every load. Loads run one at a time (in the step, or
+        on the one loader thread, and a step with sync loads has no async one running: vLLM
+        plans a request's load one way), so one buffer suffices; it never outgrows the
+        largest load seen (bounded by vLLM's KV cache)."""
         if self._load_buf is None or self._load_buf.shape[0] < n:
             self._load_buf = torch.empty((n, self.chunk_bytes), dtype=torch.uint8)
             if self.cfg.register_load_buffer and self.client is not None:
@@ -171,7 +216,8 @@ class WorkerSide:
         return self._load_buf[:n]
 
     def take_failed_block_ids(self) -> set[int]:
-        out, self._failed = self._failed, set()
+        with self._lock:
+            out, self._failed = self._failed, set()
         return out
 
     # ------------------------------------------------------------------ saves
@@ -228,7 +274,10 @@ class WorkerSide:
                                        n=len(spec.block_ids))
                     continue
                 self.counters.add("save_jobs")
-                self._saver.submit(self._put, spec, st.data, nbytes)
+                fut = self._saver.submit(self._put, spec, st.data, nbytes)
+                with self._lock:
+                    self._save_jobs.add(fut)
+                fut.add_done_callback(self._save_job_done)
         except Exception as exc:  # noqa: BLE001
             self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
         finally:
@@ -252,9 +301,26 @@ class WorkerSide:
                 self._pending_bytes -= nbytes
             self.counters.add("save_jobs_done")
 
+    def _save_job_done(self, fut: Future) -> None:
+        with self._lock:
+            self._save_jobs.discard(fut)
+
     def shutdown(self) -> None:
-        """Wait for queued saves (each bounded by ``save_timeout_s``), then close the client."""
-        self._saver.shutdown(wait=True)
+        """Drain queued saves for at most ``shutdown_drain_s``, abandon the rest (counted), close
+        the client. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        t0 = time.monotonic()
+        with self._lock:
+            jobs = list(self._save_jobs)
+        _, left = wait_futures(jobs, timeout=self.cfg.shutdown_drain_s)
+        self._saver.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        if left:
+            self.counters.fail("save_abandoned_jobs", "%d save jobs still pending after the %.1f s shutdown "
+                               "drain; abandoned", len(left), self.cfg.shutdown_drain_s, n=len(left))
         if self.client is not None:
             self.client.close()
-        log.info("kvfabric worker counters: %s", self.counters.snapshot())
+        log.info("kvfabric worker shut down (%d save jobs drained in %.2f s, %d abandoned); counters: %s",
+                 len(jobs) - len(left), time.monotonic() - t0, len(left), self.counters.snapshot())

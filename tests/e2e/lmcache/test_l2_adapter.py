@@ -114,6 +114,52 @@ def test_store_lookup_load_round_trip(pool, allocator) -> None:
             o.ref_count_down()
 
 
+def test_store_copies_objects_before_returning_reuse_after_ttl_keeps_bytes(pool, allocator) -> None:
+    """Issue 13: submit_store_task encoded the objects inside the queued job. LMCache's
+    L1 read lock expires after --l1-read-ttl-seconds and the memory is reused, so behind
+    a slow (here: frozen) pool keys were stored with other keys' bytes. The objects'
+    memory is overwritten right after submit returns, while the pool is stopped (one
+    I/O thread, busy with an earlier store behind the frozen pool, so the task under
+    test cannot have started); the stored bytes must be the ones submitted."""
+    import os
+    import signal
+
+    url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=60&connect_timeout_s=5"
+    adapter = adapter_for(url, io_threads=1)
+    objs, loaded = [], []
+    try:
+        keys = [okey(200 + i) for i in range(3)]
+        objs = [new_obj(allocator, fill=300 + i) for i in range(4)]
+        ref = [o.tensor.view(torch.int16).clone() for o in objs[:3]]
+        for s in pool:
+            os.kill(s.pid, signal.SIGSTOP)
+        try:
+            first = adapter.submit_store_task([okey(210)], objs[3:])   # holds the one I/O thread
+            tid = adapter.submit_store_task(keys, objs[:3])
+            for o in objs[:3]:                   # the TTL ran out: L1 reuses the memory
+                o.tensor.view(torch.int16).fill_(7)
+        finally:
+            for s in pool:
+                os.kill(s.pid, signal.SIGCONT)
+        done: dict = {}
+
+        def popped(t):
+            done.update(adapter.pop_completed_store_tasks())
+            return done.get(t)
+
+        assert wait_result(adapter.get_store_event_fd(), popped, first, 90).is_successful()
+        assert wait_result(adapter.get_store_event_fd(), popped, tid, 90).is_successful()
+        loaded = [new_obj(allocator) for _ in range(3)]
+        tid = adapter.submit_load_task(keys, loaded)
+        assert bits(wait_result(adapter.get_load_event_fd(), adapter.query_load_result, tid), 3) == [1, 1, 1]
+        for got, want in zip(loaded, ref):
+            assert torch.equal(got.tensor.view(torch.int16), want)
+    finally:
+        adapter.close()
+        for o in objs + loaded:
+            o.ref_count_down()
+
+
 def test_pool_down_store_fails_lookups_and_loads_miss(pool, allocator) -> None:
     url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=0.5&connect_timeout_s=0.2"
     adapter = adapter_for(url)
@@ -181,7 +227,7 @@ def test_lmcache_storage_manager_offloads_to_and_prefetches_from_the_pool(pool) 
         assert sm.get_l1_usage()[0] == 0  # nothing left in L1: the reads below must come from the pool
 
         handle = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=layout)]))
-        assert sm.wait_prefetch_status(handle, 20) is not None
+        assert sm.wait_prefetch_status(handle, 20) is True   # a bool: "is not None" held even on timeout
         with sm.read_prefetched_results(keys) as got:
             assert got is not None and len(got) == 3
             for obj, k in zip(got, keys):
@@ -189,3 +235,22 @@ def test_lmcache_storage_manager_offloads_to_and_prefetches_from_the_pool(pool) 
         sm.finish_read_prefetched(keys)
     finally:
         sm.close()
+
+
+def test_lmcache_own_l2_adapter_check_passes(pool, capsys) -> None:
+    """Issue 13: LMCache's own L2-adapter check (``lmcache.v1.check``, mode test_l2_adapter,
+    also behind ``lmcache bench l2``) stored 0 of 5: its memory objects carry only
+    ``shape``/``dtype`` (``get_shapes()`` asserts). It now stores, finds and loads 5 of 5."""
+    import asyncio
+
+    from lmcache.v1.check.check_mode_test_l2_adapter import run_test_mode
+
+    url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=10&connect_timeout_s=5"
+    spec = {"type": "plugin", "module_path": "kvfabric_lmcache.l2_adapter", "class_name": "KVFabricL2Adapter",
+            "adapter_params": {"url": url}}
+    asyncio.run(run_test_mode("org/model", l2_adapter=[json.dumps(spec)], num_keys=5))
+    out = capsys.readouterr().out
+    for line in ("Batch store OK", "Validation: 5/5 correctly absent", "Validation: 5/5 found",
+                 "Validation (loaded): 5/5", "Validation (content): 5/5"):
+        assert line in out, out
+    assert "Test Failed" not in out, out

@@ -37,6 +37,14 @@ LONG_TOKENS = 4000
 LONG_LOADABLE = (LONG_TOKENS - 1) // CHUNK * CHUNK
 PROMPTS["spread"] = random_prompt(LONG_TOKENS, seed=12)
 PROMPTS["killed"] = random_prompt(LONG_TOKENS, seed=13)
+# Regression tests of the connector's defects (test_connector_fixes.py): "salt" is one
+# 1500-token prompt run unsalted and salted; the "busy_*" prompts run together in an
+# engine with a small KV cache, so requests wait for blocks and get preempted.
+PROMPTS["salt"] = random_prompt(PROMPT_TOKENS, seed=18)
+BUSY_TOKENS = 700
+BUSY_LOADABLE = (BUSY_TOKENS - 1) // CHUNK * CHUNK
+for _seed, _name in enumerate(["busy_a", "busy_b", "busy_c", "busy_d"], start=19):
+    PROMPTS[_name] = random_prompt(BUSY_TOKENS, seed=_seed)
 ENGINE_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 
@@ -61,14 +69,21 @@ class EngineRunner:
         self.n = 0
 
     def __call__(self, names: list[str], servers: list[str] | None = None, *, mp: bool = False,
-                 max_tokens: int = 12, between=None, role: str = "kv_both") -> dict:
-        """Run the prompts in one engine; ``between(i)`` runs (in the test) before prompt ``i >= 1``."""
+                 max_tokens: int = 12, between=None, role: str = "kv_both", salts: list[str | None] | None = None,
+                 args: list[str] = ()) -> dict:
+        """Run the prompts in one engine; ``between(i)`` runs (in the test) before prompt ``i >= 1``.
+
+        ``salts[i]`` is prompt ``i``'s vLLM ``cache_salt``; ``args`` go to ``engine_run.py``.
+        The result's ``stdout`` holds the engine's own output (vLLM logs there)."""
         self.n += 1
         prompts = self.workdir / f"prompts{self.n}.json"
         out = self.workdir / f"result{self.n}.json"
-        prompts.write_text(json.dumps([PROMPTS[n] for n in names]))
+        salts = salts or [None] * len(names)
+        prompts.write_text(json.dumps([PROMPTS[n] if s is None else {"tokens": PROMPTS[n], "cache_salt": s}
+                                       for n, s in zip(names, salts)]))
         cmd = [sys.executable, str(HERE / "engine_run.py"), "--model", self.model, "--prompts", str(prompts),
-               "--out", str(out), "--chunk-tokens", str(CHUNK), "--max-tokens", str(max_tokens), "--role", role]
+               "--out", str(out), "--chunk-tokens", str(CHUNK), "--max-tokens", str(max_tokens), "--role", role,
+               *args]
         if servers:
             cmd += ["--servers", ",".join(servers)]
         if mp:
@@ -76,11 +91,13 @@ class EngineRunner:
         if between is not None:
             cmd.append("--pause")
         env = dict(os.environ, PYTHONHASHSEED=str(self.n))  # engines must not depend on it
+        stdout: list[str] = []
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                     env=env)
             try:
-                for line in proc.stdout:        # vLLM's own stdout lines are skipped
+                for line in proc.stdout:        # vLLM's own stdout lines are kept, not interpreted
+                    stdout.append(line)
                     if line.startswith("KVF-PAUSE "):
                         between(int(line.split()[1]))
                         proc.stdin.write("\n")
@@ -96,6 +113,7 @@ class EngineRunner:
             raise AssertionError(f"engine failed ({rc}):\n{log[-6000:]}")
         result = json.loads(out.read_text())
         result["log"] = log
+        result["stdout"] = "".join(stdout)
         return dict(result, by_name=dict(zip(names, zip(result["outputs"], result["cached"]))))
 
 
@@ -105,9 +123,26 @@ def run_engine(tiny_model, tmp_path_factory) -> EngineRunner:
 
 
 @pytest.fixture(scope="session")
-def cold(run_engine) -> dict[str, list[int]]:
-    """Greedy outputs of an engine without any connector, per prompt name."""
+def cold(run_engine, tiny_model) -> dict[str, list[int]]:
+    """Greedy outputs of an engine without any connector, per prompt name.
+
+    ``KVF_E2E_COLD_CACHE=FILE`` keeps them in FILE between pytest runs (keyed by the
+    prompts and the tiny model's weights fingerprint): for targeted re-runs on a
+    shared machine; CI leaves it unset."""
+    import hashlib
+
+    from kvfabric_vllm.config import weights_fingerprint
+
     names = list(PROMPTS)
+    cache = os.environ.get("KVF_E2E_COLD_CACHE")
+    key = hashlib.sha256(json.dumps([PROMPTS, weights_fingerprint(tiny_model)]).encode()).hexdigest()
+    if cache and os.path.exists(cache):
+        saved = json.loads(Path(cache).read_text())
+        if saved.get("key") == key:
+            return saved["cold"]
     res = run_engine(names)
     assert res["cached"] == [0] * len(names)
-    return {n: out for n, out in zip(names, res["outputs"])}
+    out = {n: o for n, o in zip(names, res["outputs"])}
+    if cache:
+        Path(cache).write_text(json.dumps({"key": key, "cold": out}))
+    return out

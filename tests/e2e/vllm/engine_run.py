@@ -4,11 +4,16 @@ Used by the e2e tests so that every engine is an independently started
 process (its own PYTHONHASHSEED, its own connector instances)::
 
     python engine_run.py --model DIR --prompts prompts.json --out result.json \
-        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp] [--pause]
+        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp] [--pause] \
+        [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON]
+
+A prompt is a list of token ids or ``{"tokens": [...], "cache_salt": "..."}``.
+``--batch`` submits all prompts in one ``generate`` call (they run concurrently).
 
 ``result.json``: ``{"outputs": [[token ids]...], "cached": [num_cached_tokens...],
-"counters": {...} | null}``. Counters are the connector's (``kvfabric_vllm.metrics``),
-readable only when the engine runs in this process (no ``--mp``).
+"counters": {...} | null, "counters_after": [{...} per prompt] | null}``. Counters
+are the connector's (``kvfabric_vllm.metrics``), readable only when the engine
+runs in this process (no ``--mp``).
 Exit status is non-zero (with vLLM's traceback) if the engine fails.
 """
 
@@ -32,6 +37,12 @@ def main() -> int:
     ap.add_argument("--mp", action="store_true", help="vLLM's default multi-process engine core")
     ap.add_argument("--pause", action="store_true",
                     help="before each prompt after the first, print 'KVF-PAUSE i' and wait for a line on stdin")
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's local prefix cache on")
+    ap.add_argument("--kv-cache-mb", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--batch", action="store_true", help="all prompts in one generate call")
+    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys (JSON)")
+    ap.add_argument("--enable-lora", action="store_true")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
 
@@ -44,32 +55,38 @@ def main() -> int:
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": args.role,
-            "kv_connector_extra_config": {"servers": args.servers.split(","), "chunk_tokens": args.chunk_tokens},
+            "kv_connector_extra_config": {"servers": args.servers.split(","), "chunk_tokens": args.chunk_tokens,
+                                          **json.loads(args.extra)},
         }
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-              kv_cache_memory_bytes=256 << 20, max_model_len=4096, max_num_batched_tokens=1024,
-              seed=0, **kw)
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
+              kv_cache_memory_bytes=args.kv_cache_mb << 20, max_model_len=args.max_model_len,
+              max_num_batched_tokens=1024, seed=0, **({"enable_lora": True} if args.enable_lora else {}), **kw)
     with open(args.prompts) as f:
         prompts = json.load(f)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    outputs, cached = [], []
-    for i, p in enumerate(prompts):   # one at a time: each lookup sees the previous saves
+    inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else
+              TokensPrompt(prompt_token_ids=p["tokens"], cache_salt=p["cache_salt"]) for p in prompts]
+    snapshot = None
+    if args.servers and not args.mp:
+        from kvfabric_vllm.metrics import all_counters as snapshot
+    outputs, cached, counters_after = [], [], []
+    batches = [inputs] if args.batch else [[p] for p in inputs]
+    for i, batch in enumerate(batches):   # one at a time: each lookup sees the previous saves
         if args.pause and i:
             print(f"KVF-PAUSE {i}", flush=True)
             sys.stdin.readline()
-        res = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
-        outputs.append(list(res.outputs[0].token_ids))
-        cached.append(res.num_cached_tokens or 0)
-    counters = None
-    if args.servers and not args.mp:
-        from kvfabric_vllm.metrics import all_counters
-
-        counters = all_counters()
+        for res in llm.generate(batch, params, use_tqdm=False):
+            outputs.append(list(res.outputs[0].token_ids))
+            cached.append(res.num_cached_tokens or 0)
+        if snapshot is not None:
+            counters_after.append(snapshot())
+    counters = snapshot() if snapshot is not None else None
     # Shut the engine down here so the connector's pending saves are flushed
     # (its shutdown waits for them) before this process reports and exits.
     llm.llm_engine.engine_core.shutdown()
     with open(args.out, "w") as f:
-        json.dump({"outputs": outputs, "cached": cached, "counters": counters}, f)
+        json.dump({"outputs": outputs, "cached": cached, "counters": counters,
+                   "counters_after": counters_after if snapshot is not None else None}, f)
     return 0
 
 

@@ -4,6 +4,8 @@ on real pool servers without an engine (fast; torch from the vLLM virtualenv).""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from kvfabric import ConfigError
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
-from kvfabric_vllm.config import parse_extra_config
+from kvfabric_vllm.config import parse_extra_config, weights_fingerprint
 from kvfabric_vllm.meta import LoadSpec, SaveSpec
 from kvfabric_vllm.metrics import Counters
 from kvfabric_vllm.worker import WorkerSide
@@ -22,9 +24,9 @@ PAGE = (2, BLOCK, 16)   # [heads, tokens, K|V channels], like the CPU backend's 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def make_worker(servers: list[str], client: Client | None = None) -> tuple[WorkerSide, list[torch.Tensor]]:
+def make_worker(servers: list[str], client: Client | None = None, **extra) -> tuple[WorkerSide, list[torch.Tensor]]:
     cfg = parse_extra_config({"servers": servers, "chunk_tokens": CHUNK, "load_timeout_s": 2.0,
-                              "save_timeout_s": 2.0}, "kv_both", BLOCK)
+                              "save_timeout_s": 2.0, **extra}, "kv_both", BLOCK)
     w = WorkerSide(cfg, client if client is not None else Client(config=cfg.client), 0, BLOCK, NAMES, Counters())
     kv = [torch.zeros((NBLOCKS, *PAGE)) for _ in NAMES]
     w.register(dict(zip(NAMES, kv)))
@@ -125,6 +127,8 @@ def test_no_client_means_every_load_fails_cleanly():
     ({"servers": ["nohost"]}, "host:port"),
     ({"servers": ["127.0.0.1:1"], "lookup_timeout_ms": 0}, "lookup_timeout_ms"),
     ({"servers": ["127.0.0.1:1"], "save": "yes"}, "save must be true or false"),
+    ({"servers": ["127.0.0.1:1"], "load_async": 1}, "load_async must be true or false"),
+    ({"servers": ["127.0.0.1:1"], "shutdown_drain_s": -1}, "shutdown_drain_s"),
 ])
 def test_bad_extra_config_is_a_clear_error(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -137,3 +141,85 @@ def test_roles_choose_load_and_save():
     assert parse_extra_config({"servers": ["127.0.0.1:1"]}, "kv_producer", 128).load is False
     with pytest.raises(ConfigError, match="kv_role"):
         parse_extra_config({"servers": ["127.0.0.1:1"]}, None, 128)
+
+
+def _wait_loads(w: WorkerSide, n: int) -> set[str]:
+    done: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(done) < n:
+        assert time.monotonic() < deadline, "async load never reported"
+        done |= w.finished_loads()
+    return done
+
+
+def test_async_load_leaves_the_step_free_while_the_pool_stalls():
+    """Defect: loads ran inside the step, so a stalled pool held the whole batch's step for
+    up to load_timeout_s. Async loads are queued; the step's get_finished waits at most
+    load_poll_ms and reports the load once the pool answers (here: after SIGCONT)."""
+    with start_pool(1, capacity="16MiB") as pool:
+        w, kv = make_worker(pool.addresses, load_timeout_s=120.0)
+        try:
+            for t in kv:
+                t.fill_(1.0)
+            keys = [os.urandom(16), os.urandom(16)]
+            save(w, keys, [[1, 2], [3, 4]])
+            os.kill(pool[0].pid, signal.SIGSTOP)
+            try:
+                w.load([LoadSpec("r", [keys], [[5, 6], [7, 8]], async_load=True)])   # queued, not run
+                assert w.finished_loads() == set()   # the pool is stopped: nothing done, the step goes on
+                assert w.take_failed_block_ids() == set()
+            finally:
+                os.kill(pool[0].pid, signal.SIGCONT)
+            assert _wait_loads(w, 1) == {"r"}
+            assert w.take_failed_block_ids() == set()
+            assert all(torch.all(t[5] == 1.0) and torch.all(t[8] == 1.0) for t in kv)
+            assert w.counters.snapshot()["async_loads"] == 1
+            # a failed async load: its blocks are reported with (never after) the request
+            w.load([LoadSpec("m", [[os.urandom(16)]], [[9, 10]], async_load=True)])
+            assert _wait_loads(w, 1) == {"m"}
+            assert w.take_failed_block_ids() == {9, 10}
+        finally:
+            w.shutdown()
+
+
+def test_shutdown_drains_saves_within_its_bound():
+    """Defect: pending saves were lost on SIGTERM (vLLM kills the engine core 5 s after
+    it, and shutdown waited for every queued save without a bound). Now shutdown drains
+    for at most shutdown_drain_s and counts what it abandons; with a pool that answers,
+    a shutdown right after the step drains every save."""
+    with start_pool(1, capacity="16MiB") as pool:
+        keys = [os.urandom(16), os.urandom(16)]
+        w, kv = make_worker(pool.addresses, shutdown_drain_s=60.0)
+        spec = SaveSpec("r", [keys], [[None, keys[0]]], [[1, 2], [3, 4]])
+        w.submit_saves([spec])
+        w.shutdown()                      # at once: the queued put still lands
+        with Client(pool.addresses) as c:
+            assert c.exists(keys) == [True, True]
+        assert w.counters.snapshot()["save_abandoned_jobs"] == 0
+
+        stalled, _ = make_worker(pool.addresses, shutdown_drain_s=0.5, save_timeout_s=120.0)
+        os.kill(pool[0].pid, signal.SIGSTOP)
+        try:
+            stalled.submit_saves([SaveSpec("s", [[os.urandom(16)]], [[None]], [[5, 6]])])
+            stalled.shutdown()            # returns after the drain bound, not the 120 s put deadline
+        finally:
+            os.kill(pool[0].pid, signal.SIGCONT)
+        assert stalled.counters.snapshot()["save_abandoned_jobs"] == 1
+
+
+def test_weights_fingerprint_follows_the_weights_not_the_path(tmp_path):
+    """Defect: the namespace bound the model path string, so weights replaced under the
+    same path loaded the old KV. The fingerprint binds config + sampled weight bytes."""
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text('{"hidden_size": 256}')
+    (a / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    fp = weights_fingerprint(str(a))
+    assert len(fp) == 32
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    os.utime(b / "model.safetensors", (1, 1))
+    assert weights_fingerprint(str(b)) == fp              # other path, other mtime: same weights
+    (a / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    assert weights_fingerprint(str(a)) != fp              # same path, same size, other weights
+    assert weights_fingerprint("org/hub-model-id") == ""  # not a directory: the revision is bound

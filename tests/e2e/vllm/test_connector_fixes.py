@@ -1,0 +1,93 @@
+"""Regression tests for the connector defects of issue 13, on real vLLM engines and real pool servers.
+
+Each test names the defect it pins down. Engines are their own processes
+(``engine_run.py``); ``cold`` is an engine without the connector.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric import Client
+from kvfabric.testing.servers import start_pool
+
+from conftest import BUSY_LOADABLE, CHUNK, PROMPT_TOKENS
+
+SAVED = PROMPT_TOKENS // CHUNK     # whole chunks of a 1500-token prompt
+
+
+def pool_objects(addresses: list[str]) -> int:
+    with Client(addresses) as c:
+        return sum(s["objects"] for s in c.stats()["servers"].values())
+
+
+def delta(after: dict, before: dict, name: str) -> int:
+    return after[name] - before[name]
+
+
+def test_cache_salt_isolation_no_resend_of_local_hits_and_logs_in_vllm_output(run_engine, cold):
+    """One engine with vLLM's local prefix cache on, the same prompt three times:
+    1. unsalted, cold: saves its 5 chunks;
+    2. unsalted again: vLLM's local prefix cache covers every loadable chunk. Defect: the
+       connector returned before any lookup, so it gathered and re-sent all 5 chunks
+       (answered "exists"). Now the lookup tells it the pool holds them: nothing is sent;
+    3. salted ``tenant-b``: defect: it loaded the 1280 tokens saved unsalted. Now the salt
+       is bound into the keys: no hit, output identical to cold, its own 5 chunks saved.
+    And the connector's INFO lines reach vLLM's own log output (defect: they never did)."""
+    with start_pool(1, capacity="64MiB") as pool:
+        r = run_engine(["salt", "salt", "salt"], pool.addresses, salts=[None, None, "tenant-b"],
+                       args=["--prefix-caching"])
+        objects = pool_objects(pool.addresses)
+    c0, c1, c2 = r["counters_after"]
+    assert r["outputs"] == [cold["salt"]] * 3
+    # 1: cold, saved
+    assert r["cached"][0] == 0 and c0["save_chunks"] == SAVED
+    # 2: a local hit (vLLM's own cache), and nothing re-sent to the pool
+    assert r["cached"][1] >= PROMPT_TOKENS - CHUNK, r["cached"]
+    assert delta(c1, c0, "lookups") == 1                  # looked up to learn what the pool holds
+    assert delta(c1, c0, "save_known_chunks") == SAVED
+    assert delta(c1, c0, "save_jobs") == 0 and delta(c1, c0, "save_chunks") == 0, (c0, c1)
+    # 3: another tenant's salt: nothing from the unsalted entries, its own saved
+    assert r["cached"][2] == 0, r["cached"]
+    assert delta(c2, c1, "scheduled_load_tokens") == 0 and delta(c2, c1, "lookup_hit_tokens") == 0
+    assert delta(c2, c1, "save_chunks") == SAVED
+    assert objects == 2 * SAVED
+    # vLLM's log output (its handler, its format) carries the connector's INFO lines
+    out = r["stdout"] + r["log"]
+    assert "kvfabric connector (SCHEDULER)" in out and "kvfabric connector (WORKER)" in out, out[-3000:]
+
+
+def test_waiting_and_preempted_requests_count_once_and_look_up_again(run_engine, cold):
+    """Four 700-token prompts at once in an engine whose KV cache holds 3 of them
+    (max_model_len 2048, 10 MiB of KV), 200 tokens each, so requests wait for
+    blocks (vLLM asks the connector again every step) and running ones are
+    preempted as their decodes grow. ``busy_d`` was saved beforehand.
+
+    Defects: ``lookup_hit_tokens`` was added on every scheduler call (a waiting
+    request counted its hit every step); a lookup result was kept for the
+    request's life, so a preempted request never re-checked the pool (not even
+    for its own chunks saved before the preemption). Now: one count per lookup,
+    equal to what vLLM then scheduled to load; each preempted request is looked
+    up again and loads its saved chunks. Loads are async (``load_kv_async``):
+    outputs identical to cold."""
+    names = ["busy_a", "busy_b", "busy_c", "busy_d"]
+    engine = ["--kv-cache-mb", "10", "--max-model-len", "2048"]
+    with start_pool(1, capacity="64MiB") as pool:
+        run_engine(["busy_d"], pool.addresses, args=engine)          # busy_d's chunks in the pool
+        r = run_engine(names, pool.addresses, max_tokens=200, args=[*engine, "--batch"])
+    c = r["counters"]
+    assert [o[:12] for o in r["outputs"]] == [cold[n] for n in names]
+    assert c["relookups"] >= 1, c                          # someone was preempted and looked up again
+    assert c["lookup_hit_tokens"] == c["scheduled_load_tokens"], c   # one count per lookup
+    # busy_d's saved chunks, and a preempted request's own chunks found by its second lookup
+    assert c["scheduled_load_tokens"] >= 2 * BUSY_LOADABLE, c
+    assert c["load_tokens"] == c["scheduled_load_tokens"] and c["async_loads"] >= 2, c
+    assert c["load_failed_chunks"] == 0 and c["load_errors"] == 0, c
+
+
+def test_lora_engine_is_refused_at_start_with_a_clear_error(run_engine):
+    """Defect: LoRA (and multimodal) models were not refused: an adapter changes the KV of
+    the same tokens, which the keys do not bind. The connector now refuses to start."""
+    with pytest.raises(AssertionError, match="engine failed") as err:
+        run_engine(["salt"], ["127.0.0.1:1"], args=["--enable-lora"])
+    assert "kvfabric: LoRA is not supported" in str(err.value), str(err.value)[-3000:]
