@@ -13,7 +13,6 @@ of the wire is where its checksum check must catch it.
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -22,6 +21,7 @@ from kvfabric import protocol, transport
 from kvfabric.client import Client
 from kvfabric.config import ClientConfig
 from kvfabric.testing.conformance import TRANSPORT_PAIRS, pair_id, start_pool_of
+from kvfabric.testing.proxy import FrameProxy
 
 
 @pytest.fixture(params=TRANSPORT_PAIRS, ids=pair_id)
@@ -70,27 +70,20 @@ def make_client(pair):
         c.close()
 
 
-class CorruptingProxy:
+class CorruptingProxy(FrameProxy):
     """A loopback TCP proxy to ``target``; ``arm(n)`` corrupts the next ``n`` GET reply payloads.
 
-    Requests pass through untouched. Replies are read frame by frame (header
-    via ``protocol.unpack_header``) and forwarded; for an armed GET reply with
-    a payload, the first payload byte is flipped in transit.
+    Requests pass through untouched. For an armed GET reply with a payload,
+    the first payload byte is flipped in transit.
     """
 
+    parse_replies = True
+
     def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
-        self._ls = socket.socket()
-        self._ls.bind(("127.0.0.1", 0))
-        self._ls.listen(16)
-        self.address = f"127.0.0.1:{self._ls.getsockname()[1]}"
         self._lock = threading.Lock()
         self._armed = 0
         self.corrupted = 0
-        self._socks: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
     def arm(self, n: int = 1) -> None:
         with self._lock:
@@ -104,72 +97,10 @@ class CorruptingProxy:
                 return True
             return False
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                c, _ = self._ls.accept()
-            except OSError:
-                return
-            s = socket.create_connection(self.target)
-            self._socks += [c, s]
-            threading.Thread(target=self._pipe, args=(c, s), daemon=True).start()
-            threading.Thread(target=self._replies, args=(s, c), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    @staticmethod
-    def _exact(sock: socket.socket, n: int) -> bytearray | None:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = sock.recv_into(view[got:])
-            if k == 0:
-                return None
-            got += k
-        return buf
-
-    def _replies(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                head = self._exact(src, protocol.HEADER_SIZE)
-                if head is None:
-                    break
-                h = protocol.unpack_header(head)
-                rest = self._exact(src, h.meta_len + h.payload_len)
-                if rest is None:
-                    break
-                if h.opcode == protocol.Op.GET and h.payload_len and not h.is_error and self._take():
-                    rest[h.meta_len] ^= 0xFF
-                dst.sendall(head + rest)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._closed = True
-        self._ls.close()
-        for s in self._socks:
-            try:
-                s.close()
-            except OSError:
-                pass
+    def reply_frame(self, h, head, rest):
+        if h.opcode == protocol.Op.GET and h.payload_len and not h.is_error and self._take():
+            rest[h.meta_len] ^= 0xFF
+        return bytes(head) + bytes(rest)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 from kvfabric import protocol, sharding
 from kvfabric.testing import wait_for
+from kvfabric.testing.proxy import FrameProxy
 
 
 def _stopped(pid: int) -> bool:
@@ -110,76 +110,22 @@ def test_stalled_shard_costs_only_its_keys(pair, make_pool, make_client):
     assert wait_for(lambda: client.lookup(keys) == 120)
 
 
-class HalfReplyProxy:
+class HalfReplyProxy(FrameProxy):
     """A loopback TCP proxy to ``target``; once armed, the next LOOKUP reply stops after 10 bytes
     and nothing more is forwarded on that connection (the server looks alive, the reply never ends)."""
 
+    parse_replies = True
+
     def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
-        self._ls = socket.socket()
-        self._ls.bind(("127.0.0.1", 0))
-        self._ls.listen(16)
-        self.address = f"127.0.0.1:{self._ls.getsockname()[1]}"
         self.armed = threading.Event()
         self.cut = threading.Event()
-        self._closed = threading.Event()
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                c, _ = self._ls.accept()
-            except OSError:
-                return
-            s = socket.create_connection(self.target)
-            self._socks += [c, s]
-            threading.Thread(target=self._pipe, args=(c, s), daemon=True).start()
-            threading.Thread(target=self._replies, args=(s, c), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-
-    @staticmethod
-    def _exact(sock: socket.socket, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            more = sock.recv(n - len(buf))
-            if not more:
-                return None
-            buf += more
-        return buf
-
-    def _replies(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while (head := self._exact(src, protocol.HEADER_SIZE)) is not None:
-                h = protocol.unpack_header(head)
-                rest = self._exact(src, h.meta_len + h.payload_len)
-                if rest is None:
-                    return
-                if h.opcode == protocol.Op.LOOKUP and self.armed.is_set():
-                    dst.sendall(head[:10])
-                    self.cut.set()
-                    self._closed.wait()
-                    return
-                dst.sendall(head + rest)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._ls.close()
-        for s in self._socks:
-            try:
-                s.close()
-            except OSError:
-                pass
+    def reply_frame(self, h, head, rest):
+        if h.opcode == protocol.Op.LOOKUP and self.armed.is_set():
+            self.cut.set()
+            return None
+        return bytes(head) + bytes(rest)
 
 
 def test_reply_stopping_halfway_costs_only_its_shard(pair, make_pool, make_client):

@@ -23,6 +23,7 @@ from kvfabric import Client, ClientConfig, transport
 from kvfabric import protocol as P
 from kvfabric.errors import ErrorCode, KVFabricError
 from kvfabric.testing.conformance import SERVER_KINDS, start_pool_of
+from kvfabric.testing.proxy import FrameProxy
 
 
 @pytest.fixture(scope="module", params=sorted(SERVER_KINDS))
@@ -137,84 +138,31 @@ def test_a_poisoned_object_in_a_batch_does_not_spoil_the_others(server):
 # ------------------------------------------------------------------ keys altered on the wire
 
 
-class KeyRewritingProxy:
+class KeyRewritingProxy(FrameProxy):
     """A loopback TCP proxy that rewrites the first key of each PUT or GET request in transit.
 
-    ``rewrite[old] = new`` (same length) names the keys to swap. Requests are
-    read frame by frame and their metadata re-encoded with the new key
-    (checksums untouched, as a bit flip on the wire would leave them);
-    replies pass through untouched.
+    ``rewrite[old] = new`` (same length) names the keys to swap. The request's
+    metadata is re-encoded with the new key (checksums untouched, as a bit
+    flip on the wire would leave them); replies pass through untouched.
     """
 
+    parse_requests = True
+
     def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
         self.rewrite: dict[bytes, bytes] = {}
         self.rewritten = 0
-        self._ls = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._ls.getsockname()[1]}"
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self._ls.accept()
-            except OSError:
-                return
-            s = socket.create_connection(self.target)
-            self._socks += [c, s]
-            threading.Thread(target=self._requests, args=(c, s), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(s, c), daemon=True).start()
-
-    @staticmethod
-    def _shut(*socks: socket.socket) -> None:
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            self._shut(src, dst)
-
-    def _requests(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                head = recv_exact(src, P.HEADER_SIZE)
-                h = P.unpack_header(head)
-                meta = recv_exact(src, h.meta_len)
-                if h.opcode in (P.Op.PUT, P.Op.GET):
-                    m = P.decode_meta(meta)
-                    new = self.rewrite.get(m["keys"][0])
-                    if new is not None:
-                        m["keys"][0] = new
-                        self.rewritten += 1
-                        meta = P.encode_meta(m)
-                        head = P.pack_header(h.opcode, h.request_id, len(meta), h.payload_len, h.flags)
-                dst.sendall(head + meta)
-                left = h.payload_len
-                while left:
-                    chunk = src.recv(min(left, 1 << 16))
-                    if not chunk:
-                        return
-                    dst.sendall(chunk)
-                    left -= len(chunk)
-        except (OSError, ConnectionError):
-            pass
-        finally:
-            self._shut(src, dst)
-
-    def close(self) -> None:
-        self._ls.close()
-        for s in self._socks:
-            s.close()
+    def request_frame(self, h, head, meta):
+        if h.opcode in (P.Op.PUT, P.Op.GET):
+            m = P.decode_meta(meta)
+            new = self.rewrite.get(m["keys"][0])
+            if new is not None:
+                m["keys"][0] = new
+                self.rewritten += 1
+                meta = P.encode_meta(m)
+                head = P.pack_header(h.opcode, h.request_id, len(meta), h.payload_len, h.flags)
+        return head, meta
 
 
 @pytest.fixture
