@@ -125,26 +125,12 @@ class TcpConnection(SocketConnection):
         rid = self._next_id
         self._next_id += 1
         head = protocol.encode_request(msg, rid)
-        try:
+
+        def exchange() -> tuple[Reply, str | None]:
             self._send([memoryview(head), *parts], deadline)
-            reply, problem = self._read_reply(msg, rid, recv_buffers, deadline)
-        except RemoteError as e:
-            if e.code in FATAL_CODES:
-                self.close()
-            raise
-        except KVFabricError:
-            self.close()
-            raise
-        except TimeoutError as e:
-            self.close()
-            raise DeadlineExceeded(f"{msg.op.name} to {self.address} ran past its deadline") from e
-        except OSError as e:
-            self.close()
-            raise TransportError(f"{msg.op.name} to {self.address} failed: {e}") from e
-        except BaseException:
-            # KeyboardInterrupt, or any surprise mid-frame: the stream is out of step.
-            self.close()
-            raise
+            return self._read_reply(msg, rid, recv_buffers, deadline)
+
+        reply, problem = self._guarded(msg, exchange)
         if problem is not None:
             # A caller's buffer could not take an object; the frame was consumed
             # in full, so the connection stays usable.
@@ -185,6 +171,7 @@ class TcpConnection(SocketConnection):
             self.close()
             raise TransportError(f"{msg.op.name} to {self.address} failed: {e}") from e
         except BaseException:
+            # KeyboardInterrupt, or any surprise mid-frame: the stream is out of step.
             self.close()
             raise
 
