@@ -277,6 +277,17 @@ def _watermarks(text: str, capacity: int) -> tuple[float, float]:
     return low, high
 
 
+def final_counters(st: dict[str, Any]) -> str:
+    """One line of a server's counters for its shutdown message."""
+    gets = st.get("hits", 0) + st.get("misses", 0)
+    rate = f"{100.0 * st.get('hits', 0) / gets:.1f}%" if gets else "-"
+    return (f"{st.get('objects', 0)} objects, {st.get('bytes_used', 0)} bytes held; {st.get('puts', 0)} puts, "
+            f"{gets} GET keys ({rate} hits), {st.get('evictions', 0)} evictions, "
+            f"{st.get('checksum_failures', 0)} checksum failures, {st.get('checksum_rejects', 0)} rejects; "
+            f"{st.get('bytes_in', 0)} bytes in, {st.get('bytes_out', 0)} out; "
+            f"{st.get('connections_total', 0)} connections")
+
+
 def raise_fd_limit(want: int) -> None:
     """Lift the soft open-files limit towards ``want`` (one fd per connection), within the hard limit."""
     try:
@@ -401,6 +412,7 @@ def main(argv: list[str]) -> int:
         if registration is not None:
             registration.stop()  # leave the cluster first: clients stop routing here before the port closes
         server.stop()
+        print(f"kvfabric serve: stopped; {final_counters(server.stats())}", file=sys.stderr, flush=True)
     finally:
         if metrics is not None:
             metrics.close()

@@ -188,9 +188,12 @@ def test_sigterm_finishes_in_flight_put_then_exits_zero(module):
 def test_sigint_idle_server_exits_zero():
     srv = start_server(capacity="1MiB")
     c = connect(srv.address, timeout_s=10)  # an idle connection does not block shutdown
+    assert c.request(P.PutRequest([b"k"], [3], [P.checksum(b"k", b"abc")]), [b"abc"]).msg.status == [0]
     srv.popen.send_signal(signal.SIGINT)
     assert srv.popen.wait(15) == 0
     c.close()
+    # the shutdown line says what the server held and did
+    assert "kvfabric serve: stopped; 1 objects, 3 bytes held; 1 puts" in srv.stderr_text()
 
 
 def run_cli(*args, timeout=30):
