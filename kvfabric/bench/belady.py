@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .traces import Request, Trace
@@ -195,49 +196,25 @@ def infinite_chunks(trace: Trace) -> tuple[HitCount, ChunkCount]:
 
 def belady_chunks(trace: Trace, capacity: int) -> tuple[HitCount, ChunkCount]:
     """MIN with bypass over both key streams of a prefix+chunk pool (a reference; see the module doc)."""
-    if capacity < 0:
-        raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
-    streams = [chunk_stream(r) for r in trace.requests]
-    nu: list[int] = [NEVER] * sum(len(x) for x in streams)
-    last: dict[int, int] = {}
-    j = len(nu)
-    for i in range(len(streams) - 1, -1, -1):
-        for h in reversed(streams[i]):
-            j -= 1
-            nu[j] = last.get(h, NEVER)
-        for h in streams[i]:
-            last[h] = i
-    cache: dict[int, int] = {}
-    heap: list[tuple[int, int, int]] = []
     pre, ch = HitCount(), ChunkCount()
-    j = 0
-    for i, r in enumerate(trace.requests):
+
+    def count(i: int, cache: dict[int, int]) -> None:
+        r = trace.requests[i]
         run = _run_of(r.hash_ids, cache)
         pre.add(trace, i, run)
         ch.add(trace, i, run, [_run_of([CHUNK_ID_BASE + h for h in ids], cache) for _, _, ids in r.chunks])
-        for d, h in enumerate(streams[i]):
-            x = nu[j]
-            j += 1
-            cache[h] = x
-            heapq.heappush(heap, (-x, -d, h))
-            while len(cache) > capacity:
-                negx, _, k = heapq.heappop(heap)
-                if cache.get(k) == -negx:
-                    del cache[k]
-        if len(heap) > 4 * len(cache) + 1024:
-            heap = [e for e in heap if cache.get(e[2]) == -e[0]]
-            heapq.heapify(heap)
+
+    _min_replay([chunk_stream(r) for r in trace.requests], capacity, count)
     return pre, ch
 
 
-def next_uses(trace: Trace) -> list[int]:
-    """For every block access in trace order, the index of the next request that uses the block (NEVER if none)."""
-    flat_len = trace.total_blocks
-    out = [NEVER] * flat_len
+def _next_uses(streams: list[list[int]]) -> list[int]:
+    """For every id in ``streams`` (flattened in order), the index of the next stream that holds it (NEVER if none)."""
+    out = [NEVER] * sum(len(ids) for ids in streams)
     last: dict[int, int] = {}
-    j = flat_len
-    for i in range(len(trace.requests) - 1, -1, -1):
-        ids = trace.requests[i].hash_ids
+    j = len(out)
+    for i in range(len(streams) - 1, -1, -1):
+        ids = streams[i]
         for h in reversed(ids):
             j -= 1
             out[j] = last.get(h, NEVER)
@@ -246,23 +223,23 @@ def next_uses(trace: Trace) -> list[int]:
     return out
 
 
-def belady(trace: Trace, capacity: int) -> HitCount:
-    """Prefix hits of MIN with bypass at ``capacity`` blocks; ``ValueError`` if capacity < 0."""
+def next_uses(trace: Trace) -> list[int]:
+    """For every block access in trace order, the index of the next request that uses the block (NEVER if none)."""
+    return _next_uses([r.hash_ids for r in trace.requests])
+
+
+def _min_replay(streams: list[list[int]], capacity: int, count: Callable[[int, dict[int, int]], None]) -> None:
+    """MIN with bypass at ``capacity`` ids over ``streams`` (one list of ids per request): before request
+    ``i`` files its ids, ``count(i, cache)`` sees what the cache holds. ``ValueError`` if capacity < 0."""
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
-    nu = next_uses(trace)
+    nu = _next_uses(streams)
     cache: dict[int, int] = {}  # id -> next use it was filed under
     heap: list[tuple[int, int, int]] = []  # (-next_use, -depth, id); stale when cache[id] differs
-    res = HitCount()
     j = 0
-    for i, r in enumerate(trace.requests):
-        run = 0
-        for h in r.hash_ids:
-            if h not in cache:
-                break
-            run += 1
-        res.add(trace, i, run)
-        for d, h in enumerate(r.hash_ids):
+    for i, ids in enumerate(streams):
+        count(i, cache)
+        for d, h in enumerate(ids):
             x = nu[j]
             j += 1
             cache[h] = x
@@ -274,6 +251,13 @@ def belady(trace: Trace, capacity: int) -> HitCount:
         if len(heap) > 4 * len(cache) + 1024:
             heap = [e for e in heap if cache.get(e[2]) == -e[0]]
             heapq.heapify(heap)
+
+
+def belady(trace: Trace, capacity: int) -> HitCount:
+    """Prefix hits of MIN with bypass at ``capacity`` blocks; ``ValueError`` if capacity < 0."""
+    res = HitCount()
+    _min_replay([r.hash_ids for r in trace.requests], capacity,
+                lambda i, cache: res.add(trace, i, _run_of(trace.requests[i].hash_ids, cache)))
     return res
 
 
