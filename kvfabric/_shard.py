@@ -58,7 +58,7 @@ _COUNTERS = (
     "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
     "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
     "bytes_in", "bytes_out", "requests", "buffer_registrations", "buffer_registration_failures",
-    "membership_changes",
+    "membership_changes", "handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped",
 )
 
 

@@ -87,6 +87,7 @@ from .errors import (
 )
 from .keys import BlockKey, KeyHasher, Namespace
 from .membership import Member, Membership, StaticMembership
+from .membership.handoff import HandOff, PreviousViews, Repairer
 from ._plan import PutResult, combine_puts, leading_run, plan_chunks
 from .protocol import PutStatus
 
@@ -119,7 +120,7 @@ class _View:
     def of(cls, ids: Sequence[str], shards: Sequence[_Shard]) -> _View:
         index = tuple(s.index for s in shards)
         return cls(tuple(ids), tuple(shards), index, index == tuple(range(len(index))))
-class Client(_FanOut):
+class Client(_FanOut, HandOff):
     """A sharded client over a list of pool servers (see the module docstring).
 
     ``servers`` are ``"host:port"`` strings (``config.servers`` when empty);
@@ -178,6 +179,8 @@ class Client(_FanOut):
         self._shards: list[_Shard] = []
         self._by_index: weakref.WeakValueDictionary[int, _Shard] = weakref.WeakValueDictionary()
         self._view = _View.of((), ())
+        self._previous = PreviousViews()  # replaced views kept for hand-off (membership/handoff.py)
+        self._repairer = Repairer(self)
         self.servers: tuple[str, ...] = ()
         self._started = False
         n = 64 if membership.dynamic else len(membership.members())
@@ -231,7 +234,9 @@ class Client(_FanOut):
         self._closed = True
         self._membership.close()
         self._reconnector.wake()
+        self._repairer.close(self.config.timeout_s + 1)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._previous.clear()
         for s in self._shards:
             s.close()
         self._registration.set(None)
@@ -325,6 +330,9 @@ class Client(_FanOut):
                 continue
             ids.append(rid)
             shards.append(s)
+        old = self._view
+        if old.ids and (tuple(ids), tuple(s.index for s in shards)) != (old.ids, old.index) and self.config.handoff_s > 0:
+            self._previous.push(old, time.monotonic() + self.config.handoff_s)  # for hand-off, see HandOff
         self._view = _View.of(ids, shards)
 
     def _warm(self, shard: _Shard) -> None:
@@ -412,9 +420,9 @@ class Client(_FanOut):
                 raise ValueError(f"a key must be 1..{protocol.MAX_KEY_BYTES} bytes, got {len(k)}")
         return out
 
-    def _owners(self, keys: list[bytes]) -> list[list[int]]:
-        """Owners of each key as ``shard.index`` values, routed over the current view's server ids."""
-        view = self._view
+    def _owners(self, keys: list[bytes], view: _View | None = None) -> list[list[int]]:
+        """Owners of each key as ``shard.index`` values, routed over ``view``'s server ids (default: the current)."""
+        view = view or self._view
         if not view.ids:
             return [[] for _ in keys]
         table = sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))
@@ -525,7 +533,7 @@ class Client(_FanOut):
             if v.readonly:
                 raise TypeError("GET buffers must be writable")
             views.append(v)
-        return self._get(keys, views, None, timeout_s)
+        return self._get(keys, views, None, timeout_s)[0]
 
     def get(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bytes | None]:
         """Convenience form of :meth:`get_into` that allocates: ``bytes`` per hit, None per miss."""
@@ -535,7 +543,10 @@ class Client(_FanOut):
         self._get(keys, None, out, timeout_s)
         return out
 
-    def _get(self, keys: list[bytes], views: list[memoryview] | None, out: list | None, timeout_s: float | None) -> list[int | None]:
+    def _get(self, keys: list[bytes], views: list[memoryview] | None, out: list | None, timeout_s: float | None,
+             *, background: bool = False) -> tuple[list[int | None], int]:
+        """GET into ``views`` (or ``out``): owners in replica order, then previous owners (hand-off); returns
+        (sizes, misses). ``background``: a repair's own GET (membership/handoff.py): counts no hits or misses."""
         deadline = self._deadline(timeout_s)
         owners = self._owners(keys)
         sizes: list[int | None] = [None] * len(keys)
@@ -569,13 +580,22 @@ class Client(_FanOut):
             return job
 
         pending = list(range(len(keys)))
+        found_at: dict[int, int] = {}  # key -> the replica rank > 0 that had it (read-repair)
+        answered: list[set[int]] = []  # per rank: the shards that answered
         for rank in range(self.config.replicas):
             if not pending or time.monotonic() >= deadline:
                 break
-            self._scatter(self._by_owner(owners, rank, pending), job_for, deadline)
+            done = self._scatter(self._by_owner(owners, rank, pending), job_for, deadline)
+            answered.append({s for s, ok in done.items() if ok})
+            if rank:
+                found_at.update((i, rank) for i in pending if sizes[i] is not None)
             pending = [i for i in pending if sizes[i] is None]
-        self._counters.add(hits=len(keys) - len(pending), misses=len(pending))
-        return sizes
+        if found_at or self._previous.active():
+            pending = self._after_get(keys, owners, sizes, views, out, pending, found_at, answered, job_for,
+                                      deadline, background)
+        if not background:
+            self._counters.add(hits=len(keys) - len(pending), misses=len(pending))
+        return sizes, len(pending)
 
     def exists(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
         """Which keys some owner holds (all owners asked at once). Failing shards answer False."""
@@ -625,7 +645,7 @@ class Client(_FanOut):
         if self.config.replicas > 1:
             present = [False] * len(keys)
             self._presence(keys, present, deadline)
-            run = next((i for i, p in enumerate(present) if not p), len(keys))
+            run = self._handoff_run(keys, next((i for i, p in enumerate(present) if not p), len(keys)), deadline)
             self._counters.add(hits=run, misses=len(keys) - run)
             return run
         groups = self._primary_groups(keys)
@@ -648,7 +668,7 @@ class Client(_FanOut):
         for s, good in self._talk(groups, talk_for, keys, deadline).items():
             if not good:  # a failing shard holds nothing, as far as this call knows
                 first_missing[s] = groups[s][0]
-        run = leading_run(len(keys), list(first_missing.values()))
+        run = self._handoff_run(keys, leading_run(len(keys), list(first_missing.values())), deadline)
         self._counters.add(hits=run, misses=len(keys) - run)
         return run
 

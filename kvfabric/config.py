@@ -34,6 +34,7 @@ ENV_VARS: dict[str, str] = {
     "KVFABRIC_VERIFY_CHECKSUMS": "verify_checksums",
     "KVFABRIC_ETCD": "etcd",
     "KVFABRIC_CLUSTER": "cluster",
+    "KVFABRIC_HANDOFF_S": "handoff_s",
 }
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -92,7 +93,10 @@ class ClientConfig:
     ``http://host:port`` URL or a comma-separated list) with ``cluster``, the
     name the servers registered under (``kvfabric serve --etcd URL --cluster
     NAME``); the client then follows that cluster's members as they join and
-    leave. Not both.
+    leave. Not both. ``handoff_s``: after a membership change, how long a key
+    that misses on its new owner is still asked of its previous owner (and
+    re-put to the new one on a hit); 0 turns hand-off off
+    (``kvfabric/membership/handoff.py``).
     """
 
     servers: tuple[str, ...] = ()
@@ -110,6 +114,7 @@ class ClientConfig:
     reconnect_backoff_max_s: float = 5.0
     etcd: str = ""
     cluster: str = "default"
+    handoff_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", parse_servers(self.servers) if self.servers else ())
@@ -125,6 +130,9 @@ class ClientConfig:
             raise ConfigError(f"max_batch_keys must be in 1..4096, got {self.max_batch_keys!r}")
         if type(self.connections_per_server) is not int or not 1 <= self.connections_per_server <= 64:
             raise ConfigError("connections_per_server must be in 1..64")
+        if isinstance(self.handoff_s, bool) or not isinstance(self.handoff_s, (int, float)) \
+                or not 0 <= self.handoff_s <= 3600:
+            raise ConfigError(f"handoff_s must be in [0, 3600] seconds (0: no hand-off), got {self.handoff_s!r}")
         if not isinstance(self.etcd, str):
             raise ConfigError(f"etcd must be a URL string, got {self.etcd!r}")
         try:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Member", "Membership", "StaticMembership", "OnChange"]
+__all__ = ["Member", "Membership", "StaticMembership", "ManualMembership", "OnChange"]
 
 
 @dataclass(frozen=True, eq=True)
@@ -97,3 +97,33 @@ class StaticMembership(Membership):
 
     def __repr__(self) -> str:
         return f"<StaticMembership {[m.address for m in self._members]}>"
+
+
+class ManualMembership(Membership):
+    """Members the embedding program sets itself (:meth:`set`): a cluster manager of its own, tests, benchmarks.
+
+    Each :meth:`set` delivers the new tuple to the client at once, in the calling thread.
+    """
+
+    def __init__(self, members: Sequence[Member] = ()) -> None:
+        self._members = tuple(members)
+        self._on_change: OnChange | None = None
+
+    def start(self, on_change: OnChange) -> None:
+        self._on_change = on_change
+        on_change(self._members)
+
+    def set(self, members: Sequence[Member]) -> None:
+        self._members = tuple(members)
+        if self._on_change is not None:
+            self._on_change(self._members)
+
+    def members(self) -> tuple[Member, ...]:
+        return self._members
+
+    def close(self) -> None:
+        self._on_change = None
+
+    @property
+    def dynamic(self) -> bool:
+        return True
