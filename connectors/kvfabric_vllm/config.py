@@ -7,7 +7,10 @@ later in a step):
 ================== ========= ====================================================
 key                default   meaning
 ================== ========= ====================================================
-servers            required  ``["host:port", ...]`` or ``"h1:p1,h2:p2"``
+servers            required  ``["host:port", ...]`` or ``"h1:p1,h2:p2"``; or instead:
+etcd               -         ``"http://host:2379"`` (comma list for several): follow the
+                             members of a cluster in etcd (``kvfabric serve --etcd``)
+cluster            default   with ``etcd``: the cluster name the servers registered under
 chunk_tokens       256       tokens per pool object; a multiple of vLLM's block size
 model_id           (model)   id bound into keys; set it when engines load the same
                              weights from different paths (the weights' fingerprint,
@@ -115,23 +118,35 @@ def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
 def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, block_size: int) -> ConnectorConfig:
     """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
     extra = dict(extra or {})
-    known = {"servers", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
-             "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
+    known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms",
+             "lookup_wait_ms", "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
              "max_pending_save_mb", "load", "save", "register_load_buffer", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
     if kv_role not in _ROLES:
         raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {kv_role!r}")
-    if "servers" not in extra:
-        raise ConfigError('kv_connector_extra_config.servers is required, e.g. ["127.0.0.1:7070"]')
-    servers = extra["servers"]
-    if not isinstance(servers, (str, list, tuple)):
-        raise ConfigError(f"kv_connector_extra_config.servers must be a list of 'host:port', got {servers!r}")
     client_over = {k: extra[k] for k in _CLIENT_KEYS if k in extra}
-    client = ClientConfig.from_env(servers=servers, **client_over)
-    if not client.servers:
-        raise ConfigError("kv_connector_extra_config.servers is empty")
+    if "etcd" in extra:
+        if "servers" in extra:
+            raise ConfigError("kv_connector_extra_config: give servers or etcd, not both")
+        etcd, cluster = extra["etcd"], extra.get("cluster")
+        if not isinstance(etcd, str) or not etcd:
+            raise ConfigError(f"kv_connector_extra_config.etcd must be an etcd URL string, got {etcd!r}")
+        if cluster is not None and not isinstance(cluster, str):
+            raise ConfigError(f"kv_connector_extra_config.cluster must be a string, got {cluster!r}")
+        client = ClientConfig.from_env(servers=(), etcd=etcd, cluster=cluster, **client_over)  # these keys win
+    else:
+        if "cluster" in extra:
+            raise ConfigError("kv_connector_extra_config.cluster needs etcd")
+        if "servers" not in extra:
+            raise ConfigError('kv_connector_extra_config.servers is required (or etcd), e.g. ["127.0.0.1:7070"]')
+        servers = extra["servers"]
+        if not isinstance(servers, (str, list, tuple)):
+            raise ConfigError(f"kv_connector_extra_config.servers must be a list of 'host:port', got {servers!r}")
+        client = ClientConfig.from_env(servers=servers, etcd="", **client_over)  # servers win over KVFABRIC_ETCD
+        if not client.servers:
+            raise ConfigError("kv_connector_extra_config.servers is empty")
 
     if type(block_size) is not int or block_size < 1:
         raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")
