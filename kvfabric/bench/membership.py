@@ -47,6 +47,25 @@ difference before the cut (should be ~0), the worst window during the
 partition, and the wall time from the heal until a window is back within 2
 points of the control (target: 5 s).
 
+Hand-off (``--handoff``; servers on loopback, members set by the benchmark
+through :class:`~kvfabric.membership.ManualMembership`, the path etcd's watch
+takes): ``--servers`` (4) servers hold ``--handoff-keys`` keys, then one
+membership change, then one read-through pass (GET every key, PUT the
+misses) whose hit rate is reported, with hand-off (``handoff_s`` 30) and
+without (0), each on fresh servers:
+
+* ``join``: a new server joins (its ~1/(N+1) of the keys move to it);
+* ``leave``: a server is killed and leaves (its keys are gone: hand-off cannot
+  help with replicas=1);
+* ``rejoin``: a server leaves the membership (a partition past its lease)
+  while new keys are put, then returns: the pass reads the new keys, the
+  trace-replay partition case;
+* ``replace`` (replicas=2): a server is replaced by an empty one under the
+  same id; the pass hits through the other replica either way; reported too:
+  how much of what the new server should hold it holds after the pass and
+  the background repairs (read-repair refills its primary copies; hand-off's
+  "new owner" repair its secondary ones).
+
 Prints tables; writes JSON (``--out``, default bench-results/membership.json).
 """
 
@@ -166,7 +185,7 @@ def live(n: int, trials: int, ttl: int, poll_s: float) -> dict[str, Any]:
             "met": summary["crash"]["max_s"] <= ttl + 1 and summary["join"]["max_s"] <= 1.0}
 
 
-def partition(partition_s: float, ttl: int, batch: int, working_set: int) -> dict[str, Any]:
+def partition(partition_s: float, ttl: int, batch: int, working_set: int, handoff_s: float = 30.0) -> dict[str, Any]:
     from ..client import Client
     from ..config import ClientConfig
     from ..testing.etcd import MISSING_REASON, etcd_binary, start_etcd
@@ -183,7 +202,8 @@ def partition(partition_s: float, ttl: int, batch: int, working_set: int) -> dic
         procs = [start_server_in(lab, i, ["--etcd", etcd.url, "--cluster", "part", "--etcd-ttl", str(ttl),
                                           "--server-id", f"host{i}"]) for i in range(4)]
         client = Client(etcd=etcd.url, cluster="part",
-                        config=ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.3))
+                        config=ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.3,
+                                            handoff_s=handoff_s))
         try:
             _until(lambda: len(client.members) == 4, 0.01)
 
@@ -219,7 +239,8 @@ def partition(partition_s: float, ttl: int, batch: int, working_set: int) -> dic
     # so the hit rate recovers during the partition too; and again when it returns with its data
     failover = next((t - t_cut for t, h in rounds if t_cut + 0.5 <= t < t_heal and h >= base - 0.02), None)
     after = [h for t, h in rounds if t >= t_heal]
-    return {"servers": 4, "ttl_s": ttl, "partition_s": partition_s, "batch": batch, "working_set": working_set,
+    return {"servers": 4, "ttl_s": ttl, "handoff_s": handoff_s, "partition_s": partition_s, "batch": batch,
+            "working_set": working_set,
             "rounds": len(rounds), "exceptions": len(errors), "first_errors": errors[:3],
             "hit_rate_before": base, "hit_rate_min_during": min(during) if during else None,
             "recovered_after_heal_s": back, "recovered_during_partition_s": failover,
@@ -228,7 +249,8 @@ def partition(partition_s: float, ttl: int, batch: int, working_set: int) -> dic
 
 
 def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float, window: int,
-                    value_bytes: int, limit: int | None, rate: float | None = None) -> dict[str, Any]:
+                    value_bytes: int, limit: int | None, rate: float | None = None,
+                    handoff_s: float = 30.0) -> dict[str, Any]:
     from ..client import Client
     from ..config import ClientConfig
     from ..testing.etcd import MISSING_REASON, etcd_binary, start_etcd
@@ -254,7 +276,8 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
         t_cut = t_heal = None
         i_heal = None
         client = Client(etcd=etcd_url, cluster=cluster,
-                        config=ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.3))
+                        config=ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.3,
+                                            handoff_s=handoff_s))
         try:
             _until(lambda: len(client.members) == 4, 0.01)
             t0 = time.monotonic()
@@ -279,11 +302,15 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
                 times.append(time.monotonic())
             if cut and t_heal is None:
                 lab.heal(1)
+            st = client.stats()["client"]
+            counts = {k: st[k] for k in ("handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped",
+                                         "membership_changes", "dropped_puts")}
         finally:
             client.close()
             for p in procs:
                 p.kill()
-        return {"hits": hits, "times": times, "errors": errors, "t_cut": t_cut, "t_heal": t_heal, "i_heal": i_heal}
+        return {"hits": hits, "times": times, "errors": errors, "t_cut": t_cut, "t_heal": t_heal, "i_heal": i_heal,
+                "client": counts}
 
     with NetLab(4) as lab, start_etcd(host=lab.bridge_ip) as etcd:
         control = replay(lab, etcd.url, "control", False)
@@ -307,6 +334,7 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
     errors = control["errors"] + part["errors"]
     return {
         "trace": trace_name, "requests": len(reqs), "unique_blocks": unique, "servers": 4, "ttl_s": ttl,
+        "handoff_s": handoff_s,
         "partition_s": partition_s, "requests_per_s": rate, "cut_at_request": n_cut, "healed_at_request": i_heal, "window": window,
         "exceptions": len(errors), "first_errors": errors[:3],
         "control_hit_rate": window_rate(control, 0, len(reqs)),
@@ -314,9 +342,85 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
         "diff_before_cut_points": 100 * statistics.mean(before) if before else None,
         "worst_window_during_points": 100 * min(during) if during else None,
         "back_within_2_points_after_heal_s": back_s,
+        "after_heal_windows": [{"s": part["times"][a + window - 1] - part["t_heal"], "points": 100 * d}
+                               for a, d in diff.items() if i_heal is not None and a >= i_heal][:20],
+        "client_counters": part["client"],
         "replay_wall_s": control["times"][-1] - control["times"][0] if control["times"] else None,
         "met": not errors and back_s is not None and back_s <= 5.0,
     }
+
+
+def handoff(n: int, n_keys: int, value_bytes: int) -> dict[str, Any]:
+    from ..client import Client
+    from ..config import ClientConfig
+    from ..membership import ManualMembership, Member
+    from ..testing.servers import start_server
+
+    rng = random.Random(7)
+    keys = [rng.randbytes(16) for _ in range(n_keys)]
+    extra = [rng.randbytes(16) for _ in range(n_keys)]
+
+    def value(k: bytes) -> bytes:
+        return (k * (value_bytes // 16 + 1))[:value_bytes]
+
+    def one(case: str, handoff_s: float) -> dict[str, Any]:
+        procs: dict[str, Any] = {}
+
+        def serve(sid: str) -> Member:
+            procs[sid] = start_server(capacity="64MiB", extra_args=["--server-id", sid])
+            return Member(sid, procs[sid].address)
+
+        replicas = 2 if case == "replace" else 1
+        members = [serve(f"s{i}") for i in range(n)]
+        ms = ManualMembership(members)
+        cfg = ClientConfig(transport="tcp", handoff_s=handoff_s, replicas=replicas, timeout_s=10.0)
+        out: dict[str, Any] = {"case": case, "handoff_s": handoff_s, "replicas": replicas}
+        try:
+            with Client(membership=ms, config=cfg) as client:
+                client.put(keys, [value(k) for k in keys])
+                read = keys
+                if case == "join":
+                    ms.set(members + [serve(f"s{n}")])
+                elif case == "leave":
+                    procs["s0"].kill()
+                    ms.set(members[1:])
+                elif case == "rejoin":
+                    ms.set(members[1:])
+                    client.put(extra, [value(k) for k in extra])
+                    ms.set(members)
+                    read = extra
+                elif case == "replace":
+                    procs["s0"].kill()
+                    new = serve("s0")
+                    ms.set([new] + members[1:])
+                t0 = time.monotonic()
+                got = client.get(read)
+                out["pass_s"] = time.monotonic() - t0
+                miss = [k for k, v in zip(read, got) if v is None]
+                out["wrong"] = sum(1 for k, v in zip(read, got) if v is not None and v != value(k))
+                out["hit_rate"] = 1 - len(miss) / len(read)
+                client.put(miss, [value(k) for k in miss])
+                if case == "replace":
+                    due = [k for k, o in zip(keys, client.route(keys)) if "s0" in o]
+                    with Client([procs["s0"].address], config=ClientConfig(transport="tcp", handoff_s=0)) as d:
+                        def held() -> float:
+                            return sum(d.exists(due)) / len(due)
+                        t1 = time.monotonic()
+                        while held() < 1.0 and time.monotonic() - t1 < 10.0:
+                            time.sleep(0.2)
+                        out["new_server_holds"] = held()
+                st, t1 = client.stats()["client"], time.monotonic()
+                while time.monotonic() - t1 < 10.0 and st["handoff_repairs"] + st["repairs_dropped"] < st["handoff_hits"]:
+                    time.sleep(0.1)  # let the background repairs finish before reading their counters
+                    st = client.stats()["client"]
+                out.update({k: st[k] for k in ("handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped")})
+        finally:
+            for p in procs.values():
+                p.kill()
+        return out
+
+    rows = [one(case, h) for case in ("join", "leave", "rejoin", "replace") for h in (30.0, 0.0)]
+    return {"servers": n, "keys": n_keys, "value_bytes": value_bytes, "rows": rows}
 
 
 def _secs(v: float | None) -> str:
@@ -337,7 +441,8 @@ def print_tables(report: dict[str, Any]) -> None:
             print(f"partition: skipped ({pt['skipped']})")
         else:
             back = pt["recovered_after_heal_s"]
-            print(f"\npartition of 1 of 4 namespaced servers for {pt['partition_s']} s (TTL {pt['ttl_s']} s): "
+            print(f"\npartition of 1 of 4 namespaced servers for {pt['partition_s']} s (TTL {pt['ttl_s']} s, "
+                  f"client handoff_s {pt['handoff_s']:g}): "
                   f"{pt['rounds']} rounds, {pt['exceptions']} client exceptions, hit rate before "
                   f"{100 * pt['hit_rate_before']:.1f}%, lowest during {100 * (pt['hit_rate_min_during'] or 0):.1f}%, "
                   f"back within 2 points {'%.2f s' % back if back is not None else 'never'} after healing "
@@ -349,7 +454,8 @@ def print_tables(report: dict[str, Any]) -> None:
         if "skipped" in tp:
             print(f"trace partition: skipped ({tp['skipped']})")
         else:
-            print(f"\ntrace replay {tp['trace']} ({tp['requests']} requests) over 4 namespaced servers, one cut off "
+            print(f"\ntrace replay {tp['trace']} ({tp['requests']} requests, client handoff_s {tp['handoff_s']:g}) over "
+                  f"4 namespaced servers, one cut off "
                   f"for {tp['partition_s']} s from request {tp['cut_at_request']} at {tp['requests_per_s']:.0f} "
                   f"requests/s (healed at request "
                   f"{tp['healed_at_request']}), windows of {tp['window']} requests vs a control run:")
@@ -359,6 +465,17 @@ def print_tables(report: dict[str, Any]) -> None:
                   f"{tp['worst_window_during_points']:+.1f} points; back within 2 points "
                   f"{_secs(tp['back_within_2_points_after_heal_s'])} after healing: "
                   f"{'met' if tp['met'] else 'NOT met'}")
+    ho = report.get("handoff")
+    if ho is not None:
+        print(f"\nhand-off: {ho['servers']} servers, {ho['keys']} keys of {ho['value_bytes']} B; hit rate of one "
+              f"read-through pass right after the change")
+        print(f"{'case':<8} {'replicas':>8} {'hand-off':>8} {'hit rate':>9} {'handoff hits':>12} {'repairs':>8} "
+              f"{'read-repairs':>12} {'new server holds':>16} {'wrong':>5}")
+        for r in ho["rows"]:
+            holds = f"{100 * r['new_server_holds']:.1f}%" if "new_server_holds" in r else "-"
+            print(f"{r['case']:<8} {r['replicas']:>8} {'on' if r['handoff_s'] else 'off':>8} "
+                  f"{100 * r['hit_rate']:>8.1f}% {r['handoff_hits']:>12} {r['handoff_repairs']:>8} "
+                  f"{r['read_repairs']:>12} {holds:>16} {r['wrong']:>5}")
     lv = report.get("live")
     if lv is None:
         return
@@ -398,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cut-at", type=float, default=0.3, help="partition starts at this fraction of the requests")
     ap.add_argument("--window", type=int, default=100, help="requests per hit-rate window (default 100)")
     ap.add_argument("--value-bytes", type=int, default=256, help="bytes per block in the trace replay (default 256)")
+    ap.add_argument("--handoff", action="store_true",
+                    help="also measure hit rates after a join/leave/rejoin/replace with and without hand-off")
+    ap.add_argument("--servers", type=int, default=4, help="servers in the hand-off run (default 4)")
+    ap.add_argument("--handoff-keys", type=int, default=4000, help="keys in the hand-off run (default 4000)")
+    ap.add_argument("--partition-handoff-s", type=float, default=30.0,
+                    help="ClientConfig.handoff_s of the partition runs' clients (0: no hand-off; default 30)")
     ap.add_argument("--out", default="bench-results/membership.json")
     args = ap.parse_args(argv)
     if min(args.sizes) < 2 or args.keys < 1 or args.trials < 1 or args.ttl < 1 or args.live_servers < 1:
@@ -405,12 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"movement": movement(args.sizes, args.keys, args.trials)}
     if args.live:
         report["live"] = live(args.live_servers, args.trials, args.ttl, args.poll_ms / 1000)
+    if args.handoff:
+        report["handoff"] = handoff(args.servers, args.handoff_keys, args.value_bytes)
     if args.netns:
-        report["partition"] = partition(args.partition_s, args.ttl, args.batch, args.working_set)
+        report["partition"] = partition(args.partition_s, args.ttl, args.batch, args.working_set,
+                                        args.partition_handoff_s)
         if args.trace:
             report["trace_partition"] = trace_partition(args.trace, args.partition_s, args.ttl, args.cut_at,
                                                         args.window, args.value_bytes, args.trace_limit,
-                                                        args.trace_rate)
+                                                        args.trace_rate, args.partition_handoff_s)
     print_tables(report)
     write_json(args.out, report)
     return 0
