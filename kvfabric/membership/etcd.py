@@ -19,8 +19,16 @@ http://h2:2379``); a request that cannot reach one endpoint (connection
 refused, timeout) tries the next, and the client sticks to the last one that
 answered. Failures raise :class:`EtcdError` (a :class:`KVFabricError`): the
 caller decides whether that is fatal (the CLI) or retried (registration and
-watch loops). Only ``http://`` URLs: TLS and etcd auth are not done (see the
-notes).
+watch loops). Only ``http://`` URLs: TLS is not done (see the notes).
+
+etcd auth (user and password): give them in the URL, ``http://USER:PASSWORD@
+host:2379`` (percent-encode special characters; with several endpoints, on
+any of them: one user for all). The client then gets a token from
+``/v3/auth/authenticate`` before its first call and sends it in the
+``Authorization`` header of every call; a call etcd refuses for a bad or
+expired token (simple tokens expire after ``--auth-token-ttl``, 300 s by
+default) authenticates again and is retried once. :attr:`EtcdClient.url`
+(what logs and errors show) has the password replaced by ``***``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import re
 import socket
 import threading
 import urllib.parse
@@ -81,7 +90,13 @@ class WatchEvent:
 
 
 def _parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
+    return _parse(endpoints)[0]
+
+
+def _parse(endpoints: str) -> tuple[list[tuple[str, int]], tuple[str, str] | None]:
+    """Endpoints as (host, port) and the (user, password) given in one of them, if any."""
     out = []
+    creds: set[tuple[str, str]] = set()
     for url in (u.strip() for u in endpoints.split(",")):
         if not url:
             continue
@@ -91,18 +106,28 @@ def _parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
         if parts.scheme != "http" or not parts.hostname:
             raise EtcdError(f"etcd endpoint must be http://HOST:PORT, got {url!r} (TLS is not supported)")
         out.append((parts.hostname, parts.port or 2379))
+        if parts.username is not None:
+            creds.add((urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")))
     if not out:
         raise EtcdError("no etcd endpoint given")
-    return out
+    if len(creds) > 1:
+        raise EtcdError("etcd endpoints name different users; give one user for all")
+    return out, next(iter(creds), None)
+
+
+def _redact(endpoints: str) -> str:
+    """``endpoints`` with every password replaced by ``***``."""
+    return ",".join(re.sub(r"^(\s*(?:\w+://)?[^/@:]*):[^/@]*@", r"\1:***@", u) for u in endpoints.split(","))
 
 
 class EtcdClient:
     """etcd v3 over its JSON gateway (see the module docstring). Thread-safe: one HTTP connection per call."""
 
     def __init__(self, endpoints: str, timeout_s: float = 5.0) -> None:
-        self.endpoints = _parse_endpoints(endpoints)
-        self.url = endpoints
+        self.endpoints, self._credentials = _parse(endpoints)
+        self.url = _redact(endpoints)
         self.timeout_s = timeout_s
+        self._token = ""  # etcd auth token, when credentials were given (module docstring)
         self._lock = threading.Lock()
         self._current = 0  # index of the endpoint that answered last
 
@@ -111,6 +136,9 @@ class EtcdClient:
     def _open(self, path: str, body: dict[str, Any], timeout_s: float | None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """POST ``body`` to the first endpoint that answers; returns the connection and its response."""
         data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self._credentials is not None and path != "/v3/auth/authenticate":
+            headers["Authorization"] = self._token or self._authenticate()
         with self._lock:
             start = self._current
         errors = []
@@ -120,7 +148,7 @@ class EtcdClient:
             host, port = self.endpoints[i]
             conn = http.client.HTTPConnection(host, port, timeout=timeout_s or self.timeout_s)
             try:
-                conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                conn.request("POST", path, body=data, headers=headers)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
@@ -131,7 +159,25 @@ class EtcdClient:
             return conn, resp
         raise EtcdError(f"etcd unreachable ({'; '.join(errors)})")
 
+    def _authenticate(self) -> str:
+        """A fresh auth token for the configured user (EtcdError when etcd refuses)."""
+        user, password = self._credentials
+        self._token = str(self._call_once("/v3/auth/authenticate", {"name": user, "password": password}, None)
+                          .get("token", ""))
+        if not self._token:
+            raise EtcdError(f"etcd {self.url}: authentication gave no token (is auth enabled?)")
+        return self._token
+
     def _call(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        try:
+            return self._call_once(path, body, timeout_s)
+        except EtcdError as e:
+            if self._credentials is None or "auth token" not in str(e):
+                raise
+        self._authenticate()  # expired or invalidated token: once more with a new one
+        return self._call_once(path, body, timeout_s)
+
+    def _call_once(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
         conn, resp = self._open(path, body, timeout_s)
         try:
             raw = resp.read()

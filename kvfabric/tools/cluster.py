@@ -115,7 +115,7 @@ def ls_main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
              "lease_ttl_s": ttl, "info": dict(m.info), "stats": stats.get(m.address)} for m, ttl in members]}
         print(json.dumps(doc, indent=2, sort_keys=True), file=out)
         return 0
-    print(f"cluster {args.cluster}: {len(members)} member(s) in {args.etcd}", file=out)
+    print(f"cluster {args.cluster}: {len(members)} member(s) in {EtcdClient(args.etcd).url}", file=out)
     if members:
         print(format_table(COLUMNS, rows(members, stats)), file=out)
         for m, _ in members:
