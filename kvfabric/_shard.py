@@ -13,7 +13,8 @@ gets a connection to one server and what happens when that server fails:
   routes under :attr:`_Shard.route_id`, the server id its HELLO reported, or
   before any HELLO its ``hint`` (the id membership published, else the
   configured address); ``on_identity`` tells the client when the HELLO id
-  changes that. A shard that left the membership is retired (:meth:`_Shard.retire`):
+  changes that; ``on_state`` when it is marked down or comes back up (a client
+  following a dynamic membership routes around down shards). A shard that left the membership is retired (:meth:`_Shard.retire`):
   its connections close and it answers :class:`_Down` forever.
   ``acquire_idle`` hands out an idle connection without ever waiting or
   connecting (the client's calling-thread fan-out).
@@ -190,10 +191,12 @@ class _Shard:
         registration: _Registration | None = None,
         hint: str = "",
         on_identity: Callable[[_Shard], None] | None = None,
+        on_state: Callable[[_Shard], None] | None = None,
     ) -> None:
         self.index = index  # unique in its client for the client's life (never reused), not a list position
         self.hint = hint or address  # routing id until a HELLO reports the server's own
         self._on_identity = on_identity
+        self._on_state = on_state  # told after the shard was marked down or came back up
         self.retired = False
         self._registration = registration
         self.address = address
@@ -323,6 +326,8 @@ class _Shard:
             c.close()
         log.warning("kvfabric: shard %s marked down (%s); retrying in %.2fs", self.address, self.last_error, self.backoff)
         self._reconnector.wake()
+        if self._on_state is not None:
+            self._on_state(self)
 
     def try_reconnect(self) -> bool:
         """One reconnect attempt (reconnector thread only). True when the shard is up again."""
@@ -348,6 +353,8 @@ class _Shard:
             self._cond.notify_all()
         self._counters.add(reconnects=1)
         log.info("kvfabric: shard %s reconnected", self.address)
+        if self._on_state is not None:
+            self._on_state(self)
         return True
 
     def close(self) -> None:

@@ -47,7 +47,11 @@ new address keeps its keys. Each change of members or of a learned id
 builds a new routing view (ids and shards, swapped in one assignment);
 a call routes with the view it started with, and keys routed to a shard
 that left meanwhile are misses for that call. Two entries whose servers
-report the same id are one shard for routing (the first listed).
+report the same id are one shard for routing (the first listed). With a
+dynamic membership (etcd), a shard marked down also leaves the view until
+it reconnects (its keys go to the next server in rendezvous order), and
+for ``handoff_s`` after any change a key that misses on its owner is asked
+of its previous owner and re-put (``kvfabric/membership/handoff.py``).
 
 Thread safety: one client may be shared by many threads; each shard keeps up
 to ``connections_per_server`` connections and a thread waits (until its
@@ -292,7 +296,8 @@ class Client(_FanOut, HandOff):
                 if shard is None:
                     shard = _Shard(self._next_index, m.address, cfg, self._counters, self._reconnector,
                                    lambda: self._closed, self._registration, hint=m.route_id,
-                                   on_identity=self._on_identity)
+                                   on_identity=self._on_identity,
+                                   on_state=self._on_state if self._membership.dynamic else None)
                     self._next_index += 1
                     self._by_index[shard.index] = shard
                     added.append(shard)
@@ -319,11 +324,23 @@ class Client(_FanOut, HandOff):
         with self._members_lock:
             self._rebuild_view()
 
+    def _on_state(self, shard: _Shard) -> None:
+        """A shard of a dynamic membership was marked down or came back up: route around it meanwhile."""
+        with self._members_lock:
+            self._rebuild_view()
+
     def _rebuild_view(self) -> None:
-        """New routing view from ``_shards`` (caller holds ``_members_lock``); a duplicate id keeps the first."""
+        """New routing view from ``_shards`` (caller holds ``_members_lock``); a duplicate id keeps the first.
+
+        A dynamic membership's shards that are down are left out (routed around), so their keys go to
+        the next server in rendezvous order until they are back; hand-off (``membership/handoff.py``)
+        then finds what was put meanwhile. A static list keeps every entry: a down shard's keys miss."""
         ids: list[str] = []
         shards: list[_Shard] = []
+        skip_down = self._membership.dynamic
         for s in self._shards:
+            if skip_down and s.down_until:
+                continue
             rid = s.route_id
             if rid in ids:
                 log.debug("kvfabric: %s reports server id %r like another entry; one shard for routing", s.address, rid)

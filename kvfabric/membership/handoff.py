@@ -57,6 +57,7 @@ log = logging.getLogger("kvfabric.client")
 MAX_PREVIOUS_VIEWS = 8
 MAX_QUEUED_ITEMS = 64
 MAX_QUEUED_BYTES = 64 << 20
+MAX_CLAIMS = 1 << 16  # (key, shard) repairs remembered, so a hot key is not queued again on every read
 
 
 class PreviousViews:
@@ -95,6 +96,21 @@ class Repairer:
         self._bytes = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._claims: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
+
+    def claim(self, key: bytes, shards: list[int]) -> list[int]:
+        """The ``shards`` that ``key`` was not queued for lately (they are remembered now; the oldest of
+        :data:`MAX_CLAIMS` are forgotten)."""
+        out = []
+        with self._cond:
+            for s in shards:
+                if (key, s) in self._claims:
+                    continue
+                self._claims[(key, s)] = None
+                out.append(s)
+            while len(self._claims) > MAX_CLAIMS:
+                self._claims.popitem(last=False)
+        return out
 
     def submit(self, run: Callable[[], None], nbytes: int, nkeys: int) -> bool:
         """Queue ``run`` (``nbytes`` of values held); False (counted as ``nkeys`` dropped) when full."""
@@ -179,7 +195,7 @@ class HandOff:
                 continue
             r = found_at.get(i, 0)
             t = [owners[i][q] for q in range(r) if owners[i][q] in answered[q]]
-            t += [s for s in owners[i][r + 1:] if s in fresh]
+            t = self._repairer.claim(keys[i], t + [s for s in owners[i][r + 1:] if s in fresh])
             if t:
                 repairs[i], kinds[i] = t, "read_repairs"
         handed = 0
@@ -201,6 +217,7 @@ class HandOff:
                     continue
                 handed += 1
                 t = [s for q, s in enumerate(owners[i]) if q < len(answered) and s in answered[q]]
+                t = t if background else self._repairer.claim(keys[i], t)
                 if t:
                     repairs[i], kinds[i] = t, "handoff_repairs"
             pending = still
@@ -296,12 +313,14 @@ class HandOff:
         while end < len(keys) and present_at[end]:
             end += 1
         moved = [i for i in range(run, end) if not present_at[i] & set(current[i])]
-        if moved:
-            self._counters.add(handoff_hits=len(moved))
-            sub = [keys[i] for i in moved]
+        if not moved:
+            return end
+        self._counters.add(handoff_hits=len(moved))
+        sub = [keys[i] for i in moved if self._repairer.claim(keys[i], current[i][:1])]
 
-            def copy() -> None:  # a GET through the hand-off path fetches from the old owner and re-puts
-                self._get(sub, None, [None] * len(sub), None, background=True)
+        def copy() -> None:  # a GET through the hand-off path fetches from the old owner and re-puts
+            self._get(sub, None, [None] * len(sub), None, background=True)
 
-            self._repairer.submit(copy, 0, len(moved))
+        if sub:
+            self._repairer.submit(copy, 0, len(sub))
         return end

@@ -8,6 +8,7 @@ assertion: background repairs are awaited with ``wait_for`` and a generous deadl
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 
@@ -35,8 +36,10 @@ def servers():
         procs[sid] = start_server(capacity="16MiB", extra_args=["--server-id", sid])
         return procs[sid]
 
+    start.procs = procs
     yield start
     for p in procs.values():
+        p.popen.send_signal(signal.SIGCONT)
         p.kill()
 
 
@@ -122,3 +125,30 @@ def test_replicas_2_a_replacing_server_is_refilled_by_read_repair(servers):
         assert client.get(keys) == [_value(k) for k in keys]  # the other replica answers: no hit lost
         assert wait_for(lambda: all(_holds(servers_r1.address, on_r1)), WAIT_S)  # read-repair refilled it
         assert wait_for(lambda: client.stats()["client"]["read_repairs"] == len(on_r1), WAIT_S)
+
+
+def test_a_hung_server_is_routed_around_and_its_keys_handed_back(servers):
+    """SIGSTOP (a server that stops answering, like a partition shorter than a lease): a dynamic
+    membership's client routes around it once a call fails there; what it puts meanwhile goes to the
+    next server, and after SIGCONT those keys are found through hand-off and re-put to it."""
+    base = [_member(f"s{i}", servers(f"s{i}")) for i in range(3)]
+    hung = servers.procs["s2"]
+    members = ManualMembership(base)
+    cfg = ClientConfig(transport="tcp", timeout_s=1.0, connect_timeout_s=0.5)
+    with Client(membership=members, config=cfg) as client:
+        probe = [random.Random(110_000 + i).randbytes(16) for i in range(200)]
+        client.put(probe, [_value(k) for k in probe])
+        hung.popen.send_signal(signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: client.get(probe) is not None and "s2" not in client.members, WAIT_S)
+            fresh = [random.Random(120_000 + i).randbytes(16) for i in range(600)]
+            assert client.put(fresh, [_value(k) for k in fresh]).dropped == 0  # all stored on s0 / s1
+            assert client.get(fresh) == [_value(k) for k in fresh]
+        finally:
+            hung.popen.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: "s2" in client.members, WAIT_S), client.members
+        back = [k for k, owners in zip(fresh, client.route(fresh)) if owners == ["s2"]]
+        assert back
+        assert client.get(fresh) == [_value(k) for k in fresh]  # s2's share came from where it was put
+        assert client.stats()["client"]["handoff_hits"] >= len(back)
+        assert wait_for(lambda: all(_holds(base[2].address, back)), WAIT_S)
