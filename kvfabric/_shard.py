@@ -14,8 +14,9 @@ gets a connection to one server and what happens when that server fails:
   before any HELLO its ``hint`` (the id membership published, else the
   configured address); ``on_identity`` tells the client when the HELLO id
   changes that; ``on_state`` when it is marked down or comes back up (a client
-  following a dynamic membership routes around down shards). A shard that left the membership is retired (:meth:`_Shard.retire`):
-  its connections close and it answers :class:`_Down` forever.
+  following a dynamic membership routes around down shards). A shard that
+  left the membership is retired (:meth:`_Shard.retire`): its connections
+  close and it answers :class:`_Down` forever.
   ``acquire_idle`` hands out an idle connection without ever waiting or
   connecting (the client's calling-thread fan-out).
 * :class:`_Reconnector`: one daemon thread per client that reconnects down

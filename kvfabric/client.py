@@ -348,7 +348,8 @@ class Client(_FanOut, HandOff):
             ids.append(rid)
             shards.append(s)
         old = self._view
-        if old.ids and (tuple(ids), tuple(s.index for s in shards)) != (old.ids, old.index) and self.config.handoff_s > 0:
+        changed = (tuple(ids), tuple(s.index for s in shards)) != (old.ids, old.index)
+        if old.ids and changed and self.config.handoff_s > 0:
             self._previous.push(old, time.monotonic() + self.config.handoff_s)  # for hand-off, see HandOff
         self._view = _View.of(ids, shards)
 

@@ -118,8 +118,8 @@ def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
 def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, block_size: int) -> ConnectorConfig:
     """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
     extra = dict(extra or {})
-    known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms",
-             "lookup_wait_ms", "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
+    known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
+             "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
              "max_pending_save_mb", "load", "save", "register_load_buffer", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:

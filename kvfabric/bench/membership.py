@@ -265,7 +265,8 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
     n_cut = int(len(reqs) * cut_at)
     rate = rate or len(reqs) * 0.4 / partition_s  # requests/s: the partition spans 40 % of the replay
     unique = len({k for ks in reqs for k in ks})
-    capacity = f"{max(16, 2 * unique * (value_bytes + 256) // 4 >> 20)}MiB"  # every block fits: no eviction
+    # every block fits with room to spare (no eviction): the server allocates at least a 4 KiB page per object
+    capacity = f"{max(16, 2 * unique * max(4096, value_bytes + 256) // 4 >> 20)}MiB"
 
     def replay(lab: NetLab, etcd_url: str, cluster: str, cut: bool) -> dict[str, Any]:
         procs = [start_server_in(lab, i, ["--etcd", etcd_url, "--cluster", cluster, "--etcd-ttl", str(ttl),
@@ -302,9 +303,11 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
                 times.append(time.monotonic())
             if cut and t_heal is None:
                 lab.heal(1)
-            st = client.stats()["client"]
+            full = client.stats()
+            st = full["client"]
             counts = {k: st[k] for k in ("handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped",
                                          "membership_changes", "dropped_puts")}
+            counts["server_evictions"] = sum(v.get("evictions", 0) for v in full["servers"].values())
         finally:
             client.close()
             for p in procs:
@@ -345,6 +348,7 @@ def trace_partition(trace_name: str, partition_s: float, ttl: int, cut_at: float
         "after_heal_windows": [{"s": part["times"][a + window - 1] - part["t_heal"], "points": 100 * d}
                                for a, d in diff.items() if i_heal is not None and a >= i_heal][:20],
         "client_counters": part["client"],
+        "control_server_evictions": control["client"]["server_evictions"],
         "replay_wall_s": control["times"][-1] - control["times"][0] if control["times"] else None,
         "met": not errors and back_s is not None and back_s <= 5.0,
     }
@@ -410,8 +414,10 @@ def handoff(n: int, n_keys: int, value_bytes: int) -> dict[str, Any]:
                             time.sleep(0.2)
                         out["new_server_holds"] = held()
                 st, t1 = client.stats()["client"], time.monotonic()
-                while time.monotonic() - t1 < 10.0 and st["handoff_repairs"] + st["repairs_dropped"] < st["handoff_hits"]:
-                    time.sleep(0.1)  # let the background repairs finish before reading their counters
+                # let the background repairs finish before reading their counters
+                while (time.monotonic() - t1 < 10.0
+                       and st["handoff_repairs"] + st["repairs_dropped"] < st["handoff_hits"]):
+                    time.sleep(0.1)
                     st = client.stats()["client"]
                 out.update({k: st[k] for k in ("handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped")})
         finally:
@@ -454,8 +460,8 @@ def print_tables(report: dict[str, Any]) -> None:
         if "skipped" in tp:
             print(f"trace partition: skipped ({tp['skipped']})")
         else:
-            print(f"\ntrace replay {tp['trace']} ({tp['requests']} requests, client handoff_s {tp['handoff_s']:g}) over "
-                  f"4 namespaced servers, one cut off "
+            print(f"\ntrace replay {tp['trace']} ({tp['requests']} requests, client handoff_s "
+                  f"{tp['handoff_s']:g}) over 4 namespaced servers, one cut off "
                   f"for {tp['partition_s']} s from request {tp['cut_at_request']} at {tp['requests_per_s']:.0f} "
                   f"requests/s (healed at request "
                   f"{tp['healed_at_request']}), windows of {tp['window']} requests vs a control run:")

@@ -18,7 +18,6 @@ import json
 import random
 import sys
 import threading
-import time
 
 from ..client import Client
 from ..config import ClientConfig
