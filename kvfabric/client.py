@@ -264,7 +264,10 @@ class Client(_FanOut, HandOff):
                 if e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
                     raise
                 shard.mark_down(e)
-            except (KVFabricError, _Busy) as e:  # _Busy: connect_timeout_s passed before this shard got a thread
+            except _Busy as e:  # connect_timeout_s passed before this shard got a thread: no news of the server
+                if not self._membership.dynamic:  # (a dynamic membership would route around it for nothing)
+                    shard.mark_down(e)
+            except KVFabricError as e:
                 shard.mark_down(e)
 
         for f in [self._pool.submit(first, s) for s in self._shards]:
@@ -337,7 +340,8 @@ class Client(_FanOut, HandOff):
         then finds what was put meanwhile. A static list keeps every entry: a down shard's keys miss."""
         ids: list[str] = []
         shards: list[_Shard] = []
-        skip_down = self._membership.dynamic
+        # (when every shard is down, routing over them all is as good and spares views)
+        skip_down = self._membership.dynamic and not all(s.down_until for s in self._shards)
         for s in self._shards:
             if skip_down and s.down_until:
                 continue
@@ -359,7 +363,9 @@ class Client(_FanOut, HandOff):
             shard.release(shard.acquire(time.monotonic() + self.config.connect_timeout_s))
         except _Down:
             pass
-        except (KVFabricError, _Busy) as e:
+        except _Busy:
+            pass  # the pool was slow, not the server: the first call connects it
+        except KVFabricError as e:
             shard.mark_down(e)
 
     @property
