@@ -446,7 +446,7 @@ class Client(_FanOut, HandOff):
 
     def _owners(self, keys: list[bytes], view: _View | None = None) -> list[list[int]]:
         """Owners of each key as ``shard.index`` values, routed over ``view``'s server ids (default: the current)."""
-        view = view or self._view
+        view = self._view if view is None else view
         if not view.ids:
             return [[] for _ in keys]
         table = sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))
