@@ -626,7 +626,9 @@ class Client(_FanOut, HandOff):
         self._check_open()
         keys = self._keys(keys)
         present = [False] * len(keys)
-        self._presence(keys, present, self._deadline(timeout_s))
+        deadline = self._deadline(timeout_s)
+        self._presence(keys, present, deadline)
+        self._handoff_exists(keys, present, deadline)
         return present
 
     def _presence(self, keys: list[bytes], present: list[bool], deadline: float) -> None:

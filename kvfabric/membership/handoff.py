@@ -16,7 +16,8 @@ both lazy (driven by the engine's own reads, no background scan):
   does the same with EXISTS: when its run stops at a key, the rest of the
   prompt is asked of current and previous owners at once, the run extends
   over keys found on a previous owner, and those are copied to their new
-  owner in the background (GET from the old, PUT to the new).
+  owner in the background (GET from the old, PUT to the new). ``exists``
+  asks previous owners for the keys no current owner holds, the same way.
 * **Read-repair between replicas** (``replicas > 1``): a key a GET found only
   at replica rank ``r > 0`` is re-put to the owners of lower rank that
   answered "miss" (a returning, replacing or emptied server; ``read_repairs``).
@@ -35,7 +36,7 @@ Nothing here raises out of the client's calls.
 
 Not done (see docs/notes/membership.md): no proactive re-replication (a
 returning server is refilled only by the reads that miss on it and by new
-puts), and no hand-off for ``exists``.
+puts).
 """
 
 from __future__ import annotations
@@ -277,6 +278,54 @@ class HandOff:
         self._scatter(groups, job_for, deadline)
         return ok
 
+    def _handoff_exists(self, keys: list[bytes], present: list[bool], deadline: float) -> None:
+        """``exists``: keys no current owner holds are asked of their previous owners; found ones are marked
+        present (``handoff_hits``) and copied to their new owner in the background."""
+        prev_views = self._previous.active()
+        missing = [i for i, p in enumerate(present) if not p]
+        if not prev_views or not missing or time.monotonic() >= deadline:
+            return
+        current = self._owners(keys)
+        groups: dict[int, list[int]] = {}
+        for view in prev_views:
+            for i, cand in self._previous_owners(keys, missing, current, view).items():
+                for s in cand:
+                    if i not in groups.get(s, ()):
+                        groups.setdefault(s, []).append(i)
+        if not groups:
+            return
+        for idx in groups.values():
+            idx.sort()
+        found: set[int] = set()
+
+        def talk_for(shard, idx: list[int]):
+            def talk():
+                for chunk in self._chunks(shard, idx):
+                    reply = (yield protocol.ExistsRequest(keys=[keys[i] for i in chunk])).msg
+                    if len(reply.present) != len(chunk):
+                        raise protocol.ProtocolError(protocol.ErrorCode.MALFORMED, "EXISTS reply length mismatch")
+                    self._counters.add(requests=1)
+                    found.update(i for i, p in zip(chunk, reply.present) if p)
+            return talk
+
+        self._talk(groups, talk_for, keys, deadline)
+        if not found:
+            return
+        for i in found:
+            present[i] = True
+        self._counters.add(handoff_hits=len(found))
+        self._queue_copies([keys[i] for i in sorted(found)], [current[i] for i in sorted(found)])
+
+    def _queue_copies(self, keys: list[bytes], current: list[list[int]]) -> None:
+        """Copy ``keys`` (held by a previous owner) to their current primary owner, in the background."""
+        sub = [k for k, c in zip(keys, current) if self._repairer.claim(k, c[:1])]
+
+        def copy() -> None:  # a GET through the hand-off path fetches from the old owner and re-puts
+            self._get(sub, None, [None] * len(sub), None, background=True)
+
+        if sub:
+            self._repairer.submit(copy, 0, len(sub))
+
     def _handoff_run(self, keys: list[bytes], run: int, deadline: float) -> int:
         """``lookup``'s run, extended over keys a previous owner still holds (module docstring)."""
         prev_views = self._previous.active()
@@ -316,11 +365,5 @@ class HandOff:
         if not moved:
             return end
         self._counters.add(handoff_hits=len(moved))
-        sub = [keys[i] for i in moved if self._repairer.claim(keys[i], current[i][:1])]
-
-        def copy() -> None:  # a GET through the hand-off path fetches from the old owner and re-puts
-            self._get(sub, None, [None] * len(sub), None, background=True)
-
-        if sub:
-            self._repairer.submit(copy, 0, len(sub))
+        self._queue_copies([keys[i] for i in moved], [current[i] for i in moved])
         return end

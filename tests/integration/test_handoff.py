@@ -152,3 +152,19 @@ def test_a_hung_server_is_routed_around_and_its_keys_handed_back(servers):
         assert client.get(fresh) == [_value(k) for k in fresh]  # s2's share came from where it was put
         assert client.stats()["client"]["handoff_hits"] >= len(back)
         assert wait_for(lambda: all(_holds(base[2].address, back)), WAIT_S)
+
+
+def test_exists_asks_the_previous_owner_and_copies(servers):
+    base = [_member(f"s{i}", servers(f"s{i}")) for i in range(3)]
+    joiner = _member("s3", servers("s3"))
+    members = ManualMembership(base)
+    keys = [random.Random(130_000 + i).randbytes(16) for i in range(400)]
+    absent = [random.Random(140_000 + i).randbytes(16) for i in range(50)]
+    with Client(membership=members, config=ClientConfig(transport="tcp", timeout_s=5.0)) as client:
+        client.put(keys, [_value(k) for k in keys])
+        members.set(base + [joiner])
+        moved = [k for k, owners in zip(keys, client.route(keys)) if owners == ["s3"]]
+        assert moved
+        assert client.exists(keys + absent) == [True] * len(keys) + [False] * len(absent)
+        assert client.stats()["client"]["handoff_hits"] == len(moved)
+        assert wait_for(lambda: all(_holds(joiner.address, moved)), WAIT_S)
