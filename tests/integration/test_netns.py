@@ -9,6 +9,10 @@ awaited with ``wait_for`` and a generous deadline.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvfabric.testing.etcd import MISSING_REASON, etcd_binary, start_etcd
@@ -97,3 +101,30 @@ def test_eight_hosts_partitions_crash_restart_and_join_under_load(lab):
             # recovered: after one put pass over the misses, every key of the working set is found again
             assert final["after_put_hit_rate"] == 1.0, final
             assert final["recovered_hit_rate"] > 0, final  # before that pass: most keys still found (not timed)
+
+
+def test_a_lab_left_by_a_killed_run_is_swept():
+    """A test run killed outright (no exit handler) leaves its namespaces, veths, bridge and processes; the
+    next NetLab removes them (and never touches a lab whose creator still runs)."""
+    why = missing_reason()
+    if why:
+        pytest.skip(why)
+    code = ("import os, subprocess, sys\n"
+            "from kvfabric.testing.netns import NetLab\n"
+            "lab = NetLab(2)\n"
+            "subprocess.Popen(lab.exec_prefix(0) + ['sleep', '600'], stdout=subprocess.DEVNULL,\n"
+            "                 stderr=subprocess.DEVNULL, start_new_session=True)\n"
+            "print(' '.join(lab.namespaces + [lab.bridge]), flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    assert len(out) == 3, out
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert all(ns in left for ns in out[:2])
+    sleeper = subprocess.run(["ip", "netns", "pids", out[0]], capture_output=True, text=True).stdout.split()
+    assert sleeper
+    with NetLab(1) as mine:
+        assert mine.namespaces[0] in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert not any(ns in left for ns in out[:2]) and out[2] not in links
+        assert not os.path.exists(f"/proc/{sleeper[0]}") or "sleep" not in open(f"/proc/{sleeper[0]}/cmdline").read()
