@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "kvf_hash.h"
+#include "kvf_tier.h"
 
 static const char *const tr_names[3] = {"tcp", "native", "shm"};
 
@@ -202,11 +203,12 @@ static void op_stats(struct conn *c)
     struct kvf_server *s = c->srv;
     struct kvf_store_stats ss;
     kvf_store_stats(s->st, &ss);
-    size_t cap = 2048 + s->cfg.stats_extra_len;
+    size_t cap = 2048 + s->cfg.stats_extra_len + (s->tier ? 1024 : 0);
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs); /* protocol/stats.py STATS_KEYS + the optional ones */
+    /* protocol/stats.py STATS_KEYS + the optional ones (ssd_* with a tier) */
+    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs + (s->tier ? KVF_TIER_NSTATS : 0));
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -255,6 +257,7 @@ static void op_stats(struct conn *c)
     for (int i = 1; i < 14; i++)
         if (s->ctr.errors[i]) { kvf_mw_cstr(&w, kvf_err_names[i]); kvf_mw_uint(&w, s->ctr.errors[i]); }
 #undef KV
+    if (s->tier) kvf_tier_stats_mw(s->tier, &w);
     kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);
     if (w.overflow) { kvf_reply_drop(c, rp); reject(c, KVF_E_INTERNAL, "stats too large"); return; }
     kvf_reply_finish(c, rp, KVF_OP_STATS, KVF_FLAG_REPLY, w.len, 0);
@@ -273,6 +276,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
         return;
     }
     struct batch *b = &c->b;
+    if (s->tier && kvf_tier_park(c, op, b, n)) return; /* keys on a tier: read, promote, come back */
     if (op == KVF_OP_GET) {
         /* over the server-wide reply budget only small replies are made */
         size_t need = sizeof(struct reply) + KVF_HEADER_SIZE + 32 + (size_t)n * (20 + sizeof(struct seg));
@@ -327,7 +331,11 @@ static void op_keys(struct conn *c, struct meta m, int op)
         kvf_mw_map(&w, 1);
         kvf_mw_cstr(&w, "present");
         kvf_mw_array(&w, n);
-        for (uint32_t i = 0; i < n; i++) kvf_mw_bool(&w, kvf_store_exists(s->st, b->keys[i], b->klens[i]));
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t loc, seq, size, csum; /* on the SSD tier counts as held; nothing is read */
+            kvf_mw_bool(&w, kvf_store_exists(s->st, b->keys[i], b->klens[i]) ||
+                                (s->tier && kvf_tier_find(s->tier, b->keys[i], b->klens[i], &loc, &seq, &size, &csum)));
+        }
         kvf_reply_finish(c, rp, KVF_OP_EXISTS, KVF_FLAG_REPLY, w.len, 0);
     } else if (op == KVF_OP_LOOKUP) {
         if (s->cfg.max_lease_ms && lease_ms > s->cfg.max_lease_ms) lease_ms = s->cfg.max_lease_ms;
@@ -341,7 +349,11 @@ static void op_keys(struct conn *c, struct meta m, int op)
         kvf_reply_finish(c, rp, KVF_OP_LOOKUP, KVF_FLAG_REPLY, w.len, 0);
     } else { /* DELETE */
         uint32_t del = 0;
-        for (uint32_t i = 0; i < n; i++) del += (uint32_t)kvf_store_delete(s->st, b->keys[i], b->klens[i]);
+        for (uint32_t i = 0; i < n; i++) {
+            int d = kvf_store_delete(s->st, b->keys[i], b->klens[i]);
+            if (s->tier) d |= kvf_tier_delete(s->tier, b->keys[i], b->klens[i]); /* + a tombstone on disk */
+            del += (uint32_t)d;
+        }
         BEGIN(32, 0);
         kvf_mw_map(&w, 1);
         kvf_mw_cstr(&w, "deleted");
@@ -549,7 +561,11 @@ int kvf_ops_parse_uint(const uint8_t *p, size_t n, const char *name, uint64_t *v
 }
 void kvf_ops_put_reply(struct conn *c, struct batch *b, int op) { put_reply(c, b, op, 0); }
 
-void kvf_ops_conn_gone(struct conn *c) { kvf_shm_conn_gone(c); }
+void kvf_ops_conn_gone(struct conn *c)
+{
+    kvf_shm_conn_gone(c);
+    kvf_tier_conn_gone(c);
+}
 
 /* ---------------------------------------------------------------- dispatch */
 

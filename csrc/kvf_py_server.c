@@ -6,6 +6,7 @@
 #include "kvf_protocol.h"
 #include "kvf_server.h"
 #include "kvf_store.h"
+#include "kvf_tier.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -17,14 +18,27 @@ typedef struct {
     PyObject_HEAD
     struct kvf_store *st;
     struct kvf_server *srv;
+    struct kvf_tier *tier; /* attached to srv, or NULL */
     char *auth;
     uint32_t *shm_uids, *shm_gids; /* the C config points at these */
     PyObject *hello, *extra; /* bytes kept alive for the C config */
     int running;
 } ServerObject;
 
+static void tier_close(ServerObject *self)
+{
+    if (!self->tier) return;
+    kvf_server_detach_tier(self->srv);
+    struct kvf_tier *t = self->tier;
+    self->tier = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    kvf_tier_close(t); /* finishes the queued write-behind */
+    Py_END_ALLOW_THREADS
+}
+
 static void Server_dealloc(ServerObject *self)
 {
+    if (!self->running) tier_close(self);
     if (self->srv && !self->running) kvf_server_free(self->srv);
     if (self->st && !self->running) kvf_store_free(self->st);
     PyMem_Free(self->auth);
@@ -302,6 +316,81 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "reserved_bytes", c.reserved_bytes);
 }
 
+PyDoc_STRVAR(tier_open_doc,
+"tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0)\n"
+"Open the SSD tier (one file per directory in paths; capacity bytes in all), rebuild its index from\n"
+"the files and attach it: evicted objects are written behind, GET/LOOKUP read missing keys back.\n"
+"admit: 0 all, 1 only objects read at least once. promote_max: bytes one request may promote\n"
+"(0: capacity of the arena / 4). Before run(). Raises OSError(errno, reason) when a path is missing\n"
+"or unwritable, O_DIRECT is unsupported (EINVAL), the space cannot be preallocated (ENOSPC).");
+
+static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"paths", "capacity", "admit", "write_queue", "promote_max", NULL};
+    PyObject *paths_o;
+    unsigned long long capacity, write_queue = 64ull << 20, promote_max = 0;
+    int admit = 0;
+    NEED_SRV(self);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OK|iKK", kwlist, &paths_o, &capacity, &admit, &write_queue,
+                                     &promote_max))
+        return NULL;
+    if (self->tier || self->running) return PyErr_Format(PyExc_RuntimeError, "tier already open, or running");
+    if (admit != KVF_ADMIT_ALL && admit != KVF_ADMIT_HIT) return PyErr_Format(PyExc_ValueError, "admit is 0 or 1");
+    PyObject *seq = PySequence_Fast(paths_o, "paths must be a sequence of str");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > (Py_ssize_t)KVF_TIER_MAX_PATHS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "at most %u paths", KVF_TIER_MAX_PATHS);
+    }
+    const char *paths[KVF_TIER_MAX_PATHS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        paths[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+        if (!paths[i]) { Py_DECREF(seq); return NULL; }
+    }
+    struct kvf_tier_cfg cfg = {paths, (uint32_t)n, capacity, write_queue, admit,
+                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4};
+    char err[512];
+    int rc;
+    struct kvf_tier *t = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_tier_open(&t, &cfg, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(seq);
+    if (rc) {
+        PyObject *e = Py_BuildValue("(is)", -rc, err);
+        if (e) { PyErr_SetObject(PyExc_OSError, e); Py_DECREF(e); }
+        return NULL;
+    }
+    kvf_server_attach_tier(self->srv, t);
+    self->tier = t;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Server_tier_close(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    if (self->running) return PyErr_Format(PyExc_RuntimeError, "stop the loop first");
+    tier_close(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Server_tier_stats(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    if (!self->tier) return PyDict_New();
+    struct kvf_tier_stats s;
+    kvf_tier_stats(self->tier, &s);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "ssd_capacity", s.capacity, "ssd_objects", s.objects, "ssd_bytes", s.bytes, "ssd_hits", s.hits,
+        "ssd_misses", s.misses, "ssd_reads", s.reads, "ssd_read_bytes", s.read_bytes, "ssd_writes", s.writes,
+        "ssd_write_bytes", s.write_bytes, "ssd_write_drops", s.write_drops, "ssd_admit_skips", s.admit_skips,
+        "ssd_errors", s.errors, "ssd_corrupt", s.corrupt, "ssd_read_us_total", s.read_us_total,
+        "ssd_write_us_total", s.write_us_total, "ssd_promotions", s.promotions, "ssd_queue_bytes", s.queue_bytes);
+}
+
 static PyObject *Server_populate(ServerObject *self, PyObject *args)
 {
     NEED_SRV(self);
@@ -342,6 +431,10 @@ static PyMethodDef Server_methods[] = {
     {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},
     {"keys", (PyCFunction)Server_keys, METH_NOARGS, "[(key, size)] of every indexed object (policy resync)"},
     {"stats", (PyCFunction)Server_stats, METH_NOARGS, "store and data-plane counters"},
+    {"tier_open", (PyCFunction)(void (*)(void))Server_tier_open, METH_VARARGS | METH_KEYWORDS, tier_open_doc},
+    {"tier_close", (PyCFunction)Server_tier_close, METH_NOARGS,
+     "detach and close the tier after the loop and the control thread stopped (queued writes finish first)"},
+    {"tier_stats", (PyCFunction)Server_tier_stats, METH_NOARGS, "the ssd_* counters ({} without a tier)"},
     {"check", (PyCFunction)Server_check, METH_NOARGS, "allocator self-check -> bool"},
     {"populate", (PyCFunction)Server_populate, METH_VARARGS,
      "populate(offset, length): fault arena pages in without changing them (GIL released); NativeError"},

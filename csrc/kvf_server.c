@@ -120,6 +120,8 @@ static void conn_check(struct conn *c)
     if (c->closing && c->refs == 0) conn_destroy(c);
 }
 
+void kvf_conn_check(struct conn *c) { conn_check(c); }
+
 static void post_recv(struct conn *c)
 {
     struct io_uring_sqe *q = kvf_sqe_get(c->srv);
@@ -380,7 +382,8 @@ static void retry_parked(struct kvf_server *s)
         if (c->closing) { conn_check(c); continue; }
         if (c->rx_deadline_ms) c->rx_deadline_ms += kvf_now_ms() - c->park_ms; /* the wait was ours */
         c->progress_ms = kvf_now_ms(); /* nor is it a stall of the peer */
-        kvf_ops_batch_step(c);
+        if (c->treq) kvf_tier_step(c); /* a promotion from a tier waited for space */
+        else kvf_ops_batch_step(c);
     }
 }
 
@@ -541,6 +544,7 @@ int kvf_server_run(struct kvf_server *s)
             kvf_ring_cqe_seen(&s->ring);
             dispatch(s, &copy);
         }
+        if (s->tier) kvf_tier_reap(s);
         if (s->parked) retry_parked(s);
         if (s->wake_blocked || s->wake_resv) kvf_wake_waiters(s);
         int64_t now = kvf_now_ms();

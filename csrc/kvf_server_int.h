@@ -17,7 +17,8 @@
 /* RS_GATE: the first bytes of a PUT object are received into c->stage before
  * a slot is reserved for it; RS_RESV_WAIT: it waits for the server-wide
  * reserve budget. */
-enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP, RS_GATE, RS_RESV_WAIT };
+enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP, RS_GATE, RS_RESV_WAIT,
+          RS_TIER /* keys being read from a tier (kvf_tier_ops.c) */ };
 
 /* Per-connection buffers kept between requests: a metadata buffer of up to
  * KVF_META_KEEP bytes and batch arrays of up to KVF_BATCH_KEEP keys; larger
@@ -138,6 +139,9 @@ struct conn {
     uint8_t *resv_parents;         /* RESERVE: parent keys copied out of the meta buffer, kept until COMMIT */
     int64_t resv_until_ms;         /* open reservation expires after this (0: clock not started) */
     uint32_t resv_expired;         /* id of the last reservation that expired (for COMMIT's answer) */
+    /* tiers (kvf_tier_ops.c) */
+    struct kvf_tier_req *treq;     /* reads in flight for the parked request, or NULL */
+    int tier_pass;                 /* the request is being re-dispatched: never to a tier again */
 };
 
 struct kvf_server {
@@ -161,6 +165,7 @@ struct kvf_server {
     uint64_t tag_tcp, tag_unix, tag_efd; /* 8-aligned addresses used as user_data for listeners */
     uint8_t busy_frame[KVF_HEADER_SIZE + 96]; /* BUSY error frame (request id 0) for a peer over max_conns */
     size_t busy_len;
+    struct kvf_tier *tier;         /* tiers below DRAM (kvf_tier.h), or NULL */
 };
 
 /* kvf_server.c */
@@ -177,6 +182,8 @@ void kvf_conn_drain(struct conn *c, uint64_t n);
 void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
 void kvf_conn_next_request(struct conn *c);
 void kvf_conn_park(struct conn *c, uint64_t bytes);
+/* Destroy c if it is closing and no SQE or tier job points at it. No return. */
+void kvf_conn_check(struct conn *c);
 /* Receive the first n (<= KVF_PUT_GATE) bytes of the current PUT object into
  * c->stage (RS_GATE; kvf_ops_staged runs when they are in). No return. */
 void kvf_conn_stage(struct conn *c, uint32_t n);
@@ -224,6 +231,13 @@ int kvf_ops_parse_keys(struct conn *c, const uint8_t *meta, size_t len, struct b
 int kvf_ops_parse_uints(const uint8_t *meta, size_t len, const char *name, uint64_t *out, uint32_t n);
 int kvf_ops_parse_uint(const uint8_t *meta, size_t len, const char *name, uint64_t *v, int required);
 void kvf_ops_put_reply(struct conn *c, struct batch *b, int op); /* {"status": [...]} */
+
+/* kvf_tier_ops.c */
+/* GET/LOOKUP keys missing DRAM but on a tier: park c and read them (1), or 0 (serve now). */
+int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n);
+void kvf_tier_step(struct conn *c);      /* parked for space: reserve and post the rest */
+void kvf_tier_reap(struct kvf_server *s); /* read jobs came back: promote and re-dispatch */
+void kvf_tier_conn_gone(struct conn *c);
 
 /* kvf_shm.c */
 void kvf_shm_op(struct conn *c, const uint8_t *meta, size_t len, int op); /* SHM_* on the unix socket */

@@ -36,6 +36,7 @@ struct entry {
     uint8_t key[KVF_KEY_MAX];
     uint8_t klen, state;
     uint32_t pins;
+    uint32_t hits; /* GETs since stored (the tier's --ssd-admit hit) */
     uint32_t next; /* hash chain or free list */
     uint64_t off, size, csum;
     int64_t lease_until_ms;
@@ -60,6 +61,8 @@ struct kvf_store {
     uint32_t ring_cap, ring_head, ring_len;
     uint64_t want_bytes, round, low_bytes;
     int exhausted, low_signaled;
+    kvf_evict_hook evict_hook;
+    void *evict_arg;
 };
 
 int64_t kvf_now_ms(void)
@@ -363,6 +366,7 @@ int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, ui
     e->klen = (uint8_t)klen;
     e->state = E_LIVE;
     e->pins = 0;
+    e->hits = 0;
     e->off = off;
     e->size = size;
     e->csum = csum;
@@ -385,6 +389,7 @@ int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, u
     if (i == NONE) { pthread_mutex_unlock(&st->mu); return -ENOENT; }
     struct entry *e = &st->ents[i];
     if (e->pins++ == 0) st->pinned++;
+    if (e->hits != UINT32_MAX) e->hits++;
     *id = i; *off = e->off; *size = e->size; *csum = e->csum;
     event(st, KVF_EV_ACCESS, key, klen, 0, NULL, 0);
     pthread_mutex_unlock(&st->mu);
@@ -463,7 +468,27 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
     int64_t rc;
     if (i == NONE) rc = -ENOENT;
     else if (pinned(&st->ents[i], kvf_now_ms())) rc = -EBUSY;
-    else {
+    else if (st->evict_hook) {
+        /* unindexed now, its slot kept (DEAD, one pin) while the hook copies it out */
+        struct entry *e = &st->ents[i];
+        rc = (int64_t)pages_for(e->size) * KVF_PAGE;
+        unlink_entry(st, i);
+        e->state = E_DEAD;
+        e->pins = 1;
+        st->evictions++;
+        kvf_evict_hook fn = st->evict_hook;
+        void *arg = st->evict_arg;
+        uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
+        uint32_t klen2 = e->klen, hits = e->hits;
+        uint64_t off = e->off, size = e->size, csum = e->csum;
+        memcpy(key2, e->key, klen2);
+        pthread_mutex_unlock(&st->mu);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits);
+        pthread_mutex_lock(&st->mu);
+        e = &st->ents[i]; /* the array may have grown meanwhile */
+        e->pins = 0;
+        release_entry(st, i);
+    } else {
         rc = (int64_t)pages_for(st->ents[i].size) * KVF_PAGE;
         remove_entry(st, i);
         st->evictions++;
@@ -511,6 +536,14 @@ void kvf_store_each(struct kvf_store *st, void (*fn)(const uint8_t *, uint32_t, 
     pthread_mutex_lock(&st->mu);
     for (uint32_t i = 0; i < st->nents; i++)
         if (st->ents[i].state == E_LIVE) fn(st->ents[i].key, st->ents[i].klen, st->ents[i].size, arg);
+    pthread_mutex_unlock(&st->mu);
+}
+
+void kvf_store_set_evict_hook(struct kvf_store *st, kvf_evict_hook fn, void *arg)
+{
+    pthread_mutex_lock(&st->mu);
+    st->evict_hook = fn;
+    st->evict_arg = arg;
     pthread_mutex_unlock(&st->mu);
 }
 

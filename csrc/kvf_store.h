@@ -106,6 +106,14 @@ uint64_t kvf_store_space_done(struct kvf_store *st, int exhausted);
 uint64_t kvf_store_round(struct kvf_store *st, int *exhausted);
 int64_t kvf_now_ms(void);
 
+/* Called by kvf_store_evict with an evicted object's bytes, outside the store
+ * lock (the slot is freed when it returns): the tiers' write-behind. hits:
+ * GETs of the object since it was stored. NULL fn: none. Set it while no
+ * eviction runs (before the control thread starts, after it stopped). */
+typedef void (*kvf_evict_hook)(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
+                               uint64_t csum, uint32_t hits);
+void kvf_store_set_evict_hook(struct kvf_store *st, kvf_evict_hook fn, void *arg);
+
 /* Allocator self-check for tests: 0 when free lists and tags agree. */
 int kvf_store_check(struct kvf_store *st);
 

@@ -144,8 +144,44 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
                    help="serve Prometheus metrics (a view of STATS) at http://METRICS_HOST:PORT/metrics; 0 picks a "
                         "free port (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
+    add_tier_arguments(p)
     add_membership_arguments(p)
     return p
+
+
+def add_tier_arguments(p: argparse.ArgumentParser) -> None:
+    """The SSD tier below the arena (docs/notes/tier.md)."""
+    p.add_argument("--ssd-path", action="append", default=[], metavar="DIR",
+                   help="directory of the SSD tier (its file kvfabric-tier.v1 is preallocated there; O_DIRECT "
+                        "required); repeat for several disks (default: no SSD tier)")
+    p.add_argument("--ssd-capacity", default=None, metavar="SIZE",
+                   help="bytes of SSD tier in all, split evenly over the --ssd-path directories (required with them)")
+    p.add_argument("--ssd-admit", default="all", choices=["all", "hit"],
+                   help="which evicted objects are written to the SSD tier: all (default), or hit (only objects "
+                        "read at least once while in DRAM)")
+    p.add_argument("--ssd-write-queue", default="64MiB", metavar="SIZE",
+                   help="bytes of evicted objects staged for writing; over it evictions are not kept (counted in "
+                        "ssd_write_drops; the server never waits for the disk) (default 64MiB)")
+
+
+def tier_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The --ssd-* options as NativeServer keyword arguments (exits on bad ones)."""
+    if not args.ssd_path:
+        if args.ssd_capacity is not None:
+            raise SystemExit("kvfabric serve: --ssd-capacity needs --ssd-path")
+        return {}
+    if args.ssd_capacity is None:
+        raise SystemExit("kvfabric serve: --ssd-path needs --ssd-capacity")
+    if len(args.ssd_path) > 8:
+        raise SystemExit("kvfabric serve: at most 8 --ssd-path")
+    if len(set(args.ssd_path)) != len(args.ssd_path):
+        raise SystemExit("kvfabric serve: the same --ssd-path twice")
+    capacity = _size("--ssd-capacity", args.ssd_capacity)
+    queue = _size("--ssd-write-queue", args.ssd_write_queue)
+    if queue < 8192:
+        raise SystemExit("kvfabric serve: --ssd-write-queue must be at least 8KiB")
+    return {"ssd_paths": list(args.ssd_path), "ssd_capacity": capacity, "ssd_admit": args.ssd_admit,
+            "ssd_write_queue": queue}
 
 
 def add_membership_arguments(p: argparse.ArgumentParser) -> None:
@@ -285,7 +321,10 @@ def final_counters(st: dict[str, Any]) -> str:
             f"{gets} GET keys ({rate} hits), {st.get('evictions', 0)} evictions, "
             f"{st.get('checksum_failures', 0)} checksum failures, {st.get('checksum_rejects', 0)} rejects; "
             f"{st.get('bytes_in', 0)} bytes in, {st.get('bytes_out', 0)} out; "
-            f"{st.get('connections_total', 0)} connections")
+            f"{st.get('connections_total', 0)} connections"
+            + (f"; ssd: {st['ssd_objects']} objects, {st['ssd_hits']} hits, {st['ssd_writes']} writes, "
+               f"{st['ssd_write_drops']} drops, {st['ssd_errors']} errors, {st['ssd_corrupt']} corrupt"
+               if "ssd_objects" in st else ""))
 
 
 def raise_fd_limit(want: int) -> None:
@@ -340,6 +379,7 @@ def main(argv: list[str]) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
     shm = shm_options(args, transports)
+    tier = tier_options(args)
     if args.idle_timeout < 0:
         raise SystemExit("kvfabric serve: --idle-timeout must be >= 0 (0 = never)")
     if args.drain_timeout <= 0:
@@ -365,7 +405,7 @@ def main(argv: list[str]) -> int:
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
             max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
-            drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets,
+            drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)

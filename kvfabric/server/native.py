@@ -257,6 +257,11 @@ class NativeServer:
         reply_budget: int = DEFAULT_REPLY_BUDGET,
         request_budget: int = DEFAULT_REQUEST_BUDGET,
         reserve_budget: int | None = None,
+        ssd_paths: Sequence[str] = (),
+        ssd_capacity: int = 0,
+        ssd_admit: str = "all",
+        ssd_write_queue: int = 64 << 20,
+        ssd_promote_max: int | None = None,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -326,6 +331,8 @@ class NativeServer:
         except (OSError, KVFabricError) as e:
             self._close_sockets()
             raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
+        if ssd_paths:
+            self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max)
         self.capacity = capacity
         self._low = int(capacity * low_watermark)
         self._high = int(capacity * high_watermark)
@@ -335,6 +342,27 @@ class NativeServer:
         self.loop_error: BaseException | None = None  # set if the io_uring loop failed (the process should stop)
         self._threads: list[threading.Thread] = []
         self._drain_timeout_s = drain_timeout_s
+
+    def _open_tier(self, paths: Sequence[str], capacity: int, admit: str, write_queue: int,
+                   promote_max: int | None) -> None:
+        """Open the SSD tier (rebuilding its index from the files) and attach it to the data plane.
+
+        ConfigError (the server does not start) for bad options, a missing or unwritable directory, a
+        filesystem without O_DIRECT (there is no buffered fallback: the tier must not go through the page
+        cache) or too little space to preallocate ``capacity``.
+        """
+        if admit not in ("all", "hit"):
+            raise ConfigError(f"ssd_admit must be all|hit, got {admit!r}")
+        if capacity <= 0 or write_queue < 8192:
+            raise ConfigError("ssd_capacity must be > 0 and ssd_write_queue >= 8 KiB")
+        try:
+            self._srv.tier_open([os.path.abspath(p) for p in paths], int(capacity), admit={"all": 0, "hit": 1}[admit],
+                                write_queue=int(write_queue), promote_max=int(promote_max or 0))
+        except OSError as e:
+            self._close_sockets()
+            raise ConfigError(f"SSD tier: {e.strerror or e}") from e
+        log.warning("SSD tier: %s, %d bytes, admit %s; %d objects found", ",".join(paths), capacity, admit,
+                    self._srv.tier_stats()["ssd_objects"])
 
     @property
     def address(self) -> str:
@@ -387,6 +415,8 @@ class NativeServer:
         self._stop.set()
         for t in self._threads[1:]:
             t.join(10)
+        if not self._threads or not self._threads[0].is_alive():
+            self._srv.tier_close()  # after the loop and the control thread: queued write-behind finishes
         self._close_sockets()
 
     def __enter__(self) -> NativeServer:
@@ -398,6 +428,7 @@ class NativeServer:
     def stats(self) -> dict[str, Any]:
         """Data-plane and store counters (what STATS reports, as a dict)."""
         out = self._srv.stats()
+        out.update(self._srv.tier_stats())
         out.update(policy=self.policy.name, transports=list(self.transports), server_id=self.server_id)
         return out
 

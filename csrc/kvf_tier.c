@@ -1,0 +1,580 @@
+/* kvf_tier.c: the SSD tier's index, on-disk format, open and rebuild (see
+ * kvf_tier.h for the interface and kvf_tier_int.h for the format).
+ *
+ * Index: a chained hash table of entries (key -> log position, seq, size,
+ * checksum), entries recycled through a free list, all under t->mu. An entry
+ * is PENDING from the moment an evicted object is staged until its record is
+ * written (a lookup treats it as absent; a second eviction of the key is
+ * skipped), then LIVE.
+ *
+ * Rebuild (kvf_tier_open, before the tier thread and the server run): every
+ * segment is read in 1 MiB steps; a block holding a valid record header is
+ * indexed (highest seq per key wins; tombstones remove) and the scan skips
+ * the record's length; any other block is skipped (a torn or corrupt header:
+ * counted in ssd_corrupt when it carries the record magic). Values are not
+ * read at rebuild: a value whose checksum fails is found on its first read,
+ * dropped, counted and answered as a miss. The head continues after the
+ * record with the highest seq.
+ */
+#define _GNU_SOURCE
+#include "kvf_tier_int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kvf_hash.h"
+#include "kvf_mpack.h"
+
+#define SEG_MIN (1ull << 20)
+#define SEG_MAX (64ull << 20)
+#define SCAN_BUF (1u << 20)
+
+/* ---------------------------------------------------------------- index */
+
+static inline uint32_t ibucket(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    return (uint32_t)kvf_xxh3_64(key, klen) & (t->nbuckets - 1);
+}
+
+uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    for (uint32_t i = t->buckets[ibucket(t, key, klen)]; i != TIER_NONE; i = t->ents[i].next)
+        if (t->ents[i].klen == klen && memcmp(t->ents[i].key, key, klen) == 0) return i;
+    return TIER_NONE;
+}
+
+static void grow_buckets(struct kvf_tier *t)
+{
+    uint32_t nb = t->nbuckets * 2;
+    uint32_t *b = malloc(sizeof(uint32_t) * nb);
+    if (!b) return; /* longer chains rather than a failure */
+    memset(b, 0xff, sizeof(uint32_t) * nb);
+    free(t->buckets);
+    t->buckets = b;
+    t->nbuckets = nb;
+    for (uint32_t i = 0; i < t->nents; i++) {
+        if (t->ents[i].state == TE_FREE) continue;
+        uint32_t h = ibucket(t, t->ents[i].key, t->ents[i].klen);
+        t->ents[i].next = b[h];
+        b[h] = i;
+    }
+}
+
+uint32_t kvf_tier_iadd(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    uint32_t i;
+    if (t->ent_free != TIER_NONE) {
+        i = t->ent_free;
+        t->ent_free = t->ents[i].next;
+    } else {
+        if (t->nents == t->ents_cap) {
+            uint32_t cap = t->ents_cap ? t->ents_cap * 2 : 1024;
+            struct tent *e = realloc(t->ents, sizeof *e * cap);
+            if (!e) return TIER_NONE;
+            t->ents = e;
+            t->ents_cap = cap;
+        }
+        i = t->nents++;
+    }
+    if (t->nents > t->nbuckets) grow_buckets(t);
+    struct tent *e = &t->ents[i];
+    memset(e, 0, sizeof *e);
+    memcpy(e->key, key, klen);
+    e->klen = (uint8_t)klen;
+    e->state = TE_PENDING;
+    uint32_t h = ibucket(t, key, klen);
+    e->next = t->buckets[h];
+    t->buckets[h] = i;
+    return i;
+}
+
+void kvf_tier_iremove(struct kvf_tier *t, uint32_t i)
+{
+    struct tent *e = &t->ents[i];
+    uint32_t *pp = &t->buckets[ibucket(t, e->key, e->klen)];
+    while (*pp != i) pp = &t->ents[*pp].next;
+    *pp = e->next;
+    if (e->state == TE_LIVE) {
+        t->st.objects--;
+        t->st.bytes -= e->size;
+    }
+    e->state = TE_FREE;
+    e->next = t->ent_free;
+    t->ent_free = i;
+}
+
+void kvf_tier_drop_segment(struct kvf_tier *t, uint64_t g)
+{
+    uint64_t lo = g * t->seg_size, hi = lo + t->seg_size;
+    for (uint32_t i = 0; i < t->nents; i++) {
+        struct tent *e = &t->ents[i];
+        if ((e->state == TE_LIVE || e->state == TE_TOMB) && e->loc >= lo && e->loc < hi) kvf_tier_iremove(t, i);
+    }
+}
+
+/* ---------------------------------------------------------------- format */
+
+void kvf_tier_where(struct kvf_tier *t, uint64_t loc, int *fd, uint64_t *off)
+{
+    uint64_t g = loc / t->seg_size;
+    *fd = t->fds[g % t->nfiles];
+    *off = KVF_TIER_BLOCK + (g / t->nfiles) * t->seg_size + loc % t->seg_size;
+}
+
+static uint64_t rec_hash(const struct tier_rec *h, uint64_t file_id)
+{
+    return kvf_obj_hash(&file_id, sizeof file_id, h, offsetof(struct tier_rec, hdr_csum));
+}
+
+void kvf_tier_rec_fill(struct kvf_tier *t, uint64_t loc, struct tier_rec *h, const uint8_t *key, uint32_t klen,
+                       uint64_t size, uint64_t csum, uint64_t seq, uint32_t flags)
+{
+    uint64_t fid = t->file_id[(loc / t->seg_size) % t->nfiles];
+    memset(h, 0, sizeof *h);
+    memcpy(h->magic, TIER_MAGIC_REC, 8);
+    h->version = KVF_TIER_FORMAT_VERSION;
+    h->flags = flags;
+    h->file_id = fid;
+    h->seq = seq;
+    h->size = size;
+    h->csum = csum;
+    h->klen = klen;
+    memcpy(h->key, key, klen);
+    h->hdr_csum = rec_hash(h, fid);
+}
+
+int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)
+{
+    uint64_t fid = t->file_id[(loc / t->seg_size) % t->nfiles];
+    if (memcmp(h->magic, TIER_MAGIC_REC, 8) || h->version != KVF_TIER_FORMAT_VERSION || h->file_id != fid ||
+        h->klen == 0 || h->klen > KVF_KEY_MAX || rec_hash(h, fid) != h->hdr_csum)
+        return -EBADMSG;
+    if ((h->flags & TIER_F_TOMB) ? h->size != 0 : tier_rec_len(h->size) > t->seg_size - loc % t->seg_size)
+        return -EBADMSG;
+    return 0;
+}
+
+static uint64_t super_hash(const struct tier_super *s) { return kvf_xxh3_64(s, offsetof(struct tier_super, csum)); }
+
+/* ---------------------------------------------------------------- rebuild */
+
+static void rebuild_record(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)
+{
+    uint32_t i = kvf_tier_ifind(t, h->key, h->klen);
+    if (i != TIER_NONE && t->ents[i].seq >= h->seq) return; /* a later record of the key is indexed */
+    if (i != TIER_NONE) kvf_tier_iremove(t, i);
+    i = kvf_tier_iadd(t, h->key, h->klen);
+    if (i == TIER_NONE) return;
+    struct tent *e = &t->ents[i];
+    e->loc = loc;
+    e->seq = h->seq;
+    e->size = h->size;
+    e->csum = h->csum;
+    e->state = (h->flags & TIER_F_TOMB) ? TE_TOMB : TE_LIVE;
+    if (e->state == TE_LIVE) {
+        t->st.objects++;
+        t->st.bytes += e->size;
+    }
+}
+
+/* Scan every segment; returns 0 or -errno (a read error). */
+static int rebuild(struct kvf_tier *t)
+{
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, KVF_TIER_BLOCK, SCAN_BUF)) return -ENOMEM;
+    uint64_t best_seq = 0, best_end = 0;
+    int found = 0, rc = 0;
+    for (uint64_t g = 0; g < t->nsegs && !rc; g++) {
+        uint64_t pos = 0, buf_lo = 0, buf_len = 0; /* buffer holds segment bytes [buf_lo, buf_lo + buf_len) */
+        while (pos + KVF_TIER_BLOCK <= t->seg_size) {
+            if (pos < buf_lo || pos + KVF_TIER_BLOCK > buf_lo + buf_len) {
+                uint64_t n = t->seg_size - pos < SCAN_BUF ? t->seg_size - pos : SCAN_BUF;
+                int fd;
+                uint64_t off;
+                kvf_tier_where(t, g * t->seg_size + pos, &fd, &off);
+                ssize_t r = pread(fd, buf, n, (off_t)off);
+                if (r < (ssize_t)KVF_TIER_BLOCK) { rc = r < 0 ? -errno : -EIO; break; }
+                buf_lo = pos;
+                buf_len = (uint64_t)r & ~(uint64_t)(KVF_TIER_BLOCK - 1);
+            }
+            const struct tier_rec *h = (const struct tier_rec *)(buf + (pos - buf_lo));
+            uint64_t loc = g * t->seg_size + pos;
+            if (kvf_tier_rec_check(t, loc, h) == 0) {
+                rebuild_record(t, loc, h);
+                uint64_t len = (h->flags & TIER_F_TOMB) ? KVF_TIER_BLOCK : tier_rec_len(h->size);
+                if (!found || h->seq > best_seq) {
+                    found = 1;
+                    best_seq = h->seq;
+                    best_end = loc + len;
+                }
+                pos += len;
+            } else {
+                if (memcmp(h->magic, TIER_MAGIC_REC, 8) == 0) t->st.corrupt++; /* torn or damaged header */
+                pos += KVF_TIER_BLOCK;
+            }
+        }
+    }
+    free(buf);
+    /* tombstones only served to outrank older records */
+    for (uint32_t i = 0; i < t->nents; i++)
+        if (t->ents[i].state == TE_TOMB) kvf_tier_iremove(t, i);
+    if (found) {
+        t->next_seq = best_seq + 1;
+        t->head_seg = best_end / t->seg_size;
+        t->head_off = best_end % t->seg_size;
+        if (t->head_seg >= t->nsegs) t->head_seg = 0; /* ended exactly at the log's end */
+        /* records after the head in its segment are a lap older and about to be overwritten */
+        uint64_t lo = t->head_seg * t->seg_size + t->head_off, hi = (t->head_seg + 1) * t->seg_size;
+        for (uint32_t i = 0; i < t->nents; i++)
+            if (t->ents[i].state == TE_LIVE && t->ents[i].loc >= lo && t->ents[i].loc < hi) kvf_tier_iremove(t, i);
+    } else {
+        t->next_seq = 1;
+        t->head_seg = 0;
+        t->head_off = 0;
+    }
+    return rc;
+}
+
+/* ---------------------------------------------------------------- open */
+
+#define ERR(...) do { snprintf(err, errlen, __VA_ARGS__); } while (0)
+
+/* Open or create path's file with the geometry asked; a file whose superblock
+ * differs (another geometry, version, or none) is re-initialised: a new
+ * random file id makes every old record invalid without rewriting it. */
+static int open_file(struct kvf_tier *t, uint32_t idx, const char *dir, uint64_t segs, char *err, size_t errlen)
+{
+    struct stat sb;
+    if (stat(dir, &sb) || !S_ISDIR(sb.st_mode)) {
+        ERR("--ssd-path %s: %s", dir, errno == ENOENT || !S_ISDIR(sb.st_mode) ? "no such directory" : strerror(errno));
+        return -ENOENT;
+    }
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s/%s", dir, KVF_TIER_FILE) >= (int)sizeof path) {
+        ERR("--ssd-path %s: path too long", dir);
+        return -ENAMETOOLONG;
+    }
+    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        int e = errno;
+        if (e == EINVAL) ERR("--ssd-path %s: the filesystem does not support O_DIRECT (tmpfs?); the tier needs it", dir);
+        else ERR("--ssd-path %s: cannot open %s for writing: %s", dir, path, strerror(e));
+        return -e;
+    }
+    t->fds[idx] = fd;
+    uint64_t size = KVF_TIER_BLOCK + segs * t->seg_size;
+    struct tier_super *sup;
+    if (posix_memalign((void **)&sup, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) return -ENOMEM;
+    ssize_t r = pread(fd, sup, KVF_TIER_BLOCK, 0);
+    if (r < 0 && errno == EINVAL) {
+        free(sup);
+        ERR("--ssd-path %s: the filesystem does not support O_DIRECT reads (EINVAL); the tier needs it", dir);
+        return -EINVAL;
+    }
+    int ok = r == (ssize_t)KVF_TIER_BLOCK && memcmp(sup->magic, TIER_MAGIC_SUPER, 8) == 0 &&
+             sup->version == KVF_TIER_FORMAT_VERSION && sup->csum == super_hash(sup) && sup->file_index == idx &&
+             sup->nfiles == t->nfiles && sup->seg_size == t->seg_size && sup->nsegs == segs &&
+             fstat(fd, &sb) == 0 && (uint64_t)sb.st_size == size;
+    int rc = 0;
+    if (ok) {
+        t->file_id[idx] = sup->file_id;
+    } else {
+        if (fstat(fd, &sb) == 0 && (uint64_t)sb.st_size > size && ftruncate(fd, (off_t)size)) { /* shrunk below */ }
+        if (fallocate(fd, 0, 0, (off_t)size)) {
+            rc = -errno;
+            if (rc == -ENOSPC)
+                ERR("--ssd-path %s: not enough space to preallocate %llu bytes (--ssd-capacity over the free space)",
+                    dir, (unsigned long long)size);
+            else ERR("--ssd-path %s: cannot preallocate %s: %s", dir, path, strerror(-rc));
+            if (ftruncate(fd, 0)) { /* nothing more to do */ }
+            free(sup);
+            return rc;
+        }
+        memset(sup, 0, KVF_TIER_BLOCK);
+        memcpy(sup->magic, TIER_MAGIC_SUPER, 8);
+        sup->version = KVF_TIER_FORMAT_VERSION;
+        sup->file_index = idx;
+        sup->nfiles = t->nfiles;
+        if (getrandom(&sup->file_id, sizeof sup->file_id, 0) != sizeof sup->file_id) sup->file_id = (uint64_t)kvf_tier_now_ns();
+        sup->seg_size = t->seg_size;
+        sup->nsegs = segs;
+        sup->csum = super_hash(sup);
+        r = pwrite(fd, sup, KVF_TIER_BLOCK, 0);
+        if (r != (ssize_t)KVF_TIER_BLOCK) {
+            rc = r < 0 ? -errno : -EIO;
+            if (rc == -EINVAL) ERR("--ssd-path %s: the filesystem does not support O_DIRECT writes (EINVAL); the tier needs it", dir);
+            else ERR("--ssd-path %s: cannot write %s: %s", dir, path, strerror(-rc));
+            free(sup);
+            return rc;
+        }
+        if (fdatasync(fd)) { /* the superblock reaches the disk with the first records anyway */ }
+        t->file_id[idx] = sup->file_id;
+    }
+    free(sup);
+    return 0;
+}
+
+int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *err, size_t errlen)
+{
+    err[0] = 0;
+    if (cfg->npaths > KVF_TIER_MAX_PATHS) { ERR("at most %u --ssd-path", KVF_TIER_MAX_PATHS); return -EINVAL; }
+    struct kvf_tier *t = calloc(1, sizeof *t);
+    if (!t) return -ENOMEM;
+    for (uint32_t i = 0; i < KVF_TIER_MAX_PATHS; i++) t->fds[i] = -1;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    t->nfiles = cfg->npaths;
+    t->admit = cfg->admit;
+    t->write_queue = cfg->write_queue ? cfg->write_queue : 64ull << 20;
+    t->promote_max = cfg->promote_max ? cfg->promote_max : 1ull << 30;
+    t->ent_free = TIER_NONE;
+    t->nbuckets = 1024;
+    t->buckets = malloc(sizeof(uint32_t) * t->nbuckets);
+    int rc = -ENOMEM;
+    if (!t->buckets || posix_memalign((void **)&t->scratch, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) goto fail;
+    memset(t->buckets, 0xff, sizeof(uint32_t) * t->nbuckets);
+    memset(t->scratch, 0, KVF_TIER_BLOCK);
+    if (t->nfiles) {
+        uint64_t per = cfg->capacity / t->nfiles;
+        /* ~16 segments per file, 1..64 MiB each: a reused segment drops at most 1/16 of the tier */
+        uint64_t seg = per / 16;
+        seg = seg < SEG_MIN ? SEG_MIN : seg > SEG_MAX ? SEG_MAX : seg;
+        seg &= ~(uint64_t)(KVF_TIER_BLOCK - 1);
+        t->seg_size = seg;
+        uint64_t segs = per > KVF_TIER_BLOCK ? (per - KVF_TIER_BLOCK) / seg : 0;
+        if (segs < 2) {
+            ERR("--ssd-capacity %llu is too small: each path needs at least two segments of %llu bytes + 4 KiB",
+                (unsigned long long)cfg->capacity, (unsigned long long)seg);
+            rc = -EINVAL;
+            goto fail;
+        }
+        t->nsegs = segs * t->nfiles;
+        t->capacity = t->nfiles * (KVF_TIER_BLOCK + segs * seg);
+        t->st.capacity = t->nsegs * seg;
+        for (uint32_t i = 0; i < t->nfiles; i++)
+            if ((rc = open_file(t, i, cfg->paths[i], segs, err, errlen))) goto fail;
+        if ((rc = rebuild(t))) { ERR("reading the SSD tier: %s", strerror(-rc)); goto fail; }
+    }
+    if ((rc = kvf_ring_init(&t->ring, 256))) { ERR("io_uring for the tier: %s", strerror(-rc)); goto fail; }
+    if ((rc = kvf_tier_thread_start(t))) { ERR("tier thread: %s", strerror(-rc)); kvf_ring_exit(&t->ring); goto fail; }
+    *out = t;
+    return 0;
+fail:
+    if (!err[0]) ERR("%s", strerror(-rc));
+    for (uint32_t i = 0; i < KVF_TIER_MAX_PATHS; i++)
+        if (t->fds[i] >= 0) close(t->fds[i]);
+    free(t->buckets);
+    free(t->ents);
+    free(t->scratch);
+    free(t);
+    return rc;
+}
+
+void kvf_tier_close(struct kvf_tier *t)
+{
+    if (!t) return;
+    kvf_tier_thread_stop(t);
+    kvf_ring_exit(&t->ring);
+    for (struct kvf_tier_job *j = t->done, *n; j; j = n) { n = j->next; kvf_tier_job_free(j); }
+    for (uint32_t i = 0; i < KVF_TIER_MAX_PATHS; i++)
+        if (t->fds[i] >= 0) close(t->fds[i]);
+    free(t->buckets);
+    free(t->ents);
+    free(t->scratch);
+    free(t);
+}
+
+/* ---------------------------------------------------------------- lookups */
+
+int kvf_tier_find(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t *loc, uint64_t *seq,
+                  uint64_t *size, uint64_t *csum)
+{
+    if (!t->nfiles) return 0;
+    pthread_mutex_lock(&t->mu);
+    uint32_t i = kvf_tier_ifind(t, key, klen);
+    int r = i != TIER_NONE && t->ents[i].state == TE_LIVE;
+    if (r) {
+        *loc = t->ents[i].loc;
+        *seq = t->ents[i].seq;
+        *size = t->ents[i].size;
+        *csum = t->ents[i].csum;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return r;
+}
+
+int kvf_tier_still(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t seq)
+{
+    pthread_mutex_lock(&t->mu);
+    uint32_t i = kvf_tier_ifind(t, key, klen);
+    int r = i != TIER_NONE && t->ents[i].state == TE_LIVE && t->ents[i].seq == seq;
+    pthread_mutex_unlock(&t->mu);
+    return r;
+}
+
+int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    if (!t->nfiles) return 0;
+    pthread_mutex_lock(&t->mu);
+    uint32_t i = kvf_tier_ifind(t, key, klen);
+    int had = i != TIER_NONE;
+    int live = had && t->ents[i].state == TE_LIVE;
+    if (had) kvf_tier_iremove(t, i); /* a PENDING write finds no entry and indexes nothing */
+    pthread_mutex_unlock(&t->mu);
+    if (!had) return 0;
+    /* The tombstone goes behind any queued write of the key (one FIFO queue,
+     * one writer): its seq is higher, so a restart cannot bring the key back. */
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    if (j) {
+        j->op = KVF_JOB_SSD_TOMB;
+        j->klen = (uint8_t)klen;
+        memcpy(j->key, key, klen);
+        kvf_tier_post(t, j);
+    } else {
+        pthread_mutex_lock(&t->mu);
+        t->st.errors++;
+        pthread_mutex_unlock(&t->mu);
+    }
+    return live;
+}
+
+/* ---------------------------------------------------------------- write-behind */
+
+/* A copy of an evicted object for the shared tier (its own job; the same write-queue bound). */
+static void shared_write_behind(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val,
+                                uint64_t size, uint64_t csum)
+{
+    uint64_t rec = tier_rec_len(size);
+    pthread_mutex_lock(&t->mu);
+    int over = t->st.queue_bytes + rec > t->write_queue || t->stop;
+    if (over) t->st.write_drops++;
+    else t->st.queue_bytes += rec;
+    pthread_mutex_unlock(&t->mu);
+    if (over) return;
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    uint8_t *buf = NULL;
+    if (!j || posix_memalign((void **)&buf, KVF_TIER_BLOCK, rec)) {
+        free(j);
+        pthread_mutex_lock(&t->mu);
+        t->st.queue_bytes -= rec;
+        t->st.write_drops++;
+        pthread_mutex_unlock(&t->mu);
+        return;
+    }
+    memcpy(buf + KVF_TIER_BLOCK, val, size);
+    j->op = KVF_JOB_SHARED_WRITE;
+    j->klen = (uint8_t)klen;
+    memcpy(j->key, key, klen);
+    j->size = size;
+    j->csum = csum;
+    j->buf = buf;
+    j->buf_cap = rec;
+    kvf_tier_post(t, j);
+}
+
+void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
+                       uint64_t csum, uint32_t hits)
+{
+    struct kvf_tier *t = arg;
+    if (t->sh_write && t->sh_write_evicted) shared_write_behind(t, key, klen, val, size, csum);
+    if (!t->nfiles) return;
+    uint64_t rec = tier_rec_len(size);
+    pthread_mutex_lock(&t->mu);
+    if ((t->admit == KVF_ADMIT_HIT && hits == 0) || rec > t->seg_size || kvf_tier_ifind(t, key, klen) != TIER_NONE) {
+        t->st.admit_skips++; /* not worth writing, larger than a segment, or on the tier already */
+        pthread_mutex_unlock(&t->mu);
+        return;
+    }
+    if (t->st.queue_bytes + rec > t->write_queue || t->stop) {
+        t->st.write_drops++; /* never a stall: the object is simply not kept */
+        pthread_mutex_unlock(&t->mu);
+        return;
+    }
+    t->st.queue_bytes += rec;
+    pthread_mutex_unlock(&t->mu);
+    /* the copy is made outside the lock (the store keeps the slot until this returns) */
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    uint8_t *buf = NULL;
+    if (j && posix_memalign((void **)&buf, KVF_TIER_BLOCK, rec) == 0) {
+        memset(buf, 0, KVF_TIER_BLOCK);
+        memcpy(buf + KVF_TIER_BLOCK, val, size);
+        memset(buf + KVF_TIER_BLOCK + size, 0, rec - KVF_TIER_BLOCK - size);
+    } else {
+        buf = NULL;
+    }
+    pthread_mutex_lock(&t->mu);
+    /* PENDING, tagged with its job: a second eviction of the key is skipped, a
+     * DELETE meanwhile unindexes it and the write then indexes nothing */
+    uint32_t i = buf ? kvf_tier_iadd(t, key, klen) : TIER_NONE;
+    if (i == TIER_NONE) {
+        t->st.queue_bytes -= rec;
+        t->st.write_drops++;
+        pthread_mutex_unlock(&t->mu);
+        free(buf);
+        free(j);
+        return;
+    }
+    t->ents[i].size = size;
+    t->ents[i].csum = csum;
+    t->ents[i].loc = (uint64_t)(uintptr_t)j;
+    pthread_mutex_unlock(&t->mu);
+    j->op = KVF_JOB_SSD_WRITE;
+    j->klen = (uint8_t)klen;
+    memcpy(j->key, key, klen);
+    j->size = size;
+    j->csum = csum;
+    j->buf = buf;
+    j->buf_cap = rec;
+    kvf_tier_post(t, j);
+}
+
+/* ---------------------------------------------------------------- stats */
+
+void kvf_tier_count(struct kvf_tier *t, uint64_t hits, uint64_t misses, uint64_t promotions)
+{
+    pthread_mutex_lock(&t->mu);
+    t->st.hits += hits;
+    t->st.misses += misses;
+    t->st.promotions += promotions;
+    pthread_mutex_unlock(&t->mu);
+}
+
+uint64_t kvf_tier_promote_max(struct kvf_tier *t) { return t->promote_max; }
+
+void kvf_tier_stats(struct kvf_tier *t, struct kvf_tier_stats *s)
+{
+    pthread_mutex_lock(&t->mu);
+    *s = t->st;
+    pthread_mutex_unlock(&t->mu);
+}
+
+void kvf_tier_stats_mw(struct kvf_tier *t, struct kvf_mw *w)
+{
+    struct kvf_tier_stats s;
+    kvf_tier_stats(t, &s);
+#define KV(name, v) do { kvf_mw_cstr(w, name); kvf_mw_uint(w, (uint64_t)(v)); } while (0)
+    KV("ssd_capacity", s.capacity);
+    KV("ssd_objects", s.objects);
+    KV("ssd_bytes", s.bytes);
+    KV("ssd_hits", s.hits);
+    KV("ssd_misses", s.misses);
+    KV("ssd_reads", s.reads);
+    KV("ssd_read_bytes", s.read_bytes);
+    KV("ssd_writes", s.writes);
+    KV("ssd_write_bytes", s.write_bytes);
+    KV("ssd_write_drops", s.write_drops);
+    KV("ssd_admit_skips", s.admit_skips);
+    KV("ssd_errors", s.errors);
+    KV("ssd_corrupt", s.corrupt);
+    KV("ssd_read_us_total", s.read_us_total);
+    KV("ssd_write_us_total", s.write_us_total);
+    KV("ssd_promotions", s.promotions);
+    KV("ssd_queue_bytes", s.queue_bytes);
+#undef KV
+}

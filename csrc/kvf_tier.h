@@ -1,0 +1,172 @@
+/* kvf_tier.h: the tiers below the DRAM arena, and the job queue of the tier
+ * I/O thread that moves their bytes.
+ *
+ * One struct kvf_tier per server (kvf_tier_open). It owns:
+ *   - the local SSD tier (zero or more --ssd-path files; format and index in
+ *     kvf_tier.c, docs/notes/tier.md): a circular log of fixed-size segments
+ *     of 4 KiB-aligned records, opened O_DIRECT;
+ *   - one tier I/O thread with its own io_uring (kvf_tier_io.c) that runs
+ *     jobs posted by the loop thread (reads, promotions) and by the control
+ *     thread (write-behind of evicted objects), and hands finished read jobs
+ *     back to the loop thread (kvf_tier_take_done), waking it through the
+ *     server's eventfd;
+ *   - optionally a shared-filesystem tier (kvf_tier_set_shared): functions
+ *     that the tier thread calls synchronously for KVF_JOB_SHARED_* jobs.
+ *
+ * Threads: the loop thread (GET/LOOKUP/EXISTS/DELETE hooks, promotion,
+ * completions), the control thread (kvf_store_evict -> kvf_tier_on_evict),
+ * the tier thread (I/O). The index, the queues and the counters are under
+ * one mutex (t->mu), never held across I/O or a copy of object bytes.
+ *
+ * C moves bytes; Python decides: what the tier does is configured at open
+ * (paths, capacity, admission rule, write-queue bound, promotion cap).
+ * Functions return 0 or -errno unless documented otherwise.
+ */
+#ifndef KVF_TIER_H
+#define KVF_TIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "kvf_store.h"
+
+#define KVF_TIER_FORMAT_VERSION 1u
+#define KVF_TIER_BLOCK 4096u          /* alignment of every record, buffer and I/O */
+#define KVF_TIER_MAX_PATHS 8u
+#define KVF_TIER_FILE "kvfabric-tier.v1"
+
+enum kvf_tier_admit {
+    KVF_ADMIT_ALL = 0, /* every evicted object (whose key is not on the tier already) */
+    KVF_ADMIT_HIT = 1, /* only objects read (GET) at least once while in DRAM */
+};
+
+/* ------------------------------------------------------------------ jobs
+ *
+ * A job is one unit of tier I/O. Whoever posts it owns nothing of it until
+ * it comes back: write jobs (SSD_WRITE, SSD_TOMB, SHARED_WRITE) are freed by
+ * the tier thread; read jobs (SSD_READ, SHARED_READ) come back to the loop
+ * thread through kvf_tier_take_done with `result` set, and the loop frees
+ * them (kvf_tier_job_free).
+ */
+enum kvf_job_op {
+    KVF_JOB_SSD_WRITE = 1,    /* append the record in buf (header block + value) at the log head; index it */
+    KVF_JOB_SSD_TOMB = 2,     /* append a tombstone for key (DELETE must not resurrect after a restart) */
+    KVF_JOB_SSD_READ = 3,     /* read the record at loc: value into dst, verify key, seq and checksum */
+    KVF_JOB_SHARED_READ = 4,  /* shared_read(key) into a staging buffer (buf) the tier thread allocates */
+    KVF_JOB_SHARED_WRITE = 5, /* shared_write(key, buf + KVF_TIER_BLOCK, size, csum) */
+};
+
+struct kvf_tier_job {
+    struct kvf_tier_job *next; /* queue link; the holder's */
+    uint8_t op, klen;
+    uint8_t key[KVF_KEY_MAX];
+    /* Set by the tier thread: 0 done (read: value verified in dst or buf);
+     * -ENOENT absent, -EBADMSG corrupt (dropped and counted), -ESTALE the
+     * record was overwritten since it was looked up (a miss, not corrupt),
+     * -ENOSPC/-EIO/-errno an I/O failure (counted in ssd_errors). */
+    int result;
+    uint64_t size, csum;   /* value bytes and kvf_obj_hash(key, value); SHARED_READ: filled in */
+    uint8_t *buf;          /* aligned staging buffer owned by the job (KVF_TIER_BLOCK header + value), or NULL */
+    uint64_t buf_cap;
+    uint8_t *dst;          /* SSD_READ: where the value goes (page aligned, room for roundup(size, 4096)) */
+    uint64_t slot_off;     /* loop thread: arena offset of dst (0 and dst NULL: not reserved) */
+    uint64_t loc, seq;     /* SSD: record position in the log and its sequence number */
+    void *owner;           /* loop thread: the request (struct kvf_tier_req) the job belongs to */
+    uint64_t post_ns;      /* when it was posted (latency counters) */
+    struct iovec iov[2];   /* tier thread: SSD_READ's header block + value */
+};
+
+/* ------------------------------------------------------------------ shared tier plug-in
+ *
+ * Run on the tier thread, synchronously, one at a time:
+ *   read:  0 (value in dst[0..*size), *csum its checksum, verified by the
+ *          callee), -ENOENT absent, -EBADMSG corrupt, -EMSGSIZE when cap is
+ *          too small (then *size is the value's size: the tier thread
+ *          allocates a staging buffer that large and calls again; dst may be
+ *          NULL with cap 0 to ask for the size), or -errno.
+ *   write: 0, -EEXIST (already there: written once by key), or -errno.
+ * A GET key that misses DRAM and the SSD index becomes a SHARED_READ job when
+ * a shared tier is set; what it reads is promoted into the arena like an SSD
+ * hit. Whether evicted objects are also written to the shared tier is the
+ * shared tier's call: kvf_tier_on_evict posts SHARED_WRITE jobs when
+ * t->shared_write_evicted is set (kvf_tier_set_shared's last argument).
+ */
+typedef int (*kvf_shared_read_fn)(void *sh, const uint8_t *key, uint32_t klen, uint8_t *dst, uint64_t cap,
+                                  uint64_t *size, uint64_t *csum);
+typedef int (*kvf_shared_write_fn)(void *sh, const uint8_t *key, uint32_t klen, const uint8_t *src,
+                                   uint64_t size, uint64_t csum);
+
+/* ------------------------------------------------------------------ the tier */
+
+struct kvf_tier_cfg {
+    const char *const *paths; /* directories (one file each, KVF_TIER_FILE); npaths 0: no SSD tier */
+    uint32_t npaths;
+    uint64_t capacity;        /* SSD bytes in all, split evenly over the paths; the files never exceed it */
+    uint64_t write_queue;     /* bytes of staging buffers for write-behind (full: counted drop) */
+    int admit;                /* enum kvf_tier_admit */
+    uint64_t promote_max;     /* bytes one request may promote from the tiers (over: misses) */
+};
+
+/* Every counter is kept as it changes: kvf_tier_stats is O(1). */
+struct kvf_tier_stats {
+    uint64_t capacity, objects, bytes, hits, misses, reads, read_bytes, writes, write_bytes, write_drops,
+        admit_skips, errors, corrupt, read_us_total, write_us_total, promotions, queue_bytes;
+};
+#define KVF_TIER_NSTATS 17u /* STATS keys kvf_tier_stats_mw writes */
+
+struct kvf_tier;
+struct kvf_mw;
+
+/* Open (or create) the tier files, rebuild the index from them and start the
+ * tier thread. On failure returns -errno and writes a one-line reason for the
+ * operator into err: a missing or unwritable directory, O_DIRECT unsupported
+ * (-EINVAL), a capacity too small for two segments, ENOSPC when the file
+ * cannot be preallocated. */
+int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *err, size_t errlen);
+/* Stop taking jobs, finish the queued ones (write-behind included), join the
+ * thread, close the files. No return. */
+void kvf_tier_close(struct kvf_tier *t);
+/* Who to wake when read jobs finished (the server's eventfd). */
+void kvf_tier_set_wake(struct kvf_tier *t, void (*wake)(void *), void *arg);
+/* Plug in a shared tier (see above); write_evicted: post SHARED_WRITE for evicted objects too. */
+void kvf_tier_set_shared(struct kvf_tier *t, void *sh, kvf_shared_read_fn rd, kvf_shared_write_fn wr,
+                         int write_evicted);
+int kvf_tier_has_shared(struct kvf_tier *t);
+
+/* Post jobs (a NULL-terminated list through ->next) to the tier thread. Any thread. */
+void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list);
+/* Loop thread: the read jobs finished since the last call (a list), or NULL. */
+struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t);
+struct kvf_tier_job *kvf_tier_job_new(void); /* zeroed, or NULL */
+void kvf_tier_job_free(struct kvf_tier_job *j); /* frees buf too */
+
+/* Index lookups (any thread). 1 on the SSD tier (loc, seq, size, csum set), 0 not. */
+int kvf_tier_find(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t *loc, uint64_t *seq,
+                  uint64_t *size, uint64_t *csum);
+/* 1 when key is on the tier with this seq (still there, not deleted since). */
+int kvf_tier_still(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t seq);
+/* DELETE: unindex key and append a tombstone. 1 was on the tier, 0 not. */
+int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
+/* Store eviction hook (kvf_store_set_evict_hook; control thread): stage a copy of the evicted object
+ * for write-behind, or count why not (admission, already on the tier, queue full). */
+void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
+                       uint64_t csum, uint32_t hits);
+
+/* The server's side (kvf_tier_ops.c). Attach before kvf_server_run: the loop
+ * then parks GET/LOOKUP keys found on a tier, EXISTS and DELETE see the tier,
+ * and the store's evictions are written behind (kvf_store_set_evict_hook).
+ * Detach after the loop and the control thread stopped, then kvf_tier_close.
+ * attach: 0 or -EBUSY (one is attached); detach returns it (or NULL). */
+struct kvf_server;
+int kvf_server_attach_tier(struct kvf_server *s, struct kvf_tier *t);
+struct kvf_tier *kvf_server_detach_tier(struct kvf_server *s);
+
+/* Counters the loop thread adds (under t->mu). */
+void kvf_tier_count(struct kvf_tier *t, uint64_t hits, uint64_t misses, uint64_t promotions);
+uint64_t kvf_tier_promote_max(struct kvf_tier *t);
+void kvf_tier_stats(struct kvf_tier *t, struct kvf_tier_stats *s);
+/* The KVF_TIER_NSTATS "ssd_*" STATS pairs, msgpack. */
+void kvf_tier_stats_mw(struct kvf_tier *t, struct kvf_mw *w);
+
+#endif

@@ -1,0 +1,125 @@
+/* kvf_tier_int.h: the tier object and the on-disk format, shared by
+ * kvf_tier.c (index, format, rebuild, open) and kvf_tier_io.c (thread,
+ * queue, io_uring). Not part of the tier's interface (kvf_tier.h).
+ *
+ * On-disk format, version 1 (docs/notes/tier.md). Every integer little-endian
+ * (the hosts this builds for). One file per path, DIR/kvfabric-tier.v1:
+ *
+ *   block 0             superblock (struct tier_super), 4096 bytes
+ *   then nsegs segments of seg_size bytes each (a multiple of 4096)
+ *
+ * The segments of all files form one circular log: global segment g lives in
+ * file g % nfiles at segment g / nfiles. Records are appended at the head;
+ * a record never crosses a segment end; when the head enters a segment, every
+ * index entry in it is dropped first (FIFO over segments). A record:
+ *
+ *   4096-byte header block: struct tier_rec (128 bytes), then zeros
+ *   value, padded with zeros to a multiple of 4096 (absent for a tombstone)
+ *
+ * rec.hdr_csum = xxh3_64 of the 120 bytes before it, seeded with the file's
+ * random id (superblock), so a value that happens to hold header-like bytes
+ * or a record of an earlier file generation is never taken for a record.
+ * rec.csum is the object's protocol v2 checksum (kvf_obj_hash), checked on
+ * every read. The highest seq of a key wins at rebuild; a tombstone (flags
+ * bit 0) with a higher seq removes the key.
+ */
+#ifndef KVF_TIER_INT_H
+#define KVF_TIER_INT_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "kvf_tier.h"
+#include "kvf_uring.h"
+
+#define TIER_MAGIC_SUPER "KVFTIER1"
+#define TIER_MAGIC_REC "KVFTREC1"
+#define TIER_F_TOMB 1u
+#define TIER_NONE 0xffffffffu
+
+struct tier_super {
+    char magic[8];
+    uint32_t version, file_index, nfiles, _pad;
+    uint64_t file_id, seg_size, nsegs; /* nsegs: segments in this file */
+    uint64_t csum;                     /* xxh3_64 of the bytes before it */
+};
+
+struct tier_rec {
+    char magic[8];
+    uint32_t version, flags;
+    uint64_t file_id, seq, size, csum;
+    uint32_t klen, _pad;
+    uint8_t key[KVF_KEY_MAX];
+    uint64_t hdr_csum;
+};
+_Static_assert(sizeof(struct tier_rec) == 128, "tier_rec is 128 bytes");
+_Static_assert(sizeof(struct tier_super) == 56, "tier_super is 56 bytes");
+
+enum { TE_FREE = 0, TE_LIVE = 1, TE_PENDING = 2, TE_TOMB = 3 /* rebuild only */ };
+
+struct tent {
+    uint8_t key[KVF_KEY_MAX];
+    uint8_t klen, state;
+    uint32_t next; /* hash chain or free list */
+    uint64_t loc;  /* global log position: g * seg_size + offset in the segment */
+    uint64_t size, csum, seq;
+};
+
+struct kvf_tier {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* files and geometry */
+    uint32_t nfiles;
+    int fds[KVF_TIER_MAX_PATHS];
+    uint64_t file_id[KVF_TIER_MAX_PATHS];
+    uint64_t seg_size, nsegs; /* nsegs: all files */
+    uint64_t capacity;
+    /* log head (tier thread, and rebuild before it starts) */
+    uint64_t head_seg, head_off, next_seq;
+    /* index */
+    struct tent *ents;
+    uint32_t nents, ents_cap, ent_free;
+    uint32_t *buckets;
+    uint32_t nbuckets;
+    /* queues */
+    struct kvf_tier_job *q_head, *q_tail;
+    struct kvf_tier_job *done;
+    int stop, started;
+    pthread_t th;
+    struct kvf_ring ring;
+    uint8_t *scratch; /* KVF_TIER_BLOCK, aligned: read headers and tombstones (tier thread) */
+    void (*wake)(void *);
+    void *wake_arg;
+    /* shared tier */
+    void *sh;
+    kvf_shared_read_fn sh_read;
+    kvf_shared_write_fn sh_write;
+    int sh_write_evicted;
+    /* policy */
+    int admit;
+    uint64_t write_queue, promote_max;
+    struct kvf_tier_stats st;
+};
+
+static inline uint64_t tier_round(uint64_t n) { return (n + KVF_TIER_BLOCK - 1) & ~(uint64_t)(KVF_TIER_BLOCK - 1); }
+static inline uint64_t tier_rec_len(uint64_t size) { return KVF_TIER_BLOCK + tier_round(size); }
+
+/* kvf_tier.c, index: under t->mu */
+uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
+uint32_t kvf_tier_iadd(struct kvf_tier *t, const uint8_t *key, uint32_t klen); /* TIER_NONE: out of memory */
+void kvf_tier_iremove(struct kvf_tier *t, uint32_t i);
+void kvf_tier_drop_segment(struct kvf_tier *t, uint64_t g); /* unindex every record in global segment g */
+/* file and file offset of a global log position */
+void kvf_tier_where(struct kvf_tier *t, uint64_t loc, int *fd, uint64_t *off);
+/* fill h for a record of key (size, csum, seq, flags); hdr_csum computed */
+void kvf_tier_rec_fill(struct kvf_tier *t, uint64_t loc, struct tier_rec *h, const uint8_t *key, uint32_t klen,
+                       uint64_t size, uint64_t csum, uint64_t seq, uint32_t flags);
+/* 0 when h is a valid record header for the file holding loc */
+int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h);
+
+/* kvf_tier_io.c */
+int kvf_tier_thread_start(struct kvf_tier *t);
+void kvf_tier_thread_stop(struct kvf_tier *t);
+uint64_t kvf_tier_now_ns(void);
+
+#endif

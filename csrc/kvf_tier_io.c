@@ -1,0 +1,318 @@
+/* kvf_tier_io.c: the tier I/O thread, its job queue and its io_uring (see
+ * kvf_tier.h).
+ *
+ * The thread takes up to BATCH jobs at a time from one FIFO queue (so a
+ * DELETE's tombstone always follows a queued write of the same key), gives
+ * each SSD write its place at the log head (entering a segment first drops
+ * every index entry in it), submits all SSD I/O of the batch at once on its
+ * own ring (IORING_OP_WRITE / IORING_OP_READV on the O_DIRECT files, from
+ * 4 KiB-aligned buffers; an SSD read lands straight in the arena slot the
+ * loop thread reserved), runs shared-tier jobs synchronously meanwhile, then
+ * reaps every completion: a written record is indexed (unless deleted
+ * meanwhile), a read record is verified (header, key, seq, value checksum);
+ * finished reads go to the done list and the loop thread is woken.
+ *
+ * Failures are values: an I/O error is counted (ssd_errors) and the write
+ * dropped (ssd_write_drops) or the read a miss; a record that fails its
+ * checksum is unindexed and counted (ssd_corrupt), never served.
+ */
+#define _GNU_SOURCE
+#include "kvf_tier_int.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvf_hash.h"
+
+#define BATCH 64u
+
+uint64_t kvf_tier_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+struct kvf_tier_job *kvf_tier_job_new(void) { return calloc(1, sizeof(struct kvf_tier_job)); }
+
+void kvf_tier_job_free(struct kvf_tier_job *j)
+{
+    if (!j) return;
+    free(j->buf);
+    free(j);
+}
+
+void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list)
+{
+    if (!list) return;
+    uint64_t now = kvf_tier_now_ns();
+    struct kvf_tier_job *last = list;
+    for (struct kvf_tier_job *j = list; j; j = j->next) { j->post_ns = now; last = j; }
+    pthread_mutex_lock(&t->mu);
+    if (t->q_tail) t->q_tail->next = list; else t->q_head = list;
+    t->q_tail = last;
+    pthread_cond_signal(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
+struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t)
+{
+    if (!__atomic_load_n(&t->done, __ATOMIC_ACQUIRE)) return NULL; /* the common case: no lock */
+    pthread_mutex_lock(&t->mu);
+    struct kvf_tier_job *d = t->done;
+    t->done = NULL;
+    pthread_mutex_unlock(&t->mu);
+    /* the list was built newest first: give it back in posting order */
+    struct kvf_tier_job *rev = NULL;
+    while (d) { struct kvf_tier_job *n = d->next; d->next = rev; rev = d; d = n; }
+    return rev;
+}
+
+void kvf_tier_set_wake(struct kvf_tier *t, void (*wake)(void *), void *arg)
+{
+    t->wake = wake;
+    t->wake_arg = arg;
+}
+
+void kvf_tier_set_shared(struct kvf_tier *t, void *sh, kvf_shared_read_fn rd, kvf_shared_write_fn wr,
+                         int write_evicted)
+{
+    t->sh = sh;
+    t->sh_read = rd;
+    t->sh_write = wr;
+    t->sh_write_evicted = write_evicted;
+}
+
+int kvf_tier_has_shared(struct kvf_tier *t) { return t->sh_read != NULL; }
+
+/* ---------------------------------------------------------------- one batch */
+
+/* Under t->mu: the log position of a record of rec bytes at the head. */
+static uint64_t place(struct kvf_tier *t, uint64_t rec)
+{
+    if (t->head_off + rec > t->seg_size) {
+        t->head_seg = (t->head_seg + 1) % t->nsegs;
+        t->head_off = 0;
+        kvf_tier_drop_segment(t, t->head_seg); /* FIFO: the oldest segment goes */
+    }
+    uint64_t loc = t->head_seg * t->seg_size + t->head_off;
+    t->head_off += rec;
+    return loc;
+}
+
+static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
+{
+    if (j->op == KVF_JOB_SHARED_WRITE) {
+        int rc = t->sh_write ? t->sh_write(t->sh, j->key, j->klen, j->buf + KVF_TIER_BLOCK, j->size, j->csum) : -ENOSYS;
+        (void)rc; /* the shared tier counts its own outcomes */
+        return;
+    }
+    uint64_t size = 0, csum = 0;
+    int rc = t->sh_read ? t->sh_read(t->sh, j->key, j->klen, NULL, 0, &size, &csum) : -ENOENT;
+    if (rc == -EMSGSIZE) {
+        if (size > t->promote_max) rc = -EFBIG;
+        else if (posix_memalign((void **)&j->buf, KVF_TIER_BLOCK, tier_round(size ? size : 1))) { j->buf = NULL; rc = -ENOMEM; }
+        else {
+            j->buf_cap = tier_round(size ? size : 1);
+            rc = t->sh_read(t->sh, j->key, j->klen, j->buf, j->buf_cap, &size, &csum);
+        }
+    }
+    j->result = rc;
+    j->size = size;
+    j->csum = csum;
+}
+
+/* Verify a read record; 0, -ESTALE (overwritten since looked up), -EBADMSG. */
+static int verify_read(struct kvf_tier *t, struct kvf_tier_job *j)
+{
+    const struct tier_rec *h = j->iov[0].iov_base;
+    if (kvf_tier_rec_check(t, j->loc, h)) return -EBADMSG;
+    if (h->klen != j->klen || memcmp(h->key, j->key, j->klen) || h->seq != j->seq || (h->flags & TIER_F_TOMB))
+        return -ESTALE;
+    if (h->size != j->size || h->csum != j->csum) return -EBADMSG;
+    return kvf_obj_hash(j->key, j->klen, j->dst, j->size) == j->csum ? 0 : -EBADMSG;
+}
+
+static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
+{
+    struct kvf_tier_job *done = NULL, *done_tail = NULL;
+    unsigned inflight = 0;
+    for (struct kvf_tier_job *j = list, *next; j; j = next) {
+        next = j->next;
+        j->next = NULL;
+        if (j->op == KVF_JOB_SHARED_READ || j->op == KVF_JOB_SHARED_WRITE) {
+            shared_job(t, j);
+            if (j->op == KVF_JOB_SHARED_WRITE) {
+                pthread_mutex_lock(&t->mu);
+                t->st.queue_bytes -= j->buf_cap;
+                pthread_mutex_unlock(&t->mu);
+                kvf_tier_job_free(j);
+            } else {
+                if (done_tail) done_tail->next = j; else done = j;
+                done_tail = j;
+            }
+            continue;
+        }
+        struct io_uring_sqe *q = t->nfiles ? kvf_ring_sqe(&t->ring) : NULL;
+        if (j->op == KVF_JOB_SSD_TOMB && !j->buf) {
+            if (posix_memalign((void **)&j->buf, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) j->buf = NULL;
+            else { memset(j->buf, 0, KVF_TIER_BLOCK); j->buf_cap = KVF_TIER_BLOCK; }
+        }
+        if (!q || (j->op != KVF_JOB_SSD_READ && !j->buf)) { /* no SSD tier, a full ring (not with BATCH < 256), no memory */
+            j->result = -ENOMEM;
+            q = NULL;
+        }
+        int fd = -1;
+        uint64_t off = 0;
+        if (q && j->op == KVF_JOB_SSD_READ) {
+            if (!j->buf && posix_memalign((void **)&j->buf, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) { j->buf = NULL; j->result = -ENOMEM; q = NULL; }
+            if (q) {
+                j->buf_cap = KVF_TIER_BLOCK;
+                j->iov[0].iov_base = j->buf;
+                j->iov[0].iov_len = KVF_TIER_BLOCK;
+                j->iov[1].iov_base = j->dst;
+                j->iov[1].iov_len = tier_round(j->size);
+                kvf_tier_where(t, j->loc, &fd, &off);
+                q->opcode = IORING_OP_READV;
+                q->addr = (uint64_t)(uintptr_t)j->iov;
+                q->len = j->size ? 2 : 1;
+            }
+        } else if (q) {
+            pthread_mutex_lock(&t->mu);
+            j->seq = t->next_seq++;
+            j->loc = place(t, j->buf_cap);
+            pthread_mutex_unlock(&t->mu);
+            kvf_tier_rec_fill(t, j->loc, (struct tier_rec *)j->buf, j->key, j->klen, j->op == KVF_JOB_SSD_TOMB ? 0 : j->size,
+                              j->op == KVF_JOB_SSD_TOMB ? 0 : j->csum, j->seq, j->op == KVF_JOB_SSD_TOMB ? TIER_F_TOMB : 0);
+            kvf_tier_where(t, j->loc, &fd, &off);
+            q->opcode = IORING_OP_WRITE;
+            q->addr = (uint64_t)(uintptr_t)j->buf;
+            q->len = (uint32_t)j->buf_cap;
+        }
+        if (q) {
+            q->fd = fd;
+            q->off = off;
+            q->user_data = (uint64_t)(uintptr_t)j;
+            inflight++;
+            continue;
+        }
+        /* could not be submitted: finish it as failed */
+        pthread_mutex_lock(&t->mu);
+        t->st.errors++;
+        if (j->op == KVF_JOB_SSD_WRITE) {
+            uint32_t i = kvf_tier_ifind(t, j->key, j->klen);
+            if (i != TIER_NONE && t->ents[i].state == TE_PENDING && t->ents[i].loc == (uint64_t)(uintptr_t)j)
+                kvf_tier_iremove(t, i);
+            t->st.queue_bytes -= j->buf_cap;
+            t->st.write_drops++;
+        }
+        pthread_mutex_unlock(&t->mu);
+        if (j->op == KVF_JOB_SSD_READ) {
+            if (done_tail) done_tail->next = j; else done = j;
+            done_tail = j;
+        } else {
+            kvf_tier_job_free(j);
+        }
+    }
+    while (inflight) {
+        int rc = kvf_ring_submit_wait(&t->ring, 1, 1000);
+        if (rc && rc != -ETIME && rc != -EINTR) break; /* the ring is broken: what is in flight is lost */
+        struct io_uring_cqe *cqe;
+        while ((cqe = kvf_ring_peek(&t->ring))) {
+            struct kvf_tier_job *j = (struct kvf_tier_job *)(uintptr_t)cqe->user_data;
+            int res = cqe->res;
+            kvf_ring_cqe_seen(&t->ring);
+            inflight--;
+            uint64_t us = (kvf_tier_now_ns() - j->post_ns) / 1000;
+            if (j->op == KVF_JOB_SSD_READ) {
+                uint64_t want = KVF_TIER_BLOCK + (j->size ? tier_round(j->size) : 0);
+                j->result = res < 0 ? res : (uint64_t)res != want ? -EIO : verify_read(t, j);
+                pthread_mutex_lock(&t->mu);
+                t->st.reads++;
+                t->st.read_us_total += us;
+                if (res >= 0) t->st.read_bytes += (uint64_t)res;
+                if (res < 0 || j->result == -EIO) t->st.errors++;
+                if (j->result == -EBADMSG) {
+                    t->st.corrupt++; /* dropped: never served, a miss from now on */
+                    uint32_t i = kvf_tier_ifind(t, j->key, j->klen);
+                    if (i != TIER_NONE && t->ents[i].state == TE_LIVE && t->ents[i].seq == j->seq) kvf_tier_iremove(t, i);
+                }
+                pthread_mutex_unlock(&t->mu);
+                if (done_tail) done_tail->next = j; else done = j;
+                done_tail = j;
+                continue;
+            }
+            pthread_mutex_lock(&t->mu);
+            uint32_t i = j->op == KVF_JOB_SSD_WRITE ? kvf_tier_ifind(t, j->key, j->klen) : TIER_NONE;
+            int mine = i != TIER_NONE && t->ents[i].state == TE_PENDING && t->ents[i].loc == (uint64_t)(uintptr_t)j;
+            if (res == (int)j->buf_cap) {
+                t->st.writes++;
+                t->st.write_bytes += j->buf_cap;
+                t->st.write_us_total += us;
+                if (mine) {
+                    struct tent *e = &t->ents[i];
+                    e->state = TE_LIVE;
+                    e->loc = j->loc;
+                    e->seq = j->seq;
+                    t->st.objects++;
+                    t->st.bytes += e->size;
+                }
+            } else { /* EIO, ENOSPC, EROFS, a short write: counted, the object is not kept */
+                t->st.errors++;
+                if (j->op == KVF_JOB_SSD_WRITE) t->st.write_drops++;
+                if (mine) kvf_tier_iremove(t, i);
+            }
+            if (j->op == KVF_JOB_SSD_WRITE) t->st.queue_bytes -= j->buf_cap;
+            pthread_mutex_unlock(&t->mu);
+            kvf_tier_job_free(j);
+        }
+    }
+    if (done) {
+        pthread_mutex_lock(&t->mu);
+        /* t->done is newest first (kvf_tier_take_done reverses it) */
+        for (struct kvf_tier_job *j = done, *n; j; j = n) { n = j->next; j->next = t->done; t->done = j; }
+        pthread_mutex_unlock(&t->mu);
+        if (t->wake) t->wake(t->wake_arg);
+    }
+}
+
+static void *tier_main(void *arg)
+{
+    struct kvf_tier *t = arg;
+    for (;;) {
+        pthread_mutex_lock(&t->mu);
+        while (!t->q_head && !t->stop) pthread_cond_wait(&t->cv, &t->mu);
+        if (!t->q_head) { pthread_mutex_unlock(&t->mu); break; }
+        struct kvf_tier_job *list = t->q_head, *last = list;
+        unsigned n = 1;
+        while (last->next && n < BATCH) { last = last->next; n++; }
+        t->q_head = last->next;
+        if (!t->q_head) t->q_tail = NULL;
+        last->next = NULL;
+        pthread_mutex_unlock(&t->mu);
+        run_batch(t, list);
+    }
+    return NULL;
+}
+
+int kvf_tier_thread_start(struct kvf_tier *t)
+{
+    int rc = pthread_create(&t->th, NULL, tier_main, t);
+    if (rc) return -rc;
+    t->started = 1;
+    return 0;
+}
+
+/* Queued jobs are finished first (write-behind reaches the disk on a clean stop). */
+void kvf_tier_thread_stop(struct kvf_tier *t)
+{
+    if (!t->started) return;
+    pthread_mutex_lock(&t->mu);
+    t->stop = 1;
+    pthread_cond_signal(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    pthread_join(t->th, NULL);
+    t->started = 0;
+}

@@ -1,0 +1,243 @@
+/* kvf_tier_ops.c: the loop thread's side of the tiers: park a request whose
+ * keys miss DRAM but are on a tier, post the reads, promote what comes back,
+ * re-dispatch the request (see kvf_tier.h).
+ *
+ * A GET (or LOOKUP) whose keys miss the arena but are in the SSD index (or,
+ * with a shared tier, are not in the SSD index) parks its connection
+ * (RS_TIER: nothing more is read from it, the loop goes on serving others).
+ * For each such key an arena slot is reserved (parking for the control
+ * thread's eviction like a PUT when the arena is full) and a read job posted;
+ * the tier thread reads the record straight into the slot and verifies it.
+ * When every job is back, verified objects are committed into the arena
+ * (promotion on hit: an object read from a tier goes back to DRAM, and stays
+ * on the tier too), failed ones give their slot back, and the same request
+ * is dispatched again with c->tier_pass set: it now finds the promoted keys
+ * in DRAM, and whatever is still missing is a miss (a second pass never goes
+ * to a tier). One request promotes at most promote_max bytes; keys beyond
+ * that are misses. LOOKUP promotes only the leading run it counts (a
+ * prefetch, so the GET that follows is a DRAM hit). EXISTS answers from the
+ * index without reading (kvf_ops.c).
+ *
+ * A connection with jobs in flight holds one ref per job, so it is not
+ * destroyed under them; a closing one gives its slots back when they return.
+ */
+#define _GNU_SOURCE
+#include "kvf_server_int.h"
+#include "kvf_tier.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { J_WAIT = 0, J_POSTED = 1, J_DONE = 2 };
+
+struct kvf_tier_req {
+    struct conn *conn;
+    uint32_t n, posted, done;
+    uint64_t park_round;
+    uint8_t *state;               /* J_* per job */
+    struct kvf_tier_job *jobs[];  /* n */
+};
+
+static void wake_loop(void *arg) { kvf_server_wake(arg); }
+
+int kvf_server_attach_tier(struct kvf_server *s, struct kvf_tier *t)
+{
+    if (s->tier) return -EBUSY;
+    s->tier = t;
+    kvf_tier_set_wake(t, wake_loop, s);
+    kvf_store_set_evict_hook(s->st, kvf_tier_on_evict, t);
+    return 0;
+}
+
+struct kvf_tier *kvf_server_detach_tier(struct kvf_server *s)
+{
+    struct kvf_tier *t = s->tier;
+    kvf_store_set_evict_hook(s->st, NULL, NULL);
+    s->tier = NULL;
+    return t;
+}
+
+static void req_free(struct kvf_tier_req *r)
+{
+    free(r->state);
+    free(r);
+}
+
+/* Every job is back: promote, count, re-dispatch (unless the connection is closing). */
+static void finish(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_tier_req *r = c->treq;
+    uint64_t hits = 0, misses = 0, prom = 0;
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        int ssd = j->op == KVF_JOB_SSD_READ;
+        int ok = j->result == 0 && !c->closing && s->tier;
+        if (ok && ssd && !kvf_tier_still(s->tier, j->key, j->klen, j->seq)) ok = 0; /* deleted meanwhile */
+        if (ok && !ssd) { /* a shared-tier value in a staging buffer: into a slot now, if one is free */
+            uint64_t off;
+            if (j->size > s->cfg.max_object || kvf_store_reserve(s->st, j->size, &off)) ok = 0;
+            else {
+                memcpy(s->base + off, j->buf, j->size);
+                j->dst = s->base + off;
+                j->slot_off = off;
+            }
+        }
+        if (ok) {
+            /* commit frees the slot itself when the key arrived meanwhile (1) or on ENOMEM */
+            int rc = kvf_store_commit(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, NULL, 0);
+            if (ssd) { hits++; prom += rc == 0; }
+        } else {
+            if (j->dst) kvf_store_unreserve(s->st, j->slot_off, j->size);
+            if (ssd) misses++;
+        }
+        kvf_tier_job_free(j);
+    }
+    if (s->tier) kvf_tier_count(s->tier, hits, misses, prom);
+    req_free(r);
+    c->treq = NULL;
+    if (c->closing) return;
+    c->tier_pass = 1;
+    c->rs = RS_META;
+    kvf_ops_request(c); /* the same request again, its metadata still in c->meta */
+    c->tier_pass = 0;
+}
+
+/* Reserve slots and post the jobs not posted yet; park for space when the arena is full. */
+void kvf_tier_step(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_tier_req *r = c->treq;
+    struct kvf_tier_job *post = NULL, *tail = NULL;
+    c->rs = RS_TIER;
+    while (r->posted < r->n) {
+        struct kvf_tier_job *j = r->jobs[r->posted];
+        if (j->op == KVF_JOB_SSD_READ) {
+            uint64_t off;
+            int rc = kvf_store_reserve(s->st, j->size, &off);
+            if (rc == -ENOSPC) {
+                int exhausted;
+                uint64_t round = kvf_store_round(s->st, &exhausted);
+                if (!(r->park_round && r->park_round != round + 1 && exhausted)) {
+                    r->park_round = round + 1;
+                    if (post) kvf_tier_post(s->tier, post);
+                    kvf_conn_park(c, j->size); /* retry_parked calls kvf_tier_step again */
+                    return;
+                }
+                /* everything evictable is pinned: the rest are misses */
+                for (; r->posted < r->n; r->posted++) {
+                    r->jobs[r->posted]->result = -ENOSPC;
+                    r->state[r->posted] = J_DONE;
+                    r->done++;
+                }
+                break;
+            }
+            r->park_round = 0;
+            if (rc) { /* too large for the arena */
+                j->result = rc;
+                r->state[r->posted++] = J_DONE;
+                r->done++;
+                continue;
+            }
+            j->dst = s->base + off;
+            j->slot_off = off;
+        }
+        j->owner = r;
+        j->next = NULL;
+        if (tail) tail->next = j; else post = j;
+        tail = j;
+        c->refs++;
+        r->state[r->posted++] = J_POSTED;
+    }
+    if (post) kvf_tier_post(s->tier, post);
+    if (r->done == r->n) finish(c);
+}
+
+int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_tier *t = s->tier;
+    if (!t || c->tier_pass || (op != KVF_OP_GET && op != KVF_OP_LOOKUP)) return 0;
+    int shared = kvf_tier_has_shared(t);
+    uint64_t budget = kvf_tier_promote_max(t), bytes = 0, misses = 0;
+    struct kvf_tier_job *head = NULL, *tail = NULL;
+    uint32_t cnt = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (kvf_store_exists(s->st, b->keys[i], b->klens[i])) continue;
+        uint64_t loc, seq, size, csum;
+        int on_ssd = kvf_tier_find(t, b->keys[i], b->klens[i], &loc, &seq, &size, &csum);
+        if (on_ssd && bytes + size > budget) on_ssd = -1; /* over this request's promotion cap: a miss */
+        if (on_ssd <= 0 && !(shared && on_ssd == 0)) {
+            if (op == KVF_OP_GET) misses++;
+            if (op == KVF_OP_LOOKUP) break; /* the leading run ends here */
+            continue;
+        }
+        struct kvf_tier_job *j = kvf_tier_job_new();
+        if (!j) break;
+        j->op = on_ssd > 0 ? KVF_JOB_SSD_READ : KVF_JOB_SHARED_READ;
+        j->klen = b->klens[i];
+        memcpy(j->key, b->keys[i], b->klens[i]);
+        if (on_ssd > 0) {
+            j->loc = loc;
+            j->seq = seq;
+            j->size = size;
+            j->csum = csum;
+            bytes += size;
+        }
+        if (tail) tail->next = j; else head = j;
+        tail = j;
+        cnt++;
+    }
+    if (misses) kvf_tier_count(t, 0, misses, 0);
+    if (!cnt) return 0;
+    struct kvf_tier_req *r = calloc(1, sizeof *r + sizeof(struct kvf_tier_job *) * cnt);
+    uint8_t *state = calloc(cnt, 1);
+    if (!r || !state) {
+        free(r);
+        free(state);
+        for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; kvf_tier_job_free(j); }
+        return 0; /* served from DRAM alone: the tier keys are misses */
+    }
+    r->conn = c;
+    r->n = cnt;
+    r->state = state;
+    uint32_t k = 0;
+    for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; j->next = NULL; r->jobs[k++] = j; }
+    c->treq = r;
+    kvf_tier_step(c);
+    return 1;
+}
+
+void kvf_tier_reap(struct kvf_server *s)
+{
+    struct kvf_tier_job *d = kvf_tier_take_done(s->tier);
+    while (d) {
+        struct kvf_tier_job *j = d;
+        d = d->next;
+        j->next = NULL;
+        struct kvf_tier_req *r = j->owner;
+        struct conn *c = r->conn;
+        for (uint32_t i = 0; i < r->n; i++)
+            if (r->jobs[i] == j) { r->state[i] = J_DONE; break; }
+        r->done++;
+        c->refs--;
+        if (r->done == r->n) finish(c);
+        kvf_conn_check(c);
+    }
+}
+
+/* The connection is being destroyed (no job of it in flight: each holds a ref). */
+void kvf_tier_conn_gone(struct conn *c)
+{
+    struct kvf_tier_req *r = c->treq;
+    if (!r) return;
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        if (r->state[i] == J_POSTED) continue; /* only at server teardown: the tier frees it */
+        if (j->dst) kvf_store_unreserve(c->srv->st, j->slot_off, j->size);
+        kvf_tier_job_free(j);
+    }
+    req_free(r);
+    c->treq = NULL;
+}
