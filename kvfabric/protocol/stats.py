@@ -57,6 +57,31 @@ STATS_FIELDS: dict[str, str] = {
 
 STATS_KEYS: tuple[str, ...] = tuple(STATS_FIELDS)
 
+#: The SSD tier's keys (docs/notes/tier.md), reported by the product server only when it runs with
+#: ``--ssd-path`` (name: meaning). Counts are since start; ``ssd_capacity``, ``ssd_objects``,
+#: ``ssd_bytes`` and ``ssd_queue_bytes`` are now.
+SSD_STATS_FIELDS: dict[str, str] = {
+    "ssd_capacity": "bytes of the SSD tier's log (its segments; the files add 4 KiB each)",
+    "ssd_objects": "objects indexed on the SSD tier",
+    "ssd_bytes": "bytes of the objects indexed on the SSD tier (values, unpadded)",
+    "ssd_hits": "keys read back from the SSD tier and verified (GET and LOOKUP promotions)",
+    "ssd_misses": "GET keys missing DRAM and the SSD tier, over the per-request promotion cap, or whose "
+                  "read failed or was corrupt",
+    "ssd_reads": "records read from the SSD tier",
+    "ssd_read_bytes": "bytes read from the SSD tier (header blocks and padding included)",
+    "ssd_writes": "records written to the SSD tier (objects and DELETE tombstones)",
+    "ssd_write_bytes": "bytes written to the SSD tier (header blocks and padding included)",
+    "ssd_write_drops": "evicted objects not written: the write queue was full, or the write failed",
+    "ssd_admit_skips": "evicted objects not written by rule: --ssd-admit hit and never read, already on "
+                       "the tier, or larger than a segment",
+    "ssd_errors": "SSD I/O errors (EIO, ENOSPC, EROFS, short transfers)",
+    "ssd_corrupt": "records dropped as torn or corrupt (at the start-up scan or on a read; never served)",
+    "ssd_read_us_total": "microseconds from posting to completion, summed over the reads",
+    "ssd_write_us_total": "microseconds from posting to completion, summed over the writes",
+    "ssd_promotions": "objects read back from the SSD tier and stored into DRAM",
+    "ssd_queue_bytes": "bytes staged for writing now (bounded by --ssd-write-queue)",
+}
+
 #: Implementation-specific keys a server may add, by implementation.
 STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
     # the product server (C io_uring data plane)
@@ -68,6 +93,7 @@ STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
         "shm_refused",  # unix peers refused by the SO_PEERCRED check
         "shm_leases_expired",  # shm leases dropped at --max-lease-ms
         "shm_reservations_expired",  # shm reservations freed uncommitted
+        *SSD_STATS_FIELDS,  # with --ssd-path only
     ),
     # the test reference (pure Python)
     "reference": (

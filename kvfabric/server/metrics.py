@@ -29,6 +29,7 @@ log = logging.getLogger("kvfabric.server.metrics")
 GAUGES = frozenset({
     "objects", "bytes_used", "bytes_allocated", "capacity", "free_bytes", "pinned", "leased", "connections",
     "uptime_s", "reserved_bytes", "queued_reply_bytes", "shm_leases", "shm_reservations",
+    "ssd_capacity", "ssd_objects", "ssd_bytes", "ssd_queue_bytes",
 })
 #: label name for the nested maps of STATS
 LABELS = {"errors": "code", "transports_in_use": "transport", "drops": "reason"}

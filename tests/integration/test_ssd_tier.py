@@ -1,0 +1,416 @@
+"""The SSD tier of ``kvfabric serve`` (``--ssd-path``), on real server processes.
+
+Objects evicted from a small arena are written behind to the tier and come
+back on GET with their exact bytes; a restart (SIGTERM or SIGKILL) serves
+what reached the tier; corrupt records are dropped and counted, never served;
+DELETE survives a restart; LOOKUP promotes; bad paths and a full disk give a
+clear start-up error (exit 2); a disk that stops taking writes costs counted
+drops while DRAM keeps serving. No timed assertions: every wait is a
+generous ``wait_for`` on STATS.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from kvfabric import protocol as p
+from kvfabric.testing import wait_for
+from kvfabric.testing.servers import start_server
+from kvfabric.transport import tcp
+
+SZ = 256 * 1024
+TIER_FILE = "kvfabric-tier.v1"
+REC_MAGIC = b"KVFTREC1"
+
+
+@pytest.fixture
+def tier_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="kvf-tier-", dir="/work/tier-tmp" if os.path.isdir("/work/tier-tmp") else None)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def value(key: bytes, size: int = SZ) -> bytes:
+    """Distinct bytes per key (and per offset): a wrong object can never look right."""
+    block = (key + b"|") * (64 // (len(key) + 1) + 1)
+    out = bytearray()
+    i = 0
+    while len(out) < size:
+        out += block + struct.pack("<I", i)
+        i += 1
+    return bytes(out[:size])
+
+
+def tier_args(d: str, cap: str = "64MiB", *extra: str) -> list[str]:
+    # evictions on demand only: which objects leave DRAM is exact (LRU order)
+    return ["--ssd-path", d, "--ssd-capacity", cap, "--evict-watermarks", "0,0", *extra]
+
+
+def put_all(c, keys: list[bytes], size: int = SZ) -> None:
+    for k in keys:
+        v = value(k, size)
+        assert c.request(p.PutRequest([k], [size], [p.checksum(k, v)]), [v]).msg.status == [p.PutStatus.STORED]
+
+
+def stats(c) -> dict:
+    return c.request(p.StatsRequest()).msg.stats
+
+
+def settled(c) -> dict:
+    """STATS once the write-behind queue is empty."""
+    assert wait_for(lambda: stats(c)["ssd_queue_bytes"] == 0, timeout_s=60)
+    return stats(c)
+
+
+def get_one(c, k: bytes) -> bytes | None:
+    r = c.request(p.GetRequest([k]))
+    if r.msg.sizes[0] < 0:
+        return None
+    assert p.checksum(k, bytes(r.payload)) == r.msg.checksums[0]
+    return bytes(r.payload)
+
+
+def record_offsets(path: str) -> dict[bytes, int]:
+    """key -> file offset of its record header (scanning the 4 KiB blocks for the record magic)."""
+    out: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = data.find(REC_MAGIC)
+    while pos >= 0:
+        if pos % 4096 == 0:
+            klen = struct.unpack_from("<I", data, pos + 48)[0]
+            if 0 < klen <= 64:
+                out[data[pos + 56:pos + 56 + klen]] = pos
+        pos = data.find(REC_MAGIC, pos + 1)
+    return out
+
+
+def flip(path: str, off: int, n: int = 8) -> None:
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(n)
+        f.seek(off)
+        f.write(bytes(x ^ 0xFF for x in b))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------- read back
+
+
+def test_evicted_objects_come_back_from_ssd_with_exact_bytes(tier_dir):
+    keys = [b"obj%04d" % i for i in range(48)]  # 12 MiB through a 4 MiB arena (16 objects)
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys)
+        st = settled(c)
+        evicted = st["evictions"]
+        assert evicted == 32 and st["objects"] == 16
+        assert st["ssd_writes"] == 32 and st["ssd_objects"] == 32 and st["ssd_bytes"] == 32 * SZ
+        assert st["ssd_write_bytes"] == 32 * (4096 + SZ) and st["ssd_write_drops"] == 0
+        assert all(c.request(p.ExistsRequest(keys)).msg.present)  # EXISTS sees the tier without reading
+        assert stats(c)["ssd_reads"] == 0
+        for k in keys[:32]:  # the evicted ones, oldest first: each read back and promoted
+            assert get_one(c, k) == value(k)
+        st = settled(c)
+        assert st["ssd_hits"] == 32 and st["ssd_promotions"] == 32 and st["ssd_reads"] == 32
+        assert st["ssd_read_bytes"] == 32 * (4096 + SZ) and st["ssd_misses"] == 0 and st["ssd_corrupt"] == 0
+        assert st["hits"] == 32 and st["misses"] == 0
+        # promoted objects stayed on the tier: evicting them again writes nothing new
+        assert st["ssd_admit_skips"] >= 16 and st["ssd_errors"] == 0
+        # a batch GET mixing DRAM hits, tier hits and a true miss
+        r = c.request(p.GetRequest([keys[40], keys[0], b"absent", keys[47]]))
+        assert r.msg.sizes == [SZ, SZ, -1, SZ]
+        assert bytes(r.payload) == value(keys[40]) + value(keys[0]) + value(keys[47])
+        assert stats(c)["ssd_misses"] == 1
+
+
+def test_admit_hit_writes_only_objects_read_in_dram(tier_dir):
+    keys = [b"adm%04d" % i for i in range(24)]
+    with start_server("4MiB", extra_args=tier_args(tier_dir, "64MiB", "--ssd-admit", "hit")) as srv, \
+            tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys[:8])
+        for k in keys[:4]:
+            assert get_one(c, k) == value(k)
+        put_all(c, keys[8:])
+        st = settled(c)
+        # LRU order after the reads: 4,5,6,7,0,1,2,3: the 8 evicted are those, 4 never read
+        assert st["evictions"] == 8
+        assert st["ssd_writes"] == 4 and st["ssd_admit_skips"] == 4
+        assert get_one(c, keys[0]) == value(keys[0])
+        assert get_one(c, keys[5]) is None
+
+
+# ---------------------------------------------------------------- restarts
+
+
+def _fill_and_settle(d: str, keys: list[bytes]) -> list[bytes]:
+    """Start, put keys, wait for the write-behind; returns the evicted keys (on the tier)."""
+    srv = start_server("4MiB", extra_args=tier_args(d))
+    c = tcp.connect(srv.address, timeout_s=60)
+    put_all(c, keys)
+    st = settled(c)
+    n = st["evictions"]
+    assert st["ssd_objects"] == n and st["ssd_write_drops"] == 0
+    return srv, c, keys[:n]
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_restart_serves_what_reached_the_tier(tier_dir, how):
+    keys = [b"rst%04d" % i for i in range(64)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    c.close()
+    if how == "SIGKILL":
+        srv.kill()
+    else:
+        assert srv.stop() == 0
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv2, tcp.connect(srv2.address, timeout_s=60) as c2:
+        st = stats(c2)
+        assert st["ssd_objects"] == len(on_tier) and st["ssd_corrupt"] == 0
+        served = wrong = 0
+        for k in on_tier:
+            got = get_one(c2, k)
+            if got is not None:
+                served += 1
+                wrong += got != value(k)
+        assert wrong == 0
+        assert served >= 0.99 * len(on_tier)
+        assert served == len(on_tier)  # nothing was in flight: every record is whole
+
+
+def test_restart_after_sigkill_mid_write_behind_never_serves_wrong_bytes(tier_dir):
+    keys = [b"mid%04d" % i for i in range(96)]
+    srv = start_server("4MiB", extra_args=tier_args(tier_dir))
+    with tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys)
+        written = stats(c)["ssd_writes"]  # some writes may still be queued or in flight now
+    srv.kill()
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv2, tcp.connect(srv2.address, timeout_s=60) as c2:
+        served = 0
+        for k in keys[:80]:  # the evicted ones
+            got = get_one(c2, k)
+            if got is not None:
+                assert got == value(k)
+                served += 1
+        assert served >= 0.99 * written  # what had been written before the kill is there
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def test_corrupt_records_are_dropped_and_counted_never_served(tier_dir):
+    keys = [b"cor%04d" % i for i in range(48)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    c.close()
+    assert srv.stop() == 0
+    path = os.path.join(tier_dir, TIER_FILE)
+    offs = record_offsets(path)
+    assert set(on_tier) <= set(offs)
+    bad_value, bad_header = on_tier[3], on_tier[7]
+    flip(path, offs[bad_value] + 4096 + 1000)  # value bytes: found on read
+    flip(path, offs[bad_header] + 60)  # key bytes in the header: found by the start-up scan
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv2, tcp.connect(srv2.address, timeout_s=60) as c2:
+        st = stats(c2)
+        assert st["ssd_corrupt"] == 1 and st["ssd_objects"] == len(on_tier) - 1
+        assert get_one(c2, bad_header) is None
+        assert get_one(c2, bad_value) is None  # read, failed its checksum: dropped, a miss
+        st = stats(c2)
+        assert st["ssd_corrupt"] == 2 and st["ssd_objects"] == len(on_tier) - 2
+        assert get_one(c2, bad_value) is None and stats(c2)["ssd_reads"] == st["ssd_reads"]  # not read again
+        for k in on_tier[8:16]:
+            assert get_one(c2, k) == value(k)
+        # and once while running: flip a value on disk under the live server
+        offs = record_offsets(path)
+        victim = on_tier[20]
+        flip(path, offs[victim] + 4096 + 7)
+        assert get_one(c2, victim) is None
+        st = stats(c2)
+        assert st["ssd_corrupt"] == 3 and st["checksum_failures"] == 0
+
+
+# ---------------------------------------------------------------- delete, lookup
+
+
+def test_delete_removes_from_the_tier_and_does_not_resurrect(tier_dir):
+    keys = [b"del%04d" % i for i in range(32)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    gone = on_tier[:5]
+    writes = stats(c)["ssd_writes"]
+    assert c.request(p.DeleteRequest(gone)).msg.deleted == 5
+    assert not any(c.request(p.ExistsRequest(gone)).msg.present)
+    assert all(get_one(c, k) is None for k in gone)
+    assert wait_for(lambda: stats(c)["ssd_writes"] == writes + 5, timeout_s=60)  # the tombstones
+    c.close()
+    srv.kill()
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv2, tcp.connect(srv2.address, timeout_s=60) as c2:
+        assert stats(c2)["ssd_objects"] == len(on_tier) - 5
+        assert not any(c2.request(p.ExistsRequest(gone)).msg.present)
+        assert all(get_one(c2, k) is None for k in gone)
+        assert get_one(c2, on_tier[5]) == value(on_tier[5])
+
+
+def test_lookup_promotes_so_the_next_get_is_a_dram_hit(tier_dir):
+    keys = [b"lku%04d" % i for i in range(32)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    with srv, c:
+        run = on_tier[:3]  # (one request promotes at most a quarter of the 4 MiB arena: 4 objects)
+        assert c.request(p.LookupRequest(run + [b"absent"] + on_tier[6:8])).msg.count == 3
+        st = stats(c)
+        assert st["ssd_promotions"] == 3 and st["ssd_reads"] == 3  # only the leading run is read
+        r = c.request(p.GetRequest(run))
+        assert bytes(r.payload) == b"".join(value(k) for k in run)
+        assert stats(c)["ssd_reads"] == 3  # DRAM hits now
+        assert c.request(p.LookupRequest(on_tier[8:16])).msg.count == 4  # the cap ends the run
+
+
+def test_one_request_promotes_at_most_a_quarter_of_the_arena(tier_dir):
+    keys = [b"cap%04d" % i for i in range(40)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    with srv, c:
+        batch = on_tier[:8]  # 2 MiB asked, 1 MiB (4 objects) allowed
+        r = c.request(p.GetRequest(batch))
+        assert r.msg.sizes == [SZ] * 4 + [-1] * 4
+        assert bytes(r.payload) == b"".join(value(k) for k in batch[:4])
+        st = stats(c)
+        assert st["ssd_promotions"] == 4 and st["ssd_misses"] == 4
+
+
+# ---------------------------------------------------------------- start-up errors
+
+
+def _serve(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvfabric", "serve", "--port", "0", "--capacity", "4MiB", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_missing_path_is_a_clear_startup_error(tier_dir):
+    r = _serve(["--ssd-path", os.path.join(tier_dir, "nope"), "--ssd-capacity", "16MiB"])
+    assert r.returncode == 2
+    assert "no such directory" in r.stderr and "nope" in r.stderr
+
+
+def test_ssd_options_are_checked():
+    assert _serve(["--ssd-path", "/tmp"]).returncode == 2
+    assert _serve(["--ssd-capacity", "1GiB"]).returncode == 2
+
+
+def test_capacity_too_small_for_two_segments(tier_dir):
+    r = _serve(["--ssd-path", tier_dir, "--ssd-capacity", "1MiB"])
+    assert r.returncode == 2 and "too small" in r.stderr
+
+
+def _need_root_mount() -> None:
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        pytest.skip("needs root and mkfs.ext4 to loop-mount a small filesystem")
+
+
+@pytest.fixture
+def small_fs() -> Iterator[str]:
+    """A loop-mounted 8 MiB ext4 (about 6 MiB free), unmounted afterwards."""
+    _need_root_mount()
+    base = tempfile.mkdtemp(prefix="kvf-smallfs-", dir="/work/tier-tmp" if os.path.isdir("/work/tier-tmp") else None)
+    img, mnt = os.path.join(base, "img"), os.path.join(base, "mnt")
+    os.mkdir(mnt)
+    subprocess.run(["truncate", "-s", "8M", img], check=True)
+    subprocess.run(["mkfs.ext4", "-q", img], check=True)
+    r = subprocess.run(["mount", "-o", "loop", img, mnt], capture_output=True, text=True)
+    if r.returncode:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"cannot loop-mount here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["fsfreeze", "-u", mnt], capture_output=True)
+        subprocess.run(["umount", "-l", mnt], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_disk_too_small_for_the_capacity_is_a_clear_startup_error(small_fs):
+    r = _serve(["--ssd-path", small_fs, "--ssd-capacity", "64MiB"])
+    assert r.returncode == 2
+    assert "not enough space" in r.stderr
+
+
+def test_read_only_path_is_a_clear_startup_error(small_fs):
+    subprocess.run(["mount", "-o", "remount,ro", small_fs], check=True)
+    r = _serve(["--ssd-path", small_fs, "--ssd-capacity", "4MiB"])
+    assert r.returncode == 2
+    assert "cannot open" in r.stderr and "Read-only" in r.stderr
+
+
+def test_a_full_filesystem_after_start_does_not_matter(small_fs):
+    """The tier file is preallocated: filling the rest of the disk changes nothing."""
+    keys = [b"ful%04d" % i for i in range(24)]
+    with start_server("4MiB", extra_args=tier_args(small_fs, "4MiB")) as srv, \
+            tcp.connect(srv.address, timeout_s=60) as c:
+        with open(os.path.join(small_fs, "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        put_all(c, keys[:20])
+        st = settled(c)
+        assert st["ssd_errors"] == 0 and st["ssd_writes"] == st["evictions"] - st["ssd_admit_skips"]
+        assert get_one(c, keys[0]) == value(keys[0])
+
+
+def test_a_disk_that_stops_writing_costs_counted_drops_and_dram_keeps_serving(small_fs):
+    """fsfreeze: writes to the tier block in the kernel; the write queue fills, further evictions are dropped
+    (counted), the loop never waits for the disk: PUTs and GETs from DRAM go on."""
+    if shutil.which("fsfreeze") is None:
+        pytest.skip("needs fsfreeze")
+    keys = [b"frz%04d" % i for i in range(40)]
+    args = tier_args(small_fs, "4MiB", "--ssd-write-queue", "1MiB")
+    with start_server("4MiB", extra_args=args) as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        subprocess.run(["fsfreeze", "-f", small_fs], check=True)
+        try:
+            put_all(c, keys)  # 24 evictions; the queue holds 3 records of 260 KiB
+            assert wait_for(lambda: stats(c)["ssd_write_drops"] >= 20, timeout_s=60)
+            for k in keys[-16:]:  # DRAM serves throughout
+                assert get_one(c, k) == value(k)
+            st = stats(c)
+            assert st["ssd_queue_bytes"] <= 1 << 20
+        finally:
+            subprocess.run(["fsfreeze", "-u", small_fs], check=True)
+        st = settled(c)
+        assert st["ssd_write_drops"] + st["ssd_writes"] == st["evictions"]
+        assert st["ssd_errors"] == 0
+
+
+def test_filesystem_without_o_direct_is_a_clear_startup_error():
+    """tmpfs lacked O_DIRECT on older kernels; where it has it (6.6+), there is no such filesystem at hand."""
+    d = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    if d is None:
+        pytest.skip("no /dev/shm")
+    try:
+        try:
+            fd = os.open(os.path.join(d, "probe"), os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+            os.close(fd)
+            pytest.skip("tmpfs supports O_DIRECT on this kernel: no filesystem without it to test with")
+        except OSError:
+            pass
+        r = _serve(["--ssd-path", d, "--ssd-capacity", "4MiB"])
+        assert r.returncode == 2 and "O_DIRECT" in r.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_stats_schema_has_the_ssd_keys_only_with_a_tier(tier_dir):
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        st = stats(c)
+        assert set(p.SSD_STATS_FIELDS) <= set(st)
+        assert st["ssd_capacity"] > 0
+    with start_server("4MiB") as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        assert not any(k.startswith("ssd_") for k in stats(c))
+
