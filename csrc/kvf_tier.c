@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -192,9 +193,13 @@ static int rebuild(struct kvf_tier *t)
     int found = 0, rc = 0;
     for (uint64_t g = 0; g < t->nsegs && !rc; g++) {
         uint64_t pos = 0, buf_lo = 0, buf_len = 0; /* buffer holds segment bytes [buf_lo, buf_lo + buf_len) */
+        uint64_t last_len = 0;
         while (pos + KVF_TIER_BLOCK <= t->seg_size) {
             if (pos < buf_lo || pos + KVF_TIER_BLOCK > buf_lo + buf_len) {
+                /* after a large record only its successor's header block is read, so the
+                 * scan reads ~4 KiB per record of large objects, not the whole file */
                 uint64_t n = t->seg_size - pos < SCAN_BUF ? t->seg_size - pos : SCAN_BUF;
+                if (last_len > SCAN_BUF / 4) n = KVF_TIER_BLOCK;
                 int fd;
                 uint64_t off;
                 kvf_tier_where(t, g * t->seg_size + pos, &fd, &off);
@@ -214,9 +219,24 @@ static int rebuild(struct kvf_tier *t)
                     best_end = loc + len;
                 }
                 pos += len;
+                last_len = len;
             } else {
                 if (memcmp(h->magic, TIER_MAGIC_REC, 8) == 0) t->st.corrupt++; /* torn or damaged header */
                 pos += KVF_TIER_BLOCK;
+                last_len = 0;
+                static const uint8_t zero[sizeof(struct tier_rec)];
+                if (memcmp(h, zero, sizeof zero) == 0) {
+                    /* never written (preallocated, unwritten extents read as zeros): jump to
+                     * the next data the filesystem knows of, if it can tell */
+                    int fd;
+                    uint64_t off;
+                    kvf_tier_where(t, g * t->seg_size + pos, &fd, &off);
+                    off_t d = lseek(fd, (off_t)off, SEEK_DATA);
+                    uint64_t seg_end = off + (t->seg_size - pos);
+                    if (d < 0 && errno == ENXIO) pos = t->seg_size;
+                    else if (d > (off_t)off) pos += ((uint64_t)d < seg_end ? (uint64_t)d - off : seg_end - off) &
+                                                    ~(uint64_t)(KVF_TIER_BLOCK - 1);
+                }
             }
         }
     }
@@ -268,6 +288,12 @@ static int open_file(struct kvf_tier *t, uint32_t idx, const char *dir, uint64_t
         return -e;
     }
     t->fds[idx] = fd;
+    /* one server per tier file: a second one would interleave its records with ours */
+    if (flock(fd, LOCK_EX | LOCK_NB)) {
+        int e = errno;
+        ERR("--ssd-path %s: %s is in use by another server (%s)", dir, path, strerror(e));
+        return -EBUSY;
+    }
     uint64_t size = KVF_TIER_BLOCK + segs * t->seg_size;
     struct tier_super *sup;
     if (posix_memalign((void **)&sup, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) return -ENOMEM;
@@ -380,6 +406,7 @@ void kvf_tier_close(struct kvf_tier *t)
 {
     if (!t) return;
     kvf_tier_thread_stop(t);
+    kvf_tier_buf_drain(t);
     kvf_ring_exit(&t->ring);
     for (struct kvf_tier_job *j = t->done, *n; j; j = n) { n = j->next; kvf_tier_job_free(j); }
     for (uint32_t i = 0; i < KVF_TIER_MAX_PATHS; i++)
@@ -459,7 +486,7 @@ static void shared_write_behind(struct kvf_tier *t, const uint8_t *key, uint32_t
     if (over) return;
     struct kvf_tier_job *j = kvf_tier_job_new();
     uint8_t *buf = NULL;
-    if (!j || posix_memalign((void **)&buf, KVF_TIER_BLOCK, rec)) {
+    if (!j || !(buf = kvf_tier_buf_get(t, rec))) {
         free(j);
         pthread_mutex_lock(&t->mu);
         t->st.queue_bytes -= rec;
@@ -501,7 +528,7 @@ void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8
     /* the copy is made outside the lock (the store keeps the slot until this returns) */
     struct kvf_tier_job *j = kvf_tier_job_new();
     uint8_t *buf = NULL;
-    if (j && posix_memalign((void **)&buf, KVF_TIER_BLOCK, rec) == 0) {
+    if (j && (buf = kvf_tier_buf_get(t, rec))) {
         memset(buf, 0, KVF_TIER_BLOCK);
         memcpy(buf + KVF_TIER_BLOCK, val, size);
         memset(buf + KVF_TIER_BLOCK + size, 0, rec - KVF_TIER_BLOCK - size);

@@ -95,6 +95,11 @@ struct kvf_tier {
     kvf_shared_read_fn sh_read;
     kvf_shared_write_fn sh_write;
     int sh_write_evicted;
+    /* staging buffers of finished writes, kept for the next ones (KV blocks are mostly one
+     * size): cached + queued bytes stay within write_queue */
+    struct { uint8_t *p; uint64_t cap; } bcache[64];
+    uint32_t nbc;
+    uint64_t bc_bytes;
     /* policy */
     int admit;
     uint64_t write_queue, promote_max;
@@ -121,5 +126,10 @@ int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *
 int kvf_tier_thread_start(struct kvf_tier *t);
 void kvf_tier_thread_stop(struct kvf_tier *t);
 uint64_t kvf_tier_now_ns(void);
+/* An aligned staging buffer of cap bytes (a cached one of that size, else new), or NULL. Any thread. */
+uint8_t *kvf_tier_buf_get(struct kvf_tier *t, uint64_t cap);
+/* Give a staging buffer back: cached while queue + cache stay within write_queue, else freed. */
+void kvf_tier_buf_put(struct kvf_tier *t, uint8_t *b, uint64_t cap);
+void kvf_tier_buf_drain(struct kvf_tier *t);
 
 #endif

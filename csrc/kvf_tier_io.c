@@ -44,6 +44,51 @@ void kvf_tier_job_free(struct kvf_tier_job *j)
     free(j);
 }
 
+uint8_t *kvf_tier_buf_get(struct kvf_tier *t, uint64_t cap)
+{
+    uint8_t *b = NULL;
+    pthread_mutex_lock(&t->mu);
+    for (uint32_t i = 0; i < t->nbc; i++) {
+        if (t->bcache[i].cap != cap) continue;
+        b = t->bcache[i].p;
+        t->bc_bytes -= cap;
+        t->bcache[i] = t->bcache[--t->nbc];
+        break;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!b && posix_memalign((void **)&b, KVF_TIER_BLOCK, cap)) b = NULL;
+    return b;
+}
+
+void kvf_tier_buf_put(struct kvf_tier *t, uint8_t *b, uint64_t cap)
+{
+    if (!b) return;
+    pthread_mutex_lock(&t->mu);
+    int keep = t->nbc < 64 && t->st.queue_bytes + t->bc_bytes + cap <= t->write_queue && !t->stop;
+    if (keep) {
+        t->bcache[t->nbc].p = b;
+        t->bcache[t->nbc++].cap = cap;
+        t->bc_bytes += cap;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!keep) free(b);
+}
+
+void kvf_tier_buf_drain(struct kvf_tier *t)
+{
+    for (uint32_t i = 0; i < t->nbc; i++) free(t->bcache[i].p);
+    t->nbc = 0;
+    t->bc_bytes = 0;
+}
+
+/* A finished write job: its buffer back to the cache (queue_bytes already lowered). */
+static void write_job_free(struct kvf_tier *t, struct kvf_tier_job *j)
+{
+    kvf_tier_buf_put(t, j->buf, j->buf_cap);
+    j->buf = NULL;
+    kvf_tier_job_free(j);
+}
+
 void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list)
 {
     if (!list) return;
@@ -148,7 +193,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
                 pthread_mutex_lock(&t->mu);
                 t->st.queue_bytes -= j->buf_cap;
                 pthread_mutex_unlock(&t->mu);
-                kvf_tier_job_free(j);
+                write_job_free(t, j);
             } else {
                 if (done_tail) done_tail->next = j; else done = j;
                 done_tail = j;
@@ -212,6 +257,8 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
         if (j->op == KVF_JOB_SSD_READ) {
             if (done_tail) done_tail->next = j; else done = j;
             done_tail = j;
+        } else if (j->op == KVF_JOB_SSD_WRITE) {
+            write_job_free(t, j);
         } else {
             kvf_tier_job_free(j);
         }
@@ -266,7 +313,8 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             }
             if (j->op == KVF_JOB_SSD_WRITE) t->st.queue_bytes -= j->buf_cap;
             pthread_mutex_unlock(&t->mu);
-            kvf_tier_job_free(j);
+            if (j->op == KVF_JOB_SSD_WRITE) write_job_free(t, j);
+            else kvf_tier_job_free(j);
         }
     }
     if (done) {

@@ -414,3 +414,9 @@ def test_stats_schema_has_the_ssd_keys_only_with_a_tier(tier_dir):
     with start_server("4MiB") as srv, tcp.connect(srv.address, timeout_s=60) as c:
         assert not any(k.startswith("ssd_") for k in stats(c))
 
+
+
+def test_a_tier_file_serves_one_server_at_a_time(tier_dir):
+    with start_server("4MiB", extra_args=tier_args(tier_dir)):
+        r = _serve(tier_args(tier_dir))
+        assert r.returncode == 2 and "in use by another server" in r.stderr
