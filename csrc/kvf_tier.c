@@ -193,6 +193,7 @@ static int rebuild(struct kvf_tier *t)
     uint64_t best_seq = 0, best_end = 0;
     int found = 0, rc = 0;
     for (uint64_t g = 0; g < t->nsegs && !rc; g++) {
+        if (t->fresh[g % t->nfiles]) continue; /* just initialised: nothing of its generation yet */
         uint64_t pos = 0, buf_lo = 0, buf_len = 0; /* buffer holds segment bytes [buf_lo, buf_lo + buf_len) */
         uint64_t last_len = 0;
         while (pos + KVF_TIER_BLOCK <= t->seg_size) {
@@ -222,7 +223,8 @@ static int rebuild(struct kvf_tier *t)
                 pos += len;
                 last_len = len;
             } else {
-                if (memcmp(h->magic, TIER_MAGIC_REC, 8) == 0) t->st.corrupt++; /* torn or damaged header */
+                /* a damaged header of this file counts; a record of an earlier file generation does not */
+                if (memcmp(h->magic, TIER_MAGIC_REC, 8) == 0 && h->file_id == t->file_id[g % t->nfiles]) t->st.corrupt++;
                 pos += KVF_TIER_BLOCK;
                 last_len = 0;
                 static const uint8_t zero[sizeof(struct tier_rec)];
@@ -342,6 +344,7 @@ static int open_file(struct kvf_tier *t, uint32_t idx, const char *dir, uint64_t
         }
         if (fdatasync(fd)) { /* the superblock reaches the disk with the first records anyway */ }
         t->file_id[idx] = sup->file_id;
+        t->fresh[idx] = 1;
     }
     free(sup);
     return 0;

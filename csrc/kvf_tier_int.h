@@ -72,6 +72,7 @@ struct kvf_tier {
     uint32_t nfiles;
     int fds[KVF_TIER_MAX_PATHS];
     uint64_t file_id[KVF_TIER_MAX_PATHS];
+    uint8_t fresh[KVF_TIER_MAX_PATHS]; /* initialised at this open: the start-up scan skips it */
     uint64_t seg_size, nsegs; /* nsegs: all files */
     uint64_t capacity;
     /* log head (tier thread, and rebuild before it starts) */

@@ -420,3 +420,49 @@ def test_a_tier_file_serves_one_server_at_a_time(tier_dir):
     with start_server("4MiB", extra_args=tier_args(tier_dir)):
         r = _serve(tier_args(tier_dir))
         assert r.returncode == 2 and "in use by another server" in r.stderr
+
+
+def test_two_paths_are_striped_and_both_survive_a_restart(tier_dir):
+    d1, d2 = os.path.join(tier_dir, "a"), os.path.join(tier_dir, "b")
+    os.mkdir(d1)
+    os.mkdir(d2)
+    args = ["--ssd-path", d1, "--ssd-path", d2, "--ssd-capacity", "64MiB", "--evict-watermarks", "0,0"]
+    keys = [b"two%04d" % i for i in range(160)]  # 40 MiB: 144 records over 1 MiB segments of both files
+    with start_server("4MiB", extra_args=args) as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys)
+        st = settled(c)
+        on_tier = keys[:st["evictions"]]
+        assert st["ssd_objects"] == len(on_tier)
+        srv.kill()
+    assert record_offsets(os.path.join(d1, TIER_FILE)) and record_offsets(os.path.join(d2, TIER_FILE))
+    with start_server("4MiB", extra_args=args) as srv2, tcp.connect(srv2.address, timeout_s=60) as c2:
+        assert stats(c2)["ssd_objects"] == len(on_tier)
+        for k in on_tier[::7]:
+            assert get_one(c2, k) == value(k)
+
+
+def test_a_new_geometry_starts_an_empty_tier_never_old_bytes(tier_dir):
+    keys = [b"geo%04d" % i for i in range(32)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    c.close()
+    assert srv.stop() == 0
+    with start_server("4MiB", extra_args=tier_args(tier_dir, "32MiB")) as srv2, \
+            tcp.connect(srv2.address, timeout_s=60) as c2:
+        st = stats(c2)
+        assert st["ssd_objects"] == 0 and st["ssd_corrupt"] == 0  # old records: another file id, not records
+        assert all(get_one(c2, k) is None for k in on_tier)
+        assert os.path.getsize(os.path.join(tier_dir, TIER_FILE)) <= 32 << 20
+
+
+def test_the_tier_never_exceeds_its_capacity_and_reuses_the_oldest_segment(tier_dir):
+    keys = [b"wrap%04d" % i for i in range(120)]  # 30 MiB through a 4 MiB tier: the log wraps many times
+    with start_server("4MiB", extra_args=tier_args(tier_dir, "4MiB")) as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys)
+        st = settled(c)
+        assert st["ssd_bytes"] <= st["ssd_capacity"] <= 4 << 20
+        assert os.path.getsize(os.path.join(tier_dir, TIER_FILE)) <= 4 << 20
+        evicted = keys[:st["evictions"]]
+        newest = evicted[-st["ssd_objects"]:]  # FIFO: what is left on the tier is the newest
+        oldest = evicted[:8]
+        assert all(get_one(c, k) is None for k in oldest)
+        assert get_one(c, newest[-1]) == value(newest[-1])
