@@ -1,11 +1,5 @@
-/* kvf_tier_io.c: the tier I/O thread, its job queue and its io_uring, and
- * the write-behind of evicted objects into it (see kvf_tier.h).
- *
- * Write-behind (kvf_tier_on_evict, on the control thread inside
- * kvf_store_evict): the object is copied into an aligned staging buffer
- * (value at offset 4096, the header block filled in by the tier thread) and
- * its key indexed as PENDING, within --ssd-write-queue; otherwise counted
- * (ssd_admit_skips by rule, ssd_write_drops when the queue is full).
+/* kvf_tier_io.c: the tier I/O thread, its job queue and its io_uring (see
+ * kvf_tier.h).
  *
  * The thread takes up to BATCH jobs at a time from one FIFO queue (so a
  * DELETE's tombstone always follows a queued write of the same key), gives
@@ -137,96 +131,6 @@ void kvf_tier_set_shared(struct kvf_tier *t, void *sh, kvf_shared_read_fn rd, kv
 }
 
 int kvf_tier_has_shared(struct kvf_tier *t) { return t->sh_read != NULL; }
-
-/* ---------------------------------------------------------------- write-behind */
-
-/* A copy of an evicted object for the shared tier (its own job; the same write-queue bound). */
-static void shared_write_behind(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val,
-                                uint64_t size, uint64_t csum)
-{
-    uint64_t rec = tier_rec_len(size);
-    pthread_mutex_lock(&t->mu);
-    int over = t->st.queue_bytes + rec > t->write_queue || t->stop;
-    if (over) t->st.write_drops++;
-    else t->st.queue_bytes += rec;
-    pthread_mutex_unlock(&t->mu);
-    if (over) return;
-    struct kvf_tier_job *j = kvf_tier_job_new();
-    uint8_t *buf = NULL;
-    if (!j || !(buf = kvf_tier_buf_get(t, rec))) {
-        free(j);
-        pthread_mutex_lock(&t->mu);
-        t->st.queue_bytes -= rec;
-        t->st.write_drops++;
-        pthread_mutex_unlock(&t->mu);
-        return;
-    }
-    memcpy(buf + KVF_TIER_BLOCK, val, size);
-    j->op = KVF_JOB_SHARED_WRITE;
-    j->klen = (uint8_t)klen;
-    memcpy(j->key, key, klen);
-    j->size = size;
-    j->csum = csum;
-    j->buf = buf;
-    j->buf_cap = rec;
-    kvf_tier_post(t, j);
-}
-
-void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                       uint64_t csum, uint32_t hits)
-{
-    struct kvf_tier *t = arg;
-    if (t->sh_write && t->sh_write_evicted) shared_write_behind(t, key, klen, val, size, csum);
-    if (!t->nfiles) return;
-    uint64_t rec = tier_rec_len(size);
-    pthread_mutex_lock(&t->mu);
-    if ((t->admit == KVF_ADMIT_HIT && hits == 0) || rec > t->seg_size || kvf_tier_ifind(t, key, klen) != TIER_NONE) {
-        t->st.admit_skips++; /* not worth writing, larger than a segment, or on the tier already */
-        pthread_mutex_unlock(&t->mu);
-        return;
-    }
-    if (t->st.queue_bytes + rec > t->write_queue || t->stop) {
-        t->st.write_drops++; /* never a stall: the object is simply not kept */
-        pthread_mutex_unlock(&t->mu);
-        return;
-    }
-    t->st.queue_bytes += rec;
-    pthread_mutex_unlock(&t->mu);
-    /* the copy is made outside the lock (the store keeps the slot until this returns) */
-    struct kvf_tier_job *j = kvf_tier_job_new();
-    uint8_t *buf = NULL;
-    if (j && (buf = kvf_tier_buf_get(t, rec))) {
-        memset(buf, 0, KVF_TIER_BLOCK);
-        memcpy(buf + KVF_TIER_BLOCK, val, size);
-        memset(buf + KVF_TIER_BLOCK + size, 0, rec - KVF_TIER_BLOCK - size);
-    } else {
-        buf = NULL;
-    }
-    pthread_mutex_lock(&t->mu);
-    /* PENDING, tagged with its job: a second eviction of the key is skipped, a
-     * DELETE meanwhile unindexes it and the write then indexes nothing */
-    uint32_t i = buf ? kvf_tier_iadd(t, key, klen) : TIER_NONE;
-    if (i == TIER_NONE) {
-        t->st.queue_bytes -= rec;
-        t->st.write_drops++;
-        pthread_mutex_unlock(&t->mu);
-        free(buf);
-        free(j);
-        return;
-    }
-    t->ents[i].size = size;
-    t->ents[i].csum = csum;
-    t->ents[i].loc = (uint64_t)(uintptr_t)j;
-    pthread_mutex_unlock(&t->mu);
-    j->op = KVF_JOB_SSD_WRITE;
-    j->klen = (uint8_t)klen;
-    memcpy(j->key, key, klen);
-    j->size = size;
-    j->csum = csum;
-    j->buf = buf;
-    j->buf_cap = rec;
-    kvf_tier_post(t, j);
-}
 
 /* ---------------------------------------------------------------- one batch */
 
