@@ -184,6 +184,11 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
 {
     struct kvf_tier_job *done = NULL, *done_tail = NULL;
     unsigned inflight = 0;
+    /* The segment of the batch's first write: a batch never wraps the log back
+     * onto it, so no two writes in flight together ever overlap, and a record
+     * is indexed only if its segment was not reused before it completed. */
+    uint64_t first_seg = 0;
+    int placed = 0;
     for (struct kvf_tier_job *j = list, *next; j; j = next) {
         next = j->next;
         j->next = NULL;
@@ -226,8 +231,25 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             }
         } else if (q) {
             pthread_mutex_lock(&t->mu);
+            if (placed && t->head_off + j->buf_cap > t->seg_size && (t->head_seg + 1) % t->nsegs == first_seg) {
+                /* the log would wrap onto this batch's own writes: this job and the rest wait
+                 * for the next batch (back at the head of the queue, order kept) */
+                j->next = next;
+                struct kvf_tier_job *last = j;
+                while (last->next) last = last->next;
+                last->next = t->q_head;
+                t->q_head = j;
+                if (!t->q_tail) t->q_tail = last;
+                pthread_mutex_unlock(&t->mu);
+                q->opcode = IORING_OP_NOP; /* the SQE was taken: complete it as nothing */
+                q->user_data = 0;
+                inflight++;
+                break;
+            }
             j->seq = t->next_seq++;
             j->loc = place(t, j->buf_cap);
+            if (!placed) first_seg = j->loc / t->seg_size;
+            placed = 1;
             pthread_mutex_unlock(&t->mu);
             kvf_tier_rec_fill(t, j->loc, (struct tier_rec *)j->buf, j->key, j->klen, j->op == KVF_JOB_SSD_TOMB ? 0 : j->size,
                               j->op == KVF_JOB_SSD_TOMB ? 0 : j->csum, j->seq, j->op == KVF_JOB_SSD_TOMB ? TIER_F_TOMB : 0);
@@ -272,6 +294,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             int res = cqe->res;
             kvf_ring_cqe_seen(&t->ring);
             inflight--;
+            if (!j) continue; /* the NOP of a deferred job */
             uint64_t us = (kvf_tier_now_ns() - j->post_ns) / 1000;
             if (j->op == KVF_JOB_SSD_READ) {
                 uint64_t want = KVF_TIER_BLOCK + (j->size ? tier_round(j->size) : 0);

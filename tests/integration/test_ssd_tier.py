@@ -460,6 +460,8 @@ def test_the_tier_never_exceeds_its_capacity_and_reuses_the_oldest_segment(tier_
         put_all(c, keys)
         st = settled(c)
         assert st["ssd_bytes"] <= st["ssd_capacity"] <= 4 << 20
+        # no index entry outlives its record: at most 3 records of 260 KiB fit in each 1 MiB segment
+        assert st["ssd_objects"] <= (st["ssd_capacity"] >> 20) * 3 and st["ssd_bytes"] == st["ssd_objects"] * SZ
         assert os.path.getsize(os.path.join(tier_dir, TIER_FILE)) <= 4 << 20
         evicted = keys[:st["evictions"]]
         newest = evicted[-st["ssd_objects"]:]  # FIFO: what is left on the tier is the newest
