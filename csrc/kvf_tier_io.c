@@ -305,9 +305,13 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
                 if (res >= 0) t->st.read_bytes += (uint64_t)res;
                 if (res < 0 || j->result == -EIO) t->st.errors++;
                 if (j->result == -EBADMSG) {
-                    t->st.corrupt++; /* dropped: never served, a miss from now on */
                     uint32_t i = kvf_tier_ifind(t, j->key, j->klen);
-                    if (i != TIER_NONE && t->ents[i].state == TE_LIVE && t->ents[i].seq == j->seq) kvf_tier_iremove(t, i);
+                    if (i != TIER_NONE && t->ents[i].state == TE_LIVE && t->ents[i].seq == j->seq) {
+                        t->st.corrupt++; /* dropped: never served, a miss from now on */
+                        kvf_tier_iremove(t, i);
+                    } else {
+                        j->result = -ESTALE; /* its segment was reused while it was read: a miss, not damage */
+                    }
                 }
                 pthread_mutex_unlock(&t->mu);
                 if (done_tail) done_tail->next = j; else done = j;
