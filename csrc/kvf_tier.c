@@ -448,6 +448,15 @@ int kvf_tier_still(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64
     return r;
 }
 
+int kvf_tier_has_key(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    if (!t->nfiles) return 0;
+    pthread_mutex_lock(&t->mu);
+    int r = kvf_tier_ifind(t, key, klen) != TIER_NONE;
+    pthread_mutex_unlock(&t->mu);
+    return r;
+}
+
 int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
 {
     if (!t->nfiles) return 0;

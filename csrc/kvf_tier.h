@@ -146,6 +146,8 @@ int kvf_tier_find(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_
                   uint64_t *size, uint64_t *csum);
 /* 1 when key is on the tier with this seq (still there, not deleted since). */
 int kvf_tier_still(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t seq);
+/* 1 when key is in the SSD index, written or still queued (PENDING). */
+int kvf_tier_has_key(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 /* DELETE: unindex key and append a tombstone. 1 was on the tier, 0 not. */
 int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 /* Store eviction hook (kvf_store_set_evict_hook; control thread): stage a copy of the evicted object

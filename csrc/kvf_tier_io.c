@@ -276,7 +276,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             t->st.write_drops++;
         }
         pthread_mutex_unlock(&t->mu);
-        if (j->op == KVF_JOB_SSD_READ) {
+        if (j->op == KVF_JOB_SSD_READ || j->owner) {
             if (done_tail) done_tail->next = j; else done = j;
             done_tail = j;
         } else if (j->op == KVF_JOB_SSD_WRITE) {
@@ -340,8 +340,15 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             }
             if (j->op == KVF_JOB_SSD_WRITE) t->st.queue_bytes -= j->buf_cap;
             pthread_mutex_unlock(&t->mu);
-            if (j->op == KVF_JOB_SSD_WRITE) write_job_free(t, j);
-            else kvf_tier_job_free(j);
+            if (j->op == KVF_JOB_SSD_TOMB && j->owner) { /* a DELETE waits for it: back to the loop */
+                j->result = res == (int)j->buf_cap ? 0 : res < 0 ? res : -EIO;
+                if (done_tail) done_tail->next = j; else done = j;
+                done_tail = j;
+            } else if (j->op == KVF_JOB_SSD_WRITE) {
+                write_job_free(t, j);
+            } else {
+                kvf_tier_job_free(j);
+            }
         }
     }
     if (done) {

@@ -72,6 +72,7 @@ static void finish(struct conn *c)
     uint64_t hits = 0, misses = 0, prom = 0;
     for (uint32_t i = 0; i < r->n; i++) {
         struct kvf_tier_job *j = r->jobs[i];
+        if (j->op == KVF_JOB_SSD_TOMB) { kvf_tier_job_free(j); continue; } /* a DELETE's, on disk (or counted) */
         int ssd = j->op == KVF_JOB_SSD_READ;
         int ok = j->result == 0 && !c->closing && s->tier;
         if (ok && ssd && !kvf_tier_still(s->tier, j->key, j->klen, j->seq)) ok = 0; /* deleted meanwhile */
@@ -154,11 +155,38 @@ void kvf_tier_step(struct conn *c)
     if (r->done == r->n) finish(c);
 }
 
+static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t cnt);
+
+/* DELETE of keys on the SSD tier: a tombstone for each is written before the
+ * request runs (and answers), so an acknowledged DELETE survives a SIGKILL.
+ * The second pass unindexes the keys and queues one more tombstone each
+ * (redundant, harmless: a tombstone is 4 KiB). */
+static int park_delete(struct conn *c, struct batch *b, uint32_t n)
+{
+    struct kvf_tier *t = c->srv->tier;
+    struct kvf_tier_job *head = NULL, *tail = NULL;
+    uint32_t cnt = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!kvf_tier_has_key(t, b->keys[i], b->klens[i])) continue;
+        struct kvf_tier_job *j = kvf_tier_job_new();
+        if (!j) break;
+        j->op = KVF_JOB_SSD_TOMB;
+        j->klen = b->klens[i];
+        memcpy(j->key, b->keys[i], b->klens[i]);
+        if (tail) tail->next = j; else head = j;
+        tail = j;
+        cnt++;
+    }
+    return cnt ? park_jobs(c, KVF_OP_DELETE, head, cnt) : 0;
+}
+
 int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
 {
     struct kvf_server *s = c->srv;
     struct kvf_tier *t = s->tier;
-    if (!t || c->tier_pass || (op != KVF_OP_GET && op != KVF_OP_LOOKUP)) return 0;
+    if (!t || c->tier_pass) return 0;
+    if (op == KVF_OP_DELETE) return park_delete(c, b, n);
+    if (op != KVF_OP_GET && op != KVF_OP_LOOKUP) return 0;
     int shared = kvf_tier_has_shared(t);
     uint64_t budget = kvf_tier_promote_max(t), bytes = 0, misses = 0;
     struct kvf_tier_job *head = NULL, *tail = NULL;
@@ -191,6 +219,14 @@ int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
     }
     if (misses) kvf_tier_count(t, 0, misses, 0);
     if (!cnt) return 0;
+    return park_jobs(c, op, head, cnt);
+}
+
+/* Park c (request opcode op) on the cnt jobs of the list head: 1, or 0 when
+ * out of memory (the jobs freed; the request then runs without the tier). */
+static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t cnt)
+{
+    (void)op; /* (the shared tier's LOOKUP reads stop at a miss: they need it) */
     struct kvf_tier_req *r = calloc(1, sizeof *r + sizeof(struct kvf_tier_job *) * cnt);
     uint8_t *state = calloc(cnt, 1);
     if (!r || !state) {
