@@ -27,13 +27,15 @@ from kvfabric.testing.servers import start_server
 from kvfabric.transport import tcp
 
 SZ = 256 * 1024
+#: where tier files go (a filesystem with O_DIRECT); default: the system's temporary directory
+TMP = os.environ.get("KVFABRIC_TIER_TEST_DIR") or None
 TIER_FILE = "kvfabric-tier.v1"
 REC_MAGIC = b"KVFTREC1"
 
 
 @pytest.fixture
 def tier_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="kvf-tier-", dir="/work/tier-tmp" if os.path.isdir("/work/tier-tmp") else None)
+    d = tempfile.mkdtemp(prefix="kvf-tier-", dir=TMP)
     try:
         yield d
     finally:
@@ -319,7 +321,7 @@ def _need_root_mount() -> None:
 def small_fs() -> Iterator[str]:
     """A loop-mounted 8 MiB ext4 (about 6 MiB free), unmounted afterwards."""
     _need_root_mount()
-    base = tempfile.mkdtemp(prefix="kvf-smallfs-", dir="/work/tier-tmp" if os.path.isdir("/work/tier-tmp") else None)
+    base = tempfile.mkdtemp(prefix="kvf-smallfs-", dir=TMP)
     img, mnt = os.path.join(base, "img"), os.path.join(base, "mnt")
     os.mkdir(mnt)
     subprocess.run(["truncate", "-s", "8M", img], check=True)
