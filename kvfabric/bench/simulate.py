@@ -30,6 +30,12 @@ of every passage's missing chunk blocks, each with its parent (the previous
 block of the same passage). The chunk level is counted with
 :class:`kvfabric.bench.belady.ChunkCount`.
 
+With ``ssd_blocks_per_shard > 0`` each shard has a second level, an SSD
+log below the DRAM arena (:class:`kvfabric.bench.tiers.TieredShard`: write
+behind on eviction, admission ``all`` or ``hit``, promotion on GET), and the
+result carries hits per tier and the useful level for given read times per
+block (:class:`kvfabric.bench.tiers.TierCount`).
+
 Capacity is counted in blocks per shard. Every block has the same byte size
 (partial last blocks are stored at full size, as a paged engine allocates
 them), so ``blocks_per_shard`` blocks of ``block_bytes`` fill an arena of
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from ..server.eviction import POLICIES, make_policy
 from ..sharding import owners
 from .belady import CHUNK_ID_BASE, ChunkCount, HitCount, belady, chunk_hit_blocks, infinite
+from .tiers import ADMIT_RULES, TierCount, TieredShard
 from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 
@@ -72,6 +79,10 @@ class SimResult:
     hits: HitCount
     evictions: int
     chunk_hits: ChunkCount | None = None
+    ssd_blocks_per_shard: int = 0
+    admit: str | None = None
+    tiers: TierCount | None = None
+    tier_counters: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
         out = {"policy": self.policy, "blocks_per_shard": self.blocks_per_shard, "shards": self.shards,
@@ -79,6 +90,9 @@ class SimResult:
         out.update(self.hits.as_dict())
         if self.chunk_hits is not None:
             out["chunk"] = self.chunk_hits.as_dict()
+        if self.tiers is not None:
+            out.update(ssd_blocks_per_shard=self.ssd_blocks_per_shard, ssd_capacity_blocks=self.ssd_blocks_per_shard
+                       * self.shards, admit=self.admit, tiers=self.tiers.as_dict(), tier_counters=self.tier_counters)
         return out
 
 
@@ -90,6 +104,16 @@ class _Shard:
         self.held: set[bytes] = set()
         self.capacity = capacity
         self.evictions = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.held
+
+    def get(self, key: bytes, parent: bytes | None) -> str:
+        """GET of a held block touches the policy; ``"dram"`` (the one level there is), ``"miss"`` if not held."""
+        if key not in self.held:
+            return "miss"
+        self.policy.on_access(key)
+        return "dram"
 
     def lookup(self, keys: list[bytes]) -> int:
         n = 0
@@ -127,20 +151,38 @@ def simulate(
     policy_kwargs: dict | None = None,
     progress: Callable[[int], None] | None = None,
     chunks: bool = False,
+    ssd_blocks_per_shard: int = 0,
+    admit: str = "all",
+    ssd_read_us: float | None = None,
+    dram_read_us: float = 0.0,
+    prefill_tokens_per_s: float = 8000.0,
 ) -> SimResult:
     """Replay ``trace`` offline through ``policy`` on ``len(servers)`` shards of ``blocks_per_shard`` blocks.
 
     ``servers`` are the ``host:port`` ids used for sharding (one stand-in
     shard when None); ``salt`` is the key salt of :func:`block_keys`;
-    ``chunks`` selects the prefix+chunk key mode. Raises
-    ``ValueError`` for an unknown policy or a capacity below one block.
+    ``chunks`` selects the prefix+chunk key mode. ``ssd_blocks_per_shard``
+    > 0 adds the SSD log below each shard's DRAM (admission ``admit``); the
+    result's ``tiers`` then splits the hits per tier and, when
+    ``ssd_read_us`` (read time of one block from SSD, microseconds) is given,
+    counts the useful level against ``prefill_tokens_per_s``. Raises
+    ``ValueError`` for an unknown policy or admission rule or a capacity
+    below one block.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
     if blocks_per_shard < 1:
         raise ValueError(f"blocks_per_shard must be >= 1, got {blocks_per_shard}")
+    if ssd_blocks_per_shard < 0 or admit not in ADMIT_RULES:
+        raise ValueError(f"ssd_blocks_per_shard must be >= 0 and admit one of {ADMIT_RULES}")
     servers = list(servers) if servers else default_servers(1)
-    shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
+    tiered = ssd_blocks_per_shard > 0
+    shards: list[_Shard] | list[TieredShard]
+    if tiered:
+        shards = [TieredShard(policy, blocks_per_shard, ssd_blocks_per_shard, admit, policy_kwargs) for _ in servers]
+    else:
+        shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
+    tiers = TierCount(ssd_read_us, dram_read_us, prefill_tokens_per_s) if tiered else None
     owner: dict[int, int] = {}
 
     def owned(ids: list[int], keys: list[bytes]) -> list[int]:
@@ -166,16 +208,19 @@ def simulate(
                 ck = chunk_block_keys(ids, salt)
                 ckeys.append(ck)
                 cown.append(owned([CHUNK_ID_BASE + h for h in ids], ck))
-                cruns.append(next((j for j, (k, s) in enumerate(zip(ck, cown[-1])) if k not in shards[s].held),
+                cruns.append(next((j for j, (k, s) in enumerate(zip(ck, cown[-1])) if k not in shards[s]),
                                   len(ck)))
-        for k, s in zip(keys[:run], own[:run]):
-            shards[s].policy.on_access(k)  # GET hit
+        n_ssd = 0
+        for j in range(run):  # GET hits: touch in DRAM, or read from SSD and promote
+            n_ssd += shards[own[j]].get(keys[j], keys[j - 1] if j else None) == "ssd"
         if chunks:
-            for c, j, _ in chunk_hit_blocks(r, trace.block_tokens, run, cruns):
-                shards[cown[c][j]].policy.on_access(ckeys[c][j])  # GET of a chunk hit
+            for c, j, _ in chunk_hit_blocks(r, trace.block_tokens, run, cruns):  # GET of a chunk hit
+                shards[cown[c][j]].get(ckeys[c][j], ckeys[c][j - 1] if j else None)
         for j in range(run, len(keys)):
             shards[own[j]].put(keys[j], keys[j - 1] if j else None)
         hits.add(trace, i, run)
+        if tiers is not None:
+            tiers.add(trace, i, run, n_ssd)
         if chunk_hits is not None:
             for c, ck in enumerate(ckeys):
                 for j in range(cruns[c], len(ck)):
@@ -183,7 +228,14 @@ def simulate(
             chunk_hits.add(trace, i, run, cruns)
         if progress is not None:
             progress(1)
-    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards), chunk_hits)
+    counters = None
+    if tiered:
+        counters = {}
+        for sh in shards:
+            for k, v in sh.counters().items():  # type: ignore[union-attr]
+                counters[k] = counters.get(k, 0) + v
+    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards), chunk_hits,
+                     ssd_blocks_per_shard if tiered else 0, admit if tiered else None, tiers, counters)
 
 
 def _lookup(shards: list[_Shard], keys: list[bytes], own: list[int]) -> int:
