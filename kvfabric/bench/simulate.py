@@ -262,7 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvfabric bench simulate",
                                 description="Offline hit rates of the server's eviction policies, Belady and infinite.")
     p.add_argument("trace", help="trace file or bundled name (mooncake-conversation, mooncake-synthetic)")
-    p.add_argument("--capacity", type=float, action="append", help="fraction of unique blocks (repeatable; default 0.05 and 0.1)")
+    p.add_argument("--capacity", "--dram-capacity", dest="capacity", type=float, action="append",
+                   help="(DRAM) fraction of unique blocks (repeatable; default 0.05 and 0.1)")
+    p.add_argument("--ssd-capacity", type=float, default=0.0,
+                   help="also simulate an SSD log of this fraction of unique blocks below DRAM (default 0: none)")
+    p.add_argument("--ssd-admit", action="append", choices=ADMIT_RULES, help="SSD admission, repeatable (default all)")
+    p.add_argument("--ssd-read-us", type=float, default=None,
+                   help="read time of one block from SSD in us, for the tiered useful level (e.g. the ssd_read_us "
+                        "of a tiered replay); with --prefill-tokens-per-s (default 8000)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0)
     p.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable; default all")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--block-tokens", type=int, default=None)
@@ -281,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             bound = belady(trace, per * args.shards)
             res = {pol: simulate(trace, pol, per, servers) for pol in pols}
             lru = res["lru"].hits.block_hit_rate if "lru" in res else None
+            if args.ssd_capacity:
+                ssd = shard_capacity(trace, args.ssd_capacity, args.shards)
+                for pol in pols:
+                    for admit in args.ssd_admit or ["all"]:
+                        res[f"{pol}/ssd-{admit}"] = simulate(
+                            trace, pol, per, servers, ssd_blocks_per_shard=ssd, admit=admit,
+                            ssd_read_us=args.ssd_read_us, prefill_tokens_per_s=args.prefill_tokens_per_s)
             for pol, r in res.items():
                 row = r.as_dict() | {"capacity_fraction": frac, "belady": bound.block_hit_rate,
-                                     "infinite": inf.block_hit_rate}
+                                     "infinite": inf.block_hit_rate, "policy": pol}
                 row["gap_closed"] = gap_closed(r.hits.block_hit_rate, lru, bound.block_hit_rate) if lru is not None else None
                 rows.append(row)
     except (TraceError, ValueError) as e:
@@ -291,11 +306,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{trace.name}: {len(trace)} requests, {trace.total_blocks} blocks, {trace.unique_blocks} unique, "
           f"{args.shards} shard(s)")
-    print(f"{'capacity':>9} {'policy':>11} {'hit':>7} {'belady':>7} {'infinite':>8} {'gap closed':>10}")
+    tiered = any("tiers" in row for row in rows)
+    extra = f" {'/inf':>6} {'dram':>6} {'ssd':>6} {'useful':>7}" if tiered else ""
+    print(f"{'capacity':>9} {'policy':>15} {'hit':>7} {'belady':>7} {'infinite':>8} {'gap closed':>10}{extra}")
     for row in rows:
         g = row["gap_closed"]
-        print(f"{row['capacity_fraction']:>9.1%} {row['policy']:>11} {row['block_hit_rate']:>7.1%} "
-              f"{row['belady']:>7.1%} {row['infinite']:>8.1%} {'-' if g is None else f'{g:.0%}':>10}")
+        line = (f"{row['capacity_fraction']:>9.1%} {row['policy']:>15} {row['block_hit_rate']:>7.1%} "
+                f"{row['belady']:>7.1%} {row['infinite']:>8.1%} {'-' if g is None else f'{g:.0%}':>10}")
+        if tiered:
+            t = row.get("tiers")
+            rel = row["block_hit_rate"] / row["infinite"] if row["infinite"] else 0.0
+            use = (t or {}).get("useful", {}).get("block_hit_rate")
+            line += (f" {rel:>6.1%} {t['dram_block_hit_rate']:>6.1%} {t['ssd_block_hit_rate']:>6.1%} "
+                     f"{'-' if use is None else f'{use:.1%}':>7}" if t else f" {rel:>6.1%}")
+        print(line)
+    if tiered:
+        print(f"/ssd-RULE rows: DRAM at the capacity + an SSD log of {args.ssd_capacity:.0%} of unique blocks; "
+              f"gap closed and belady are for DRAM alone; /inf = hit over infinite capacity")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trace": trace.name, "shards": args.shards, "rows": rows}, f, indent=1)
