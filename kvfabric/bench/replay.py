@@ -35,7 +35,7 @@ salt and reports whether the exists level matched request for request.
 With ``--ssd-capacity F`` the local servers get an SSD tier of F x the
 unique blocks (split over the shards) below their DRAM arena of
 ``--dram-capacity`` (= ``--capacity``), in directories under ``--ssd-dir``
-(:mod:`kvfabric.bench.tiers`), once per ``--ssd-admit`` rule (``off`` = the
+(:mod:`kvfabric.bench._tiers`), once per ``--ssd-admit`` rule (``off`` = the
 same DRAM without a tier); each run reports the servers' ``ssd_*`` STATS,
 hits per tier and the useful level from the two-level simulator with the
 servers' measured SSD read time per block, and the cross-check is against
@@ -63,7 +63,7 @@ from ..testing.reference.arena import PAGE_SIZE, pages_for
 from ..server.eviction import POLICIES
 from .belady import ChunkCount, HitCount, belady, belady_chunks, chunk_hit_blocks, infinite, infinite_chunks
 from .simulate import gap_closed, shard_capacity, simulate
-from .tiers import ADMIT_RULES, ssd_bytes_for, start_tiered_pool, tier_stats
+from ._tiers import ADMIT_RULES, ssd_bytes_for, start_tiered_pool, tier_stats
 from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 LLAMA31_8B_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2

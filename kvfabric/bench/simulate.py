@@ -31,10 +31,10 @@ block of the same passage). The chunk level is counted with
 :class:`kvfabric.bench.belady.ChunkCount`.
 
 With ``ssd_blocks_per_shard > 0`` each shard has a second level, an SSD
-log below the DRAM arena (:class:`kvfabric.bench.tiers.TieredShard`: write
+log below the DRAM arena (:class:`kvfabric.bench._tiers.TieredShard`: write
 behind on eviction, admission ``all`` or ``hit``, promotion on GET), and the
 result carries hits per tier and the useful level for given read times per
-block (:class:`kvfabric.bench.tiers.TierCount`).
+block (:class:`kvfabric.bench._tiers.TierCount`).
 
 Capacity is counted in blocks per shard. Every block has the same byte size
 (partial last blocks are stored at full size, as a paged engine allocates
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from ..server.eviction import POLICIES, make_policy
 from ..sharding import owners
 from .belady import CHUNK_ID_BASE, ChunkCount, HitCount, belady, chunk_hit_blocks, infinite
-from .tiers import ADMIT_RULES, TierCount, TieredShard
+from ._tiers import ADMIT_RULES, TierCount, TieredShard
 from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvfabric.bench.belady import infinite
 from kvfabric.bench.simulate import default_servers, shard_capacity, simulate
-from kvfabric.bench.tiers import TierCount, TieredShard, ssd_bytes_for, tier_stats
+from kvfabric.bench._tiers import TierCount, TieredShard, ssd_bytes_for, tier_stats
 from kvfabric.bench.traces import Request, Trace
 
 # One block per request, so every hit is a whole request: 1 2 3 1 4 1 2 3 1.

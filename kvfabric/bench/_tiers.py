@@ -216,7 +216,7 @@ def tier_unsupported(module: str = "kvfabric") -> str | None:
             missing = [f for f in ("--ssd-path", "--ssd-capacity", "--ssd-admit") if f not in text]
             _support[module] = (None if not missing else
                                 f"`{module} serve` has no {', '.join(missing)} yet (the SSD tier of issue 11 is not "
-                                f"in this build); nothing was measured")
+                                f"in this build); no server figure was measured")
         except (OSError, subprocess.SubprocessError) as e:
             _support[module] = f"could not run `{module} serve --help`: {e}"
     return _support[module]

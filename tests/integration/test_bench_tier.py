@@ -1,0 +1,71 @@
+"""``kvfabric bench tier`` end to end on real servers, and the O_DIRECT read ceiling it is a ratio of.
+
+No timing is asserted: only that every figure is measured on what it says
+(objects really came from the SSD tier, bytes checked, the write-behind ran,
+the restarted server served from the same directory) and lands in the JSON.
+Until ``kvfabric serve`` has ``--ssd-path`` (issue 11) the end-to-end test is
+skipped with the reason, and the benchmark's refusal is tested instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfabric import transport
+from kvfabric.bench import tier
+from kvfabric.bench._tiers import tier_unsupported
+
+NATIVE = "native" in transport.available()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"the C extension: {transport.unavailable().get('native')}")
+
+
+@needs_native
+def test_direct_read_ceiling_reads_every_chunk(tmp_path):
+    from kvfabric import _native
+
+    secs, lat = _native.direct_read_ceiling(str(tmp_path), 8 << 20, 1 << 20, 4, 20)
+    assert secs > 0 and len(lat) == 20 and all(x > 0 for x in lat)
+    assert list(tmp_path.iterdir()) == []  # the file is unlinked at once
+    for bad in ((8 << 20, 1000, 1, 4), (8 << 20, 1 << 20, 0, 4), (2 << 20, 1 << 20, 4, 4), (3 << 19, 1 << 20, 1, 4)):
+        with pytest.raises(ValueError):
+            _native.direct_read_ceiling(str(tmp_path), *bad)
+    with pytest.raises(OSError):
+        _native.direct_read_ceiling(str(tmp_path / "missing"), 8 << 20, 1 << 20, 1, 4)
+
+
+@needs_native
+def test_bench_tier_refuses_a_server_without_a_tier(tmp_path, capsys):
+    reason = tier_unsupported()
+    if reason is None:
+        pytest.skip("kvfabric serve has an SSD tier; the end-to-end test covers it")
+    out = tmp_path / "tier.json"
+    assert tier.main(["--quick", "--dir", str(tmp_path), "--json", str(out)]) == 1
+    rep = json.loads(out.read_text())
+    assert set(rep["errors"]) == {"get", "put", "restart"} and "--ssd-path" in rep["errors"]["get"]
+    assert "get" not in rep and "put" not in rep and "restart" not in rep  # no server figure made up
+    assert [c["depth"] for c in rep["ceiling_only"]] == [1, 4] and all(c["gb_per_s"] > 0 for c in rep["ceiling_only"])
+    assert "NOT MEASURED" in capsys.readouterr().out
+
+
+@needs_native
+@pytest.mark.skipif(tier_unsupported() is not None, reason=str(tier_unsupported()))
+def test_bench_tier_quick_measures_real_servers(tmp_path):
+    out = tmp_path / "tier.json"
+    tier.main(["--quick", "--dir", str(tmp_path), "--json", str(out)])  # targets are timing: not asserted
+    rep = json.loads(out.read_text())
+    assert rep["errors"] == {}
+    assert rep["get"]["ssd_after_fill"]["ssd_objects"] > 0
+    for row in rep["get"]["rows"]:
+        s, c = row["server"], row["ceiling"]
+        assert s["wrong"] == 0 and s["missing"] == 0 and s["objects"] == s["gets"] * row["batch"]
+        assert s["ssd_hits"] > 0 and s["gb_per_s"] > 0 and c["gb_per_s"] > 0 and c["depth"] == row["batch"]
+        assert row["ratio"] == pytest.approx(s["gb_per_s"] / c["gb_per_s"])
+    put = rep["put"]
+    assert put["off"]["n"] == put["on"]["n"] == 40 and put["ssd_writes_during"] > 0
+    drained, during = rep["restart"]
+    assert drained["mode"] == "drained" and during["mode"] == "during-writes"
+    for r in (drained, during):
+        assert r["wrong"] == 0 and r["ssd_objects_before_kill"] > 0 and r["served"] > 0
+    assert drained["ssd_objects_after_restart"] > 0
