@@ -1,34 +1,41 @@
 """The two-level pool shard of the offline simulator: a DRAM arena under an eviction policy, an SSD log below.
 
 This models the SSD tier of ``kvfabric serve --ssd-path DIR --ssd-capacity
-SIZE [--ssd-admit all|hit]`` (issue 11) block for block, so that
-:func:`kvfabric.bench.simulate.simulate` can report hit rates per tier and a
-replay against real tiered servers can be checked against it. The model:
+SIZE [--ssd-admit all|hit]`` (issue 11; csrc/kvf_tier*.c) operation for
+operation, so that :func:`kvfabric.bench.simulate.simulate` can report hit
+rates per tier and a replay against real tiered servers can be checked
+against it. The model:
 
 * **DRAM** holds at most ``dram_capacity`` blocks under the server's own
   eviction policy class (the same one the one-level simulator uses).
-* **SSD** is a FIFO log of at most ``ssd_capacity`` blocks. A block evicted
-  from DRAM is written behind to the log (if admitted, and only if the log
-  does not hold it already); when the log is full its oldest record is
-  overwritten (dropped), whatever its popularity: a log has no access order.
+* **SSD** is a circular log of ``ssd_capacity`` records. A block evicted
+  from DRAM is written behind to the log if admitted; a block whose record is
+  still on the log is not written again (the server counts that as an admit
+  skip too). With ``segment_blocks`` > 0 the log is made of segments of that
+  many records and the head entering a segment drops every record in it (the
+  server's layout: about 16 segments per file); with 0 it drops one record
+  at a time. Either way a log forgets in write order, whatever the
+  popularity.
 * **Admission** (``--ssd-admit``): ``all`` writes every evicted block;
-  ``hit`` writes only blocks that were hit (LOOKUP or GET) at least once
-  since they entered DRAM, the others are dropped and counted as admit skips.
-* **LOOKUP** counts a block held in DRAM or on SSD as held. A DRAM hit
-  touches the policy (``on_access``) as in the one-level model; an SSD hit
-  touches nothing (reading the bytes is GET's business).
-* **GET** of a DRAM block touches the policy; GET of a block only on SSD
-  reads it and **promotes** it into DRAM (evicting as a PUT does, the
-  victims going to the log in turn) and counts it as hit. The log keeps its
-  copy, so a promoted block evicted again is not rewritten while its record
-  survives.
-* **PUT** of a block held in either tier is a no-op (the server answers
-  EXISTS), else it enters DRAM as in the one-level model.
+  ``hit`` only blocks read by a GET since they last entered DRAM.
+* **LOOKUP** (the server's ``kvf_tier_park``): the leading run of keys held
+  in DRAM or on SSD is found first; its SSD keys are **promoted** (a DRAM
+  slot reserved for each, evicting as a PUT does, the victims going to the
+  log in turn; then each inserted into the policy without a parent); then
+  the LOOKUP runs again on DRAM alone, touching the policy for each key of
+  its leading run, which is the answer. A victim of the promotions that was
+  part of the run ends the run there, as on the server.
+* **GET** of a DRAM block touches the policy (and counts a hit for
+  admission); of a block only on SSD promotes it first, then the same.
+* **PUT** is the DRAM's alone: a block in DRAM is a no-op; a block only on
+  SSD is stored into DRAM again (the server's PUT does not consult the tier;
+  the log keeps its record).
+* **EXISTS** (``in``) counts both tiers.
 
-What the model leaves out, on purpose: the write queue (a real server drops
-a write-behind when its queue is full: ``ssd_write_drops``), read or write
-errors, and the order in which the server frees log space (it may reclaim
-in segments rather than block by block). A replay through real servers
+What the model leaves out, on purpose: time. On the server the write-behind
+is asynchronous (a block is on the log only once its write finished, and a
+full write queue drops it: ``ssd_write_drops``), so a block evicted and asked
+for again at once can miss there and hit here. A replay through real servers
 reports its own ``ssd_*`` counters beside the model's, so a difference shows.
 """
 
@@ -51,89 +58,124 @@ def _never_pinned(key: bytes) -> bool:
 class TieredShard:
     """One pool server with a DRAM arena of ``dram_capacity`` blocks and an SSD log of ``ssd_capacity`` blocks."""
 
-    __slots__ = ("policy", "dram", "ssd", "hit", "capacity", "ssd_capacity", "admit", "evictions", "ssd_writes",
-                 "ssd_overwrites", "ssd_admit_skips", "ssd_hits", "promotions")
+    __slots__ = ("policy", "dram", "ssd", "hit", "capacity", "ssd_capacity", "segment", "wpos", "admit",
+                 "evictions", "ssd_writes", "ssd_overwrites", "ssd_admit_skips", "ssd_hits", "ssd_misses",
+                 "promotions", "last_promoted")
 
     def __init__(self, policy: str, dram_capacity: int, ssd_capacity: int, admit: str = "all",
-                 kwargs: dict | None = None) -> None:
+                 kwargs: dict | None = None, segment_blocks: int = 0) -> None:
         if dram_capacity < 1:
             raise ValueError(f"dram capacity must be >= 1 block, got {dram_capacity}")
-        if ssd_capacity < 0:
-            raise ValueError(f"ssd capacity must be >= 0 blocks, got {ssd_capacity}")
+        if ssd_capacity < 0 or segment_blocks < 0 or (segment_blocks and ssd_capacity % segment_blocks):
+            raise ValueError(f"ssd capacity ({ssd_capacity}) must be >= 0 and a multiple of segment_blocks "
+                             f"({segment_blocks})")
         if admit not in ADMIT_RULES:
             raise ValueError(f"admission rule must be one of {ADMIT_RULES}, got {admit!r}")
         self.policy = make_policy(policy, **(kwargs or {}))
         self.dram: set[bytes] = set()
-        self.ssd: OrderedDict[bytes, None] = OrderedDict()  # oldest record first
-        self.hit: set[bytes] = set()  # DRAM blocks hit since they entered DRAM (admission "hit")
+        self.ssd: OrderedDict[bytes, int] = OrderedDict()  # key -> write position, oldest first
+        self.hit: set[bytes] = set()  # DRAM blocks read by a GET since they entered DRAM (admission "hit")
         self.capacity, self.ssd_capacity, self.admit = dram_capacity, ssd_capacity, admit
+        self.segment = segment_blocks or 1
+        self.wpos = 0
         self.evictions = self.ssd_writes = self.ssd_overwrites = self.ssd_admit_skips = 0
-        self.ssd_hits = self.promotions = 0
+        self.ssd_hits = self.ssd_misses = self.promotions = 0
+        self.last_promoted: set[bytes] = set()  # keys the last lookup() promoted from SSD
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.dram or key in self.ssd
 
     def lookup(self, keys: list[bytes]) -> int:
-        """The leading run of ``keys`` held in either tier; DRAM hits touch the policy."""
-        n = 0
+        """LOOKUP: promote the SSD keys of the leading run held anywhere, then the leading run in DRAM (touched)."""
+        todo = []
         for k in keys:
             if k in self.dram:
-                self.policy.on_access(k)
-                self.hit.add(k)
-            elif k not in self.ssd:
+                continue
+            if k not in self.ssd:
                 break
+            todo.append(k)
+        self.last_promoted = self._promote(todo)
+        n = 0
+        for k in keys:
+            if k not in self.dram:
+                break
+            self.policy.on_access(k)
             n += 1
         return n
 
     def get(self, key: bytes, parent: bytes | None) -> str:
-        """GET: ``"dram"`` (touch the policy), ``"ssd"`` (read, promote into DRAM) or ``"miss"`` (not held)."""
-        if key in self.dram:
-            self.policy.on_access(key)
-            self.hit.add(key)
-            return "dram"
-        if key not in self.ssd:
-            return "miss"
-        self.ssd_hits += 1
-        self.promotions += 1
-        self._insert(key, parent)
+        """GET: ``"dram"`` (touch), ``"ssd"`` (read from the log, promote, touch) or ``"miss"``."""
+        where = "dram"
+        if key not in self.dram:
+            if key not in self.ssd or not self._promote([key]):
+                return "miss"
+            where = "ssd"
+        self.policy.on_access(key)
         self.hit.add(key)
-        return "ssd"
+        return where
 
     def put(self, key: bytes, parent: bytes | None) -> None:
-        """PUT: a no-op for a block held in either tier, else insert into DRAM (spilling victims to the log)."""
-        if key in self:
+        """PUT: a no-op for a block in DRAM, else stored into DRAM (spilling victims to the log)."""
+        if key in self.dram:
             return
-        self._insert(key, parent)
+        self._make_room(1)
+        self.dram.add(key)
+        self.policy.on_insert(key, 1, parent)
 
-    def _insert(self, key: bytes, parent: bytes | None) -> None:
-        while len(self.dram) >= self.capacity:
+    def _promote(self, keys: list[bytes]) -> set[bytes]:
+        """Reserve a DRAM slot per key (evicting; none left: the rest miss), then commit those still on the log."""
+        reserved: list[bytes] = []
+        for k in keys:
+            self._make_room(len(reserved) + 1)
+            if len(self.dram) + len(reserved) + 1 > self.capacity:
+                break  # every slot is reserved by this request: the server answers the rest as misses
+            reserved.append(k)
+        self.ssd_misses += len(keys) - len(reserved)
+        done = set()
+        for k in reserved:
+            if k in self.ssd and k not in self.dram:  # its record may have been overwritten meanwhile
+                self.dram.add(k)
+                self.policy.on_insert(k, 1, None)
+                self.hit.discard(k)
+                done.add(k)
+                self.ssd_hits += 1
+                self.promotions += 1
+            else:
+                self.ssd_misses += 1
+        return done
+
+    def _make_room(self, n: int) -> None:
+        while len(self.dram) + n > self.capacity and self.dram:
             victim = self.policy.evict(_never_pinned)
             if victim is None or victim not in self.dram:
                 raise RuntimeError(f"policy {self.policy.name!r} returned {victim!r} from evict")
             self.dram.discard(victim)
             self.evictions += 1
             self._spill(victim)
-        self.dram.add(key)
-        self.policy.on_insert(key, 1, parent)
 
     def _spill(self, key: bytes) -> None:
         was_hit = key in self.hit
         self.hit.discard(key)
-        if key in self.ssd or self.ssd_capacity == 0:
+        if self.ssd_capacity == 0:
             return
-        if self.admit == "hit" and not was_hit:
+        if key in self.ssd or (self.admit == "hit" and not was_hit):
             self.ssd_admit_skips += 1
             return
-        self.ssd[key] = None
+        if self.wpos >= self.ssd_capacity and self.wpos % self.segment == 0:
+            # the head enters a segment written one lap ago: every record in it goes
+            oldest = self.wpos - self.ssd_capacity + self.segment
+            while self.ssd and next(iter(self.ssd.values())) < oldest:
+                self.ssd.popitem(last=False)
+                self.ssd_overwrites += 1
+        self.ssd[key] = self.wpos
+        self.wpos += 1
         self.ssd_writes += 1
-        while len(self.ssd) > self.ssd_capacity:
-            self.ssd.popitem(last=False)
-            self.ssd_overwrites += 1
 
     def counters(self) -> dict[str, int]:
         return {"dram_objects": len(self.dram), "ssd_objects": len(self.ssd), "evictions": self.evictions,
                 "ssd_writes": self.ssd_writes, "ssd_overwrites": self.ssd_overwrites,
-                "ssd_admit_skips": self.ssd_admit_skips, "ssd_hits": self.ssd_hits, "promotions": self.promotions}
+                "ssd_admit_skips": self.ssd_admit_skips, "ssd_hits": self.ssd_hits, "ssd_misses": self.ssd_misses,
+                "promotions": self.promotions}
 
 
 @dataclass
@@ -184,19 +226,11 @@ class TierCount:
 SSD_STATS = ("ssd_capacity", "ssd_objects", "ssd_bytes", "ssd_hits", "ssd_misses", "ssd_reads", "ssd_read_bytes",
              "ssd_writes", "ssd_write_bytes", "ssd_write_drops", "ssd_admit_skips", "ssd_errors", "ssd_corrupt",
              "ssd_read_us_total", "ssd_write_us_total", "ssd_promotions", "ssd_queue_bytes")
-# Bytes a block takes on the SSD log beyond its payload, rounded up to the O_DIRECT alignment: the record
-# header (key, size, checksum) is assumed to fit in one 4096-byte page. Used only to turn a capacity in
-# blocks into the byte size `--ssd-capacity` takes; a record format with a larger header holds fewer blocks.
+# The server's log layout (csrc/kvf_tier.c), for ssd_geometry: 4 KiB alignment, segment size bounds.
 SSD_ALIGN = 4096
-SSD_RECORD_OVERHEAD = 4096
+SSD_SEG_MIN, SSD_SEG_MAX = 1 << 20, 64 << 20
 
 _support: dict[str, str | None] = {}
-
-
-def ssd_bytes_for(blocks: int, block_bytes: int) -> int:
-    """The ``--ssd-capacity`` in bytes that holds ``blocks`` records of ``block_bytes`` (see SSD_RECORD_OVERHEAD)."""
-    rec = -(-(block_bytes + SSD_RECORD_OVERHEAD) // SSD_ALIGN) * SSD_ALIGN
-    return blocks * rec
 
 
 def tier_unsupported(module: str = "kvfabric") -> str | None:
@@ -271,3 +305,34 @@ def tier_stats(servers: dict) -> dict[str, float]:
                     out[k] += v
     out["ssd_read_us"] = out["ssd_read_us_total"] / out["ssd_reads"] if out["ssd_reads"] else None
     return out
+
+
+def ssd_geometry(blocks: int, block_bytes: int) -> tuple[int, int, int]:
+    """(``--ssd-capacity`` bytes, records it holds, records per segment) for a log of at least ``blocks`` blocks.
+
+    Mirrors the server's layout (csrc/kvf_tier.c, one path): a record is one
+    4 KiB header block + the value rounded up to 4 KiB; the file is a 4 KiB
+    superblock + ``(capacity - 4 KiB) // seg`` segments of ``seg =
+    clamp(capacity / 16, 1 MiB, 64 MiB)`` bytes (4 KiB aligned); a record
+    that does not fit in what is left of a segment starts the next one. The
+    capacity chosen makes ``seg`` come out as a whole number of records when
+    it lies between the clamps (16 segments), else uses the clamped size.
+    """
+    if blocks < 1:
+        raise ValueError(f"an SSD log needs at least one block, got {blocks}")
+    rec = SSD_ALIGN + -(-block_bytes // SSD_ALIGN) * SSD_ALIGN
+    if rec > SSD_SEG_MAX:
+        raise ValueError(f"a {block_bytes}-byte block does not fit in one {SSD_SEG_MAX}-byte segment")
+    per_a = -(-blocks // 16)
+    if per_a * rec > SSD_SEG_MAX:
+        seg = SSD_SEG_MAX
+        per_seg = seg // rec
+        nsegs = -(-blocks // per_seg)
+    elif per_a * rec >= SSD_SEG_MIN:
+        per_seg, nsegs = per_a, 16
+        seg = per_seg * rec
+    else:
+        seg = SSD_SEG_MIN
+        per_seg = seg // rec
+        nsegs = max(2, -(-blocks // per_seg))
+    return SSD_ALIGN + nsegs * seg, nsegs * per_seg, per_seg

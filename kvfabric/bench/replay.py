@@ -63,7 +63,7 @@ from ..testing.reference.arena import PAGE_SIZE, pages_for
 from ..server.eviction import POLICIES
 from .belady import ChunkCount, HitCount, belady, belady_chunks, chunk_hit_blocks, infinite, infinite_chunks
 from .simulate import gap_closed, shard_capacity, simulate
-from ._tiers import ADMIT_RULES, ssd_bytes_for, start_tiered_pool, tier_stats
+from ._tiers import ADMIT_RULES, ssd_geometry, start_tiered_pool, tier_stats
 from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 LLAMA31_8B_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
@@ -391,11 +391,14 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
 
         from ..testing.servers import start_pool
 
-        ssd_per = shard_capacity(trace, opt.ssd_capacity, opt.shards) if opt.ssd_capacity else 0
-        if ssd_per:
+        ssd_per = ssd_seg = ssd_bytes = 0
+        if opt.ssd_capacity:
+            # the log the server lays out for that many blocks (whole segments): the simulator gets the same
+            ssd_bytes, ssd_per, ssd_seg = ssd_geometry(shard_capacity(trace, opt.ssd_capacity, opt.shards),
+                                                       block_bytes)
             report.update(ssd_blocks_per_shard=ssd_per, ssd_capacity_blocks=ssd_per * opt.shards,
                           ssd_capacity_fraction=ssd_per * opt.shards / trace.unique_blocks,
-                          ssd_bytes_per_shard=ssd_bytes_for(ssd_per, block_bytes))
+                          ssd_bytes_per_shard=ssd_bytes, ssd_segment_blocks=ssd_seg)
         for pol, admit in [(p, a) for p in opt.policies for a in (opt.ssd_admit if ssd_per else ["off"])]:
             tier = ssd_per if admit != "off" else 0
             label = pol if not ssd_per else f"{pol}/{'dram-only' if admit == 'off' else 'ssd-' + admit}"
@@ -403,8 +406,7 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
             # (the simulator's model); `kvfabric serve` otherwise evicts ahead of demand
             args = ("--evict-watermarks", "0,0")
             with tempfile.TemporaryDirectory(prefix="kvfabric-replay-ssd-", dir=opt.ssd_dir) as ssd_dir:
-                pool = (start_tiered_pool(opt.shards, per_shard * slot, pol, ssd_dir,
-                                          ssd_bytes_for(tier, block_bytes), admit, args) if tier else
+                pool = (start_tiered_pool(opt.shards, per_shard * slot, pol, ssd_dir, ssd_bytes, admit, args) if tier else
                         start_pool(opt.shards, capacity=per_shard * slot, policy=pol, extra_args=list(args)))
                 with pool:
                     out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {label}")
@@ -414,7 +416,8 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
             if opt.check_sim:
                 ssd_us = (out.get("ssd") or {}).get("ssd_read_us")
                 sim = simulate(trace, pol, per_shard, addresses, salt=opt.salt, chunks=opt.key_mode == "chunk",
-                               ssd_blocks_per_shard=tier, admit=admit if tier else "all", ssd_read_us=ssd_us,
+                               ssd_blocks_per_shard=tier, admit=admit if tier else "all", ssd_segment_blocks=ssd_seg,
+                               ssd_read_us=ssd_us,
                                prefill_tokens_per_s=opt.prefill_tokens_per_s)
                 diff = sum(1 for a, b in zip(sim.hits.runs, out["exists_runs"]) if a != b)
                 out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": diff}

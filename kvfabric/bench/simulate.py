@@ -98,6 +98,7 @@ class SimResult:
 
 class _Shard:
     __slots__ = ("policy", "held", "capacity", "evictions")
+    last_promoted: frozenset = frozenset()  # one level: a LOOKUP never promotes
 
     def __init__(self, policy: str, capacity: int, kwargs: dict) -> None:
         self.policy = make_policy(policy, **kwargs)
@@ -153,6 +154,7 @@ def simulate(
     chunks: bool = False,
     ssd_blocks_per_shard: int = 0,
     admit: str = "all",
+    ssd_segment_blocks: int = 0,
     ssd_read_us: float | None = None,
     dram_read_us: float = 0.0,
     prefill_tokens_per_s: float = 8000.0,
@@ -162,7 +164,8 @@ def simulate(
     ``servers`` are the ``host:port`` ids used for sharding (one stand-in
     shard when None); ``salt`` is the key salt of :func:`block_keys`;
     ``chunks`` selects the prefix+chunk key mode. ``ssd_blocks_per_shard``
-    > 0 adds the SSD log below each shard's DRAM (admission ``admit``); the
+    > 0 adds the SSD log below each shard's DRAM (admission ``admit``,
+    segments of ``ssd_segment_blocks`` records, 0: one record at a time); the
     result's ``tiers`` then splits the hits per tier and, when
     ``ssd_read_us`` (read time of one block from SSD, microseconds) is given,
     counts the useful level against ``prefill_tokens_per_s``. Raises
@@ -179,7 +182,8 @@ def simulate(
     tiered = ssd_blocks_per_shard > 0
     shards: list[_Shard] | list[TieredShard]
     if tiered:
-        shards = [TieredShard(policy, blocks_per_shard, ssd_blocks_per_shard, admit, policy_kwargs) for _ in servers]
+        shards = [TieredShard(policy, blocks_per_shard, ssd_blocks_per_shard, admit, policy_kwargs, ssd_segment_blocks)
+                  for _ in servers]
     else:
         shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
     tiers = TierCount(ssd_read_us, dram_read_us, prefill_tokens_per_s) if tiered else None
@@ -210,7 +214,7 @@ def simulate(
                 cown.append(owned([CHUNK_ID_BASE + h for h in ids], ck))
                 cruns.append(next((j for j, (k, s) in enumerate(zip(ck, cown[-1])) if k not in shards[s]),
                                   len(ck)))
-        n_ssd = 0
+        n_ssd = sum(1 for k, s in zip(keys[:run], own[:run]) if k in shards[s].last_promoted)  # read by LOOKUP
         for j in range(run):  # GET hits: touch in DRAM, or read from SSD and promote
             n_ssd += shards[own[j]].get(keys[j], keys[j - 1] if j else None) == "ssd"
         if chunks:

@@ -42,6 +42,7 @@ from .replay import (
     print_report,
     run_replay,
 )
+from ._tiers import ssd_geometry
 from .simulate import default_servers, gap_closed, shard_capacity, simulate
 from .traces import Trace, TraceError, load_trace
 
@@ -84,13 +85,17 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                 for name, (p, c) in (("belady", bc), ("infinite", inf_c))}
         print(f"[sweep] {trace.name} capacity {frac:.0%}: simulating {', '.join(policies)}"
               f"{' (prefix+chunk keys)' if chunks else ''}", file=log)
-        ssd = shard_capacity(trace, opt.ssd_capacity, opt.shards) if opt.ssd_capacity else 0
+        ssd = seg = 0
+        if opt.ssd_capacity:  # the log a real server lays out for that many blocks (see replay)
+            _, ssd, seg = ssd_geometry(shard_capacity(trace, opt.ssd_capacity, opt.shards),
+                                       trace.block_tokens * opt.bytes_per_token)
         runs = [(pol, pol, 0, "all") for pol in policies]
         if ssd:
             row["ssd_capacity_blocks"] = ssd * opt.shards
             runs += [(f"{pol}/ssd-{a}", pol, ssd, a) for pol in policies for a in opt.ssd_admit if a != "off"]
         for name, pol, tier, admit in runs:
-            r = simulate(trace, pol, per, sim_servers, chunks=chunks, ssd_blocks_per_shard=tier, admit=admit)
+            r = simulate(trace, pol, per, sim_servers, chunks=chunks, ssd_blocks_per_shard=tier, admit=admit,
+                         ssd_segment_blocks=seg)
             row["sim"][name] = {"block_hit_rate": r.hits.block_hit_rate, "token_hit_rate": r.hits.token_hit_rate}
             if r.tiers is not None:
                 row["sim"][name]["tiers"] = r.tiers.as_dict()

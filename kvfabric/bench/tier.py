@@ -49,7 +49,7 @@ from typing import Any
 
 from . import write_json
 from ._servers import percentile
-from ._tiers import ssd_bytes_for, tier_args, tier_stats, tier_unsupported
+from ._tiers import ssd_geometry, tier_args, tier_stats, tier_unsupported
 
 TARGET_GET_RATIO = 0.8
 TARGET_PUT_P99_RATIO = 1.2
@@ -191,7 +191,7 @@ def bench_get(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
     keys = [_key("get", i) for i in range(args.working_set)]
     ceilings: dict[int, list] = {b: [] for b in args.batch}
     cells: dict[int, list] = {b: [] for b in args.batch}
-    srv = _start(dram, ssd_dir, ssd_bytes_for(2 * args.working_set, obj))
+    srv = _start(dram, ssd_dir, ssd_geometry(2 * args.working_set, obj)[0])
     try:
         with _client(srv.address, args.transport) as client:
             print(f"[tier] SSD GET: filling {args.working_set} x {args.object_mib} MiB, DRAM {args.dram_mib} MiB",
@@ -229,7 +229,7 @@ def bench_put(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
     os.makedirs(ssd_dir, exist_ok=True)
     off = _start(dram, None, 0)
     try:
-        on = _start(dram, ssd_dir, ssd_bytes_for(args.puts + 8, obj))
+        on = _start(dram, ssd_dir, ssd_geometry(args.puts + 8, obj)[0])
     except BaseException:
         off.stop()
         raise
@@ -268,7 +268,7 @@ def bench_restart(args: argparse.Namespace, base: str, drain: bool, log) -> dict
     ssd_dir = os.path.join(base, f"restart-{tag}")
     os.makedirs(ssd_dir, exist_ok=True)
     keys = [_key(f"restart-{tag}", i) for i in range(args.restart_objects)]
-    ssd_bytes = ssd_bytes_for(2 * len(keys), obj)
+    ssd_bytes = ssd_geometry(2 * len(keys), obj)[0]
     srv = _start(dram, ssd_dir, ssd_bytes)
     try:
         with _client(srv.address, args.transport) as client:

@@ -1,4 +1,4 @@
-"""The simulator's two-level shard (DRAM policy + SSD FIFO log): exact runs and counters worked by hand."""
+"""The simulator's two-level shard (DRAM policy + SSD log): exact runs and counters worked by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from kvfabric.bench.belady import infinite
 from kvfabric.bench.simulate import default_servers, shard_capacity, simulate
-from kvfabric.bench._tiers import TierCount, TieredShard, ssd_bytes_for, tier_stats
+from kvfabric.bench._tiers import TierCount, TieredShard, ssd_geometry, tier_stats
 from kvfabric.bench.traces import Request, Trace
 
 # One block per request, so every hit is a whole request: 1 2 3 1 4 1 2 3 1.
@@ -20,21 +20,22 @@ def singles() -> Trace:
 
 
 def test_admit_all_exact():
-    # DRAM 2 blocks (LRU), SSD log 2 blocks. By hand (DRAM set, SSD log oldest first):
-    # 1,2 -> D{1,2}; 3 evicts 1 -> S[1]; 1: SSD hit, promoted, evicts 2 -> S[1,2];
-    # 4 evicts 3 -> S[2,3] (1 overwritten); 1: DRAM hit; 2: SSD hit, evicts 4 -> S[3,4];
-    # 3: SSD hit, evicts 1 -> S[4,1]; 1: SSD hit, evicts 2 -> S[1,2].
-    r = simulate(singles(), "lru", 2, ssd_blocks_per_shard=2, admit="all")
+    # DRAM 2 blocks (LRU), SSD log 3 records. By hand (DRAM set, log oldest first):
+    # 1,2 -> D{1,2}; 3 evicts 1 -> L[1]; 1: LOOKUP promotes it, evicting 2 -> L[1,2];
+    # 4 evicts 3 -> L[1,2,3]; 1: DRAM hit; 2: promoted, evicts 4 -> L[2,3,4] (1 overwritten);
+    # 3: promoted, evicts 1 -> L[3,4,1]; 1: promoted, evicts 2 -> L[4,1,2].
+    r = simulate(singles(), "lru", 2, ssd_blocks_per_shard=3, admit="all")
     assert r.hits.runs == [0, 0, 0, 1, 0, 1, 1, 1, 1]
     assert (r.tiers.dram_blocks, r.tiers.ssd_blocks) == (1, 4)
-    assert r.tier_counters == {"dram_objects": 2, "ssd_objects": 2, "evictions": 6, "ssd_writes": 6,
-                               "ssd_overwrites": 4, "ssd_admit_skips": 0, "ssd_hits": 4, "promotions": 4}
+    assert r.tier_counters == {"dram_objects": 2, "ssd_objects": 3, "evictions": 6, "ssd_writes": 6,
+                               "ssd_overwrites": 3, "ssd_admit_skips": 0, "ssd_hits": 4, "ssd_misses": 0,
+                               "promotions": 4}
 
 
 def test_admit_hit_exact():
-    # Only blocks hit while in DRAM go to the log: 1 (hit at request 5) is the only one, written when
-    # 3 is PUT at request 7, and read back at request 8; 2, 3, 4, and 1's first copy are skipped.
-    r = simulate(singles(), "lru", 2, ssd_blocks_per_shard=2, admit="hit")
+    # Only blocks read by a GET while in DRAM go to the log: 1 (GET at request 5) is the only one,
+    # written when 3 is PUT at request 7 and read back at request 8; 1 (first copy), 2, 3, 4, 2 skipped.
+    r = simulate(singles(), "lru", 2, ssd_blocks_per_shard=3, admit="hit")
     assert r.hits.runs == [0, 0, 0, 0, 0, 1, 0, 0, 1]
     assert (r.tiers.dram_blocks, r.tiers.ssd_blocks) == (1, 1)
     c = r.tier_counters
@@ -42,40 +43,60 @@ def test_admit_hit_exact():
 
 
 def test_dram_only_is_the_one_level_model():
-    t = singles()
-    one = simulate(t, "lru", 2)
+    one = simulate(singles(), "lru", 2)
     assert one.tiers is None and one.tier_counters is None
     assert one.hits.runs == [0, 0, 0, 0, 0, 1, 0, 0, 0]
 
 
-def test_promoted_block_keeps_its_record():
-    # A block read from SSD stays in the log; evicted from DRAM again it is not rewritten.
-    s = TieredShard("lru", 1, 4)
-    s.put(b"a", None)
-    s.put(b"b", None)  # a -> log
-    assert s.get(b"a", None) == "ssd"  # promoted; b -> log
-    s.put(b"c", None)  # a evicted again: its record is still there
-    assert list(s.ssd) == [b"a", b"b"] and s.ssd_writes == 2
-    assert s.lookup([b"a", b"b", b"c", b"x"]) == 3
+def test_promotion_keeps_the_record_and_put_ignores_the_log():
+    s = TieredShard("lru", 2, 8)
+    for k in (b"a", b"b", b"c", b"d"):
+        s.put(k, None)  # a, b -> log
+    assert s.get(b"a", None) == "ssd"  # promoted, evicting c; its record stays
+    s.put(b"e", None)  # evicts d
+    s.put(b"f", None)  # evicts a, whose record is still on the log: not written again
+    assert list(s.ssd) == [b"a", b"b", b"c", b"d"] and s.ssd_writes == 4 and s.ssd_admit_skips == 1
+    # LOOKUP promotes the leading run's log keys (evicting e and f), then answers from DRAM
+    assert s.lookup([b"a", b"b", b"x"]) == 2 and s.last_promoted == {b"a", b"b"} and s.dram == {b"a", b"b"}
     assert s.get(b"x", None) == "miss"
+    s.put(b"c", None)  # on the log only: PUT stores it into DRAM again
+    assert b"c" in s.dram and s.ssd_writes == 6
+
+
+def test_lookup_promotes_at_most_the_dram_and_ends_the_run_at_a_victim():
+    s = TieredShard("lru", 2, 8)
+    for k in (b"a", b"b", b"c", b"d"):
+        s.put(k, None)  # D{c,d}, log [a,b]
+    # a, b promoted: their two slots evict c and d, the run's own DRAM blocks -> the run is a, b
+    assert s.lookup([b"a", b"b", b"c", b"d"]) == 2
+    t = TieredShard("lru", 1, 8)
+    for k in (b"a", b"b", b"c"):
+        t.put(k, None)  # D{c}, log [a,b]
+    assert t.lookup([b"a", b"b"]) == 1 and t.ssd_misses == 1  # one slot: b is a miss
+
+
+def test_segments_drop_together():
+    s = TieredShard("lru", 1, 4, segment_blocks=2)
+    for i in range(7):
+        s.put(bytes([i]), None)  # k0..k5 written at positions 0..5; writing k4 enters segment 0 again
+    assert list(s.ssd) == [bytes([i]) for i in (2, 3, 4, 5)] and s.ssd_overwrites == 2
+    s.put(b"\x07", None)  # k6 at position 6 drops k2, k3
+    assert list(s.ssd) == [bytes([i]) for i in (4, 5, 6)]
+    with pytest.raises(ValueError):
+        TieredShard("lru", 1, 5, segment_blocks=2)
 
 
 @pytest.mark.parametrize("policy", ["lru", "prefix-lfu"])
 def test_a_log_holding_everything_is_infinite(policy):
+    # One-block prompts, so a LOOKUP's promotions never evict a block of its own run (see the test above).
     rng = random.Random(3)
-    reqs = []
-    for t in range(200):
-        doc = rng.randrange(30)
-        ids = [doc * 10 + j for j in range(rng.randrange(1, 6))]
-        reqs.append(Request(t, 16 * len(ids), 1, ids))
-    trace = Trace(reqs, 16)
+    trace = Trace([Request(t, 16, 1, [rng.randrange(60)]) for t in range(400)], 16)
     per = shard_capacity(trace, 0.05, 2)
-    big = trace.unique_blocks
-    r = simulate(trace, policy, per, default_servers(2), ssd_blocks_per_shard=big, admit="all")
+    r = simulate(trace, policy, per, default_servers(2), ssd_blocks_per_shard=trace.unique_blocks, admit="all")
     assert r.hits.runs == infinite(trace).runs
-    assert r.tiers.dram_blocks + r.tiers.ssd_blocks == r.hits.hit_blocks
+    assert r.tiers.dram_blocks + r.tiers.ssd_blocks == r.hits.hit_blocks and r.tiers.ssd_blocks > 0
     small = simulate(trace, policy, per, default_servers(2))
-    assert small.hits.hit_blocks <= r.hits.hit_blocks
+    assert small.hits.hit_blocks < r.hits.hit_blocks
 
 
 def test_useful_uses_the_ssd_read_time():
@@ -90,13 +111,29 @@ def test_useful_uses_the_ssd_read_time():
     assert "useful" not in TierCount().as_dict()
 
 
-def test_errors_and_sizes():
+def _server_records(cap: int, block_bytes: int) -> tuple[int, int]:
+    """The server's own arithmetic (csrc/kvf_tier.c, one path): (records, records per segment)."""
+    seg = min(max(cap // 16, 1 << 20), 64 << 20) // 4096 * 4096
+    segs = (cap - 4096) // seg
+    rec = 4096 + -(-block_bytes // 4096) * 4096
+    return segs * (seg // rec), seg // rec
+
+
+@pytest.mark.parametrize("blocks,block_bytes", [(45697, 8192), (10, 8192), (1361, 8192), (5, 1 << 20),
+                                                (100000, 1 << 20), (3, 4096), (777, 3000)])
+def test_geometry_matches_the_server_layout(blocks, block_bytes):
+    cap, records, per_seg = ssd_geometry(blocks, block_bytes)
+    assert records >= blocks and (records, per_seg) == _server_records(cap, block_bytes)
+    assert records % per_seg == 0
+
+
+def test_errors():
     with pytest.raises(ValueError):
         TieredShard("lru", 2, 2, "sometimes")
     with pytest.raises(ValueError):
         simulate(singles(), "lru", 2, ssd_blocks_per_shard=2, admit="never")
-    assert ssd_bytes_for(10, 8192) == 10 * 12288
-    assert ssd_bytes_for(1, 1 << 20) == (1 << 20) + 4096
+    with pytest.raises(ValueError):
+        ssd_geometry(0, 8192)
 
 
 def test_tier_stats_sums_and_mean_read_time():
