@@ -443,7 +443,8 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
     lru = next((r for r in report["runs"] if r["policy"] == "lru" and r.get("admit") in (None, "off")),
                next((r for r in report["runs"] if r["policy"] == "lru"), None))
     for r in report["runs"]:
-        r["gap_closed"] = None if lru is None else gap_closed(
+        tiered = r.get("admit") not in (None, "off")  # more capacity than Belady's: no gap to speak of
+        r["gap_closed"] = None if lru is None or tiered else gap_closed(
             r["levels"]["exists"]["block_hit_rate"], lru["levels"]["exists"]["block_hit_rate"], bound.block_hit_rate)
         del r["exists_runs"]
     return report
