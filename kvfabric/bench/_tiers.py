@@ -24,7 +24,9 @@ against it. The model:
   log in turn; then each inserted into the policy without a parent); then
   the LOOKUP runs again on DRAM alone, touching the policy for each key of
   its leading run, which is the answer. A victim of the promotions that was
-  part of the run ends the run there, as on the server.
+  part of the run ends the run there, as on the server. One request promotes
+  at most ``promote_max`` blocks (the server's default: a quarter of the
+  arena); the run ends at the first SSD key beyond that.
 * **GET** of a DRAM block touches the policy (and counts a hit for
   admission); of a block only on SSD promotes it first, then the same.
 * **PUT** is the DRAM's alone: a block in DRAM is a no-op; a block only on
@@ -60,10 +62,10 @@ class TieredShard:
 
     __slots__ = ("policy", "dram", "ssd", "hit", "capacity", "ssd_capacity", "segment", "wpos", "admit",
                  "evictions", "ssd_writes", "ssd_overwrites", "ssd_admit_skips", "ssd_hits", "ssd_misses",
-                 "promotions", "last_promoted")
+                 "promotions", "last_promoted", "promote_max")
 
     def __init__(self, policy: str, dram_capacity: int, ssd_capacity: int, admit: str = "all",
-                 kwargs: dict | None = None, segment_blocks: int = 0) -> None:
+                 kwargs: dict | None = None, segment_blocks: int = 0, promote_max: int | None = None) -> None:
         if dram_capacity < 1:
             raise ValueError(f"dram capacity must be >= 1 block, got {dram_capacity}")
         if ssd_capacity < 0 or segment_blocks < 0 or (segment_blocks and ssd_capacity % segment_blocks):
@@ -81,6 +83,7 @@ class TieredShard:
         self.evictions = self.ssd_writes = self.ssd_overwrites = self.ssd_admit_skips = 0
         self.ssd_hits = self.ssd_misses = self.promotions = 0
         self.last_promoted: set[bytes] = set()  # keys the last lookup() promoted from SSD
+        self.promote_max = max(1, dram_capacity // 4) if promote_max is None else promote_max
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.dram or key in self.ssd
@@ -91,7 +94,7 @@ class TieredShard:
         for k in keys:
             if k in self.dram:
                 continue
-            if k not in self.ssd:
+            if k not in self.ssd or len(todo) >= self.promote_max:
                 break
             todo.append(k)
         self.last_promoted = self._promote(todo)

@@ -49,7 +49,7 @@ def test_dram_only_is_the_one_level_model():
 
 
 def test_promotion_keeps_the_record_and_put_ignores_the_log():
-    s = TieredShard("lru", 2, 8)
+    s = TieredShard("lru", 2, 8, promote_max=2)
     for k in (b"a", b"b", b"c", b"d"):
         s.put(k, None)  # a, b -> log
     assert s.get(b"a", None) == "ssd"  # promoted, evicting c; its record stays
@@ -64,15 +64,19 @@ def test_promotion_keeps_the_record_and_put_ignores_the_log():
 
 
 def test_lookup_promotes_at_most_the_dram_and_ends_the_run_at_a_victim():
-    s = TieredShard("lru", 2, 8)
+    s = TieredShard("lru", 2, 8, promote_max=2)
     for k in (b"a", b"b", b"c", b"d"):
         s.put(k, None)  # D{c,d}, log [a,b]
     # a, b promoted: their two slots evict c and d, the run's own DRAM blocks -> the run is a, b
     assert s.lookup([b"a", b"b", b"c", b"d"]) == 2
-    t = TieredShard("lru", 1, 8)
+    t = TieredShard("lru", 1, 8, promote_max=2)
     for k in (b"a", b"b", b"c"):
         t.put(k, None)  # D{c}, log [a,b]
     assert t.lookup([b"a", b"b"]) == 1 and t.ssd_misses == 1  # one slot: b is a miss
+    u = TieredShard("lru", 8, 8)  # the default cap: a quarter of the DRAM, 2 blocks
+    for i in range(12):
+        u.put(bytes([i]), None)  # 0..3 -> log
+    assert u.lookup([bytes([i]) for i in range(4)]) == 2 and u.last_promoted == {b"\x00", b"\x01"}
 
 
 def test_segments_drop_together():
