@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print_sweep(r)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"results": results}, indent=1))
-    if not plot_or_explain(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s)", "kvfabric bench sweep",
+    tier = (f"; POLICY/ssd-RULE: the capacity on the x axis in DRAM + an SSD log of {opt.ssd_capacity:.0%} of unique "
+            f"blocks" if opt.ssd_capacity else "")
+    if not plot_or_explain(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s){tier}", "kvfabric bench sweep",
                            args.json):
         return 1
     print(f"wrote {args.json} and {args.png}")

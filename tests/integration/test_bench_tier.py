@@ -69,3 +69,26 @@ def test_bench_tier_quick_measures_real_servers(tmp_path):
     for r in (drained, during):
         assert r["wrong"] == 0 and r["ssd_objects_before_kill"] > 0 and r["served"] > 0
     assert drained["ssd_objects_after_restart"] > 0
+
+
+@needs_native
+@pytest.mark.skipif(tier_unsupported() is not None, reason=str(tier_unsupported()))
+def test_tiered_replay_reports_both_tiers(tmp_path):
+    from kvfabric.bench import replay
+
+    out = tmp_path / "replay.json"
+    rc = replay.main(["mooncake-conversation", "--limit", "300", "--policy", "lru", "--capacity", "0.02",
+                      "--ssd-capacity", "0.5", "--ssd-admit", "off", "--ssd-admit", "all", "--shards", "2",
+                      "--ssd-dir", str(tmp_path), "--no-progress", "--json", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    off, on = rep["runs"]
+    assert (off["label"], on["label"]) == ("lru/dram-only", "lru/ssd-all") and "ssd" not in off
+    assert rep["ssd_capacity_blocks"] >= 0.5 * rep["unique_blocks"] and rep["ssd_segment_blocks"] > 0
+    s = on["ssd"]
+    assert s["ssd_writes"] > 0 and s["ssd_hits"] > 0 and s["ssd_corrupt"] == 0 and s["ssd_read_us"] > 0
+    assert on["bytes"]["corrupt_blocks"] == 0
+    t = on["sim"]["tiers"]
+    assert t["dram_hit_blocks"] + t["ssd_hit_blocks"] == round(on["sim"]["block_hit_rate"] * rep["total_blocks"])
+    assert t["ssd_read_us"] == s["ssd_read_us"] and "useful" in t
+    assert list(tmp_path.glob("kvfabric-replay-ssd-*")) == []  # the servers' tier directories are removed
