@@ -554,7 +554,7 @@ def print_chunk_levels(report: dict[str, Any], out=None) -> None:
         sim = r.get("sim")
         simtxt = "-" if sim is None else (
             "ok" if sim["requests_differing"] == 0 and sim.get("chunk_agrees", True) else "differ")
-        print(f"{r['policy']:>11} {lv['exists']['token_hit_rate']:>13.1%} {lv['loaded']['token_hit_rate']:>7.1%} "
+        print(f"{r.get('label', r['policy']):>11} {lv['exists']['token_hit_rate']:>13.1%} {lv['loaded']['token_hit_rate']:>7.1%} "
               f"{lv['useful']['token_hit_rate']:>7.1%} | {cl['exists']['token_hit_rate']:>12.1%} "
               f"{cl['loaded']['token_hit_rate']:>7.1%} {cl['useful']['token_hit_rate']:>7.1%} | {simtxt:>5}", file=out)
     if ref:
