@@ -221,22 +221,40 @@ static int direct_queue(struct kvf_ring *r, int fd, uint64_t chunk, uint64_t rea
     return 0;
 }
 
-int kvf_bench_direct_read(const char *dir, uint64_t file_bytes, uint64_t read_bytes, unsigned depth,
-                          unsigned reads, double *secs, uint64_t *lat_ns)
+static int direct_sizes_ok(uint64_t file_bytes, uint64_t chunk)
 {
-    if (!dir || read_bytes == 0 || read_bytes % DIRECT_ALIGN || read_bytes > (1u << 30) || depth == 0 ||
-        depth > DIRECT_MAX_DEPTH || reads == 0 || file_bytes % read_bytes || file_bytes / read_bytes < depth)
+    return chunk && chunk % DIRECT_ALIGN == 0 && chunk <= (1u << 30) && file_bytes && file_bytes % chunk == 0;
+}
+
+int kvf_bench_direct_file(const char *dir, uint64_t file_bytes, uint64_t chunk)
+{
+    if (!dir || !direct_sizes_ok(file_bytes, chunk)) return -EINVAL;
+    char *buf = NULL;
+    if (posix_memalign((void **)&buf, DIRECT_ALIGN, chunk)) return -ENOMEM;
+    memset(buf, 0x5a, chunk);
+    int fd = direct_tmpfile(dir);
+    if (fd >= 0) {
+        int rc = direct_fill(fd, buf, file_bytes, chunk);
+        if (rc) { close(fd); fd = rc; }
+    }
+    free(buf);
+    return fd;
+}
+
+int kvf_bench_direct_read(int fd, uint64_t file_bytes, uint64_t read_bytes, unsigned depth, unsigned reads,
+                          double *secs, uint64_t *lat_ns)
+{
+    if (fd < 0 || !direct_sizes_ok(file_bytes, read_bytes) || depth == 0 || depth > DIRECT_MAX_DEPTH ||
+        reads == 0 || file_bytes / read_bytes < depth)
         return -EINVAL;
     uint64_t nchunks = file_bytes / read_bytes, state = 0x9e3779b97f4a7c15ull;
     uint64_t t_sub[DIRECT_MAX_DEPTH], want[DIRECT_MAX_DEPTH];
     struct iovec iov[DIRECT_MAX_DEPTH];
     struct kvf_ring ring;
-    int rc, fd = -1, ring_ok = 0;
+    int rc, ring_ok = 0;
     char *bufs = NULL;
     if (posix_memalign((void **)&bufs, DIRECT_ALIGN, read_bytes * depth)) return -ENOMEM;
-    memset(bufs, 0x5a, read_bytes * depth);
-    if ((fd = direct_tmpfile(dir)) < 0) { rc = fd; goto out; }
-    if ((rc = direct_fill(fd, bufs, file_bytes, read_bytes))) goto out;
+    memset(bufs, 0, read_bytes * depth);
     if ((rc = kvf_ring_init(&ring, depth))) goto out;
     ring_ok = 1;
     for (unsigned i = 0; i < depth; i++) iov[i] = (struct iovec){bufs + i * read_bytes, read_bytes};
@@ -277,7 +295,6 @@ int kvf_bench_direct_read(const char *dir, uint64_t file_bytes, uint64_t read_by
     rc = 0;
 out:
     if (ring_ok) kvf_ring_exit(&ring);
-    if (fd >= 0) close(fd);
     free(bufs);
     return rc;
 }

@@ -13,7 +13,8 @@ Three measurements, each through real ``kvfabric serve --ssd-path DIR
    ``ssd_hits`` per object fetched is printed beside it (``ssd/get``), and
    every byte is checked. The **ceiling** is :func:`kvfabric._native.direct_read_ceiling`:
    io_uring O_DIRECT reads of the same size from registered aligned buffers,
-   depth = the batch, on a file in the same directory (same filesystem).
+   depth = the batch, on a file of ``--ceiling-mib`` written once (before
+   the first cell) in the same directory (same filesystem).
    Cells are interleaved repeat by repeat (``--repeat``); the median repeat is
    reported. Target: SSD GET GB/s >= 0.8x the ceiling.
 2. **DRAM PUT p99 with write-behind**: two servers with the same DRAM, one
@@ -127,11 +128,27 @@ def _start(dram: int, ssd_dir: str | None, ssd_bytes: int, admit: str = "all"):
     return start_server(capacity=dram, policy="lru", extra_args=extra, timeout_s=120.0)
 
 
-def measure_ceiling(directory: str, obj: int, depth: int, reads: int, file_bytes: int) -> dict[str, Any]:
+class CeilingFile:
+    """The raw read loop's file in ``directory`` (written once, unlinked at once); ``close()`` it."""
+
+    def __init__(self, directory: str, obj: int, file_bytes: int) -> None:
+        from .. import _native
+
+        self.obj, self.file_bytes = obj, file_bytes
+        self.fd = _native.direct_read_file(directory, file_bytes, obj)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def measure_ceiling(cf: CeilingFile, depth: int, reads: int) -> dict[str, Any]:
     """One cell of the raw O_DIRECT read loop: GB/s and per-read latency percentiles."""
     from .. import _native
 
-    secs, lat_ns = _native.direct_read_ceiling(directory, file_bytes, obj, depth, reads)
+    obj, file_bytes = cf.obj, cf.file_bytes
+    secs, lat_ns = _native.direct_read_ceiling(cf.fd, file_bytes, obj, depth, reads)
     out = _lat([x / 1e9 for x in lat_ns])
     out.update(gb_per_s=reads * obj / secs / 1e9, secs=secs, depth=depth, file_bytes=file_bytes)
     return out
@@ -208,12 +225,15 @@ def bench_get(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
                                 f"{ {k: v for k, v in filled.items() if k.startswith('ssd_')} }")
             cell = GetCell(client, keys, obj)
             cell.run(1, min(len(keys), 8))  # connections and the cycle's start, not measured
-            file_bytes = _ceiling_file(args)
-            for rep in range(args.repeat):
-                for b in args.batch:
-                    ceilings[b].append(measure_ceiling(ssd_dir, obj, b, args.gets * b, file_bytes))
-                    cells[b].append(cell.run(b, args.gets))
-                print(f"[tier] SSD GET repeat {rep + 1}/{args.repeat} done", file=log)
+            cf = CeilingFile(ssd_dir, obj, _ceiling_file(args))  # written once, before any cell
+            try:
+                for rep in range(args.repeat):
+                    for b in args.batch:
+                        ceilings[b].append(measure_ceiling(cf, b, args.gets * b))
+                        cells[b].append(cell.run(b, args.gets))
+                    print(f"[tier] SSD GET repeat {rep + 1}/{args.repeat} done", file=log)
+            finally:
+                cf.close()
             final = _stats(client)
     finally:
         srv.stop()
@@ -432,8 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if reason:
             # No server figure without a tier; the ceiling alone is still a real measurement.
-            rep["ceiling_only"] = [measure_ceiling(base, args.object_mib * MIB, b, args.gets * b, _ceiling_file(args))
-                                   for b in args.batch]
+            cf = CeilingFile(base, args.object_mib * MIB, _ceiling_file(args))
+            try:
+                rep["ceiling_only"] = [measure_ceiling(cf, b, args.gets * b) for b in args.batch]
+            finally:
+                cf.close()
             for part in args.parts:
                 rep["errors"][part] = reason
         else:

@@ -23,16 +23,27 @@ needs_native = pytest.mark.skipif(not NATIVE, reason=f"the C extension: {transpo
 
 @needs_native
 def test_direct_read_ceiling_reads_every_chunk(tmp_path):
+    import os
+
     from kvfabric import _native
 
-    secs, lat = _native.direct_read_ceiling(str(tmp_path), 8 << 20, 1 << 20, 4, 20)
-    assert secs > 0 and len(lat) == 20 and all(x > 0 for x in lat)
-    assert list(tmp_path.iterdir()) == []  # the file is unlinked at once
-    for bad in ((8 << 20, 1000, 1, 4), (8 << 20, 1 << 20, 0, 4), (2 << 20, 1 << 20, 4, 4), (3 << 19, 1 << 20, 1, 4)):
-        with pytest.raises(ValueError):
-            _native.direct_read_ceiling(str(tmp_path), *bad)
+    fd = _native.direct_read_file(str(tmp_path), 8 << 20, 1 << 20)
+    try:
+        assert list(tmp_path.iterdir()) == []  # the file is unlinked at once
+        for depth in (1, 4):
+            secs, lat = _native.direct_read_ceiling(fd, 8 << 20, 1 << 20, depth, 20)
+            assert secs > 0 and len(lat) == 20 and all(x > 0 for x in lat)
+        for bad in ((8 << 20, 1 << 20, 0, 4), (2 << 20, 1 << 20, 4, 4), (3 << 19, 1 << 20, 1, 4)):
+            with pytest.raises(ValueError):
+                _native.direct_read_ceiling(fd, *bad)
+        with pytest.raises(OSError):  # reads of another size do not find their chunk's stamp: EIO
+            _native.direct_read_ceiling(fd, 8 << 20, 1 << 19, 1, 4)
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError):
+        _native.direct_read_file(str(tmp_path), 8 << 20, 1000)
     with pytest.raises(OSError):
-        _native.direct_read_ceiling(str(tmp_path / "missing"), 8 << 20, 1 << 20, 1, 4)
+        _native.direct_read_file(str(tmp_path / "missing"), 8 << 20, 1 << 20)
 
 
 @needs_native
