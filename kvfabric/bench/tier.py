@@ -16,7 +16,8 @@ Three measurements, each through real ``kvfabric serve --ssd-path DIR
    depth = the batch, on a file of ``--ceiling-mib`` written once (before
    the first cell) in the same directory (same filesystem).
    Cells are interleaved repeat by repeat (``--repeat``); the median repeat is
-   reported. Target: SSD GET GB/s >= 0.8x the ceiling.
+   reported. Beside each, the same GETs of objects that stay in DRAM (the
+   request path without the tier). Target: SSD GET GB/s >= 0.8x the ceiling.
 2. **DRAM PUT p99 with write-behind**: two servers with the same DRAM, one
    with the tier, one without; ``--puts`` PUTs of distinct objects go to them
    alternately (so both see the same machine load), well past the DRAM so
@@ -167,6 +168,25 @@ class GetCell:
         self.client, self.keys, self.obj, self.cursor = client, keys, obj, 0
         self.bufs = [bytearray(obj) for _ in range(64)]
 
+    def run_dram(self, batch: int, gets: int) -> dict[str, Any]:
+        """The same GETs of ``batch`` keys that stay in DRAM (fetched again and again): the request path alone."""
+        hot = self.keys[:batch]
+        views = [memoryview(b) for b in self.bufs[:batch]]
+        self.client.get_into(hot, views)  # promoted now if they were on SSD; DRAM hits from here on
+        st0 = _stats(self.client)
+        lat = []
+        for _ in range(gets):
+            t0 = time.perf_counter()
+            sizes = self.client.get_into(hot, views)
+            lat.append(time.perf_counter() - t0)
+            if any(n != self.obj for n in sizes):
+                raise TierError(f"a DRAM-resident object came back as {sizes}")
+        st1 = _stats(self.client)
+        out = _lat(lat)
+        out.update(batch=batch, gets=gets, gb_per_s=gets * batch * self.obj / sum(lat) / 1e9,
+                   ssd_hits=st1.get("ssd_hits", 0) - st0.get("ssd_hits", 0))
+        return out
+
     def run(self, batch: int, gets: int) -> dict[str, Any]:
         views = [memoryview(b) for b in self.bufs[:batch]]
         lat, wrong, missing = [], 0, 0
@@ -213,6 +233,7 @@ def bench_get(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
     keys = [_key("get", i) for i in range(args.working_set)]
     ceilings: dict[int, list] = {b: [] for b in args.batch}
     cells: dict[int, list] = {b: [] for b in args.batch}
+    drams: dict[int, list] = {b: [] for b in args.batch}  # the same GET path with the objects in DRAM
     srv = _start(dram, ssd_dir, ssd_geometry(2 * args.working_set, obj)[0])
     try:
         with _client(srv.address, args.transport) as client:
@@ -231,6 +252,7 @@ def bench_get(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
                     for b in args.batch:
                         ceilings[b].append(measure_ceiling(cf, b, args.gets * b))
                         cells[b].append(cell.run(b, args.gets))
+                        drams[b].append(cell.run_dram(b, args.gets))
                     print(f"[tier] SSD GET repeat {rep + 1}/{args.repeat} done", file=log)
             finally:
                 cf.close()
@@ -241,7 +263,7 @@ def bench_get(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
     for b in args.batch:
         c, ceil = _median_cell(cells[b]), _median_cell(ceilings[b])
         ratio = c["gb_per_s"] / ceil["gb_per_s"] if ceil["gb_per_s"] else None
-        rows.append({"batch": b, "server": c, "ceiling": ceil, "ratio": ratio,
+        rows.append({"batch": b, "server": c, "ceiling": ceil, "ratio": ratio, "dram": _median_cell(drams[b]),
                      "target_met": ratio is not None and ratio >= TARGET_GET_RATIO and c["wrong"] == 0
                      and c["missing"] == 0})
     return {"rows": rows, "ssd_after_fill": {k: v for k, v in filled.items() if k.startswith("ssd_")},
@@ -368,8 +390,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="bench-results/tier.json")
     args = p.parse_args(argv)
     if args.quick:
-        args.dram_mib, args.working_set, args.gets, args.repeat = 16, 48, 12, 1
-        args.ceiling_mib, args.puts, args.restart_objects, args.batch = 32, 40, 24, [1, 4]
+        args.dram_mib, args.working_set, args.gets, args.repeat = 32, 72, 12, 1
+        args.ceiling_mib, args.puts, args.restart_objects, args.batch = 32, 60, 64, [1, 4]
     args.parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in args.parts if x not in ("get", "put", "restart")]
     if bad or not args.parts:
@@ -403,6 +425,11 @@ def print_report(rep: dict[str, Any], out=None) -> None:
                   f"{_fmt(s['ssd_per_object'], '.2f'):>7} {s['wrong'] + s['missing']:>5} | {c['depth']:>5} "
                   f"{c['gb_per_s']:>9.3f} {c['p50_us']:>8.0f} {c['p99_us']:>8.0f} | {_fmt(r['ratio'], '.2f'):>5}x "
                   f">= {TARGET_GET_RATIO}x: {'met' if r['target_met'] else 'NOT met'}", file=out)
+        for r in get["rows"]:
+            d = r.get("dram")
+            if d:
+                print(f"  the same {r['batch']}-key GET of objects in DRAM: {d['gb_per_s']:.3f} GB/s, p50 "
+                      f"{d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us (ssd hits meanwhile {d['ssd_hits']})", file=out)
         print("read us = the server's mean time per SSD record read (STATS ssd_read_us_total / ssd_reads); ssd/get = "
               "STATS ssd_hits per object fetched (1.00: every object came from the SSD tier); wrong = missing or "
               "other bytes", file=out)

@@ -73,13 +73,15 @@ def test_bench_tier_quick_measures_real_servers(tmp_path):
         assert s["wrong"] == 0 and s["missing"] == 0 and s["objects"] == s["gets"] * row["batch"]
         assert s["ssd_hits"] > 0 and s["gb_per_s"] > 0 and c["gb_per_s"] > 0 and c["depth"] == row["batch"]
         assert row["ratio"] == pytest.approx(s["gb_per_s"] / c["gb_per_s"])
+        assert row["dram"]["ssd_hits"] == 0 and row["dram"]["gb_per_s"] > 0
     put = rep["put"]
-    assert put["off"]["n"] == put["on"]["n"] == 40 and put["ssd_writes_during"] > 0
+    assert put["off"]["n"] == put["on"]["n"] == 60 and put["ssd_writes_during"] > 0
     drained, during = rep["restart"]
     assert drained["mode"] == "drained" and during["mode"] == "during-writes"
-    for r in (drained, during):
-        assert r["wrong"] == 0 and r["ssd_objects_before_kill"] > 0 and r["served"] > 0
-    assert drained["ssd_objects_after_restart"] > 0
+    for r in (drained, during):  # during: the kill may land before any write-behind finished
+        assert r["wrong"] == 0 and r["served"] <= r["denominator"]
+    assert drained["ssd_objects_before_kill"] > 0 and drained["ssd_objects_after_restart"] > 0
+    assert drained["served"] > 0
 
 
 @needs_native
