@@ -43,8 +43,10 @@ reports its own ``ssd_*`` counters beside the model's, so a difference shows.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..server.eviction import make_policy
 from .belady import HitCount
@@ -339,3 +341,30 @@ def ssd_geometry(blocks: int, block_bytes: int) -> tuple[int, int, int]:
         per_seg = seg // rec
         nsegs = max(2, -(-blocks // per_seg))
     return SSD_ALIGN + nsegs * seg, nsegs * per_seg, per_seg
+
+
+def print_tiers(report: dict[str, Any], out=None) -> None:
+    """Per run: the exists level against infinite capacity, hits per tier (simulated), the servers' SSD counters."""
+    out = out or sys.stdout
+    inf = report["infinite"]["block_hit_rate"]
+    print(f"tiers: DRAM {report['capacity_fraction']:.1%} + SSD {report.get('ssd_capacity_fraction', 0):.1%} of "
+          f"unique blocks; infinite {inf:.1%}", file=out)
+    print(f"{'run':>16} {'exists':>7} {'/inf':>6} {'dram':>6} {'ssd':>6} {'useful':>7} {'ssd hits':>9} "
+          f"{'ssd writes':>10} {'drops':>6} {'skips':>6} {'read us':>8} {'corrupt':>7}", file=out)
+    for r in report["runs"]:
+        ex = r["levels"]["exists"]["block_hit_rate"]
+        t = (r.get("sim") or {}).get("tiers") or {}
+        s = r.get("ssd") or {}
+        use = t.get("useful", {}).get("block_hit_rate")
+
+        def f(v: Any, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        print(f"{r.get('label', r['policy']):>16} {ex:>7.1%} {f(ex / inf if inf else None, '.1%'):>6} "
+              f"{f(t.get('dram_block_hit_rate'), '.1%'):>6} {f(t.get('ssd_block_hit_rate'), '.1%'):>6} "
+              f"{f(use, '.1%'):>7} {f(s.get('ssd_hits'), '.0f'):>9} {f(s.get('ssd_writes'), '.0f'):>10} "
+              f"{f(s.get('ssd_write_drops'), '.0f'):>6} {f(s.get('ssd_admit_skips'), '.0f'):>6} "
+              f"{f(s.get('ssd_read_us'), '.0f'):>8} {f(s.get('ssd_corrupt'), '.0f'):>7}", file=out)
+    print("exists/inf = exists level over the infinite-capacity rate; dram/ssd/useful = the two-level simulator "
+          "(useful with the servers' measured SSD read time per block); the rest = the servers' ssd_* STATS",
+          file=out)
