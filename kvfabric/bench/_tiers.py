@@ -64,7 +64,7 @@ class TieredShard:
 
     __slots__ = ("policy", "dram", "ssd", "hit", "capacity", "ssd_capacity", "segment", "wpos", "admit",
                  "evictions", "ssd_writes", "ssd_overwrites", "ssd_admit_skips", "ssd_hits", "ssd_misses",
-                 "promotions", "last_promoted", "promote_max")
+                 "promotions", "last_promoted", "promote_max", "self_evictions")
 
     def __init__(self, policy: str, dram_capacity: int, ssd_capacity: int, admit: str = "all",
                  kwargs: dict | None = None, segment_blocks: int = 0, promote_max: int | None = None) -> None:
@@ -84,6 +84,7 @@ class TieredShard:
         self.wpos = 0
         self.evictions = self.ssd_writes = self.ssd_overwrites = self.ssd_admit_skips = 0
         self.ssd_hits = self.ssd_misses = self.promotions = 0
+        self.self_evictions = 0  # DRAM blocks of a LOOKUP's own run evicted by that LOOKUP's promotions
         self.last_promoted: set[bytes] = set()  # keys the last lookup() promoted from SSD
         self.promote_max = max(1, dram_capacity // 4) if promote_max is None else promote_max
 
@@ -92,14 +93,17 @@ class TieredShard:
 
     def lookup(self, keys: list[bytes]) -> int:
         """LOOKUP: promote the SSD keys of the leading run held anywhere, then the leading run in DRAM (touched)."""
-        todo = []
+        todo, mine = [], []
         for k in keys:
             if k in self.dram:
+                mine.append(k)
                 continue
             if k not in self.ssd or len(todo) >= self.promote_max:
                 break
             todo.append(k)
         self.last_promoted = self._promote(todo)
+        if todo:
+            self.self_evictions += sum(1 for k in mine if k not in self.dram)
         n = 0
         for k in keys:
             if k not in self.dram:
@@ -180,7 +184,7 @@ class TieredShard:
         return {"dram_objects": len(self.dram), "ssd_objects": len(self.ssd), "evictions": self.evictions,
                 "ssd_writes": self.ssd_writes, "ssd_overwrites": self.ssd_overwrites,
                 "ssd_admit_skips": self.ssd_admit_skips, "ssd_hits": self.ssd_hits, "ssd_misses": self.ssd_misses,
-                "promotions": self.promotions}
+                "promotions": self.promotions, "lookup_self_evictions": self.self_evictions}
 
 
 @dataclass

@@ -29,7 +29,7 @@ def test_admit_all_exact():
     assert (r.tiers.dram_blocks, r.tiers.ssd_blocks) == (1, 4)
     assert r.tier_counters == {"dram_objects": 2, "ssd_objects": 3, "evictions": 6, "ssd_writes": 6,
                                "ssd_overwrites": 3, "ssd_admit_skips": 0, "ssd_hits": 4, "ssd_misses": 0,
-                               "promotions": 4}
+                               "promotions": 4, "lookup_self_evictions": 0}
 
 
 def test_admit_hit_exact():
@@ -68,7 +68,7 @@ def test_lookup_promotes_at_most_the_dram_and_ends_the_run_at_a_victim():
     for k in (b"a", b"b", b"c", b"d"):
         s.put(k, None)  # D{c,d}, log [a,b]
     # a, b promoted: their two slots evict c and d, the run's own DRAM blocks -> the run is a, b
-    assert s.lookup([b"a", b"b", b"c", b"d"]) == 2
+    assert s.lookup([b"a", b"b", b"c", b"d"]) == 2 and s.self_evictions == 2
     t = TieredShard("lru", 1, 8, promote_max=2)
     for k in (b"a", b"b", b"c"):
         t.put(k, None)  # D{c}, log [a,b]
