@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="replay a bundled real workload (musique: 150 MuSiQue questions x 10 passages) instead of "
                         "generating one; --block-tokens 16 or 256 (default 256)")
     p.add_argument("--out-dir", default="bench-results", help="where the trace, JSON and PNG go (default bench-results)")
-    p.add_argument("--capacity", type=float, default=0.1, help="pool capacity for the real replay (default 0.1)")
+    p.add_argument("--capacity", "--dram-capacity", dest="capacity", type=float, default=0.1,
+                   help="pool (DRAM) capacity for the real replay (default 0.1)")
     p.add_argument("--capacities", type=_floats, default=[0.01, 0.05, 0.1, 0.25, 0.5],
                    help="simulated capacities for the plot (default 0.01,0.05,0.1,0.25,0.5)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default all)")

@@ -32,6 +32,14 @@ infinite-capacity hit rate at the same total capacity, the gap each policy
 closes between LRU and Belady, and (unless ``--no-check-sim``) replays the
 trace through :mod:`kvfabric.bench.simulate` with the same servers and key
 salt and reports whether the exists level matched request for request.
+With ``--ssd-capacity F`` the local servers get an SSD tier of F x the
+unique blocks (split over the shards) below their DRAM arena of
+``--dram-capacity`` (= ``--capacity``), in directories under ``--ssd-dir``
+(:mod:`kvfabric.bench._tiers`), once per ``--ssd-admit`` rule (``off`` = the
+same DRAM without a tier); each run reports the servers' ``ssd_*`` STATS,
+hits per tier and the useful level from the two-level simulator with the
+servers' measured SSD read time per block, and the cross-check is against
+that simulator. A server without the tier stops the run with the reason.
 Prints a table, writes JSON (``--json``). Exit status 2 on bad arguments or
 an unreadable trace, 1 when a server could not start.
 """
@@ -55,6 +63,7 @@ from ..testing.reference.arena import PAGE_SIZE, pages_for
 from ..server.eviction import POLICIES
 from .belady import ChunkCount, HitCount, belady, belady_chunks, chunk_hit_blocks, infinite, infinite_chunks
 from .simulate import gap_closed, shard_capacity, simulate
+from ._tiers import ADMIT_RULES, print_tiers, ssd_geometry, start_tiered_pool, tier_stats
 from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 LLAMA31_8B_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
@@ -84,6 +93,9 @@ class ReplayOptions:
     key_mode: str = "prefix"
     get_window_bytes: int = DEFAULT_GET_WINDOW_BYTES
     spread: int = 0
+    ssd_capacity: float = 0.0
+    ssd_admit: list[str] = field(default_factory=lambda: ["all"])
+    ssd_dir: str | None = None
 
     def validate(self) -> None:
         if self.shards < 1 or self.shards > 64:
@@ -105,6 +117,13 @@ class ReplayOptions:
                 raise ValueError(f"--servers takes host:port,... ; {a!r} is not host:port")
         if not 0 <= self.spread <= 64:
             raise ValueError(f"--spread must be in 0..64, got {self.spread}")
+        if not 0 <= self.ssd_capacity <= 100:
+            raise ValueError(f"--ssd-capacity is a fraction of unique blocks in [0, 100], got {self.ssd_capacity}")
+        for a in self.ssd_admit:
+            if a not in ("off", *ADMIT_RULES):
+                raise ValueError(f"--ssd-admit must be off, all or hit, got {a!r}")
+        if self.ssd_capacity and self.servers:
+            raise ValueError("--ssd-capacity sizes the local servers' tier; running --servers have theirs already")
         if self.key_mode not in KEY_MODES:
             raise ValueError(f"--key-mode must be one of {KEY_MODES}, got {self.key_mode!r}")
         if not 1 <= self.get_window_bytes <= 1 << 34:
@@ -279,6 +298,8 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
         "servers": {a: {k: s.get(k) for k in ("policy", "capacity", "objects", "evictions", "hits", "misses")}
                     for a, s in server_stats.items() if isinstance(s, dict)},
     }
+    if any(isinstance(s, dict) and "ssd_capacity" in s for s in server_stats.values()):
+        out["ssd"] = tier_stats(server_stats)
     if chunks:
         out["chunk_levels"] = {k: v.as_dict() for k, v in clevels.items()}
     return out
@@ -366,20 +387,42 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         out.update(policy=policy, shards=len(opt.servers), blocks_per_shard=per_shard)
         report["runs"].append(out)
     else:
+        import tempfile
+
         from ..testing.servers import start_pool
 
-        for pol in opt.policies:
+        ssd_per = ssd_seg = ssd_bytes = 0
+        if opt.ssd_capacity:
+            # the log the server lays out for that many blocks (whole segments): the simulator gets the same
+            ssd_bytes, ssd_per, ssd_seg = ssd_geometry(shard_capacity(trace, opt.ssd_capacity, opt.shards),
+                                                       block_bytes)
+            report.update(ssd_blocks_per_shard=ssd_per, ssd_capacity_blocks=ssd_per * opt.shards,
+                          ssd_capacity_fraction=ssd_per * opt.shards / trace.unique_blocks,
+                          ssd_bytes_per_shard=ssd_bytes, ssd_segment_blocks=ssd_seg)
+        for pol, admit in [(p, a) for p in opt.policies for a in (opt.ssd_admit if ssd_per else ["off"])]:
+            tier = ssd_per if admit != "off" else 0
+            label = pol if not ssd_per else f"{pol}/{'dram-only' if admit == 'off' else 'ssd-' + admit}"
             # evict only when a PUT finds no room, so the servers hold exactly per_shard blocks
             # (the simulator's model); `kvfabric serve` otherwise evicts ahead of demand
-            with start_pool(opt.shards, capacity=per_shard * slot, policy=pol,
-                            extra_args=["--evict-watermarks", "0,0"]) as pool:
-                out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {pol}")
-                addresses = pool.addresses
-            out.update(policy=pol, shards=opt.shards, blocks_per_shard=per_shard)
+            args = ("--evict-watermarks", "0,0")
+            with tempfile.TemporaryDirectory(prefix="kvfabric-replay-ssd-", dir=opt.ssd_dir) as ssd_dir:
+                pool = (start_tiered_pool(opt.shards, per_shard * slot, pol, ssd_dir, ssd_bytes, admit, args) if tier else
+                        start_pool(opt.shards, capacity=per_shard * slot, policy=pol, extra_args=list(args)))
+                with pool:
+                    out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {label}")
+                    addresses = pool.addresses
+            out.update(policy=pol, label=label, admit=admit if ssd_per else None, shards=opt.shards,
+                       blocks_per_shard=per_shard)
             if opt.check_sim:
-                sim = simulate(trace, pol, per_shard, addresses, salt=opt.salt, chunks=opt.key_mode == "chunk")
+                ssd_us = (out.get("ssd") or {}).get("ssd_read_us")
+                sim = simulate(trace, pol, per_shard, addresses, salt=opt.salt, chunks=opt.key_mode == "chunk",
+                               ssd_blocks_per_shard=tier, admit=admit if tier else "all", ssd_segment_blocks=ssd_seg,
+                               ssd_read_us=ssd_us,
+                               prefill_tokens_per_s=opt.prefill_tokens_per_s)
                 diff = sum(1 for a, b in zip(sim.hits.runs, out["exists_runs"]) if a != b)
                 out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": diff}
+                if sim.tiers is not None:
+                    out["sim"].update(tiers=sim.tiers.as_dict(), tier_counters=sim.tier_counters)
                 if sim.chunk_hits is not None:
                     out["sim"]["chunk_hit_blocks"] = sim.chunk_hits.hit_blocks
                     real_chunk = out["chunk_levels"]["exists"]["hit_blocks"]
@@ -397,9 +440,11 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         (bp, bc), (ip, ic) = belady_chunks(trace, total), infinite_chunks(trace)
         report["chunk_reference"] = {"belady": {"prefix": bp.as_dict(), "chunk": bc.as_dict()},
                                      "infinite": {"prefix": ip.as_dict(), "chunk": ic.as_dict()}}
-    lru = next((r for r in report["runs"] if r["policy"] == "lru"), None)
+    lru = next((r for r in report["runs"] if r["policy"] == "lru" and r.get("admit") in (None, "off")),
+               next((r for r in report["runs"] if r["policy"] == "lru"), None))
     for r in report["runs"]:
-        r["gap_closed"] = None if lru is None else gap_closed(
+        tiered = r.get("admit") not in (None, "off")  # more capacity than Belady's: no gap to speak of
+        r["gap_closed"] = None if lru is None or tiered else gap_closed(
             r["levels"]["exists"]["block_hit_rate"], lru["levels"]["exists"]["block_hit_rate"], bound.block_hit_rate)
         del r["exists_runs"]
     return report
@@ -431,12 +476,14 @@ def print_report(report: dict[str, Any], out=None) -> None:
         sim = r.get("sim")
         simtxt = "-" if sim is None else ("ok" if sim["requests_differing"] == 0 else f"{sim['requests_differing']}d")
         gb = (r["bytes"]["get_bytes"] + r["bytes"]["put_bytes"]) / 1e9
-        print(f"{r['policy']:>11} {lv(r['levels']['exists']):>13} {lv(r['levels']['loaded']):>13} "
+        print(f"{r.get('label', r['policy']):>11} {lv(r['levels']['exists']):>13} {lv(r['levels']['loaded']):>13} "
               f"{lv(r['levels']['useful']):>13} {'-' if g is None else f'{g:.0%}':>5} {ms(r['latency']['lookup']):>15} "
               f"{ms(r['latency']['get']):>15} {ms(r['latency']['put']):>15} {r['requests_per_s']:>6.0f} {gb:>8.2f} "
               f"{simtxt:>5}", file=out)
     print("gap = share of the LRU-to-Belady gap closed (exists level); sim = offline simulator agrees "
           "request by request", file=out)
+    if any("ssd" in r or "admit" in r and r["admit"] for r in report["runs"]):
+        print_tiers(report, out)
     for r in report["runs"]:
         sp = r.get("sharding_spread")
         if sp:
@@ -480,7 +527,7 @@ def print_chunk_levels(report: dict[str, Any], out=None) -> None:
         sim = r.get("sim")
         simtxt = "-" if sim is None else (
             "ok" if sim["requests_differing"] == 0 and sim.get("chunk_agrees", True) else "differ")
-        print(f"{r['policy']:>11} {lv['exists']['token_hit_rate']:>13.1%} {lv['loaded']['token_hit_rate']:>7.1%} "
+        print(f"{r.get('label', r['policy']):>11} {lv['exists']['token_hit_rate']:>13.1%} {lv['loaded']['token_hit_rate']:>7.1%} "
               f"{lv['useful']['token_hit_rate']:>7.1%} | {cl['exists']['token_hit_rate']:>12.1%} "
               f"{cl['loaded']['token_hit_rate']:>7.1%} {cl['useful']['token_hit_rate']:>7.1%} | {simtxt:>5}", file=out)
     if ref:
@@ -521,6 +568,11 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
     p.add_argument("--spread", type=int, default=None,
                    help="with 2+ shards, also simulate N other server-id sets and report the exists level's range "
                         "(sharding follows the servers' random ports; default 0)")
+    p.add_argument("--ssd-capacity", type=float, default=0.0,
+                   help="SSD tier below each local server's DRAM, a fraction of unique blocks (default 0: none)")
+    p.add_argument("--ssd-admit", action="append", choices=("off", *ADMIT_RULES), default=None,
+                   help="SSD admission rule, repeatable, one run each: all, hit, or off (DRAM only; default all)")
+    p.add_argument("--ssd-dir", default=None, help="where the local servers' SSD directories go (default the temp dir)")
     if block_tokens:
         p.add_argument("--block-tokens", type=int, default=None,
                        help="tokens per trace block (default: the trace's, else 512)")
@@ -534,7 +586,8 @@ def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
               deadline_ms=args.deadline_ms, timeout_s=args.timeout_s, timed=args.timed, speedup=args.speedup,
               salt=salt, servers=servers,
               check_sim=not args.no_check_sim, progress=not args.no_progress, key_mode=args.key_mode or "prefix",
-              spread=args.spread or 0, get_window_bytes=int(args.window_mib * (1 << 20)))
+              spread=args.spread or 0, get_window_bytes=int(args.window_mib * (1 << 20)),
+              ssd_capacity=args.ssd_capacity, ssd_admit=args.ssd_admit or ["all"], ssd_dir=args.ssd_dir)
     kw.update(over)
     return ReplayOptions(**kw)
 
@@ -545,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", help="trace file, or mooncake-conversation / mooncake-synthetic")
     p.add_argument("--policy", action="append", choices=sorted(POLICIES),
                    help="policy of the local servers (repeatable; default lru and prefix-lfu)")
-    p.add_argument("--capacity", type=float, default=0.1, help="pool capacity as a fraction of unique blocks (default 0.1)")
+    p.add_argument("--capacity", "--dram-capacity", dest="capacity", type=float, default=0.1,
+                   help="pool (DRAM) capacity as a fraction of unique blocks (default 0.1)")
     p.add_argument("--servers", default=None, help="replay against these running servers (host:port,...)")
     p.add_argument("--json", default=None, help="write the report here (default bench-results/replay-<trace>.json)")
     add_common_arguments(p)

@@ -30,6 +30,12 @@ of every passage's missing chunk blocks, each with its parent (the previous
 block of the same passage). The chunk level is counted with
 :class:`kvfabric.bench.belady.ChunkCount`.
 
+With ``ssd_blocks_per_shard > 0`` each shard has a second level, an SSD
+log below the DRAM arena (:class:`kvfabric.bench._tiers.TieredShard`: write
+behind on eviction, admission ``all`` or ``hit``, promotion on GET), and the
+result carries hits per tier and the useful level for given read times per
+block (:class:`kvfabric.bench._tiers.TierCount`).
+
 Capacity is counted in blocks per shard. Every block has the same byte size
 (partial last blocks are stored at full size, as a paged engine allocates
 them), so ``blocks_per_shard`` blocks of ``block_bytes`` fill an arena of
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from ..server.eviction import POLICIES, make_policy
 from ..sharding import owners
 from .belady import CHUNK_ID_BASE, ChunkCount, HitCount, belady, chunk_hit_blocks, infinite
+from ._tiers import ADMIT_RULES, TierCount, TieredShard
 from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 
 
@@ -72,6 +79,10 @@ class SimResult:
     hits: HitCount
     evictions: int
     chunk_hits: ChunkCount | None = None
+    ssd_blocks_per_shard: int = 0
+    admit: str | None = None
+    tiers: TierCount | None = None
+    tier_counters: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
         out = {"policy": self.policy, "blocks_per_shard": self.blocks_per_shard, "shards": self.shards,
@@ -79,17 +90,31 @@ class SimResult:
         out.update(self.hits.as_dict())
         if self.chunk_hits is not None:
             out["chunk"] = self.chunk_hits.as_dict()
+        if self.tiers is not None:
+            out.update(ssd_blocks_per_shard=self.ssd_blocks_per_shard, ssd_capacity_blocks=self.ssd_blocks_per_shard
+                       * self.shards, admit=self.admit, tiers=self.tiers.as_dict(), tier_counters=self.tier_counters)
         return out
 
 
 class _Shard:
     __slots__ = ("policy", "held", "capacity", "evictions")
+    last_promoted: frozenset = frozenset()  # one level: a LOOKUP never promotes
 
     def __init__(self, policy: str, capacity: int, kwargs: dict) -> None:
         self.policy = make_policy(policy, **kwargs)
         self.held: set[bytes] = set()
         self.capacity = capacity
         self.evictions = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.held
+
+    def get(self, key: bytes, parent: bytes | None) -> str:
+        """GET of a held block touches the policy; ``"dram"`` (the one level there is), ``"miss"`` if not held."""
+        if key not in self.held:
+            return "miss"
+        self.policy.on_access(key)
+        return "dram"
 
     def lookup(self, keys: list[bytes]) -> int:
         n = 0
@@ -127,20 +152,41 @@ def simulate(
     policy_kwargs: dict | None = None,
     progress: Callable[[int], None] | None = None,
     chunks: bool = False,
+    ssd_blocks_per_shard: int = 0,
+    admit: str = "all",
+    ssd_segment_blocks: int = 0,
+    ssd_read_us: float | None = None,
+    dram_read_us: float = 0.0,
+    prefill_tokens_per_s: float = 8000.0,
 ) -> SimResult:
     """Replay ``trace`` offline through ``policy`` on ``len(servers)`` shards of ``blocks_per_shard`` blocks.
 
     ``servers`` are the ``host:port`` ids used for sharding (one stand-in
     shard when None); ``salt`` is the key salt of :func:`block_keys`;
-    ``chunks`` selects the prefix+chunk key mode. Raises
-    ``ValueError`` for an unknown policy or a capacity below one block.
+    ``chunks`` selects the prefix+chunk key mode. ``ssd_blocks_per_shard``
+    > 0 adds the SSD log below each shard's DRAM (admission ``admit``,
+    segments of ``ssd_segment_blocks`` records, 0: one record at a time); the
+    result's ``tiers`` then splits the hits per tier and, when
+    ``ssd_read_us`` (read time of one block from SSD, microseconds) is given,
+    counts the useful level against ``prefill_tokens_per_s``. Raises
+    ``ValueError`` for an unknown policy or admission rule or a capacity
+    below one block.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
     if blocks_per_shard < 1:
         raise ValueError(f"blocks_per_shard must be >= 1, got {blocks_per_shard}")
+    if ssd_blocks_per_shard < 0 or admit not in ADMIT_RULES:
+        raise ValueError(f"ssd_blocks_per_shard must be >= 0 and admit one of {ADMIT_RULES}")
     servers = list(servers) if servers else default_servers(1)
-    shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
+    tiered = ssd_blocks_per_shard > 0
+    shards: list[_Shard] | list[TieredShard]
+    if tiered:
+        shards = [TieredShard(policy, blocks_per_shard, ssd_blocks_per_shard, admit, policy_kwargs, ssd_segment_blocks)
+                  for _ in servers]
+    else:
+        shards = [_Shard(policy, blocks_per_shard, policy_kwargs or {}) for _ in servers]
+    tiers = TierCount(ssd_read_us, dram_read_us, prefill_tokens_per_s) if tiered else None
     owner: dict[int, int] = {}
 
     def owned(ids: list[int], keys: list[bytes]) -> list[int]:
@@ -166,16 +212,19 @@ def simulate(
                 ck = chunk_block_keys(ids, salt)
                 ckeys.append(ck)
                 cown.append(owned([CHUNK_ID_BASE + h for h in ids], ck))
-                cruns.append(next((j for j, (k, s) in enumerate(zip(ck, cown[-1])) if k not in shards[s].held),
+                cruns.append(next((j for j, (k, s) in enumerate(zip(ck, cown[-1])) if k not in shards[s]),
                                   len(ck)))
-        for k, s in zip(keys[:run], own[:run]):
-            shards[s].policy.on_access(k)  # GET hit
+        n_ssd = sum(1 for k, s in zip(keys[:run], own[:run]) if k in shards[s].last_promoted)  # read by LOOKUP
+        for j in range(run):  # GET hits: touch in DRAM, or read from SSD and promote
+            n_ssd += shards[own[j]].get(keys[j], keys[j - 1] if j else None) == "ssd"
         if chunks:
-            for c, j, _ in chunk_hit_blocks(r, trace.block_tokens, run, cruns):
-                shards[cown[c][j]].policy.on_access(ckeys[c][j])  # GET of a chunk hit
+            for c, j, _ in chunk_hit_blocks(r, trace.block_tokens, run, cruns):  # GET of a chunk hit
+                shards[cown[c][j]].get(ckeys[c][j], ckeys[c][j - 1] if j else None)
         for j in range(run, len(keys)):
             shards[own[j]].put(keys[j], keys[j - 1] if j else None)
         hits.add(trace, i, run)
+        if tiers is not None:
+            tiers.add(trace, i, run, n_ssd)
         if chunk_hits is not None:
             for c, ck in enumerate(ckeys):
                 for j in range(cruns[c], len(ck)):
@@ -183,7 +232,14 @@ def simulate(
             chunk_hits.add(trace, i, run, cruns)
         if progress is not None:
             progress(1)
-    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards), chunk_hits)
+    counters = None
+    if tiered:
+        counters = {}
+        for sh in shards:
+            for k, v in sh.counters().items():  # type: ignore[union-attr]
+                counters[k] = counters.get(k, 0) + v
+    return SimResult(policy, blocks_per_shard, len(servers), hits, sum(s.evictions for s in shards), chunk_hits,
+                     ssd_blocks_per_shard if tiered else 0, admit if tiered else None, tiers, counters)
 
 
 def _lookup(shards: list[_Shard], keys: list[bytes], own: list[int]) -> int:
@@ -210,7 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvfabric bench simulate",
                                 description="Offline hit rates of the server's eviction policies, Belady and infinite.")
     p.add_argument("trace", help="trace file or bundled name (mooncake-conversation, mooncake-synthetic)")
-    p.add_argument("--capacity", type=float, action="append", help="fraction of unique blocks (repeatable; default 0.05 and 0.1)")
+    p.add_argument("--capacity", "--dram-capacity", dest="capacity", type=float, action="append",
+                   help="(DRAM) fraction of unique blocks (repeatable; default 0.05 and 0.1)")
+    p.add_argument("--ssd-capacity", type=float, default=0.0,
+                   help="also simulate an SSD log of this fraction of unique blocks below DRAM (default 0: none)")
+    p.add_argument("--ssd-admit", action="append", choices=ADMIT_RULES, help="SSD admission, repeatable (default all)")
+    p.add_argument("--ssd-read-us", type=float, default=None,
+                   help="read time of one block from SSD in us, for the tiered useful level (e.g. the ssd_read_us "
+                        "of a tiered replay); with --prefill-tokens-per-s (default 8000)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0)
     p.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable; default all")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--block-tokens", type=int, default=None)
@@ -229,9 +293,16 @@ def main(argv: list[str] | None = None) -> int:
             bound = belady(trace, per * args.shards)
             res = {pol: simulate(trace, pol, per, servers) for pol in pols}
             lru = res["lru"].hits.block_hit_rate if "lru" in res else None
+            if args.ssd_capacity:
+                ssd = shard_capacity(trace, args.ssd_capacity, args.shards)
+                for pol in pols:
+                    for admit in args.ssd_admit or ["all"]:
+                        res[f"{pol}/ssd-{admit}"] = simulate(
+                            trace, pol, per, servers, ssd_blocks_per_shard=ssd, admit=admit,
+                            ssd_read_us=args.ssd_read_us, prefill_tokens_per_s=args.prefill_tokens_per_s)
             for pol, r in res.items():
                 row = r.as_dict() | {"capacity_fraction": frac, "belady": bound.block_hit_rate,
-                                     "infinite": inf.block_hit_rate}
+                                     "infinite": inf.block_hit_rate, "policy": pol}
                 row["gap_closed"] = gap_closed(r.hits.block_hit_rate, lru, bound.block_hit_rate) if lru is not None else None
                 rows.append(row)
     except (TraceError, ValueError) as e:
@@ -239,11 +310,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{trace.name}: {len(trace)} requests, {trace.total_blocks} blocks, {trace.unique_blocks} unique, "
           f"{args.shards} shard(s)")
-    print(f"{'capacity':>9} {'policy':>11} {'hit':>7} {'belady':>7} {'infinite':>8} {'gap closed':>10}")
+    tiered = any("tiers" in row for row in rows)
+    extra = f" {'/inf':>6} {'dram':>6} {'ssd':>6} {'useful':>7}" if tiered else ""
+    print(f"{'capacity':>9} {'policy':>15} {'hit':>7} {'belady':>7} {'infinite':>8} {'gap closed':>10}{extra}")
     for row in rows:
         g = row["gap_closed"]
-        print(f"{row['capacity_fraction']:>9.1%} {row['policy']:>11} {row['block_hit_rate']:>7.1%} "
-              f"{row['belady']:>7.1%} {row['infinite']:>8.1%} {'-' if g is None else f'{g:.0%}':>10}")
+        line = (f"{row['capacity_fraction']:>9.1%} {row['policy']:>15} {row['block_hit_rate']:>7.1%} "
+                f"{row['belady']:>7.1%} {row['infinite']:>8.1%} {'-' if g is None else f'{g:.0%}':>10}")
+        if tiered:
+            t = row.get("tiers")
+            rel = row["block_hit_rate"] / row["infinite"] if row["infinite"] else 0.0
+            use = (t or {}).get("useful", {}).get("block_hit_rate")
+            line += (f" {rel:>6.1%} {t['dram_block_hit_rate']:>6.1%} {t['ssd_block_hit_rate']:>6.1%} "
+                     f"{'-' if use is None else f'{use:.1%}':>7}" if t else f" {rel:>6.1%}")
+        print(line)
+    if tiered:
+        print(f"/ssd-RULE rows: DRAM at the capacity + an SSD log of {args.ssd_capacity:.0%} of unique blocks; "
+              f"gap closed and belady are for DRAM alone; /inf = hit over infinite capacity")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trace": trace.name, "shards": args.shards, "rows": rows}, f, indent=1)

@@ -16,6 +16,12 @@ servers; dashed = Belady, dotted = infinite). Defaults: both bundled Mooncake
 traces, capacities 1, 5, 10, 25, 50%, real replays at 5% and 10% (several
 minutes on two cores; ``--real none`` for the offline figure alone, about a
 minute).
+
+With ``--ssd-capacity F`` every point also carries, per policy and
+``--ssd-admit`` rule, the two-level simulation (DRAM at the point's capacity
++ an SSD log of F x the unique blocks; :mod:`kvfabric.bench._tiers`) as a
+``POLICY/ssd-RULE`` column and line, and the ``--real`` replays start tiered
+servers (``off`` = the same DRAM without a tier, shown as the policy itself).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from .replay import (
     print_report,
     run_replay,
 )
+from ._tiers import ssd_geometry
 from .simulate import default_servers, gap_closed, shard_capacity, simulate
 from .traces import Trace, TraceError, load_trace
 
@@ -78,12 +85,23 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
                 for name, (p, c) in (("belady", bc), ("infinite", inf_c))}
         print(f"[sweep] {trace.name} capacity {frac:.0%}: simulating {', '.join(policies)}"
               f"{' (prefix+chunk keys)' if chunks else ''}", file=log)
-        for pol in policies:
-            r = simulate(trace, pol, per, sim_servers, chunks=chunks)
-            row["sim"][pol] = {"block_hit_rate": r.hits.block_hit_rate, "token_hit_rate": r.hits.token_hit_rate}
+        ssd = seg = 0
+        if opt.ssd_capacity:  # the log a real server lays out for that many blocks (see replay)
+            _, ssd, seg = ssd_geometry(shard_capacity(trace, opt.ssd_capacity, opt.shards),
+                                       trace.block_tokens * opt.bytes_per_token)
+        runs = [(pol, pol, 0, "all") for pol in policies]
+        if ssd:
+            row["ssd_capacity_blocks"] = ssd * opt.shards
+            runs += [(f"{pol}/ssd-{a}", pol, ssd, a) for pol in policies for a in opt.ssd_admit if a != "off"]
+        for name, pol, tier, admit in runs:
+            r = simulate(trace, pol, per, sim_servers, chunks=chunks, ssd_blocks_per_shard=tier, admit=admit,
+                         ssd_segment_blocks=seg)
+            row["sim"][name] = {"block_hit_rate": r.hits.block_hit_rate, "token_hit_rate": r.hits.token_hit_rate}
+            if r.tiers is not None:
+                row["sim"][name]["tiers"] = r.tiers.as_dict()
             if r.chunk_hits is not None:
-                row["sim"][pol]["chunk_block_hit_rate"] = r.chunk_hits.block_hit_rate
-                row["sim"][pol]["chunk_token_hit_rate"] = r.chunk_hits.token_hit_rate
+                row["sim"][name]["chunk_block_hit_rate"] = r.chunk_hits.block_hit_rate
+                row["sim"][name]["chunk_token_hit_rate"] = r.chunk_hits.token_hit_rate
         if frac in real:
             rep = run_replay(trace, ReplayOptions(**{**opt.__dict__, "capacity": frac, "policies": policies,
                                                      "servers": None}))
@@ -91,10 +109,14 @@ def sweep_trace(trace: Trace, capacities: list[float], policies: list[str], real
             for run in rep["runs"]:
                 keep = ("levels", "chunk_levels", "sharding_spread", "latency", "bytes", "requests_per_s",
                         "gap_closed", "sim", "wall_s")
-                row["real"][run["policy"]] = {k: run.get(k) for k in keep}
+                name = run["policy"] if run.get("admit") in (None, "off") else f"{run['policy']}/ssd-{run['admit']}"
+                row["real"][name] = {k: run.get(k) for k in keep + ("ssd",)}
         for kind in ("sim", "real"):
             lru = row[kind].get("lru")
             for pol, v in row[kind].items():
+                if "/ssd-" in pol:  # a tier changes the capacity: the DRAM-only gap says nothing about it
+                    v["gap_closed"] = None
+                    continue
                 rate = v["block_hit_rate"] if kind == "sim" else v["levels"]["exists"]["block_hit_rate"]
                 v["gap_closed"] = None if lru is None else gap_closed(
                     rate, lru["block_hit_rate"] if kind == "sim" else lru["levels"]["exists"]["block_hit_rate"],
@@ -221,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print_sweep(r)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"results": results}, indent=1))
-    if not plot_or_explain(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s)", "kvfabric bench sweep",
+    tier = (f"; POLICY/ssd-RULE: the capacity on the x axis in DRAM + an SSD log of {opt.ssd_capacity:.0%} of unique "
+            f"blocks" if opt.ssd_capacity else "")
+    if not plot_or_explain(results, args.png, f"kvfabric bench sweep, {opt.shards} shard(s){tier}", "kvfabric bench sweep",
                            args.json):
         return 1
     print(f"wrote {args.json} and {args.png}")
