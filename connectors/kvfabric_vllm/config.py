@@ -37,6 +37,15 @@ max_pending_save_mb 512      bound on gathered-but-unsent save bytes; beyond it
                              chunks are skipped (counted), never queued
 load / save        by role   ``kv_both``: both; ``kv_producer``: save only;
                              ``kv_consumer``: load only
+pd_wait_ms         1000      disaggregated prefill (PD): when a request carries the producer's
+                             ``kv_transfer_params`` (``{"kvfabric": {"chunks": N, ...}}``) and the
+                             pool holds fewer of its chunks, look up again (every 10 ms, the
+                             request waits, the batch does not) for at most this long before
+                             recomputing the rest
+hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_free_blocks``)
+                             until its saves are acknowledged by the pool (reported through
+                             ``get_finished``'s ``finished_sending``); default true for
+                             ``kv_producer``, false otherwise
 register_load_buffer true    register the reused load staging buffer with the client
                              (``Client.register_buffers``): on ``native`` connections
                              loads are received with io_uring READ_FIXED
@@ -92,6 +101,8 @@ class ConnectorConfig:
     load: bool = True
     save: bool = True
     register_load_buffer: bool = True
+    pd_wait_ms: int = 1000
+    hold_until_saved: bool = False
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -120,7 +131,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     extra = dict(extra or {})
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
-             "max_pending_save_mb", "load", "save", "register_load_buffer", *_CLIENT_KEYS}
+             "max_pending_save_mb", "load", "save", "register_load_buffer", "pd_wait_ms", "hold_until_saved",
+             *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -179,6 +191,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         load=_bool(extra, "load", load_default),
         save=_bool(extra, "save", save_default),
         register_load_buffer=_bool(extra, "register_load_buffer", True),
+        pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
+        hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
     )
 
 

@@ -160,11 +160,13 @@ class KVFabricConnector(KVConnectorBase_V1):
             self._worker.submit_saves(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Saves copy their bytes out during the step, so no request waits on a
-        # save; async loads report here once done (failed blocks are handed to
+        # Sending: requests the scheduler held for their saves (hold_until_saved,
+        # named in the metadata's ``hold``) once their put jobs are done. Async
+        # loads report here once done (failed blocks are handed to
         # get_block_ids_with_load_errors, which vLLM calls right after).
         assert self._worker is not None
-        return None, self._worker.finished_loads() or None
+        sent = self._worker.finished_saves(finished_req_ids, self._meta().hold)
+        return sent or None, self._worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -200,7 +202,8 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        # True only while an async load still writes into the request's blocks
-        # (it was aborted while loading): vLLM frees them when get_finished
-        # reports the load.
-        return self._sched.request_finished(request), None
+        # True while an async load still writes into the request's blocks (it
+        # was aborted while loading) or, with hold_until_saved, until its saves
+        # are acknowledged: vLLM frees them when get_finished reports it. The
+        # params ({"kvfabric": ...}) tell a PD consumer what the pool will hold.
+        return self._sched.request_finished(request)

@@ -48,3 +48,7 @@ class SaveSpec:
 class KVFabricMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Requests finished since the last step whose blocks vLLM keeps (``request_finished``
+    # returned True) until every worker reports them in ``finished_sending``: once their
+    # save jobs are acknowledged by the pool (``hold_until_saved``).
+    hold: list[str] = field(default_factory=list)

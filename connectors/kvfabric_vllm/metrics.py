@@ -34,6 +34,10 @@ COUNTER_NAMES = (
     "scheduled_load_tokens",  # tokens vLLM accepted to load from the pool
     "save_known_chunks",  # prompt chunks not saved because the lookup found them in the pool
     "save_unchecked_jobs",  # saves sent before their lookup answered (may re-send held chunks)
+    "pd_waits",           # PD consumer: requests that found fewer chunks than the producer reported, and waited
+    "pd_relookups",       # PD consumer: lookups repeated while waiting for the producer's chunks
+    "pd_wait_timeouts",   # PD consumer: waits that ran out (pd_wait_ms); the missing chunks are recomputed
+    "held_requests",      # finished requests whose blocks are kept until their saves are acknowledged
     # worker side
     "load_chunks",        # chunks copied into paged KV blocks
     "load_tokens",        # tokens copied into paged KV blocks
@@ -46,6 +50,7 @@ COUNTER_NAMES = (
     "save_dropped_chunks",  # chunks the pool did not take (down, full, slow)
     "save_skipped_chunks",  # chunks not even sent (pending-save bound reached)
     "save_errors",        # save jobs that raised
+    "held_released",      # of held_requests: reported in get_finished's finished_sending (blocks freed)
     "save_abandoned_jobs",  # save jobs still queued or running when the shutdown drain bound ran out
     "client_errors",      # the kvfabric client could not be built (pool off)
 )

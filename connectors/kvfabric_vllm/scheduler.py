@@ -38,6 +38,24 @@ at lookup time are handed to the workers, which gather and put them. A save
 whose lookup has not answered yet waits for it at most ``lookup_wait_ms``,
 then goes out unchecked (counted: ``save_unchecked_jobs``).
 
+Prefill/decode disaggregation (PD): a producer's ``request_finished``
+returns ``kv_transfer_params`` ``{"kvfabric": {"chunks": N, "chunk_tokens":
+C, "key": hex}}``: N leading chunks of the prompt are in the pool or being
+put, ``key`` is chunk N-1's key (rank 0). vLLM puts them in the producer's
+response before the puts are acknowledged (its output is emitted when the
+request stops; ``delay_free_blocks`` only holds the blocks), so a proxy that
+passes them to the consumer lets the consumer tell "not there yet" from "not
+saved": when its lookup finds fewer than N chunks it looks up again every
+``_PD_RETRY_S`` for at most ``pd_wait_ms`` (the request waits, returning
+"ask again later"; the batch does not), then recomputes what is missing
+(``pd_wait_timeouts``). A ``key`` that is not the consumer's own key for
+chunk N-1 (another model, chunk size, salt...) means it can never hit: no
+wait, warned once. With ``hold_until_saved`` (default for ``kv_producer``)
+a finished request that sent saves keeps its blocks (``request_finished``
+returns True) until every worker reports its saves acknowledged in
+``get_finished``'s ``finished_sending`` (the ids go to the workers in the
+next step's ``KVFabricMetadata.hold``).
+
 Counters are honest: ``lookup_hit_tokens`` is added once per lookup (not per
 scheduler call: vLLM asks again every step a request waits), and
 ``scheduled_load_tokens`` once per load vLLM accepted.
@@ -49,7 +67,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfabric import KeyHasher, Namespace
 
@@ -66,6 +84,7 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide"]
 
 _POLL_WAIT_S = 0.002   # per later call while a lookup is pending
+_PD_RETRY_S = 0.010    # PD consumer: interval between lookups while the producer's chunks are missing
 
 
 @dataclass
@@ -81,6 +100,9 @@ class _Req:
     saved_upto: int = 0              # chunks [0, saved_upto) are in the pool or being put
     load: LoadSpec | None = None     # planned by update_state_after_alloc, sent next meta
     loading: bool = False            # an async load was planned and has not reported back
+    expect_chunks: int = 0           # PD: leading chunks the producer reported in the pool (0: none)
+    pd_deadline: float = 0.0         # PD: monotonic time the wait for them ends (0.0: not waiting)
+    saves_sent: bool = False         # a SaveSpec of this request went to the workers
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -99,6 +121,8 @@ class SchedulerSide:
         self._hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
         self._reqs: dict[str, _Req] = {}
         self._loading: set[str] = set()   # requests whose async load has not reported yet
+        self._hold: list[str] = []        # finished, blocks held: sent to the workers next step
+        self._warned_pd_key = False
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfabric-lookup")
 
     # ------------------------------------------------------------------ state
@@ -115,8 +139,27 @@ class SchedulerSide:
         keys = [self._hasher.prefix_keys(request_namespace(ns, salt), tokens[: n_chunks * self.cfg.chunk_tokens])
                 for ns in self.namespaces]
         st = _Req(prompt_len=len(tokens), keys=keys)
+        if self.cfg.load and request.kv_transfer_params:
+            st.expect_chunks = self._expected_chunks(request.kv_transfer_params, keys[0])
         self._reqs[request.request_id] = st
         return st
+
+    def _expected_chunks(self, params: object, keys: list[bytes]) -> int:
+        """PD: the producer's chunk count from ``kv_transfer_params`` when its keys are ours, else 0."""
+        kvf = params.get("kvfabric") if isinstance(params, dict) else None
+        if not isinstance(kvf, dict):
+            return 0
+        n, key = kvf.get("chunks"), kvf.get("key")
+        if type(n) is not int or n <= 0:
+            return 0
+        if n > len(keys) or keys[n - 1].hex() != key:
+            if not self._warned_pd_key:
+                self._warned_pd_key = True
+                log.warning("kvfabric: the producer's kv_transfer_params name chunks this engine cannot key "
+                            "alike (chunk_tokens %r vs %d, or another model, dtype, layout, tenant or "
+                            "cache_salt): not waiting for them", kvf.get("chunk_tokens"), self.cfg.chunk_tokens)
+            return 0
+        return n
 
     # ------------------------------------------------------------------ lookup
 
@@ -172,6 +215,30 @@ class SchedulerSide:
             st.saved_upto = st.pool_run
         return st.pool_run
 
+    def _pd_wait(self, st: _Req, run: int, n_load: int) -> bool:
+        """PD: True while the request should wait for the producer's chunks (a lookup is started
+        again every ``_PD_RETRY_S``); False once they are all found or the wait has run out."""
+        want = min(st.expect_chunks, n_load)
+        if run >= want or self.cfg.pd_wait_ms == 0:
+            return False
+        now = time.monotonic()
+        if not st.pd_deadline:
+            st.pd_deadline = now + self.cfg.pd_wait_ms / 1000
+            self.counters.add("pd_waits")
+        if now >= st.pd_deadline:
+            self.counters.fail("pd_wait_timeouts", "the pool held %d of the %d chunks the producer reported "
+                               "after %d ms", run, want, self.cfg.pd_wait_ms)
+            st.expect_chunks = 0
+            return False
+        if now - st.lookup_t0 < _PD_RETRY_S:
+            time.sleep(_POLL_WAIT_S)   # vLLM asks again at once when idle: do not spin its loop
+            return True
+        self.counters.add("pd_relookups")
+        st.pool_run = None
+        st.lookup_t0 = now
+        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms)
+        return True
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.client is None:
             return 0, False
@@ -192,7 +259,7 @@ class SchedulerSide:
         if not started:
             wait_s = min(_POLL_WAIT_S, wait_s)
         run = self._pool_run(st, wait_s)
-        if run is None:
+        if run is None or (st.expect_chunks and self._pd_wait(st, run, n_load)):
             return None, False
         st.local_computed = num_computed_tokens
         hit = min(run, n_load) * chunk
@@ -244,7 +311,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVFabricMetadata:
-        meta = KVFabricMetadata()
+        meta = KVFabricMetadata(hold=self._hold)
+        self._hold = []
         for st in self._reqs.values():
             if st.load is not None:
                 meta.loads.append(st.load)
@@ -278,6 +346,7 @@ class SchedulerSide:
                     continue
             spec = self._save_spec(rid, st, st.saved_upto, done, manager.get_block_ids(rid)[0])
             meta.saves.append(spec)
+            st.saves_sent = True
             st.saved_upto = done
         return meta
 
@@ -290,17 +359,34 @@ class SchedulerSide:
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
         )
 
-    def request_finished(self, request: Request) -> bool:
-        """Forget the request; True when its blocks must wait for an async load still in flight.
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; (hold its blocks?, ``kv_transfer_params`` for its response).
 
-        Saves already gathered stay in flight; their blocks can be freed now
-        because the workers copy a chunk out of vLLM's blocks during the step
-        that completes it. A load, though, writes into the blocks until the
-        worker reports it in ``get_finished``; vLLM frees them then."""
-        st = self._reqs.pop(request.request_id, None)
+        Held (True) while an async load still writes into the request's blocks
+        (aborted while loading: vLLM frees them when the worker reports the
+        load), or, with ``hold_until_saved``, while its saves may be in flight:
+        the workers report it in ``finished_sending`` once its put jobs are
+        done. Without that, saves already gathered stay in flight and the
+        blocks are freed now: the workers copy a chunk out of vLLM's blocks
+        during the step that completes it.
+
+        A saving request's response carries ``{"kvfabric": {...}}`` (module
+        docstring, PD) for a consumer to know what to wait for."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
         if st is not None and st.lookup is not None and not st.lookup.done():
             st.lookup.cancel()
-        return request.request_id in self._loading
+        if rid in self._loading:     # never both: vLLM frees the blocks on the first report
+            return True, None
+        if st is None or not self.cfg.save or not st.saved_upto:
+            return False, None
+        params = {"kvfabric": {"chunks": st.saved_upto, "chunk_tokens": self.cfg.chunk_tokens,
+                               "key": st.keys[0][st.saved_upto - 1].hex()}}
+        hold = self.cfg.hold_until_saved and st.saves_sent
+        if hold:
+            self._hold.append(rid)
+            self.counters.add("held_requests")
+        return hold, params
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,6 +33,14 @@ not seen yet and hands the staging tensors to one background thread that
 free or reuse the blocks as soon as the step ends. Pending save bytes are
 bounded: past ``max_pending_save_bytes`` new chunks are skipped and counted.
 
+Held requests (PD, ``hold_until_saved``): the scheduler kept the blocks of
+a finished request that sent saves and names it in the next step's
+``KVFabricMetadata.hold`` (the same step whose ``finished_req_ids`` holds
+it); ``finished_saves`` reports it (vLLM's ``finished_sending``) once every
+put job of that request is done, whatever its outcome (a dropped put is a
+future miss, not a reason to keep blocks), so its blocks go back to vLLM
+only after the pool acknowledged the puts (or ``save_timeout_s`` ran out).
+
 Shutdown (vLLM calls it on SIGTERM in every mode, then kills the process 5 s
 later) drains queued saves for at most ``shutdown_drain_s``; what is still
 queued or running then is abandoned and counted (``save_abandoned_jobs``).
@@ -94,6 +102,8 @@ class WorkerSide:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-load")
         self._loads: dict[str, Future] = {}      # req_id -> async load in flight, until reported
         self._save_jobs: set[Future] = set()
+        self._req_saves: dict[str, set[Future]] = {}   # req_id -> its put jobs not done yet
+        self._held: set[str] = set()                   # finished, held for their saves, not reported
         self._closed = False
 
     # ------------------------------------------------------------------ registration
@@ -278,6 +288,7 @@ class WorkerSide:
                 with self._lock:
                     self._save_jobs.add(fut)
                 fut.add_done_callback(self._save_job_done)
+                self._track_save(spec.req_id, fut)
         except Exception as exc:  # noqa: BLE001
             self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
         finally:
@@ -300,6 +311,44 @@ class WorkerSide:
             with self._lock:
                 self._pending_bytes -= nbytes
             self.counters.add("save_jobs_done")
+
+    def _track_save(self, req_id: str, fut: Future) -> None:
+        """Remember ``fut`` as one of ``req_id``'s put jobs until it is done."""
+        with self._lock:
+            self._req_saves.setdefault(req_id, set()).add(fut)
+
+        def done(f: Future) -> None:
+            with self._lock:
+                jobs = self._req_saves.get(req_id)
+                if jobs is not None:
+                    jobs.discard(f)
+                    if not jobs:
+                        del self._req_saves[req_id]
+
+        fut.add_done_callback(done)
+
+    def finished_saves(self, finished_req_ids: set[str], hold: Iterable[str]) -> set[str]:
+        """Held requests whose put jobs are all done (vLLM's ``finished_sending``).
+
+        ``hold`` comes from this step's metadata, with the same step's
+        ``finished_req_ids``, so every id reported was in a set vLLM passed
+        (its contract). Waits at most ``load_poll_ms`` for a held request's
+        put when none is ready: when only held requests remain, vLLM steps
+        again at once, and this keeps that loop from spinning."""
+        self._held.update(hold)
+        if not self._held:
+            return set()
+        with self._lock:
+            ready = {rid for rid in self._held if rid not in self._req_saves}
+            pending = [f for rid in self._held for f in self._req_saves.get(rid, ())]
+        if not ready and pending and self.cfg.load_poll_ms:
+            wait_futures(pending, timeout=self.cfg.load_poll_ms / 1000, return_when="FIRST_COMPLETED")
+            with self._lock:
+                ready = {rid for rid in self._held if rid not in self._req_saves}
+        self._held -= ready
+        if ready:
+            self.counters.add("held_released", len(ready))
+        return ready
 
     def _save_job_done(self, fut: Future) -> None:
         with self._lock:
