@@ -44,8 +44,8 @@ PD_WAIT_MS = 3000
 def test_held_request_is_reported_only_after_its_put_is_acknowledged():
     block, layers, names = 32, 2, ["l0", "l1"]
     with start_pool(1, capacity="16MiB") as pool:
-        cfg = parse_extra_config({"servers": pool.addresses, "chunk_tokens": block, "save_timeout_s": 60.0},
-                                 "kv_producer", block)
+        cfg = parse_extra_config({"servers": pool.addresses, "chunk_tokens": block, "save_timeout_s": 60.0,
+                                  "timeout_s": 60.0, "connect_timeout_s": 60.0}, "kv_producer", block)
         assert cfg.hold_until_saved and not cfg.load
         w = WorkerSide(cfg, Client(config=cfg.client), 0, block, names, Counters())
         kv = [torch.randn((8, 2, block, 16)) for _ in range(layers)]
@@ -53,6 +53,7 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
         keys = [os.urandom(16), os.urandom(16)]
         spec = SaveSpec("p1", [keys], [[None, keys[0]]], [[1], [5]])
         try:
+            assert w.client.lookup(keys) == 0                # connected before the server stops
             os.kill(pool[0].pid, signal.SIGSTOP)          # the put cannot be acknowledged now
             try:
                 w.submit_saves([spec])
