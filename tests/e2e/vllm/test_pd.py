@@ -195,5 +195,7 @@ def test_pd_proxy_decodes_from_the_pool_and_recomputes_when_it_dies(tiny_model, 
 
     assert down["choices"][0]["token_ids"] == cold["down"]
     assert _cached(down) == 0                            # recomputed: nothing could be loaded
+    # ... after waiting (bounded, pd_wait_ms) for the chunks the producer reported: warned once
+    assert "chunks the producer reported after" in consumer_log
     assert after["choices"][0]["token_ids"] == cold["single"]
     assert _cached(after) == 0
