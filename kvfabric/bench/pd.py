@@ -4,7 +4,7 @@
 Runs in the vLLM virtualenv (``scripts/ci-vllm.sh`` builds it)::
 
     .venvs/vllm/bin/python benchmarks/pd.py [--lengths 1500,3000,6000] [--repeats 3]
-        [--servers-n 2] [--chunk-tokens 128] [--model DIR] [--out bench-results/pd.json]
+        [--servers-n 2] [--chunk-tokens 128] [--extra JSON] [--model DIR] [--out bench-results/pd.json]
 
 Three engines, each in its own process, one after the other, same model (the
 tiny random Llama of ``kvfabric_vllm.tinymodel`` unless ``--model``; float32,
@@ -43,14 +43,14 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _engine(model: str, servers: list[str] | None, role: str, max_len: int, chunk: int):
+def _engine(model: str, servers: list[str] | None, role: str, max_len: int, chunk: int, extra: dict):
     from vllm import LLM
 
     kw = {}
     if servers:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric_vllm.connector",
-            "kv_role": role, "kv_connector_extra_config": {"servers": servers, "chunk_tokens": chunk},
+            "kv_role": role, "kv_connector_extra_config": {"servers": servers, "chunk_tokens": chunk, **extra},
         }
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=not servers,
                kv_cache_memory_bytes=512 << 20, max_model_len=max_len, max_num_batched_tokens=max_len,
@@ -73,7 +73,7 @@ def _child(args: argparse.Namespace) -> int:
 
     lengths = [int(x) for x in args.lengths.split(",")]
     servers = args.servers.split(",") if args.servers else None
-    llm = _engine(args.model, servers, args.child, max(lengths) + 16, args.chunk_tokens)
+    llm = _engine(args.model, servers, args.child, max(lengths) + 16, args.chunk_tokens, json.loads(args.extra))
 
     def gen(tokens: list[int], params: dict | None = None):
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=128, help="connector chunk (multiple of 128)")
     ap.add_argument("--capacity", default="512MiB", help="per pool server")
     ap.add_argument("--model", default=None, help="model dir (default: build the tiny Llama)")
+    ap.add_argument("--extra", default="{}", help='more kv_connector_extra_config (JSON), e.g. {"load_async": false}')
     ap.add_argument("--out", default="bench-results/pd.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvf-pd-") as tmp:
         model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
         common = ["--model", model, "--lengths", args.lengths, "--repeats", str(args.repeats),
-                  "--chunk-tokens", str(args.chunk_tokens)]
+                  "--chunk-tokens", str(args.chunk_tokens), "--extra", args.extra]
         with start_pool(args.servers_n, capacity=args.capacity) as pool:
             srv = ["--servers", ",".join(pool.addresses)]
             producer = _run_child(common + srv + ["--child", "kv_producer"], Path(tmp) / "producer.json")
