@@ -165,8 +165,14 @@ class Client(_FanOut, HandOff):
     client with no members (every call a miss) while it keeps trying. Raises
     ``ConfigError`` for a bad server list or replica count, or both a list and
     etcd, ``TransportUnavailable`` for a forced transport that cannot be used,
-    and ``RemoteError`` when a server rejects the auth token or protocol
-    version.
+    and ``RemoteError`` naming the server when a server rejects the auth token
+    or protocol version. With ``allow_rejects=True`` such servers instead
+    start out down (logged as an error with their address, shown in
+    ``stats()["client"]["shards"][address]["last_error"]``) and are retried in
+    the background like unreachable ones, so a fixed token or an upgraded
+    server joins later; the constructor then raises only when every server
+    rejects (an engine plugin that must stay up with the servers that accept
+    it passes True).
     """
 
     def __init__(
@@ -178,6 +184,7 @@ class Client(_FanOut, HandOff):
         etcd: str | None = None,
         cluster: str | None = None,
         membership: Membership | None = None,
+        allow_rejects: bool = False,
     ) -> None:
         config = config or ClientConfig()
         if servers:
@@ -224,7 +231,7 @@ class Client(_FanOut, HandOff):
         )
         try:
             membership.start(self._apply_members)
-            self._initial_connect()
+            self._initial_connect(allow_rejects)
         except BaseException:
             self.close()
             raise
@@ -282,17 +289,22 @@ class Client(_FanOut, HandOff):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _initial_connect(self) -> None:
+    def _initial_connect(self, allow_rejects: bool) -> None:
+        """Connect every shard once; see the class docstring for what raises (``allow_rejects``)."""
         deadline = time.monotonic() + self.config.connect_timeout_s
+        shards = list(self._shards)
+        rejects: dict[int, RemoteError] = {}  # position in shards -> the server's refusal, named
 
-        def first(shard: _Shard) -> None:
+        def first(pos: int, shard: _Shard) -> None:
             try:
                 shard.release(shard.acquire(deadline))
             except (TransportUnavailable, ConfigError):
                 raise
             except RemoteError as e:
                 if e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
-                    raise
+                    named = RemoteError(e.code, f"server {shard.address} rejected this client: {e.message}")
+                    named.__cause__ = e
+                    rejects[pos] = named
                 shard.mark_down(e)
             except _Busy as e:  # connect_timeout_s passed before this shard got a thread: no news of the server
                 if not self._membership.dynamic:  # (a dynamic membership would route around it for nothing)
@@ -300,8 +312,14 @@ class Client(_FanOut, HandOff):
             except KVFabricError as e:
                 shard.mark_down(e)
 
-        for f in [self._pool.submit(first, s) for s in self._shards]:
+        for f in [self._pool.submit(first, i, s) for i, s in enumerate(shards)]:
             f.result()
+        if not rejects:
+            return
+        if not allow_rejects or len(rejects) == len(shards):
+            raise rejects[min(rejects)]
+        for pos in sorted(rejects):
+            log.error("kvfabric: %s; it stays down (misses) and is retried in the background", rejects[pos])
 
     # ------------------------------------------------------------------ membership
 
