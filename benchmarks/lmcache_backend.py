@@ -9,9 +9,12 @@ What one run measures, all through LMCache 0.5.6's real ``LMCacheEngine``
 serde, the CPU stand-in GPU connector of ``kvfabric_lmcache.cpu_kv``):
 
 * **store**: ``engine.store(tokens, kv=...)`` of a new ``--tokens`` prompt,
-  timed until every put has finished (LMCache's puts are asynchronous: the
-  plugin's put counter for kvfabric, LMCache's ``RemoteBackend.put_tasks``
-  draining for ``lm://``);
+  timed until every put has finished. LMCache's puts are asynchronous, and
+  its ``RemoteBackend.put_tasks`` set only tracks single puts (a batched put,
+  which the kvfabric plugin offers, never enters it), so both kinds of row
+  count completions the same way: the backend's own done-callbacks of single
+  (``put_callback``) and batched (``batched_put_callback``) put futures are
+  wrapped to count the keys whose put finished;
 * **lookup**: ``engine.lookup`` of that prompt (latency; must be a full hit);
 * **retrieve**: ``engine.retrieve`` of it into a zeroed tensor, checked
   bit-identical, so a figure never counts a miss or wrong bytes. With the
@@ -48,6 +51,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -245,23 +249,36 @@ class EngineTarget(Target):
         self.kvfabric = url.startswith("kvfabric://")
         if self.kvfabric:
             self.transport = sorted(set(self.conn.client.transports.values()) - {None})
+        self._count_put_completions()
 
-    def _puts_done(self, puts0: int, chunks: int) -> bool:
-        # Puts are asynchronous. Done = the plugin counted every chunk's put
-        # (kvfabric) / LMCache's RemoteBackend has no put task left (lm://).
-        if self.kvfabric:
-            return self.conn.counts()["puts"] >= puts0 + chunks
-        return not self.backend.put_tasks
+    def _count_put_completions(self) -> None:
+        """Count keys whose put future finished, single or batched (LMCache calls these on its loop)."""
+        self.puts_done = 0
+        lock = threading.Lock()
+        single, batched = self.backend.put_callback, self.backend.batched_put_callback
+
+        def on_single(future, key) -> None:
+            single(future, key)
+            with lock:
+                self.puts_done += 1
+
+        def on_batched(future, keys) -> None:
+            batched(future, keys)
+            with lock:
+                self.puts_done += len(keys)
+
+        self.backend.put_callback = on_single
+        self.backend.batched_put_callback = on_batched
 
     def round(self, tokens) -> tuple[float, float, float]:
         import torch
 
         n = self.kv.shape[2]
         chunks = len(range(0, n, CHUNK))
-        puts0 = self.conn.counts()["puts"] if self.kvfabric else 0
+        puts0 = self.puts_done
         t0 = time.perf_counter()
         self.engine.store(tokens, kv=self.kv)
-        while not self._puts_done(puts0, chunks):
+        while self.puts_done < puts0 + chunks:
             if time.perf_counter() - t0 > 120:
                 raise RuntimeError(f"{self.label}: puts not finished after 120 s")
             time.sleep(0.001)
