@@ -22,8 +22,12 @@ serde, the CPU stand-in GPU connector of ``kvfabric_lmcache.cpu_kv``):
   from the backend.
 
 Backends, side by side in one process: ``kvfabric://`` with 1 and with 2
-``kvfabric serve`` processes, and ``lm://`` with one
-``python -m lmcache.v1.server`` process. Ceilings, for the same bytes:
+``kvfabric serve`` processes (the ``native`` transport: TCP with the C data
+path, what a network deployment uses), ``lm://`` with one
+``python -m lmcache.v1.server`` process, and with ``--shm`` one more
+kvfabric row over the same-host ``shm`` transport (a GET is one copy out of
+the server's shared arena; no network path, so not the figure to compare
+with ``lm://``'s TCP). Ceilings, for the same bytes:
 
 * ``memcpy``: one CPU copy of the prompt's KV each way (the engine itself
   copies at least this much per store and per retrieve);
@@ -117,7 +121,7 @@ def engine_config(backend_url: str, cpu_gb: float):
         kw.update(remote_storage_plugins=["kvfabric"], extra_config={
             "remote_storage_plugin.kvfabric.module_path": "kvfabric_lmcache",
             "remote_storage_plugin.kvfabric.class_name": "KVFabricConnectorAdapter",
-            "remote_storage_plugin.kvfabric.url": backend_url + "?timeout_s=30",
+            "remote_storage_plugin.kvfabric.url": backend_url + ("&" if "?" in backend_url else "?") + "timeout_s=30",
         })
     else:
         kw.update(remote_url=backend_url)
@@ -342,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", default="1GiB", help="capacity of each kvfabric server")
     p.add_argument("--out", default="bench-results/lmcache_backend.json")
     p.add_argument("--skip-lm", action="store_true", help="do not run LMCache's lm:// server")
+    p.add_argument("--shm", action="store_true",
+                   help="add a row with the same-host shm transport (1 server offering shm; not a network path)")
     args = p.parse_args(argv)
     if args.tokens < CHUNK or args.repeats < 1:
         p.error("--tokens must be >= 256 and --repeats >= 1")
@@ -367,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(ClientCeiling(list(pools[-1].addresses), kv))
             url = "kvfabric://" + ",".join(pools[-1].addresses)
             targets.append(EngineTarget(f"LMCache + kvfabric x{nserv}", url, eng, kv, memcpy.dst, cpu_gb))
+        if args.shm:
+            pools.append(start_pool(1, capacity=args.capacity, extra_args=["--transports", "tcp,native,shm"]))
+            url = "kvfabric://" + pools[-1].addresses[0] + "?transport=shm"
+            targets.append(EngineTarget("LMCache + kvfabric x1 shm", url, eng, kv, memcpy.dst, cpu_gb))
         if not args.skip_lm:
             srv = LMServer()
             targets.append(EngineTarget("LMCache + lm:// server", srv.url, eng, kv, memcpy.dst, cpu_gb))

@@ -219,10 +219,11 @@ class KVFabricConnector(RemoteConnector):
         if size is None:
             obj.ref_count_down()
             return None
+        head = head[: min(size, head.size)]  # only what the object filled
         try:
             region = value.header_length(head)
             # the fast path needs the chunk bytes to start right after the head buffer
-            meta = value.decode_header(head, size) if region == head.size else None
+            meta = value.decode_header(head, size) if region == value.HEADER_ALIGN else None
         except value.ValueFormatError as e:
             obj.ref_count_down()
             self._count(bad_values=1)
