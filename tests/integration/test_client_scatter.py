@@ -68,3 +68,14 @@ def test_get_into_parts_rejects_small_or_bad_entries_and_the_connection_stays_us
         client.get_into_parts(keys[:1], [tuple(bytearray(64) for _ in range(65))])
     with pytest.raises(ValueError):
         client.get_into_parts(keys, [ok1])
+
+
+def test_hand_off_repairs_read_scatter_entries_in_order() -> None:
+    # a hand-off repair re-puts what a GET found; for get_into_parts that object is spread over the parts
+    from kvfabric.membership.handoff import _received
+
+    a, b, c = bytearray(b"head"), bytearray(b"payload-xx"), bytearray(b"zz")
+    parts = tuple(memoryview(x) for x in (a, b, c))
+    assert _received(parts, 11) == b"headpayload"
+    assert _received(parts, 3) == b"hea"
+    assert _received(memoryview(b), 7) == b"payload"
