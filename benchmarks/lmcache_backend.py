@@ -9,9 +9,12 @@ What one run measures, all through LMCache 0.5.6's real ``LMCacheEngine``
 serde, the CPU stand-in GPU connector of ``kvfabric_lmcache.cpu_kv``):
 
 * **store**: ``engine.store(tokens, kv=...)`` of a new ``--tokens`` prompt,
-  timed until every put has finished (LMCache's puts are asynchronous: the
-  plugin's put counter for kvfabric, LMCache's ``RemoteBackend.put_tasks``
-  draining for ``lm://``);
+  timed until every put has finished. LMCache's puts are asynchronous, and
+  its ``RemoteBackend.put_tasks`` set only tracks single puts (a batched put,
+  which the kvfabric plugin offers, never enters it), so both kinds of row
+  count completions the same way: the backend's own done-callbacks of single
+  (``put_callback``) and batched (``batched_put_callback``) put futures are
+  wrapped to count the keys whose put finished;
 * **lookup**: ``engine.lookup`` of that prompt (latency; must be a full hit);
 * **retrieve**: ``engine.retrieve`` of it into a zeroed tensor, checked
   bit-identical, so a figure never counts a miss or wrong bytes. With the
@@ -19,8 +22,12 @@ serde, the CPU stand-in GPU connector of ``kvfabric_lmcache.cpu_kv``):
   from the backend.
 
 Backends, side by side in one process: ``kvfabric://`` with 1 and with 2
-``kvfabric serve`` processes, and ``lm://`` with one
-``python -m lmcache.v1.server`` process. Ceilings, for the same bytes:
+``kvfabric serve`` processes (the ``native`` transport: TCP with the C data
+path, what a network deployment uses), ``lm://`` with one
+``python -m lmcache.v1.server`` process, and with ``--shm`` one more
+kvfabric row over the same-host ``shm`` transport (a GET is one copy out of
+the server's shared arena; no network path, so not the figure to compare
+with ``lm://``'s TCP). Ceilings, for the same bytes:
 
 * ``memcpy``: one CPU copy of the prompt's KV each way (the engine itself
   copies at least this much per store and per retrieve);
@@ -48,6 +55,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -113,7 +121,7 @@ def engine_config(backend_url: str, cpu_gb: float):
         kw.update(remote_storage_plugins=["kvfabric"], extra_config={
             "remote_storage_plugin.kvfabric.module_path": "kvfabric_lmcache",
             "remote_storage_plugin.kvfabric.class_name": "KVFabricConnectorAdapter",
-            "remote_storage_plugin.kvfabric.url": backend_url + "?timeout_s=30",
+            "remote_storage_plugin.kvfabric.url": backend_url + ("&" if "?" in backend_url else "?") + "timeout_s=30",
         })
     else:
         kw.update(remote_url=backend_url)
@@ -245,23 +253,36 @@ class EngineTarget(Target):
         self.kvfabric = url.startswith("kvfabric://")
         if self.kvfabric:
             self.transport = sorted(set(self.conn.client.transports.values()) - {None})
+        self._count_put_completions()
 
-    def _puts_done(self, puts0: int, chunks: int) -> bool:
-        # Puts are asynchronous. Done = the plugin counted every chunk's put
-        # (kvfabric) / LMCache's RemoteBackend has no put task left (lm://).
-        if self.kvfabric:
-            return self.conn.counts()["puts"] >= puts0 + chunks
-        return not self.backend.put_tasks
+    def _count_put_completions(self) -> None:
+        """Count keys whose put future finished, single or batched (LMCache calls these on its loop)."""
+        self.puts_done = 0
+        lock = threading.Lock()
+        single, batched = self.backend.put_callback, self.backend.batched_put_callback
+
+        def on_single(future, key) -> None:
+            single(future, key)
+            with lock:
+                self.puts_done += 1
+
+        def on_batched(future, keys) -> None:
+            batched(future, keys)
+            with lock:
+                self.puts_done += len(keys)
+
+        self.backend.put_callback = on_single
+        self.backend.batched_put_callback = on_batched
 
     def round(self, tokens) -> tuple[float, float, float]:
         import torch
 
         n = self.kv.shape[2]
         chunks = len(range(0, n, CHUNK))
-        puts0 = self.conn.counts()["puts"] if self.kvfabric else 0
+        puts0 = self.puts_done
         t0 = time.perf_counter()
         self.engine.store(tokens, kv=self.kv)
-        while not self._puts_done(puts0, chunks):
+        while self.puts_done < puts0 + chunks:
             if time.perf_counter() - t0 > 120:
                 raise RuntimeError(f"{self.label}: puts not finished after 120 s")
             time.sleep(0.001)
@@ -325,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", default="1GiB", help="capacity of each kvfabric server")
     p.add_argument("--out", default="bench-results/lmcache_backend.json")
     p.add_argument("--skip-lm", action="store_true", help="do not run LMCache's lm:// server")
+    p.add_argument("--shm", action="store_true",
+                   help="add a row with the same-host shm transport (1 server offering shm; not a network path)")
     args = p.parse_args(argv)
     if args.tokens < CHUNK or args.repeats < 1:
         p.error("--tokens must be >= 256 and --repeats >= 1")
@@ -350,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(ClientCeiling(list(pools[-1].addresses), kv))
             url = "kvfabric://" + ",".join(pools[-1].addresses)
             targets.append(EngineTarget(f"LMCache + kvfabric x{nserv}", url, eng, kv, memcpy.dst, cpu_gb))
+        if args.shm:
+            pools.append(start_pool(1, capacity=args.capacity, extra_args=["--transports", "tcp,native,shm"]))
+            url = "kvfabric://" + pools[-1].addresses[0] + "?transport=shm"
+            targets.append(EngineTarget("LMCache + kvfabric x1 shm", url, eng, kv, memcpy.dst, cpu_gb))
         if not args.skip_lm:
             srv = LMServer()
             targets.append(EngineTarget("LMCache + lm:// server", srv.url, eng, kv, memcpy.dst, cpu_gb))

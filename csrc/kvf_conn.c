@@ -321,16 +321,23 @@ static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t l
 }
 
 int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
-                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index, struct kvf_creg *reg)
+                     const size_t *buf_lens, uint32_t n, const uint32_t *nseg, uint32_t *bad_index,
+                     struct kvf_creg *reg)
 {
     uint64_t total = 0;
-    uint32_t found = 0;
+    uint64_t pieces = 0;
     int too_small = -1;
+    size_t first = 0; /* index in bufs of object i's first segment */
     for (uint32_t i = 0; i < n; i++) {
-        if (sizes[i] < 0) continue;
-        total += (uint64_t)sizes[i];
-        found++;
-        if ((uint64_t)sizes[i] > buf_lens[i] && too_small < 0) too_small = (int)i;
+        uint32_t k = nseg ? nseg[i] : 1;
+        if (sizes[i] >= 0) {
+            uint64_t cap = 0;
+            for (uint32_t j = 0; j < k; j++) cap += (uint64_t)buf_lens[first + j];
+            total += (uint64_t)sizes[i];
+            pieces += k;
+            if ((uint64_t)sizes[i] > cap && too_small < 0) too_small = (int)i;
+        }
+        first += k;
     }
     if (total != payload_len) return -EPROTO;
     if (too_small >= 0) {
@@ -338,22 +345,34 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
         int rc = kvf_drain(fd, payload_len);
         return rc ? rc : -EMSGSIZE;
     }
-    if (!found) return 0;
-    struct iovec *iov = malloc(sizeof(struct iovec) * found);
+    if (!pieces) return 0;
+    struct iovec *iov = malloc(sizeof(struct iovec) * pieces);
     if (!iov) return -ENOMEM;
     uint32_t k = 0;
+    first = 0;
     for (uint32_t i = 0; i < n; i++) {
-        if (sizes[i] < 0) continue;
-        iov[k].iov_base = bufs[i];
-        iov[k].iov_len = (size_t)sizes[i];
-        k++;
+        uint32_t segs = nseg ? nseg[i] : 1;
+        if (sizes[i] >= 0) {
+            /* object i fills its segments in order; the ones past its end get nothing */
+            uint64_t left = (uint64_t)sizes[i];
+            for (uint32_t j = 0; j < segs && (left || (j == 0 && segs == 1)); j++) {
+                size_t take = left < buf_lens[first + j] ? (size_t)left : buf_lens[first + j];
+                iov[k].iov_base = bufs[first + j];
+                iov[k].iov_len = take;
+                k++;
+                left -= take;
+            }
+        }
+        first += segs;
     }
     int rc;
-    if (!reg || !reg->n) {
+    if (!k) {
+        rc = 0;
+    } else if (!reg || !reg->n) {
         rc = kvf_recvv_all(fd, iov, (int)k);
     } else {
-        /* runs of unregistered objects go through recvmsg, each registered
-         * object through READ_FIXED, in stream order */
+        /* runs of unregistered pieces go through recvmsg, each registered
+         * piece through READ_FIXED, in stream order */
         rc = 0;
         uint32_t start = 0;
         for (uint32_t j = 0; j < k && !rc; j++) {

@@ -65,14 +65,18 @@ void kvf_creg_close(struct kvf_creg *c);
 int kvf_creg_find(const struct kvf_creg *c, const void *p, size_t len);
 
 /* Scatter a GET reply payload: object i (sizes[i] >= 0) goes into bufs[i].
+ * nseg (may be NULL: one buffer per object): object i owns nseg[i] >= 1
+ * consecutive entries of bufs/buf_lens and fills them in order (a header
+ * buffer, then the payload's); entries past the object's end get nothing.
  * Checks that the sizes add up to payload_len (-EPROTO otherwise, nothing
  * read) and that each object fits (-EMSGSIZE, payload drained; *bad_index
- * is the first object that did not fit). reg (may be NULL): objects whose
+ * is the first object that did not fit). reg (may be NULL): pieces whose
  * buffer lies in a registered buffer are read with READ_FIXED through it;
  * no request is left in flight on return (a timed-out read is cancelled and
- * reaped first). */
+ * reaped first). Returns 0 or -errno. */
 int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
-                     const size_t *buf_lens, uint32_t n, uint32_t *bad_index, struct kvf_creg *reg);
+                     const size_t *buf_lens, uint32_t n, const uint32_t *nseg, uint32_t *bad_index,
+                     struct kvf_creg *reg);
 
 #endif
 

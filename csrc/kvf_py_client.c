@@ -154,6 +154,70 @@ static void ring_done(RingObject *r)
 
 /* ------------------------------------------------------------------ client frames */
 
+/* Where a GET reply's objects go: views of the caller's buffers, flat, and
+ * (scatter form) how many consecutive views each object owns. */
+struct recvset {
+    struct bufset b;
+    uint32_t *nseg; /* PyMem; NULL: one view per object */
+    uint32_t nobj;
+};
+
+#define KVF_MAX_SEGMENTS 64 /* buffers one object may be scattered over */
+
+static void recvset_release(struct recvset *rs)
+{
+    bufset_release(&rs->b);
+    PyMem_Free(rs->nseg);
+    rs->nseg = NULL;
+    rs->nobj = 0;
+}
+
+/* recv: one item per key, a writable buffer or a tuple of 1..KVF_MAX_SEGMENTS
+ * writable buffers (the object fills them in order). 0, or -1 with a Python
+ * exception set (nothing held). GIL held. */
+static int recvset_get(struct recvset *rs, PyObject *recv)
+{
+    memset(rs, 0, sizeof *rs);
+    PyObject *fast = PySequence_Fast(recv, "recv");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > UINT32_MAX) { Py_DECREF(fast); PyErr_SetString(PyExc_ValueError, "recv: too many buffers"); return -1; }
+    int scatter = 0;
+    for (Py_ssize_t i = 0; i < n && !scatter; i++) scatter = PyTuple_Check(PySequence_Fast_GET_ITEM(fast, i));
+    if (!scatter) {
+        int rc = bufset_get(&rs->b, fast, 1, "recv");
+        Py_DECREF(fast);
+        rs->nobj = (uint32_t)rs->b.n;
+        return rc;
+    }
+    rs->nseg = PyMem_Malloc(sizeof(uint32_t) * (size_t)(n ? n : 1));
+    PyObject *flat = PyList_New(0);
+    if (!rs->nseg || !flat) { Py_XDECREF(flat); Py_DECREF(fast); recvset_release(rs); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        Py_ssize_t k = PyTuple_Check(item) ? PyTuple_GET_SIZE(item) : 1;
+        if (k < 1 || k > KVF_MAX_SEGMENTS) {
+            PyErr_Format(PyExc_ValueError, "recv[%zd]: a scatter entry holds 1..%d buffers, got %zd", i,
+                         KVF_MAX_SEGMENTS, k);
+            goto fail;
+        }
+        rs->nseg[i] = (uint32_t)k;
+        for (Py_ssize_t j = 0; j < k; j++)
+            if (PyList_Append(flat, PyTuple_Check(item) ? PyTuple_GET_ITEM(item, j) : item)) goto fail;
+    }
+    Py_DECREF(fast);
+    fast = NULL;
+    if (bufset_get(&rs->b, flat, 1, "recv")) goto fail;
+    Py_DECREF(flat);
+    rs->nobj = (uint32_t)n;
+    return 0;
+fail:
+    Py_XDECREF(fast);
+    Py_DECREF(flat);
+    recvset_release(rs);
+    return -1;
+}
+
 struct recv_result {
     struct kvf_header h;
     uint8_t *meta;       /* malloc'd */
@@ -162,8 +226,8 @@ struct recv_result {
     uint32_t bad_index;
 };
 
-/* GIL released. Receives one reply into r; object payload into bufs when given. */
-static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, uint32_t max_meta,
+/* GIL released. Receives one reply into r; object payload into rs when given. */
+static int recv_reply_nogil(int fd, struct recv_result *r, struct recvset *rs, uint32_t max_meta,
                             uint64_t max_payload, char *payload_buf, struct kvf_creg *reg)
 {
     int rc = kvf_recv_header(fd, &r->h, max_meta, max_payload, &r->wire_err);
@@ -174,16 +238,17 @@ static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, 
     if (rc || r->h.payload_len == 0) return rc;
     if (r->h.flags & KVF_FLAG_ERROR) { r->wire_err = KVF_E_MALFORMED; return -EPROTO; }
     if (payload_buf) return 1; /* caller allocates, then receives */
-    if (!bufs) return 1;
-    uint32_t n = (uint32_t)bufs->n;
+    if (!rs) return 1;
+    uint32_t n = rs->nobj;
+    size_t nb = (size_t)rs->b.n;
     int64_t *sizes = malloc(sizeof(int64_t) * (n ? n : 1));
-    void **ptrs = malloc(sizeof(void *) * (n ? n : 1));
-    size_t *lens = malloc(sizeof(size_t) * (n ? n : 1));
+    void **ptrs = malloc(sizeof(void *) * (nb ? nb : 1));
+    size_t *lens = malloc(sizeof(size_t) * (nb ? nb : 1));
     if (!sizes || !ptrs || !lens) { free(sizes); free(ptrs); free(lens); return -ENOMEM; }
     rc = kvf_parse_sizes(r->meta, r->h.meta_len, sizes, n);
     if (rc == 0) {
-        for (uint32_t i = 0; i < n; i++) { ptrs[i] = bufs->views[i].buf; lens[i] = (size_t)bufs->views[i].len; }
-        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, &r->bad_index, reg);
+        for (size_t i = 0; i < nb; i++) { ptrs[i] = rs->b.views[i].buf; lens[i] = (size_t)rs->b.views[i].len; }
+        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, rs->nseg, &r->bad_index, reg);
         if (rc == -EPROTO) r->wire_err = KVF_E_LENGTH_MISMATCH;
     } else {
         r->wire_err = KVF_E_MALFORMED;
@@ -192,7 +257,7 @@ static int recv_reply_nogil(int fd, struct recv_result *r, struct bufset *bufs, 
     return rc;
 }
 
-static PyObject *finish_recv(int fd, struct recv_result *r, struct bufset *bufs, int rc, uint64_t max_payload)
+static PyObject *finish_recv(int fd, struct recv_result *r, struct recvset *bufs, int rc, uint64_t max_payload)
 {
     PyObject *payload = Py_None;
     Py_INCREF(payload);
@@ -238,7 +303,8 @@ PyDoc_STRVAR(request_doc,
 "Send one frame and receive one reply on the blocking socket fd, GIL released.\n"
 "ring: a ConnRing; GET objects whose recv buffer lies in one of its registered buffers are\n"
 "read with io_uring READ_FIXED, the others with recvmsg.\n"
-"recv: writable buffers (one per key) that a GET reply's objects go into, or None\n"
+"recv: writable buffers (one per key) that a GET reply's objects go into (an entry may be\n"
+"a tuple of 1..64 writable buffers: that object fills them in order), or None\n"
 "(the payload then comes back as one bytearray). Returns (opcode, flags, request_id,\n"
 "meta_bytes, payload_len, payload_or_None). Raises ConnectionClosed, DeadlineExceeded\n"
 "(the absolute time.monotonic() deadline passed), ProtocolError, ValueError (an object larger than its buffer;\n"
@@ -262,15 +328,16 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
         PyBuffer_Release(&meta);
         return PyErr_Format(PyExc_ValueError, "opcode/flags out of range or meta too large");
     }
-    struct bufset pb = {0}, rb = {0};
+    struct bufset pb = {0};
+    struct recvset rb = {{0}, NULL, 0};
     if (bufset_get(&pb, parts, 0, "parts")) { PyBuffer_Release(&meta); return NULL; }
     int have_recv = recv != Py_None;
-    if (have_recv && bufset_get(&rb, recv, 1, "recv")) { bufset_release(&pb); PyBuffer_Release(&meta); return NULL; }
+    if (have_recv && recvset_get(&rb, recv)) { bufset_release(&pb); PyBuffer_Release(&meta); return NULL; }
     struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
-    if (!iov) { bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
+    if (!iov) { bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
     for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
     RingObject *ring = NULL;
-    if (ring_arg(ring_o, &ring)) { PyMem_Free(iov); bufset_release(&pb); bufset_release(&rb); PyBuffer_Release(&meta); return NULL; }
+    if (ring_arg(ring_o, &ring)) { PyMem_Free(iov); bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta); return NULL; }
     struct kvf_creg *reg = ring ? &ring->reg : NULL;
     struct recv_result r;
     memset(&r, 0, sizeof r);
@@ -288,7 +355,7 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
     PyObject *out;
     if (!sent_ok) out = raise_errno(rc, 0, "sending a request");
     else out = finish_recv(fd, &r, &rb, rc, max_payload);
-    bufset_release(&rb);
+    recvset_release(&rb);
     return out;
 }
 
@@ -339,11 +406,11 @@ static PyObject *py_recv_frame(PyObject *self, PyObject *args)
     unsigned long long max_payload;
     double deadline = 0;
     if (!PyArg_ParseTuple(args, "iOIK|dO", &fd, &recv, &max_meta, &max_payload, &deadline, &ring_o)) return NULL;
-    struct bufset rb = {0};
+    struct recvset rb = {{0}, NULL, 0};
     int have_recv = recv != Py_None;
-    if (have_recv && bufset_get(&rb, recv, 1, "recv")) return NULL;
+    if (have_recv && recvset_get(&rb, recv)) return NULL;
     RingObject *ring = NULL;
-    if (ring_arg(ring_o, &ring)) { bufset_release(&rb); return NULL; }
+    if (ring_arg(ring_o, &ring)) { recvset_release(&rb); return NULL; }
     struct kvf_creg *reg = ring ? &ring->reg : NULL;
     struct recv_result r;
     memset(&r, 0, sizeof r);
@@ -354,7 +421,7 @@ static PyObject *py_recv_frame(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     ring_done(ring);
     PyObject *out = finish_recv(fd, &r, &rb, rc, max_payload);
-    bufset_release(&rb);
+    recvset_release(&rb);
     return out;
 }
 

@@ -12,14 +12,16 @@ from typing import Any
 
 Buffer = Any  # anything exposing the buffer protocol
 
+# recv: one entry per key, a buffer or (scatter) a tuple of 1..64 buffers the object fills in order
 def request(
-    fd: int, opcode: int, request_id: int, meta: bytes, parts: Sequence[Buffer], recv: Sequence[Buffer] | None,
+    fd: int, opcode: int, request_id: int, meta: bytes, parts: Sequence[Buffer],
+    recv: Sequence[Buffer | tuple[Buffer, ...]] | None,
     max_meta: int, max_payload: int, flags: int = 0, send: bool = True, deadline: float = 0.0,
     ring: ConnRing | None = None,
 ) -> tuple[int, int, int, bytes, int, bytearray | None]: ...
 def send_frame(fd: int, opcode: int, flags: int, request_id: int, meta: bytes, parts: Sequence[Buffer],
                deadline: float = 0.0) -> None: ...
-def recv_frame(fd: int, recv: Sequence[Buffer] | None, max_meta: int, max_payload: int,
+def recv_frame(fd: int, recv: Sequence[Buffer | tuple[Buffer, ...]] | None, max_meta: int, max_payload: int,
                deadline: float = 0.0, ring: ConnRing | None = None,
                ) -> tuple[int, int, int, bytes, int, bytearray | None]: ...
 

@@ -105,6 +105,36 @@ except ImportError:  # pragma: no cover - depends on the build
     _c_check_keys = None
 
 _checksum = protocol.checksum  # bound to the key (protocol 2)
+_MAX_PARTS = 64  # buffers one object of get_into_parts may be scattered over (the native transport's bound)
+
+
+def _writable(b: Any) -> memoryview:
+    """A writable byte view of ``b``; TypeError otherwise (a programming error)."""
+    try:
+        v = memoryview(b).cast("B")
+    except TypeError as e:
+        raise TypeError(f"GET buffers must be contiguous: {e}") from None
+    if v.readonly:
+        raise TypeError("GET buffers must be writable")
+    return v
+
+
+def _nbytes(v: Any) -> int:
+    """Bytes a get destination holds: a view, or a tuple of views (a scatter entry)."""
+    return sum(p.nbytes for p in v) if isinstance(v, tuple) else v.nbytes
+
+
+def _object_checksum(key: bytes, dest: Any, n: int) -> int:
+    """Checksum of the ``n``-byte object received into ``dest`` (a view, or a scatter entry's views)."""
+    if not isinstance(dest, tuple):
+        return _checksum(key, dest[:n])
+    pieces = []
+    for p in dest:
+        if n <= 0:
+            break
+        pieces.append(p[:n])
+        n -= p.nbytes
+    return protocol.checksum_parts(key, pieces)
 
 
 @dataclass(frozen=True)
@@ -135,8 +165,14 @@ class Client(_FanOut, HandOff):
     client with no members (every call a miss) while it keeps trying. Raises
     ``ConfigError`` for a bad server list or replica count, or both a list and
     etcd, ``TransportUnavailable`` for a forced transport that cannot be used,
-    and ``RemoteError`` when a server rejects the auth token or protocol
-    version.
+    and ``RemoteError`` naming the server when a server rejects the auth token
+    or protocol version. With ``allow_rejects=True`` such servers instead
+    start out down (logged as an error with their address, shown in
+    ``stats()["client"]["shards"][address]["last_error"]``) and are retried in
+    the background like unreachable ones, so a fixed token or an upgraded
+    server joins later; the constructor then raises only when every server
+    rejects (an engine plugin that must stay up with the servers that accept
+    it passes True).
     """
 
     def __init__(
@@ -148,6 +184,7 @@ class Client(_FanOut, HandOff):
         etcd: str | None = None,
         cluster: str | None = None,
         membership: Membership | None = None,
+        allow_rejects: bool = False,
     ) -> None:
         config = config or ClientConfig()
         if servers:
@@ -194,7 +231,7 @@ class Client(_FanOut, HandOff):
         )
         try:
             membership.start(self._apply_members)
-            self._initial_connect()
+            self._initial_connect(allow_rejects)
         except BaseException:
             self.close()
             raise
@@ -252,17 +289,22 @@ class Client(_FanOut, HandOff):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _initial_connect(self) -> None:
+    def _initial_connect(self, allow_rejects: bool) -> None:
+        """Connect every shard once; see the class docstring for what raises (``allow_rejects``)."""
         deadline = time.monotonic() + self.config.connect_timeout_s
+        shards = list(self._shards)
+        rejects: dict[int, RemoteError] = {}  # position in shards -> the server's refusal, named
 
-        def first(shard: _Shard) -> None:
+        def first(pos: int, shard: _Shard) -> None:
             try:
                 shard.release(shard.acquire(deadline))
             except (TransportUnavailable, ConfigError):
                 raise
             except RemoteError as e:
                 if e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
-                    raise
+                    named = RemoteError(e.code, f"server {shard.address} rejected this client: {e.message}")
+                    named.__cause__ = e
+                    rejects[pos] = named
                 shard.mark_down(e)
             except _Busy as e:  # connect_timeout_s passed before this shard got a thread: no news of the server
                 if not self._membership.dynamic:  # (a dynamic membership would route around it for nothing)
@@ -270,8 +312,14 @@ class Client(_FanOut, HandOff):
             except KVFabricError as e:
                 shard.mark_down(e)
 
-        for f in [self._pool.submit(first, s) for s in self._shards]:
+        for f in [self._pool.submit(first, i, s) for i, s in enumerate(shards)]:
             f.result()
+        if not rejects:
+            return
+        if not allow_rejects or len(rejects) == len(shards):
+            raise rejects[min(rejects)]
+        for pos in sorted(rejects):
+            log.error("kvfabric: %s; it stays down (misses) and is retried in the background", rejects[pos])
 
     # ------------------------------------------------------------------ membership
 
@@ -548,15 +596,38 @@ class Client(_FanOut, HandOff):
         keys = self._keys(keys)
         if len(buffers) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = []
-        for b in buffers:
-            try:
-                v = memoryview(b).cast("B")
-            except TypeError as e:
-                raise TypeError(f"GET buffers must be contiguous: {e}") from None
-            if v.readonly:
-                raise TypeError("GET buffers must be writable")
-            views.append(v)
+        return self._get(keys, [_writable(b) for b in buffers], None, timeout_s)[0]
+
+    def get_into_parts(
+        self, keys: Sequence[bytes], parts: Sequence[Sequence[Any]], *, timeout_s: float | None = None
+    ) -> list[int | None]:
+        """Scatter form of :meth:`get_into`: object ``i`` fills the buffers ``parts[i]`` in order.
+
+        For objects stored as a small header followed by a payload, the
+        header lands in one buffer and the payload straight in the caller's
+        destination (``parts[i] = (header_buf, payload_buf)``), with no
+        staging copy. Buffers past an object's end are left untouched (a
+        shorter object fills only the first ones); the caller learns where
+        the object ended from the returned size. Returns each object's size,
+        or None for a miss; the checksum covers the whole object, as for
+        ``get_into``. ``parts[i]`` holds 1..64 buffers. Raises ``TypeError``
+        for a read-only or non-contiguous buffer and ``ValueError`` for an
+        entry whose buffers together are smaller than the object found (as
+        ``get_into``: what the call's other buffers then hold is unspecified).
+        Works over every transport (``native`` receives into the parts with
+        one ``recvmsg`` per run of objects, ``shm`` copies each piece out of
+        the arena, ``tcp`` receives each piece).
+        """
+        self._check_open()
+        keys = self._keys(keys)
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+        views: list[Any] = []
+        for i, ps in enumerate(parts):
+            entry = tuple(_writable(b) for b in ps)
+            if not 1 <= len(entry) <= _MAX_PARTS:
+                raise ValueError(f"parts[{i}] holds {len(entry)} buffers (1..{_MAX_PARTS})")
+            views.append(entry)
         return self._get(keys, views, None, timeout_s)[0]
 
     def get(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bytes | None]:
@@ -567,10 +638,12 @@ class Client(_FanOut, HandOff):
         self._get(keys, None, out, timeout_s)
         return out
 
-    def _get(self, keys: list[bytes], views: list[memoryview] | None, out: list | None, timeout_s: float | None,
+    def _get(self, keys: list[bytes], views: list[Any] | None, out: list | None, timeout_s: float | None,
              *, background: bool = False) -> tuple[list[int | None], int]:
-        """GET into ``views`` (or ``out``): owners in replica order, then previous owners (hand-off); returns
-        (sizes, misses). ``background``: a repair's own GET (membership/handoff.py): counts no hits or misses."""
+        """GET into ``views`` (one memoryview, or a tuple of them: a scatter entry, per key) or, with
+        ``views=None``, into new ``bytes`` stored in ``out``: owners in replica order, then previous owners
+        (hand-off); returns (sizes, misses). ``background``: a repair's own GET (membership/handoff.py):
+        counts no hits or misses."""
         deadline = self._deadline(timeout_s)
         owners = self._owners(keys)
         sizes: list[int | None] = [None] * len(keys)
@@ -579,7 +652,7 @@ class Client(_FanOut, HandOff):
 
         def job_for(shard: _Shard, idx: list[int]):
             def job(conn: transport.Connection, deadline: float) -> None:
-                weight = (lambda i: min(views[i].nbytes, cap)) if views is not None else None
+                weight = (lambda i: min(_nbytes(views[i]), cap)) if views is not None else None
                 for chunk in self._chunks(shard, idx, weight):
                     msg = protocol.GetRequest(keys=[keys[i] for i in chunk])
                     bufs = None if views is None else [views[i] for i in chunk]
@@ -589,10 +662,10 @@ class Client(_FanOut, HandOff):
                     for i, n, ck in zip(chunk, reply.msg.sizes, reply.msg.checksums):
                         if n < 0:
                             continue
-                        data = payload[off : off + n] if views is None else views[i][:n]
+                        data = payload[off : off + n] if views is None else views[i]
                         off += n
                         nbytes += n
-                        if verify and _checksum(keys[i], data) != ck:
+                        if verify and _object_checksum(keys[i], data, n) != ck:
                             bad += 1
                             continue
                         if out is not None:

@@ -15,7 +15,11 @@ LMCache then asks every adapter ``can_parse("plugin://kvfabric")`` and calls
 parses the settings (:mod:`.config`; ``ConfigError`` for a bad or missing
 URL, which LMCache logs before running without this backend) and builds a
 ``kvfabric.Client``; unreachable servers do not fail it: they start out
-down, read as misses, and are reconnected in the background.
+down, read as misses, and are reconnected in the background. Neither do
+servers that reject the auth token or protocol version, as long as one
+accepts: each is named in an error log and kept down (retried in the
+background); when every server rejects, the ``RemoteError`` names one and
+LMCache runs without this backend.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ class KVFabricConnectorAdapter(ConnectorAdapter):
             raise ValueError("the kvfabric LMCache plugin needs LMCache's engine config and metadata")
         settings = settings_from_lmcache(context.url, context.plugin_name, config.extra_config)
         keymap = KeyMapper(KeyHasher(settings.client.key_algorithm, settings.client.key_secret), int(config.chunk_size))
-        client = Client(config=settings.client)
+        # A server that rejects the token (or protocol version) stays down and is named in an
+        # error log; the backend serves with the others. Only when all reject does this raise.
+        client = Client(config=settings.client, allow_rejects=True)
         try:
             return KVFabricConnector(client, keymap, settings, context.loop, context.local_cpu_backend, config, metadata)
         except BaseException:

@@ -7,11 +7,16 @@ and the real address lives in ``extra_config``::
 
     remote_storage_plugin.kvfabric.url: kvfabric://127.0.0.1:7070,127.0.0.1:7071?timeout_s=1
 
-The kvfabric URL is ``kvfabric://host:port[,host:port...][?option=value&...]``.
+The kvfabric URL is ``kvfabric://host:port[,host:port...][?option=value&...]``,
+or ``kvfabric://?etcd=http://H:P&cluster=NAME`` to follow a cluster's members
+in etcd instead of a fixed list (the servers registered with ``kvfabric serve
+--etcd URL --cluster NAME``; docs/notes/membership.md).
 Options (each may also be given as ``remote_storage_plugin.<name>.<option>``
 in ``extra_config``; the URL wins):
 
 ========================  ==================================================
+``etcd``                  etcd URL(s) (``http://host:port[,...]``) holding the members; not with a server list
+``cluster``               cluster name the servers registered under (default ``default``)
 ``timeout_s``             deadline of one pool call (default: ClientConfig's)
 ``connect_timeout_s``     per-server connect timeout
 ``replicas``              owners per key
@@ -48,6 +53,8 @@ PLUGIN_TYPE = "kvfabric"
 
 # option name -> converter from its text form
 _CLIENT_OPTIONS: dict[str, Any] = {
+    "etcd": str,
+    "cluster": str,
     "timeout_s": float,
     "connect_timeout_s": float,
     "replicas": int,
@@ -111,15 +118,12 @@ def is_plugin_url(url: str) -> bool:
 
 
 def parse_url(url: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    """``kvfabric://h:p,h:p?k=v`` -> (servers, raw options). Raises ConfigError."""
+    """``kvfabric://h:p,h:p?k=v`` or ``kvfabric://?etcd=...`` -> (servers, raw options). Raises ConfigError."""
     if not isinstance(url, str) or not url.startswith(SCHEME):
         raise ConfigError(f"a kvfabric URL starts with {SCHEME!r}, got {url!r}")
     rest = url[len(SCHEME):]
     hosts, _, query = rest.partition("?")
     hosts = hosts.rstrip("/")
-    if not hosts:
-        raise ConfigError(f"kvfabric URL {url!r} names no server (expected {SCHEME}host:port[,host:port...])")
-    servers = parse_servers(hosts)
     options: dict[str, str] = {}
     for k, v in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if k in _SECRET_OPTIONS:
@@ -129,7 +133,13 @@ def parse_url(url: str) -> tuple[tuple[str, ...], dict[str, str]]:
         if k in options:
             raise ConfigError(f"kvfabric URL option {k!r} given twice")
         options[k] = v
-    return servers, options
+    if hosts and "etcd" in options:
+        raise ConfigError(f"kvfabric URL {url!r} names servers and etcd: give one of them")
+    if not hosts and "etcd" not in options:
+        raise ConfigError(
+            f"kvfabric URL {url!r} names no server (expected {SCHEME}host:port[,host:port...] or {SCHEME}?etcd=http://H:P&cluster=NAME)"
+        )
+    return (parse_servers(hosts) if hosts else ()), options
 
 
 def _plugin_prefixes(plugin_name: str | None) -> list[str]:
@@ -175,13 +185,21 @@ def _build(real_url: str | None, lookup: Any, where_prefix: str, environ: Mappin
         raw = lookup(name)
         if raw is not None:
             client_kw[name] = str(raw)
+    if servers and client_kw.get("etcd"):
+        raise ConfigError(f"kvfabric servers {list(servers)} and {where_prefix}etcd are both set: give one of them")
     if servers:
         client_kw["servers"] = servers
+        client_kw["etcd"] = ""  # an explicit list wins over KVFABRIC_ETCD
+    elif client_kw.get("etcd"):
+        client_kw["servers"] = ()  # explicit etcd wins over KVFABRIC_SERVERS
     client = ClientConfig.from_env(environ, **client_kw)
-    if not client.servers:
+    if not client.servers and not client.etcd:
         raise ConfigError(
-            f"no kvfabric servers configured: set {where_prefix}url (kvfabric://host:port,...), or KVFABRIC_SERVERS"
+            f"no kvfabric servers configured: set {where_prefix}url (kvfabric://host:port,... or "
+            f"kvfabric://?etcd=URL&cluster=NAME), {where_prefix}etcd, KVFABRIC_SERVERS or KVFABRIC_ETCD"
         )
+    if client.servers and client.etcd:
+        raise ConfigError("KVFABRIC_SERVERS and KVFABRIC_ETCD are both set: give one of them")
     return PluginSettings(client=client, **plugin_kw)
 
 

@@ -13,10 +13,13 @@ Batched forms are offered, and LMCache uses them:
   ``Client.lookup`` (one LOOKUP per shard, in parallel); with ``pin=True`` the
   servers lease what they found for ``lease_ms`` so it is not evicted before
   the load.
-* ``batched_get``: one ``Client.get_into`` (one GET per shard) into staging
-  buffers of a full chunk plus header (reused, :mod:`.scratch`); each found
-  object is decoded (:mod:`.value`), a memory object is allocated with
-  ``local_cpu_backend.allocate(shapes, dtypes, fmt)`` and the bytes copied in.
+* ``batched_get``: a full-chunk memory object is allocated per key first
+  (``local_cpu_backend.allocate(meta_shapes, meta_dtypes, meta_fmt)``), then
+  one ``Client.get_into_parts`` (one GET per shard) receives each stored
+  object's 256-byte header into a small buffer and its chunk bytes straight
+  into the memory object: no staging copy (:mod:`.value` pads the header to
+  256 bytes for this). A shorter chunk is copied into an object of its own
+  shape; an object in the older unpadded format is fetched whole and copied.
 * ``batched_put``: one ``Client.put`` of header+bytes per chunk, staged in
   reused buffers; the copy into them happens on the loop before the put is
   queued (LMCache frees its allocator at teardown before closing this
@@ -26,7 +29,8 @@ Failures degrade to misses: a dead, slow or refusing shard is a miss inside
 the client already; a ``KVFabricError`` that still escapes (a closed client),
 a stored object that does not decode, or an allocation that fails under
 memory pressure all count (see :meth:`KVFabricConnector.stats`) and read as
-misses, with a warning logged. Programming errors (wrong key types) raise.
+misses, with a warning logged. ``get_copies`` counts the hits that took a
+copy (shorter chunks, the older format) instead of landing in place. Programming errors (wrong key types) raise.
 
 ``list()`` raises ``NotImplementedError``: the pool holds one-way hashed keys
 (:mod:`.keymap`) and cannot give LMCache's key strings back.
@@ -56,7 +60,7 @@ log = logging.getLogger("kvfabric.lmcache")
 T = TypeVar("T")
 
 _COUNTERS = (
-    "lookups", "lookup_hits", "gets", "get_hits", "get_misses", "bad_values", "alloc_failures",
+    "lookups", "lookup_hits", "gets", "get_hits", "get_misses", "get_copies", "bad_values", "alloc_failures",
     "puts", "puts_stored", "puts_existed", "puts_dropped", "pool_errors",
 )
 
@@ -171,27 +175,17 @@ class KVFabricConnector(RemoteConnector):
     def support_batched_get(self) -> bool:
         return True
 
-    def _fetch(self, keys: list[CacheEngineKey], bufs: list[np.ndarray]) -> list[Any]:
-        """Stored objects for ``keys`` (None = miss), received straight into ``bufs``.
-
-        Each buffer holds a full chunk plus the largest header; an object
-        larger than that is not one this configuration wrote, so that batch
-        is fetched again with ``Client.get`` and the odd object is rejected
-        by the decoder (a counted miss).
-        """
-        ks = self.keymap.many(keys)
-
-        def fetch() -> list[Any]:
-            try:
-                sizes = self.client.get_into(ks, bufs)
-            except ValueError:  # some object does not fit a buffer
-                return self.client.get(ks)
-            return [None if n is None else memoryview(b)[:n] for b, n in zip(bufs, sizes)]
-
-        return self._guard("get", [None] * len(ks), fetch)
+    def _alloc(self, shapes: list[Any], dtypes: list[Any], fmt: Any) -> Optional[MemoryObj]:
+        # No busy loop: under memory pressure a retrieve misses instead of
+        # waiting for stores to drain (the pool promises never to stall the engine).
+        obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
+        if obj is None:
+            self._count(alloc_failures=1)
+            log.warning("kvfabric-lmcache: no local memory for a chunk, treated as a miss")
+        return obj
 
     def _rebuild(self, raw: Any) -> Optional[MemoryObj]:
-        """Stored object -> a new memory object holding its bytes; None (counted) when it cannot be."""
+        """Stored object -> a new memory object holding its bytes (one copy); None (counted) when it cannot be."""
         if raw is None:
             return None
         try:
@@ -200,12 +194,8 @@ class KVFabricConnector(RemoteConnector):
             self._count(bad_values=1)
             log.warning("kvfabric-lmcache: stored object rejected, treated as a miss: %s", e)
             return None
-        # No busy loop: under memory pressure a retrieve misses instead of
-        # waiting for stores to drain (the pool promises never to stall the engine).
-        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt, busy_loop=False)
+        obj = self._alloc(meta.shapes, meta.dtypes, meta.fmt)
         if obj is None:
-            self._count(alloc_failures=1)
-            log.warning("kvfabric-lmcache: no local memory for a %d-byte chunk, treated as a miss", meta.nbytes)
             return None
         dst = memoryview(obj.byte_array).cast("B")  # ctypes-backed, format '<B'
         if len(dst) != meta.nbytes:
@@ -214,18 +204,94 @@ class KVFabricConnector(RemoteConnector):
             log.warning("kvfabric-lmcache: stored chunk of %d bytes does not fit its declared shape (%d bytes)", meta.nbytes, len(dst))
             return None
         dst[:] = payload
+        self._count(get_copies=1)
         return obj
 
-    def _get_batch(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
-        """Fetch and rebuild on an I/O thread; the staging buffers go back only after the client is done."""
-        bufs = self._scratch.take(len(keys))
+    def _land(self, key: bytes, head: np.ndarray, obj: MemoryObj, size: Optional[int]) -> Optional[MemoryObj]:
+        """The memory object for one key after the scatter GET put ``size`` bytes over (head, obj).
+
+        A full chunk written by this plugin is ready as it is. Anything else
+        takes a second look: a shorter chunk (``save_unfull_chunk``) is copied
+        into an object of its own shape, an object whose header is not the
+        256-byte one (written by the previous format, or with unusually large
+        metadata) is fetched again whole and rebuilt; a bad one is a counted miss.
+        """
+        if size is None:
+            obj.ref_count_down()
+            return None
+        head = head[: min(size, head.size)]  # only what the object filled
         try:
-            objs = [self._rebuild(r) for r in self._fetch(keys, bufs)]
-        finally:
-            self._scratch.give(bufs)
-        hits = sum(o is not None for o in objs)
+            region = value.header_length(head)
+            # the fast path needs the chunk bytes to start right after the head buffer
+            meta = value.decode_header(head, size) if region == value.HEADER_ALIGN else None
+        except value.ValueFormatError as e:
+            obj.ref_count_down()
+            self._count(bad_values=1)
+            log.warning("kvfabric-lmcache: stored object rejected, treated as a miss: %s", e)
+            return None
+        if meta is not None and meta.nbytes == self.full_chunk_size_bytes and meta.fmt == self.meta_fmt \
+                and meta.shapes == self.meta_shapes and meta.dtypes == self.meta_dtypes:
+            return obj  # the common case: the bytes are where LMCache wants them
+        if meta is None:  # the payload did not start at the 256-byte boundary: fetch it whole
+            obj.ref_count_down()
+            raw = self._guard("get", [None], lambda: self.client.get([key]))[0]
+            return self._rebuild(raw)
+        out = self._alloc(meta.shapes, meta.dtypes, meta.fmt)
+        if out is not None:
+            dst = memoryview(out.byte_array).cast("B")
+            if len(dst) != meta.nbytes:
+                out.ref_count_down()
+                out = None
+                self._count(bad_values=1)
+                log.warning("kvfabric-lmcache: stored chunk of %d bytes does not fit its declared shape (%d bytes)",
+                            meta.nbytes, len(dst))
+            else:
+                dst[:] = memoryview(obj.byte_array).cast("B")[: meta.nbytes]
+                self._count(get_copies=1)
+        obj.ref_count_down()
+        return out
+
+    def _get_batch(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """Fetch on an I/O thread straight into new full-chunk memory objects (no staging copy).
+
+        Each key gets a full-chunk object allocated before the GET; the object's
+        256-byte header goes into a small buffer and its chunk bytes into the
+        memory object (``Client.get_into_parts``). A key whose object cannot be
+        allocated is a miss without asking the pool. An object larger than
+        header + full chunk is not one this configuration wrote: that batch is
+        fetched again with ``Client.get`` and rebuilt (the decoder rejects it).
+        """
+        objs: list[Optional[MemoryObj]] = [None] * len(keys)
+        for i in range(len(keys)):
+            objs[i] = self._alloc(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if objs[i] is None:
+                break  # no memory now: the rest would fail too
+        want = [i for i, o in enumerate(objs) if o is not None]
+        out: list[Optional[MemoryObj]] = [None] * len(keys)
+        if want:
+            ks = self.keymap.many([keys[i] for i in want])
+            heads = np.empty((len(want), value.HEADER_ALIGN), dtype=np.uint8)
+            parts = [(heads[j], memoryview(objs[i].byte_array).cast("B")) for j, i in enumerate(want)]
+
+            def fetch() -> Optional[list[Optional[int]]]:
+                try:
+                    return self.client.get_into_parts(ks, parts)
+                except ValueError:  # some object is larger than header + full chunk
+                    return None
+
+            sizes = self._guard("get", [None] * len(want), fetch)
+            if sizes is None:
+                for i in want:
+                    objs[i].ref_count_down()
+                raws = self._guard("get", [None] * len(want), lambda: self.client.get(ks))
+                for i, raw in zip(want, raws):
+                    out[i] = self._rebuild(raw)
+            else:
+                for j, i in enumerate(want):
+                    out[i] = self._land(ks[j], heads[j], objs[i], sizes[j])
+        hits = sum(o is not None for o in out)
         self._count(gets=len(keys), get_hits=hits, get_misses=len(keys) - hits)
-        return objs
+        return out
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
         """Memory objects for ``keys`` in order; None for each miss.

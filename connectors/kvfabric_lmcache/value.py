@@ -6,12 +6,21 @@ object per key: metadata and bytes can never disagree or be half-written)::
 
     offset  size      field
     0       4         magic  b"KFLC"
-    4       1         version (1)
+    4       1         version (2; 1 is still read)
     5       1         reserved, 0
     6       2         meta_len, u16 little-endian, 1..MAX_META_BYTES
     8       meta_len  msgpack map {"fmt": int, "shapes": [[int, ...], ...],
                                    "dtypes": [str, ...], "nbytes": int}
-    8+meta_len nbytes the chunk bytes (MemoryObj.byte_array)
+    8+meta_len        zero padding up to the header's end, R (version 2 only)
+    R       nbytes    the chunk bytes (MemoryObj.byte_array)
+
+Version 2 pads the header to ``R = header_region(meta_len)``, a multiple of
+``HEADER_ALIGN`` (256; every header this plugin writes for ordinary chunks
+is exactly 256 bytes), so a reader knows where the bytes start before it has
+seen the header: it receives the first 256 bytes into a small buffer and the
+rest straight into LMCache's memory object (``Client.get_into_parts``, no
+staging copy; see the connector). Version 1 (``R = 8 + meta_len``, written
+before) still decodes, through the copying path.
 
 ``fmt`` is ``MemoryFormat.value``; ``dtypes`` are torch dtype names without
 the ``torch.`` prefix, from the fixed table ``DTYPES``. Decoding checks the
@@ -32,13 +41,23 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 MAGIC = b"KFLC"
-VERSION = 1
+VERSION = 2
+_READS = (1, 2)  # versions decode() accepts
 _FIXED = struct.Struct("<4sBBH")
 HEADER_FIXED_BYTES = _FIXED.size  # 8
+HEADER_ALIGN = 256
 MAX_META_BYTES = 1024
 MAX_GROUPS = 16
 MAX_DIMS = 8
-MAX_HEADER_BYTES = HEADER_FIXED_BYTES + MAX_META_BYTES
+
+
+def header_region(meta_len: int, version: int = VERSION) -> int:
+    """Bytes from the object's start to its chunk bytes, for a header with ``meta_len`` bytes of metadata."""
+    n = HEADER_FIXED_BYTES + meta_len
+    return n if version == 1 else -(-n // HEADER_ALIGN) * HEADER_ALIGN
+
+
+MAX_HEADER_BYTES = header_region(MAX_META_BYTES)  # 1280
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -111,7 +130,8 @@ def encode_header(memory_obj: MemoryObj) -> bytes:
     )
     if len(meta) > MAX_META_BYTES:
         raise ValueError(f"chunk metadata of {len(meta)} bytes exceeds MAX_META_BYTES={MAX_META_BYTES}")
-    return _FIXED.pack(MAGIC, VERSION, 0, len(meta)) + meta
+    head = _FIXED.pack(MAGIC, VERSION, 0, len(meta)) + meta
+    return head + bytes(header_region(len(meta)) - len(head))
 
 
 def encoded_size(memory_obj: MemoryObj) -> int:
@@ -141,20 +161,39 @@ def encode(memory_obj: MemoryObj) -> np.ndarray:
     return encode_into(memory_obj, np.empty(encoded_size(memory_obj), dtype=np.uint8))
 
 
-def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
-    """(metadata, view of the chunk bytes inside ``buf``). ValueFormatError if invalid."""
-    view = memoryview(buf).cast("B")
+def header_length(head: bytes | bytearray | memoryview) -> int:
+    """Where the chunk bytes of the object starting with ``head`` begin (its header region).
+
+    Reads only the fixed 8 bytes. ValueFormatError when they are short, not this
+    plugin's, or a version this code does not read.
+    """
+    view = memoryview(head).cast("B")
     if len(view) < HEADER_FIXED_BYTES:
         raise ValueFormatError(f"object of {len(view)} bytes is shorter than the {HEADER_FIXED_BYTES}-byte header")
     magic, version, reserved, meta_len = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise ValueFormatError(f"bad magic {bytes(magic)!r} (not written by kvfabric's LMCache plugin)")
-    if version != VERSION or reserved != 0:
-        raise ValueFormatError(f"unsupported value version {version} (reserved={reserved}); this plugin reads {VERSION}")
-    if not 1 <= meta_len <= MAX_META_BYTES or HEADER_FIXED_BYTES + meta_len > len(view):
-        raise ValueFormatError(f"meta_len {meta_len} out of range for an object of {len(view)} bytes")
+    if version not in _READS or reserved != 0:
+        raise ValueFormatError(f"unsupported value version {version} (reserved={reserved}); this plugin reads {_READS}")
+    if not 1 <= meta_len <= MAX_META_BYTES:
+        raise ValueFormatError(f"meta_len {meta_len} out of range 1..{MAX_META_BYTES}")
+    return header_region(meta_len, version)
+
+
+def decode_header(head: bytes | bytearray | memoryview, size: int) -> ChunkMeta:
+    """The metadata of a ``size``-byte object whose header region is in ``head`` (at least
+    :func:`header_length` bytes of it). Checks everything :func:`decode` checks, including that
+    exactly ``nbytes`` follow the header. ValueFormatError otherwise."""
+    view = memoryview(head).cast("B")
+    region = header_length(view)
+    if region > len(view) or region > size:
+        raise ValueFormatError(f"header of {region} bytes out of range for an object of {size} bytes")
+    meta_len = _FIXED.unpack_from(view, 0)[3]
+    end = HEADER_FIXED_BYTES + meta_len
+    if any(view[end:region]):
+        raise ValueFormatError("header padding is not zero")
     try:
-        meta = msgpack.unpackb(view[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + meta_len], raw=False, max_array_len=MAX_GROUPS * (MAX_DIMS + 1))
+        meta = msgpack.unpackb(view[HEADER_FIXED_BYTES:end], raw=False, max_array_len=MAX_GROUPS * (MAX_DIMS + 1))
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise ValueFormatError(f"chunk metadata is not valid msgpack: {exc}") from None
     if not isinstance(meta, dict) or set(meta) != {"fmt", "shapes", "dtypes", "nbytes"}:
@@ -171,12 +210,18 @@ def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
         or not all(isinstance(n, str) and n in DTYPES for n in names)
     ):
         raise ValueFormatError(f"chunk metadata has bad shapes/dtypes: {shapes!r:.200} {names!r:.200}")
-    payload = view[HEADER_FIXED_BYTES + meta_len :]
-    if type(nbytes) is not int or nbytes != len(payload):
-        raise ValueFormatError(f"chunk metadata says {nbytes!r} bytes but {len(payload)} follow")
-    return ChunkMeta(fmt, [torch.Size(s) for s in shapes], [DTYPES[n] for n in names], nbytes), payload
+    if type(nbytes) is not int or nbytes != size - region:
+        raise ValueFormatError(f"chunk metadata says {nbytes!r} bytes but {size - region} follow")
+    return ChunkMeta(fmt, [torch.Size(s) for s in shapes], [DTYPES[n] for n in names], nbytes)
 
 
-__all__ = ["ChunkMeta", "DTYPES", "MAGIC", "MAX_HEADER_BYTES", "MAX_META_BYTES", "ValueFormatError", "decode", "encode",
-           "shapes_dtypes",
-           "encode_header", "encode_into", "encoded_size"]
+def decode(buf: bytes | bytearray | memoryview) -> tuple[ChunkMeta, memoryview]:
+    """(metadata, view of the chunk bytes inside ``buf``). ValueFormatError if invalid."""
+    view = memoryview(buf).cast("B")
+    meta = decode_header(view, len(view))
+    return meta, view[len(view) - meta.nbytes:]
+
+
+__all__ = ["ChunkMeta", "DTYPES", "HEADER_ALIGN", "MAGIC", "MAX_HEADER_BYTES", "MAX_META_BYTES", "ValueFormatError",
+           "decode", "decode_header", "encode", "encode_header", "encode_into", "encoded_size", "header_length",
+           "header_region", "shapes_dtypes"]

@@ -61,6 +61,17 @@ MAX_QUEUED_BYTES = 64 << 20
 MAX_CLAIMS = 1 << 16  # (key, shard) repairs remembered, so a hot key is not queued again on every read
 
 
+
+def _received(dest: Any, n: int) -> bytes:
+    """The ``n`` bytes a GET put into ``dest``: a view, or a scatter entry's views filled in order
+    (``Client.get_into_parts``)."""
+    if not isinstance(dest, tuple):
+        return bytes(dest[:n])
+    out = bytearray()
+    for part in dest:
+        out += part[: n - len(out)]
+    return bytes(out)
+
 class PreviousViews:
     """Routing views replaced within the last ``handoff_s`` seconds, newest first (thread-safe)."""
 
@@ -177,7 +188,7 @@ class HandOff:
         return out
 
     def _after_get(self, keys: list[bytes], owners: list[list[int]], sizes: list[int | None],
-                   views: list[memoryview] | None, out: list | None, pending: list[int],
+                   views: list[Any] | None, out: list | None, pending: list[int],
                    found_at: dict[int, int], answered: list[set[int]], job_for: Callable, deadline: float,
                    background: bool) -> list[int]:
         """After a GET's own owners: ask previous owners for what is still ``pending`` and repair.
@@ -226,7 +237,7 @@ class HandOff:
             self._counters.add(handoff_hits=handed)
         if repairs:
             idx = sorted(repairs)
-            vals = [out[i] if views is None else bytes(views[i][: sizes[i]]) for i in idx]
+            vals = [out[i] if views is None else _received(views[i], sizes[i]) for i in idx]
             self._repair_put([keys[i] for i in idx], vals, [repairs[i] for i in idx], [kinds[i] for i in idx],
                              inline=background)
         return pending

@@ -140,6 +140,15 @@ def checksum(key: bytes, value: Any) -> int:
 _xxh3_64 = xxhash.xxh3_64_intdigest
 
 
+def checksum_parts(key: bytes, parts: Any) -> int:
+    """:func:`checksum` of the concatenation of the buffers ``parts`` (an object received
+    scattered over several buffers), without joining them."""
+    h = xxhash.xxh3_64(seed=_xxh3_64(key))
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
 # ----------------------------------------------------------------------------- header
 
 

@@ -21,7 +21,10 @@ Failure model (the client relies on it):
 GET payloads go straight into the caller's buffers: ``recv_buffers`` holds one
 writable buffer per requested key; the reply's ``sizes`` say which keys were
 found, and found objects arrive concatenated in key order, so object ``i`` is
-received into ``recv_buffers[i][:sizes[i]]`` with no intermediate copy.
+received into ``recv_buffers[i][:sizes[i]]`` with no intermediate copy. An
+entry may instead be a tuple of writable buffers (a scatter entry, e.g. a
+small header buffer and the caller's payload buffer): the object fills them in
+order, and buffers past its end get nothing.
 """
 
 from __future__ import annotations
@@ -236,12 +239,14 @@ def remaining(deadline: float | None) -> float | None:
 
 def get_sinks(
     sizes: Sequence[int], recv_buffers: Sequence[Buffer], payload_len: int
-) -> tuple[list[tuple[int, memoryview | None]], str | None]:
+) -> tuple[list[tuple[int, memoryview | tuple[memoryview, ...] | None]], str | None]:
     """Plan where each found object of a GET reply goes.
 
     Returns ``(sinks, problem)``: ``sinks`` is one ``(nbytes, view)`` per found
     object in payload order, ``view`` being the caller's buffer cut to
-    ``nbytes``, or ``None`` when that buffer cannot take the object (too
+    ``nbytes`` (for a scatter entry, a tuple of its buffers' views cut so that
+    they hold ``nbytes`` together, empty ones left out), or ``None`` when that
+    buffer cannot take the object (too
     small, read-only, not contiguous): those bytes must be read and discarded,
     and once the frame is consumed the transport raises ``ValueError(problem)``.
     Raises :class:`~kvfabric.errors.ProtocolError` when the reply is
@@ -251,12 +256,17 @@ def get_sinks(
     if len(sizes) != len(recv_buffers):
         raise ProtocolError(ErrorCode.MALFORMED, f"reply has {len(sizes)} sizes for {len(recv_buffers)} keys")
     total = 0
-    sinks: list[tuple[int, memoryview | None]] = []
+    sinks: list[tuple[int, memoryview | tuple[memoryview, ...] | None]] = []
     problem = None
     for i, (n, buf) in enumerate(zip(sizes, recv_buffers)):
         if not isinstance(n, int) or n < 0:
             continue
         total += n
+        if isinstance(buf, tuple):
+            parts, problem_i = _scatter_views(i, n, buf)
+            problem = problem or problem_i
+            sinks.append((n, parts))
+            continue
         try:
             view = memoryview(buf).cast("B")
         except TypeError as e:
@@ -276,3 +286,23 @@ def get_sinks(
             ErrorCode.LENGTH_MISMATCH, f"reply sizes add up to {total} bytes but the payload is {payload_len}"
         )
     return sinks, problem
+
+
+def _scatter_views(i: int, n: int, bufs: tuple[Buffer, ...]) -> tuple[tuple[memoryview, ...] | None, str | None]:
+    """Views of the scatter entry ``bufs`` that take ``n`` bytes in order; (None, problem) when they cannot."""
+    parts: list[memoryview] = []
+    left = n
+    for j, buf in enumerate(bufs):
+        try:
+            view = memoryview(buf).cast("B")
+        except TypeError as e:
+            return None, f"GET buffer {i} part {j} is not a contiguous buffer: {e}"
+        if view.readonly:
+            return None, f"GET buffer {i} part {j} is read-only"
+        take = min(left, view.nbytes)
+        if take:
+            parts.append(view[:take])
+        left -= take
+    if left:
+        return None, f"GET buffer {i} holds {n - left} bytes in its parts, the object has {n}"
+    return tuple(parts), None

@@ -5,7 +5,8 @@ Each :meth:`NativeConnection.request` is one call into ``kvfabric._native``
 parts go out in one gathered ``sendmsg`` (PUT objects are sent straight from
 the caller's buffers), and a GET reply's objects are received with
 ``recvmsg`` straight into the caller's buffers, object ``i`` into
-``recv_buffers[i]``. Python keeps the decisions: it encodes and decodes the
+``recv_buffers[i]`` (or, for a scatter entry, a tuple of buffers, filled
+in order). Python keeps the decisions: it encodes and decodes the
 metadata with :mod:`kvfabric.protocol`, checks the reply, and maps failures.
 
 Deadlines: the absolute ``time.monotonic()`` deadline goes to C, which arms
@@ -108,6 +109,9 @@ def connect(
         conn.close()
         raise
     return conn
+
+
+MAX_SCATTER_PARTS = 64  # buffers one GET object may be scattered over (KVF_MAX_SEGMENTS in C)
 
 
 def _writable_view(buf: Any, what: str) -> memoryview:
@@ -346,7 +350,13 @@ class NativeConnection(SocketConnection):
                 raise ValueError(f"{len(recv_buffers)} recv buffers for {len(msg.keys)} keys")
             recv_buffers = list(recv_buffers)
             for i, b in enumerate(recv_buffers):  # checked before sending: C must not fail mid-stream
-                _writable_view(b, f"GET buffer {i}")
+                if isinstance(b, tuple):  # scatter entry: the object fills these in order
+                    if not 1 <= len(b) <= MAX_SCATTER_PARTS:
+                        raise ValueError(f"GET buffer {i}: a scatter entry holds 1..{MAX_SCATTER_PARTS} buffers")
+                    for j, part in enumerate(b):
+                        _writable_view(part, f"GET buffer {i} part {j}")
+                else:
+                    _writable_view(b, f"GET buffer {i}")
         rid = self._next_id
         self._next_id += 1
         return msg, rid, protocol.encode_meta(msg.to_meta()), parts, recv_buffers

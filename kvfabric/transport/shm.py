@@ -81,7 +81,7 @@ from ..protocol import (
     ShmReleaseRequest,
     ShmReserveRequest,
 )
-from .base import Reply, dial, parse_address
+from .base import Reply, dial, get_sinks, parse_address
 from .native import NativeConnection
 from .native import probe as _native_probe
 
@@ -372,6 +372,8 @@ class ShmConnection(NativeConnection):
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
         lease_msg = ShmLeaseRequest(keys=msg.keys)
+        if recv_buffers is not None and any(isinstance(b, tuple) for b in recv_buffers):
+            return self._get_scatter(msg, recv_buffers, deadline)
         if recv_buffers is not None:  # the common case: one call into C, GIL released throughout
             for i, b in enumerate(recv_buffers):
                 v = memoryview(b)
@@ -403,6 +405,41 @@ class ShmConnection(NativeConnection):
             if self._sock is not None:
                 self._control(ShmReleaseRequest(lease=lease.lease), deadline)
         return Reply(GetReply(sizes=sizes, checksums=sums), payload)
+
+    def _get_scatter(self, msg: GetRequest, recv_buffers: Sequence[Any], deadline: float | None) -> Reply:
+        """GET with scatter entries (see ``transport.base``): lease, one ``copy_out`` of every piece
+        (object ``i`` cut over its entry's buffers), release. Still one copy per byte."""
+        n = len(msg.keys)
+        lease = self._control(ShmLeaseRequest(keys=msg.keys), deadline)
+        assert isinstance(lease, ShmLeaseReply)
+        problem = None
+        try:
+            offsets, sizes, sums = lease.offsets, lease.sizes, lease.checksums
+            if len(offsets) != n or len(sizes) != n:
+                self.close()
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
+            sinks, problem = get_sinks(sizes, recv_buffers, sum(s for s in sizes if s > 0))
+            p_off: list[int] = []
+            p_len: list[int] = []
+            p_buf: list[Any] = []
+            found = (i for i, s in enumerate(sizes) if s >= 0)
+            for (nbytes, view), i in zip(sinks, found):
+                if view is None:
+                    continue
+                off = offsets[i]
+                for part in view if isinstance(view, tuple) else (view,):
+                    p_off.append(off)
+                    p_len.append(part.nbytes)
+                    p_buf.append(part)
+                    off += part.nbytes
+            if problem is None and p_buf:
+                _native.copy_out(self._view, p_off, p_len, p_buf, None)
+        finally:
+            if self._sock is not None:
+                self._control(ShmReleaseRequest(lease=lease.lease), deadline)
+        if problem is not None:
+            raise ValueError(problem)
+        return Reply(GetReply(sizes=sizes, checksums=sums))
 
     def _put(self, msg: PutRequest, payload_parts: Sequence[Any], deadline: float | None) -> Reply:
         parts = [memoryview(p).cast("B") for p in payload_parts]

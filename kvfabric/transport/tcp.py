@@ -254,6 +254,9 @@ class TcpConnection(SocketConnection):
         for nbytes, view in sinks:
             if view is None:
                 self._drain(nbytes, deadline)
+            elif isinstance(view, tuple):  # scatter entry
+                for part in view:
+                    self._recv_into(part, deadline)
             elif nbytes:
                 self._recv_into(view, deadline)
         return Reply(reply), problem

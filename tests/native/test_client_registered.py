@@ -125,3 +125,19 @@ def test_a_connection_that_cannot_register_keeps_serving(py_server, monkeypatch,
         st = client.stats()["client"]
         assert st["buffer_registration_failures"] == 1 and st["buffer_registrations"] == 0
         assert sum("cannot register receive buffers" in r.message for r in caplog.records) == 1
+
+
+def test_get_into_parts_reads_the_payload_part_into_a_registered_buffer_with_fixed_reads(address):
+    # header + payload scatter (Client.get_into_parts): the payload pieces land in the registered
+    # buffer through READ_FIXED, the small header pieces through recvmsg; bytes exact either way.
+    keys, vals = _data(9, 3, MiB + 64)
+    with _client(address) as client:
+        assert client.put(keys, vals).stored == 3
+        staging = np.zeros(3 * MiB, dtype=np.uint8)
+        client.register_buffers([staging])
+        heads = [bytearray(64) for _ in keys]
+        bodies = [staging[i * MiB:(i + 1) * MiB] for i in range(3)]
+        assert client.get_into_parts(keys, list(zip(heads, bodies))) == [MiB + 64] * 3
+        assert [bytes(h) + b.tobytes() for h, b in zip(heads, bodies)] == vals
+        conns = _conns(client)
+        assert sum(c.registered_stats()["fixed_bytes"] for c in conns) == 3 * MiB

@@ -34,6 +34,8 @@ def test_parse_url_servers_and_options() -> None:
         ("kvfabric://h:1?bogus=1", "unknown kvfabric URL option"),
         ("kvfabric://h:1?auth_token=x", "must not be put in the URL"),
         ("kvfabric://h:1?timeout_s=1&timeout_s=2", "given twice"),
+        ("kvfabric://h:1?etcd=http://127.0.0.1:2379", "names servers and etcd"),
+        ("kvfabric://?cluster=c", "names no server"),
     ],
 )
 def test_parse_url_rejects(url: str, match: str) -> None:
@@ -68,6 +70,22 @@ def test_settings_instance_name_falls_back_to_type_keys() -> None:
     s = settings_from_lmcache("plugin://kvfabric.primary", "kvfabric.primary", extra, environ=NO_ENV)
     assert s.client.servers == ("127.0.0.1:1",)
     assert s.lease_ms == 5
+
+
+def test_settings_etcd_membership_from_url_or_extra_config() -> None:
+    env = {"KVFABRIC_SERVERS": "127.0.0.1:7070"}  # an explicit etcd wins over the environment's list
+    s = settings_from_lmcache("kvfabric://?etcd=http://127.0.0.1:2379,http://127.0.0.1:2381&cluster=prod&timeout_s=2",
+                              None, {}, environ=env)
+    assert (s.client.servers, s.client.etcd, s.client.cluster, s.client.timeout_s) == (
+        (), "http://127.0.0.1:2379,http://127.0.0.1:2381", "prod", 2.0)
+    extra = {"remote_storage_plugin.kvfabric.etcd": "http://10.0.0.9:2379", "remote_storage_plugin.kvfabric.cluster": "c1"}
+    s = settings_from_lmcache("plugin://kvfabric", "kvfabric", extra, environ=env)
+    assert (s.client.servers, s.client.etcd, s.client.cluster) == ((), "http://10.0.0.9:2379", "c1")
+    s = settings_from_lmcache("kvfabric://127.0.0.1:1", None, {}, environ={"KVFABRIC_ETCD": "http://h:2"})
+    assert (s.client.servers, s.client.etcd) == (("127.0.0.1:1",), "")  # an explicit list wins over KVFABRIC_ETCD
+    with pytest.raises(ConfigError, match="both set"):
+        settings_from_lmcache("kvfabric://127.0.0.1:1", None, {"remote_storage_plugin.kvfabric.etcd": "http://h:2"},
+                              environ={})
 
 
 def test_settings_from_kvfabric_env_when_no_url() -> None:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
+
+import msgpack
 
 import pytest
 import torch
 
 from kvfabric import Client, sharding
+from kvfabric_lmcache import value
 from kvfabric_lmcache.keymap import KeyMapper
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -85,6 +89,9 @@ def test_second_engine_retrieves_bit_identical_kv_from_two_servers(pool, engines
     st = kvfabric_connector(e2).stats()
     assert (st["get_hits"], st["get_misses"], st["bad_values"], st["pool_errors"]) == (CHUNKS, 0, 0, 0)
     assert st["client"]["hits"] >= CHUNKS
+    # the 3 full chunks were received straight into LMCache's memory objects; only the
+    # 232-token chunk (its own, smaller shape) took a copy
+    assert st["get_copies"] == 1
 
 
 def test_a_different_model_or_prompt_does_not_hit(pool, engines) -> None:
@@ -173,6 +180,31 @@ def test_corrupt_stored_object_is_a_counted_miss_never_kv(pool, engines, garbage
     assert torch.equal(out[:, :, :768].view(torch.int16), kv[:, :, :768].view(torch.int16))
     assert torch.count_nonzero(out[:, :, 768:].view(torch.int16)) == 0
     assert kvfabric_connector(e2).stats()["bad_values"] == 1
+
+
+def test_objects_in_the_previous_unpadded_format_still_load_bit_identical(pool, engines) -> None:
+    # Objects written by the plugin before the header was padded to 256 bytes (value version 1):
+    # the scatter GET sees a header that ends early, fetches such an object whole and copies it.
+    tokens, kv = prompt(seed=9)
+    _, e1 = pool_engine(engines, pool)
+    store_and_wait(e1, tokens, kv)
+    conn = kvfabric_connector(e1)
+    keys = conn.keymap.many(chunk_keys(e1, tokens))
+    old = []
+    for raw in conn.client.get(keys):
+        meta, payload = value.decode(raw)
+        m = msgpack.packb({"fmt": meta.fmt.value, "shapes": [list(s) for s in meta.shapes],
+                           "dtypes": [str(d).removeprefix("torch.") for d in meta.dtypes], "nbytes": meta.nbytes})
+        old.append(struct.pack("<4sBBH", b"KFLC", 1, 0, len(m)) + m + bytes(payload))
+    assert conn.client.delete(keys) == CHUNKS
+    assert conn.client.put(keys, old).stored == CHUNKS
+
+    _, e2 = pool_engine(engines, pool)
+    out = torch.zeros_like(kv)
+    assert int(e2.retrieve(tokens, kv=out).sum()) == TOKENS
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    st = kvfabric_connector(e2).stats()
+    assert (st["get_hits"], st["get_copies"], st["bad_values"]) == (CHUNKS, CHUNKS, 0)
 
 
 def test_connector_async_and_single_key_paths(pool, engines) -> None:

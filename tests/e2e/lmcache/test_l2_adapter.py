@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import select
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +258,24 @@ def test_lmcache_own_l2_adapter_check_passes(pool, capsys) -> None:
                  "Validation (loaded): 5/5", "Validation (content): 5/5"):
         assert line in out, out
     assert "Test Failed" not in out, out
+
+
+def test_lmcache_bench_l2_cli_stores_finds_and_loads_verified(pool) -> None:
+    """LMCache's own ``lmcache bench l2`` CLI (a subprocess, as an operator runs it) against the adapter on
+    two real servers: every store succeeds, every stored key is found, every load succeeds and the
+    loaded bytes pass LMCache's own round-trip verification."""
+    url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=20&connect_timeout_s=5"
+    spec = {"type": "plugin", "module_path": "kvfabric_lmcache.l2_adapter", "class_name": "KVFabricL2Adapter",
+            "adapter_params": {"url": url}}
+    cli = Path(sys.executable).parent / "lmcache"
+    proc = subprocess.run(
+        [str(cli), "bench", "l2", "--l2-adapter", json.dumps(spec), "--num-keys", "16", "--data-size-kb", "256",
+         "--rounds", "2", "--no-skip-verify", "--lookup-max-hit-rate", "1.0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "All 16 keys data verified OK" in out, out[-4000:]
+    assert out.count("success_keys=16/16") == 3, out[-4000:]  # warm-up + 2 measured store rounds
+    assert out.count("found=16/16") == 3, out[-4000:]
+    assert re.search(r"Actual hit rate:\s+1\.00\n", out), out[-4000:]

@@ -43,14 +43,19 @@ def test_value_round_trip_keeps_shape_dtype_format_and_bytes(allocator, tokens: 
         assert meta.dtypes == [torch.bfloat16]
         assert meta.nbytes == obj.get_size() == len(payload)
         assert bytes(payload) == bytes(memoryview(obj.byte_array).cast("B"))
-        assert len(buf) - len(payload) <= value.HEADER_FIXED_BYTES + value.MAX_META_BYTES
+        assert len(buf) - len(payload) == value.HEADER_ALIGN  # the padded header the connector's scatter GET expects
+        assert value.header_length(buf[:8]) == value.HEADER_ALIGN
+        assert value.decode_header(buf[: value.HEADER_ALIGN], len(buf)).nbytes == obj.get_size()
     finally:
         obj.ref_count_down()
 
 
-def _header(meta: dict, version: int = 1, magic: bytes = b"KFLC") -> bytes:
+def _header(meta: dict, version: int = 1, magic: bytes = b"KFLC", pad: bytes = b"") -> bytes:
     m = msgpack.packb(meta)
-    return struct.pack("<4sBBH", magic, version, 0, len(m)) + m
+    head = struct.pack("<4sBBH", magic, version, 0, len(m)) + m
+    if version == 2:  # padded to 256 bytes; ``pad`` overwrites the padding's start
+        head += pad + bytes(256 - len(head) - len(pad))
+    return head
 
 
 GOOD = {"fmt": MemoryFormat.KV_2LTD.value, "shapes": [[2, 1, 2, 2]], "dtypes": ["float16"], "nbytes": 16}
@@ -61,7 +66,10 @@ GOOD = {"fmt": MemoryFormat.KV_2LTD.value, "shapes": [[2, 1, 2, 2]], "dtypes": [
     [
         (b"KFL", "shorter than"),
         (_header(GOOD, magic=b"XXXX") + bytes(16), "bad magic"),
-        (_header(GOOD, version=2) + bytes(16), "unsupported value version"),
+        (_header(GOOD, version=3) + bytes(16), "unsupported value version"),
+        (_header(GOOD, version=2)[:100], "header of 256 bytes out of range"),
+        (_header(GOOD, version=2, pad=b"\x01") + bytes(16), "padding is not zero"),
+        (_header(GOOD, version=2) + bytes(15), "16 bytes but 15 follow"),
         (struct.pack("<4sBBH", b"KFLC", 1, 0, 4000) + bytes(16), "meta_len"),
         (struct.pack("<4sBBH", b"KFLC", 1, 0, 0), "meta_len"),
         (struct.pack("<4sBBH", b"KFLC", 1, 0, 3) + b"\xc1\xc1\xc1", "not valid msgpack"),
@@ -77,6 +85,14 @@ GOOD = {"fmt": MemoryFormat.KV_2LTD.value, "shapes": [[2, 1, 2, 2]], "dtypes": [
 def test_value_decode_rejects_corrupt_or_foreign_objects(buf: bytes, match: str) -> None:
     with pytest.raises(value.ValueFormatError, match=match):
         value.decode(buf)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_value_decode_reads_both_versions(version: int) -> None:
+    buf = _header(GOOD, version=version) + bytes(range(16))
+    meta, payload = value.decode(buf)
+    assert bytes(payload) == bytes(range(16)) and meta.nbytes == 16
+    assert value.header_length(buf) == (len(buf) - 16)
 
 
 def _key(**kw) -> CacheEngineKey:
