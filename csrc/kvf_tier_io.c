@@ -177,6 +177,50 @@ void kvf_tier_job_release(struct kvf_tier *t, struct kvf_tier_job *j)
     kvf_tier_job_free(j);
 }
 
+/* A copy of a stored (PUT) or evicted object for the shared tier (its own
+ * job; the same write-queue bound; drops counted by the shared tier). */
+void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
+                         uint64_t csum)
+{
+    if (!t->sh) return;
+    uint64_t rec = tier_rec_len(size);
+    pthread_mutex_lock(&t->mu);
+    int over = t->st.queue_bytes + rec > t->write_queue || t->stop;
+    if (!over) t->st.queue_bytes += rec;
+    pthread_mutex_unlock(&t->mu);
+    if (over) { kvf_shared_count_drop(t->sh); return; }
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    uint8_t *buf = NULL;
+    if (!j || !(buf = kvf_tier_buf_get(t, rec))) {
+        free(j);
+        pthread_mutex_lock(&t->mu);
+        t->st.queue_bytes -= rec;
+        pthread_mutex_unlock(&t->mu);
+        kvf_shared_count_drop(t->sh);
+        return;
+    }
+    memcpy(buf + KVF_TIER_BLOCK, val, size);
+    j->op = KVF_JOB_SHARED_WRITE;
+    j->klen = (uint8_t)klen;
+    memcpy(j->key, key, klen);
+    j->size = size;
+    j->csum = csum;
+    j->buf = buf;
+    j->buf_cap = rec;
+    kvf_tier_post(t, j);
+}
+
+void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    if (!t->sh) return;
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    if (!j) return; /* out of memory: the file stays (a later GET may still find it) */
+    j->op = KVF_JOB_SHARED_DELETE;
+    j->klen = (uint8_t)klen;
+    memcpy(j->key, key, klen);
+    kvf_tier_post(t, j);
+}
+
 /* The shared tier (kvf_shared.h) counts its own outcomes (shared_* STATS). */
 static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
 {
