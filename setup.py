@@ -33,6 +33,7 @@ SOURCES = [
     "csrc/kvf_mpack.c",
     "csrc/kvf_conn.c",
     "csrc/kvf_store.c",
+    "csrc/kvf_shared.c",
     "csrc/kvf_shm.c",
     "csrc/kvf_uring.c",
     "csrc/kvf_server.c",

@@ -203,12 +203,13 @@ static void op_stats(struct conn *c)
     struct kvf_server *s = c->srv;
     struct kvf_store_stats ss;
     kvf_store_stats(s->st, &ss);
-    size_t cap = 2048 + s->cfg.stats_extra_len + (s->tier ? 1024 : 0);
+    int ssd = s->tier && kvf_tier_has_ssd(s->tier); /* ssd_* only with --ssd-path (a tier may run a shared tier alone) */
+    size_t cap = 2048 + s->cfg.stats_extra_len + (ssd ? 1024 : 0) + 40 * kvf_shared_stats_pairs(s->cfg.shared);
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    /* protocol/stats.py STATS_KEYS + the optional ones (ssd_* with a tier) */
-    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs + (s->tier ? KVF_TIER_NSTATS : 0));
+    /* protocol/stats.py STATS_KEYS + the optional ones (ssd_* with a tier, shared_* with a shared tier) */
+    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs + (ssd ? KVF_TIER_NSTATS : 0) + kvf_shared_stats_pairs(s->cfg.shared));
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -257,7 +258,8 @@ static void op_stats(struct conn *c)
     for (int i = 1; i < 14; i++)
         if (s->ctr.errors[i]) { kvf_mw_cstr(&w, kvf_err_names[i]); kvf_mw_uint(&w, s->ctr.errors[i]); }
 #undef KV
-    if (s->tier) kvf_tier_stats_mw(s->tier, &w);
+    if (ssd) kvf_tier_stats_mw(s->tier, &w);
+    kvf_shared_stats_write(s->cfg.shared, &w); /* shared_*: only with a shared tier */
     kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);
     if (w.overflow) { kvf_reply_drop(c, rp); reject(c, KVF_E_INTERNAL, "stats too large"); return; }
     kvf_reply_finish(c, rp, KVF_OP_STATS, KVF_FLAG_REPLY, w.len, 0);
@@ -352,6 +354,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
         for (uint32_t i = 0; i < n; i++) {
             int d = kvf_store_delete(s->st, b->keys[i], b->klens[i]);
             if (s->tier) d |= kvf_tier_delete(s->tier, b->keys[i], b->klens[i]); /* + a tombstone on disk */
+            if (s->tier) kvf_tier_shared_delete(s->tier, b->keys[i], b->klens[i]); /* and the shared file, if any */
             del += (uint32_t)d;
         }
         BEGIN(32, 0);
@@ -424,6 +427,8 @@ static void finish_object(struct conn *c, uint32_t i, int received)
                               b->plens[i]);
     b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
     if (rc == 0) s->ctr.puts++;
+    if (rc == 0 && s->tier) /* written through to the shared tier, if any (a copy, queued) */
+        kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], b->csums[i]);
 }
 
 void kvf_ops_staged(struct conn *c)

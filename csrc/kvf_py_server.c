@@ -5,6 +5,7 @@
 
 #include "kvf_protocol.h"
 #include "kvf_server.h"
+#include "kvf_shared.h"
 #include "kvf_store.h"
 #include "kvf_tier.h"
 
@@ -19,6 +20,7 @@ typedef struct {
     struct kvf_store *st;
     struct kvf_server *srv;
     struct kvf_tier *tier; /* attached to srv, or NULL */
+    struct kvf_shared *shared; /* --shared-path tier, or NULL (the C config points at it) */
     char *auth;
     uint32_t *shm_uids, *shm_gids; /* the C config points at these */
     PyObject *hello, *extra; /* bytes kept alive for the C config */
@@ -41,6 +43,7 @@ static void Server_dealloc(ServerObject *self)
     if (!self->running) tier_close(self);
     if (self->srv && !self->running) kvf_server_free(self->srv);
     if (self->st && !self->running) kvf_store_free(self->st);
+    if (self->shared && !self->running) kvf_shared_close(self->shared);
     PyMem_Free(self->auth);
     PyMem_Free(self->shm_uids);
     PyMem_Free(self->shm_gids);
@@ -54,13 +57,16 @@ PyDoc_STRVAR(Server_doc,
 "       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
 "       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=(), idle_ms=0,\n"
-"       preauth_ms=0, drain_ms=0, reply_conn_budget=0, reply_budget=0, request_budget=0, reserve_budget=0)\n"
+"       preauth_ms=0, drain_ms=0, reply_conn_budget=0, reply_budget=0, request_budget=0, reserve_budget=0,\n"
+"       shared_path=None, shared_fsync=0)\n"
 "The io_uring data plane over a memfd arena of `capacity` bytes. The caller owns the\n"
 "bound sockets (-1 = none); run() listens on them, then blocks (GIL released) until stop()\n"
 "has drained the connections (drain_ms). Budgets of 0 take kvf_server.h's defaults. The control\n"
 "methods (wait, drain, evict, is_pinned, space_done) are for one Python control thread.\n"
 "shm_uids / shm_gids: peers of the unix socket allowed besides the server's own uid\n"
 "(SO_PEERCRED; a gid matches the peer's effective or any supplementary group).\n"
+"shared_path: the shared-filesystem tier's directory (kvf_shared.h; shared_fsync 1: fdatasync\n"
+"every object before it is linked into place); NativeError when it cannot be used.\n"
 "Raises ValueError for bad sizes, NativeError when io_uring or the memory is unavailable.");
 
 /* A sequence of at most 64 uids/gids -> a PyMem array (NULL when empty). 0 or -1 with an exception. */
@@ -95,12 +101,13 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
                              "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
                              "shm_uids", "shm_gids", "idle_ms", "preauth_ms", "drain_ms", "reply_conn_budget",
-                             "reply_budget", "request_budget", "reserve_budget", NULL};
+                             "reply_budget", "request_budget", "reserve_budget", "shared_path", "shared_fsync", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
     PyObject *hello = NULL, *extra = NULL;
-    const char *auth = NULL;
+    const char *auth = NULL, *shared_path = NULL;
+    int shared_fsync = KVF_SHARED_FSYNC_NEVER;
     cfg.max_conns = 1024;
     cfg.max_keys = KVF_MAX_KEYS_PER_BATCH;
     cfg.max_key_bytes = KVF_MAX_KEY_BYTES;
@@ -112,12 +119,13 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     unsigned long long min_rate = 0, reply_conn_budget = 0, reply_budget = 0, request_budget = 0, reserve_budget = 0;
     PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIKOOIIIKKKK", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIKOOIIIKKKKzi", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
                                      &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o, &cfg.idle_ms, &cfg.preauth_ms,
-                                     &cfg.drain_ms, &reply_conn_budget, &reply_budget, &request_budget, &reserve_budget))
+                                     &cfg.drain_ms, &reply_conn_budget, &reply_budget, &request_budget, &reserve_budget,
+                                     &shared_path, &shared_fsync))
         return -1;
     if (id_list(uids_o, &self->shm_uids, &cfg.n_shm_uids, "shm_uids") ||
         id_list(gids_o, &self->shm_gids, &cfg.n_shm_gids, "shm_gids"))
@@ -137,7 +145,17 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.reply_budget = reply_budget;
     cfg.request_budget = request_budget;
     cfg.reserve_budget = reserve_budget;
-    int rc = kvf_store_new(&self->st, capacity, event_ring);
+    int rc;
+    if (shared_path) {
+        if (shared_fsync != KVF_SHARED_FSYNC_NEVER && shared_fsync != KVF_SHARED_FSYNC_ALWAYS) {
+            PyErr_SetString(PyExc_ValueError, "shared_fsync must be 0 (never) or 1 (always)");
+            return -1;
+        }
+        rc = kvf_shared_open(&self->shared, shared_path, shared_fsync);
+        if (rc) { raise_errno(rc, 0, "opening the shared tier directory"); return -1; }
+        cfg.shared = self->shared;
+    }
+    rc = kvf_store_new(&self->st, capacity, event_ring);
     if (rc) { raise_errno(rc, 0, "creating the arena"); return -1; }
     if (auth) {
         self->auth = PyMem_Malloc(strlen(auth) + 1);
@@ -290,6 +308,21 @@ static PyObject *Server_keys(ServerObject *self, PyObject *noargs)
     return out;
 }
 
+/* The shared_* counters (names as STATS, kvf_shared_stats_write) into d. 0, or -1 with an exception. */
+static int add_shared_stats(PyObject *d, struct kvf_shared *sh)
+{
+    struct kvf_shared_counters c;
+    kvf_shared_counters(sh, &c);
+    PyObject *t = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "shared_hits", c.hits, "shared_misses", c.misses, "shared_reads", c.reads, "shared_read_bytes", c.read_bytes,
+        "shared_writes", c.writes, "shared_write_bytes", c.write_bytes, "shared_write_drops", c.write_drops,
+        "shared_errors", c.errors, "shared_corrupt", c.corrupt, "shared_exists", c.exists,
+        "shared_read_us_total", c.read_us, "shared_write_us_total", c.write_us);
+    int rc = t ? PyDict_Update(d, t) : -1;
+    Py_XDECREF(t);
+    return rc;
+}
+
 static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
 {
     (void)noargs;
@@ -298,7 +331,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
     struct kvf_server_counters c;
     kvf_store_stats(self->st, &ss);
     kvf_server_counters(self->srv, &c);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
+    PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
                          "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
         "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
@@ -314,6 +347,8 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "reply_budget_busy", c.reply_busy, "request_budget_busy", c.request_busy,
         "reserve_budget_waits", c.reserve_waits, "reply_bytes", c.reply_bytes, "request_bytes", c.request_bytes,
         "reserved_bytes", c.reserved_bytes);
+    if (d && self->shared && add_shared_stats(d, self->shared)) Py_CLEAR(d);
+    return d;
 }
 
 PyDoc_STRVAR(tier_open_doc,
@@ -322,7 +357,8 @@ PyDoc_STRVAR(tier_open_doc,
 "the files and attach it: evicted objects are written behind, GET/LOOKUP read missing keys back.\n"
 "admit: 0 all, 1 only objects read at least once. promote_max: bytes one request may promote\n"
 "(0: capacity of the arena / 4). Before run(). Raises OSError(errno, reason) when a path is missing\n"
-"or unwritable, O_DIRECT is unsupported (EINVAL), the space cannot be preallocated (ENOSPC).");
+"or unwritable, O_DIRECT is unsupported (EINVAL), the space cannot be preallocated (ENOSPC).\n"
+"paths may be empty (no SSD tier: the tier thread alone, for the shared tier of shared_path).");
 
 static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *kw)
 {
@@ -362,6 +398,7 @@ static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *
         if (e) { PyErr_SetObject(PyExc_OSError, e); Py_DECREF(e); }
         return NULL;
     }
+    if (self->shared) kvf_tier_set_shared(t, self->shared, 0); /* PUTs are written through: not evictions */
     kvf_server_attach_tier(self->srv, t);
     self->tier = t;
     Py_RETURN_NONE;
@@ -380,7 +417,7 @@ static PyObject *Server_tier_stats(ServerObject *self, PyObject *noargs)
 {
     (void)noargs;
     NEED_SRV(self);
-    if (!self->tier) return PyDict_New();
+    if (!self->tier || !kvf_tier_has_ssd(self->tier)) return PyDict_New(); /* ssd_* only with --ssd-path */
     struct kvf_tier_stats s;
     kvf_tier_stats(self->tier, &s);
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",

@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvf_shared.h"
 #include "kvf_store.h"
 
 /* backlog of the listen() that kvf_server_run() calls on the owner's sockets */
@@ -60,6 +61,8 @@ struct kvf_server_cfg {
      * BUSY; PUT slots reserved but not yet received over reserve_budget
      * [capacity / 4] make the next PUT object wait (one object may always go). */
     uint64_t reply_conn_budget, reply_budget, request_budget, reserve_budget;
+    /* The shared-filesystem tier (kvf_shared.h), opened and owned by the caller; NULL: none. */
+    struct kvf_shared *shared;
 };
 
 struct kvf_server_counters {

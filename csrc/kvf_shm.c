@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "kvf_hash.h"
+#include "kvf_tier.h"
 
 #define LEASE_CAP_DEFAULT_MS 3600000 /* the protocol's cap when max_lease_ms is 0 */
 
@@ -326,6 +327,8 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
                                   b->plens[i]);
         b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
         if (rc == 0) s->ctr.puts++;
+        if (rc == 0 && s->tier) /* written through to the shared tier, if any (a copy, queued) */
+            kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], cs[i]);
         s->ctr.bytes_in += b->sizes[i];
     }
     c->resv_open = 0;

@@ -485,43 +485,11 @@ int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
 
 /* ---------------------------------------------------------------- write-behind */
 
-/* A copy of an evicted object for the shared tier (its own job; the same write-queue bound). */
-static void shared_write_behind(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val,
-                                uint64_t size, uint64_t csum)
-{
-    uint64_t rec = tier_rec_len(size);
-    pthread_mutex_lock(&t->mu);
-    int over = t->st.queue_bytes + rec > t->write_queue || t->stop;
-    if (over) t->st.write_drops++;
-    else t->st.queue_bytes += rec;
-    pthread_mutex_unlock(&t->mu);
-    if (over) return;
-    struct kvf_tier_job *j = kvf_tier_job_new();
-    uint8_t *buf = NULL;
-    if (!j || !(buf = kvf_tier_buf_get(t, rec))) {
-        free(j);
-        pthread_mutex_lock(&t->mu);
-        t->st.queue_bytes -= rec;
-        t->st.write_drops++;
-        pthread_mutex_unlock(&t->mu);
-        return;
-    }
-    memcpy(buf + KVF_TIER_BLOCK, val, size);
-    j->op = KVF_JOB_SHARED_WRITE;
-    j->klen = (uint8_t)klen;
-    memcpy(j->key, key, klen);
-    j->size = size;
-    j->csum = csum;
-    j->buf = buf;
-    j->buf_cap = rec;
-    kvf_tier_post(t, j);
-}
-
 void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
                        uint64_t csum, uint32_t hits)
 {
     struct kvf_tier *t = arg;
-    if (t->sh_write && t->sh_write_evicted) shared_write_behind(t, key, klen, val, size, csum);
+    if (t->sh && t->sh_write_evicted) kvf_tier_shared_put(t, key, klen, val, size, csum);
     if (!t->nfiles) return;
     uint64_t rec = tier_rec_len(size);
     pthread_mutex_lock(&t->mu);

@@ -55,6 +55,7 @@ enum kvf_job_op {
     KVF_JOB_SSD_READ = 3,     /* read the record at loc: value into dst, verify key, seq and checksum */
     KVF_JOB_SHARED_READ = 4,  /* shared_read(key) into a staging buffer (buf) the tier thread allocates */
     KVF_JOB_SHARED_WRITE = 5, /* shared_write(key, buf + KVF_TIER_BLOCK, size, csum) */
+    KVF_JOB_SHARED_DELETE = 6, /* shared_delete(key): a DELETE must not come back from the shared tier */
 };
 
 struct kvf_tier_job {
@@ -73,29 +74,30 @@ struct kvf_tier_job {
     uint64_t slot_off;     /* loop thread: arena offset of dst (0 and dst NULL: not reserved) */
     uint64_t loc, seq;     /* SSD: record position in the log and its sequence number */
     void *owner;           /* loop thread: the request (struct kvf_tier_req) the job belongs to */
+    uint64_t staged;       /* SHARED_READ: bytes of buf charged to the tier's staging bound (released by
+                              kvf_tier_job_release) */
+    int *stop;             /* SHARED_READ of a LOOKUP: set by the tier thread on a miss; the request's
+                              later SHARED_READs are then skipped (-ECANCELED): its leading run ended */
     uint64_t post_ns;      /* when it was posted (latency counters) */
     struct iovec iov[2];   /* tier thread: SSD_READ's header block + value */
 };
 
-/* ------------------------------------------------------------------ shared tier plug-in
+/* ------------------------------------------------------------------ shared tier
  *
- * Run on the tier thread, synchronously, one at a time:
- *   read:  0 (value in dst[0..*size), *csum its checksum, verified by the
- *          callee), -ENOENT absent, -EBADMSG corrupt, -EMSGSIZE when cap is
- *          too small (then *size is the value's size: the tier thread
- *          allocates a staging buffer that large and calls again; dst may be
- *          NULL with cap 0 to ask for the size), or -errno.
- *   write: 0, -EEXIST (already there: written once by key), or -errno.
- * A GET key that misses DRAM and the SSD index becomes a SHARED_READ job when
- * a shared tier is set; what it reads is promoted into the arena like an SSD
- * hit. Whether evicted objects are also written to the shared tier is the
- * shared tier's call: kvf_tier_on_evict posts SHARED_WRITE jobs when
- * t->shared_write_evicted is set (kvf_tier_set_shared's last argument).
+ * The shared-filesystem tier (kvf_shared.h, --shared-path): its functions
+ * run on the tier thread, synchronously, one job at a time (plain blocking
+ * file I/O). A GET/LOOKUP key that misses DRAM and the SSD index becomes a
+ * SHARED_READ job when a shared tier is set (kvf_shared_read_alloc: one
+ * open and one read into a staging buffer sized from the file); what it
+ * reads is promoted into the arena like an SSD hit. A LOOKUP's shared reads
+ * stop at its first miss (the leading run ends there: no I/O for the rest).
+ * Every committed PUT is written through (kvf_tier_shared_put: a copy in a
+ * SHARED_WRITE job, within the write-queue bound; over it a counted drop),
+ * so the pool keeps it when this server is lost. Evicted objects are written
+ * too only with set_shared's write_evicted (off in `kvfabric serve`: they
+ * were written at PUT). A DELETE posts SHARED_DELETE (kvf_tier_shared_delete).
  */
-typedef int (*kvf_shared_read_fn)(void *sh, const uint8_t *key, uint32_t klen, uint8_t *dst, uint64_t cap,
-                                  uint64_t *size, uint64_t *csum);
-typedef int (*kvf_shared_write_fn)(void *sh, const uint8_t *key, uint32_t klen, const uint8_t *src,
-                                   uint64_t size, uint64_t csum);
+struct kvf_shared;
 
 /* ------------------------------------------------------------------ the tier */
 
@@ -129,10 +131,18 @@ int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *e
 void kvf_tier_close(struct kvf_tier *t);
 /* Who to wake when read jobs finished (the server's eventfd). */
 void kvf_tier_set_wake(struct kvf_tier *t, void (*wake)(void *), void *arg);
-/* Plug in a shared tier (see above); write_evicted: post SHARED_WRITE for evicted objects too. */
-void kvf_tier_set_shared(struct kvf_tier *t, void *sh, kvf_shared_read_fn rd, kvf_shared_write_fn wr,
-                         int write_evicted);
+/* Plug in a shared tier (see above; the caller keeps it open until kvf_tier_close);
+ * write_evicted: post SHARED_WRITE for evicted objects too. Before the loop runs. */
+void kvf_tier_set_shared(struct kvf_tier *t, struct kvf_shared *sh, int write_evicted);
 int kvf_tier_has_shared(struct kvf_tier *t);
+int kvf_tier_has_ssd(struct kvf_tier *t); /* 1 with --ssd-path files; 0: the tier thread runs a shared tier alone */
+/* Loop thread, after a PUT (or shm COMMIT) stored key: post a copy of its
+ * bytes as a SHARED_WRITE job; over the write-queue bound (or out of memory)
+ * it is dropped and counted (shared_write_drops). Nothing without a shared tier. */
+void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
+                         uint64_t csum);
+/* Loop thread, DELETE: post a SHARED_DELETE job (FIFO: after any queued write of the key). */
+void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 
 /* Post jobs (a NULL-terminated list through ->next) to the tier thread. Any thread. */
 void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list);
@@ -140,6 +150,9 @@ void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list);
 struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t);
 struct kvf_tier_job *kvf_tier_job_new(void); /* zeroed, or NULL */
 void kvf_tier_job_free(struct kvf_tier_job *j); /* frees buf too */
+/* Loop thread, a read job that came back: give its shared-read staging bytes
+ * back to the tier's bound (t may be NULL at teardown), then free it. */
+void kvf_tier_job_release(struct kvf_tier *t, struct kvf_tier_job *j);
 
 /* Index lookups (any thread). 1 on the SSD tier (loc, seq, size, csum set), 0 not. */
 int kvf_tier_find(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t *loc, uint64_t *seq,

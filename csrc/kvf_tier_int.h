@@ -92,9 +92,9 @@ struct kvf_tier {
     void (*wake)(void *);
     void *wake_arg;
     /* shared tier */
-    void *sh;
-    kvf_shared_read_fn sh_read;
-    kvf_shared_write_fn sh_write;
+    struct kvf_shared *sh; /* kvf_shared.h, or NULL */
+    uint64_t sh_staged;    /* bytes of shared-read staging buffers alive (atomic): at most promote_max, over it a
+                              shared read is a miss (the heap outside the arena stays bounded) */
     int sh_write_evicted;
     /* staging buffers of finished writes, kept for the next ones (KV blocks are mostly one
      * size): cached + queued bytes stay within write_queue */

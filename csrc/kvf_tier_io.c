@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "kvf_hash.h"
+#include "kvf_shared.h"
 
 #define BATCH 64u
 
@@ -121,16 +122,14 @@ void kvf_tier_set_wake(struct kvf_tier *t, void (*wake)(void *), void *arg)
     t->wake_arg = arg;
 }
 
-void kvf_tier_set_shared(struct kvf_tier *t, void *sh, kvf_shared_read_fn rd, kvf_shared_write_fn wr,
-                         int write_evicted)
+void kvf_tier_set_shared(struct kvf_tier *t, struct kvf_shared *sh, int write_evicted)
 {
     t->sh = sh;
-    t->sh_read = rd;
-    t->sh_write = wr;
     t->sh_write_evicted = write_evicted;
 }
 
-int kvf_tier_has_shared(struct kvf_tier *t) { return t->sh_read != NULL; }
+int kvf_tier_has_shared(struct kvf_tier *t) { return t->sh != NULL; }
+int kvf_tier_has_ssd(struct kvf_tier *t) { return t->nfiles != 0; }
 
 /* ---------------------------------------------------------------- one batch */
 
@@ -147,23 +146,98 @@ static uint64_t place(struct kvf_tier *t, uint64_t rec)
     return loc;
 }
 
-static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
+struct shared_room {
+    struct kvf_tier *t;
+    struct kvf_tier_job *j;
+};
+
+/* kvf_shared_read_alloc's allocator: the job's staging buffer. All staging
+ * buffers alive (read, not yet promoted by the loop) stay within promote_max:
+ * over it the read is a miss (-ENOBUFS), as keys over a request's promotion
+ * cap are. */
+static int shared_alloc(void *arg, uint64_t size, uint8_t **dst)
 {
-    if (j->op == KVF_JOB_SHARED_WRITE) {
-        int rc = t->sh_write ? t->sh_write(t->sh, j->key, j->klen, j->buf + KVF_TIER_BLOCK, j->size, j->csum) : -ENOSYS;
-        (void)rc; /* the shared tier counts its own outcomes */
+    struct shared_room *r = arg;
+    uint64_t cap = tier_round(size);
+    if (size > r->t->promote_max) return -EFBIG;
+    if (__atomic_add_fetch(&r->t->sh_staged, cap, __ATOMIC_RELAXED) > r->t->promote_max) {
+        __atomic_sub_fetch(&r->t->sh_staged, cap, __ATOMIC_RELAXED);
+        return -ENOBUFS;
+    }
+    r->j->staged = cap;
+    if (posix_memalign((void **)&r->j->buf, KVF_TIER_BLOCK, cap)) { r->j->buf = NULL; return -ENOMEM; }
+    r->j->buf_cap = cap;
+    *dst = r->j->buf;
+    return 0;
+}
+
+void kvf_tier_job_release(struct kvf_tier *t, struct kvf_tier_job *j)
+{
+    if (t && j && j->staged) __atomic_sub_fetch(&t->sh_staged, j->staged, __ATOMIC_RELAXED);
+    kvf_tier_job_free(j);
+}
+
+/* A copy of a stored (PUT) or evicted object for the shared tier (its own
+ * job; the same write-queue bound; drops counted by the shared tier). */
+void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
+                         uint64_t csum)
+{
+    if (!t->sh) return;
+    uint64_t rec = tier_rec_len(size);
+    pthread_mutex_lock(&t->mu);
+    int over = t->st.queue_bytes + rec > t->write_queue || t->stop;
+    if (!over) t->st.queue_bytes += rec;
+    pthread_mutex_unlock(&t->mu);
+    if (over) { kvf_shared_count_drop(t->sh); return; }
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    uint8_t *buf = NULL;
+    if (!j || !(buf = kvf_tier_buf_get(t, rec))) {
+        free(j);
+        pthread_mutex_lock(&t->mu);
+        t->st.queue_bytes -= rec;
+        pthread_mutex_unlock(&t->mu);
+        kvf_shared_count_drop(t->sh);
         return;
     }
-    uint64_t size = 0, csum = 0;
-    int rc = t->sh_read ? t->sh_read(t->sh, j->key, j->klen, NULL, 0, &size, &csum) : -ENOENT;
-    if (rc == -EMSGSIZE) {
-        if (size > t->promote_max) rc = -EFBIG;
-        else if (posix_memalign((void **)&j->buf, KVF_TIER_BLOCK, tier_round(size ? size : 1))) { j->buf = NULL; rc = -ENOMEM; }
-        else {
-            j->buf_cap = tier_round(size ? size : 1);
-            rc = t->sh_read(t->sh, j->key, j->klen, j->buf, j->buf_cap, &size, &csum);
-        }
+    memcpy(buf + KVF_TIER_BLOCK, val, size);
+    j->op = KVF_JOB_SHARED_WRITE;
+    j->klen = (uint8_t)klen;
+    memcpy(j->key, key, klen);
+    j->size = size;
+    j->csum = csum;
+    j->buf = buf;
+    j->buf_cap = rec;
+    kvf_tier_post(t, j);
+}
+
+void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    if (!t->sh) return;
+    struct kvf_tier_job *j = kvf_tier_job_new();
+    if (!j) return; /* out of memory: the file stays (a later GET may still find it) */
+    j->op = KVF_JOB_SHARED_DELETE;
+    j->klen = (uint8_t)klen;
+    memcpy(j->key, key, klen);
+    kvf_tier_post(t, j);
+}
+
+/* The shared tier (kvf_shared.h) counts its own outcomes (shared_* STATS). */
+static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
+{
+    if (!t->sh) { j->result = -ENOENT; return; }
+    if (j->op == KVF_JOB_SHARED_WRITE) {
+        (void)kvf_shared_write(t->sh, j->key, j->klen, j->buf + KVF_TIER_BLOCK, j->size, j->csum);
+        return;
     }
+    if (j->op == KVF_JOB_SHARED_DELETE) {
+        (void)kvf_shared_delete(t->sh, j->key, j->klen);
+        return;
+    }
+    if (j->stop && __atomic_load_n(j->stop, __ATOMIC_RELAXED)) { j->result = -ECANCELED; return; }
+    uint64_t size = 0, csum = 0;
+    struct shared_room room = {t, j}; /* one open, one read into a staging buffer sized from the file */
+    int rc = kvf_shared_read_alloc(t->sh, j->key, j->klen, shared_alloc, &room, &size, &csum);
+    if (rc && j->stop) __atomic_store_n(j->stop, 1, __ATOMIC_RELAXED); /* a LOOKUP's run ends here */
     j->result = rc;
     j->size = size;
     j->csum = csum;
@@ -192,9 +266,9 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
     for (struct kvf_tier_job *j = list, *next; j; j = next) {
         next = j->next;
         j->next = NULL;
-        if (j->op == KVF_JOB_SHARED_READ || j->op == KVF_JOB_SHARED_WRITE) {
+        if (j->op == KVF_JOB_SHARED_READ || j->op == KVF_JOB_SHARED_WRITE || j->op == KVF_JOB_SHARED_DELETE) {
             shared_job(t, j);
-            if (j->op == KVF_JOB_SHARED_WRITE) {
+            if (j->op != KVF_JOB_SHARED_READ) { /* SHARED_DELETE: buf_cap 0 */
                 pthread_mutex_lock(&t->mu);
                 t->st.queue_bytes -= j->buf_cap;
                 pthread_mutex_unlock(&t->mu);

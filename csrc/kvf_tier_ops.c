@@ -35,6 +35,7 @@ struct kvf_tier_req {
     struct conn *conn;
     uint32_t n, posted, done;
     uint64_t park_round;
+    int lookup_stop;              /* a LOOKUP's shared read missed (jobs' stop points here) */
     uint8_t *state;               /* J_* per job */
     struct kvf_tier_job *jobs[];  /* n */
 };
@@ -64,27 +65,52 @@ static void req_free(struct kvf_tier_req *r)
     free(r);
 }
 
+/* Shared-tier values wait in staging buffers (their size was unknown until
+ * read): reserve their slots and copy them in, parking for the control
+ * thread's eviction like a PUT when the arena is full (its steady state).
+ * 1 parked (kvf_tier_step calls finish again), 0 done (a job that got no
+ * slot has its result set). */
+static int shared_slots(struct conn *c, struct kvf_tier_req *r)
+{
+    struct kvf_server *s = c->srv;
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        if (j->op != KVF_JOB_SHARED_READ || j->result || j->dst) continue;
+        if (j->size > s->cfg.max_object) { j->result = -EFBIG; continue; }
+        uint64_t off;
+        int rc = kvf_store_reserve(s->st, j->size, &off);
+        if (rc == -ENOSPC) {
+            int exhausted;
+            uint64_t round = kvf_store_round(s->st, &exhausted);
+            if (!(r->park_round && r->park_round != round + 1 && exhausted)) {
+                r->park_round = round + 1;
+                kvf_conn_park(c, j->size);
+                return 1;
+            }
+        }
+        r->park_round = 0;
+        if (rc) { j->result = rc; continue; } /* too large, or everything evictable is pinned: a miss */
+        if (j->size) memcpy(s->base + off, j->buf, j->size);
+        j->dst = s->base + off;
+        j->slot_off = off;
+    }
+    return 0;
+}
+
 /* Every job is back: promote, count, re-dispatch (unless the connection is closing). */
 static void finish(struct conn *c)
 {
     struct kvf_server *s = c->srv;
     struct kvf_tier_req *r = c->treq;
     uint64_t hits = 0, misses = 0, prom = 0;
+    if (!c->closing && s->tier && shared_slots(c, r)) return;
     for (uint32_t i = 0; i < r->n; i++) {
         struct kvf_tier_job *j = r->jobs[i];
         if (j->op == KVF_JOB_SSD_TOMB) { kvf_tier_job_free(j); continue; } /* a DELETE's, on disk (or counted) */
         int ssd = j->op == KVF_JOB_SSD_READ;
         int ok = j->result == 0 && !c->closing && s->tier;
         if (ok && ssd && !kvf_tier_still(s->tier, j->key, j->klen, j->seq)) ok = 0; /* deleted meanwhile */
-        if (ok && !ssd) { /* a shared-tier value in a staging buffer: into a slot now, if one is free */
-            uint64_t off;
-            if (j->size > s->cfg.max_object || kvf_store_reserve(s->st, j->size, &off)) ok = 0;
-            else {
-                memcpy(s->base + off, j->buf, j->size);
-                j->dst = s->base + off;
-                j->slot_off = off;
-            }
-        }
+        if (ok && !ssd && !j->dst) ok = 0; /* a shared-tier value that got no slot (shared_slots) */
         if (ok) {
             /* commit frees the slot itself when the key arrived meanwhile (1) or on ENOMEM */
             int rc = kvf_store_commit(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, NULL, 0);
@@ -93,7 +119,7 @@ static void finish(struct conn *c)
             if (j->dst) kvf_store_unreserve(s->st, j->slot_off, j->size);
             if (ssd) misses++;
         }
-        kvf_tier_job_free(j);
+        kvf_tier_job_release(s->tier, j);
     }
     if (s->tier) kvf_tier_count(s->tier, hits, misses, prom);
     req_free(r);
@@ -239,7 +265,12 @@ static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t
     r->n = cnt;
     r->state = state;
     uint32_t k = 0;
-    for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; j->next = NULL; r->jobs[k++] = j; }
+    for (struct kvf_tier_job *j = head, *nx; j; j = nx) {
+        nx = j->next;
+        j->next = NULL;
+        if (op == KVF_OP_LOOKUP && j->op == KVF_JOB_SHARED_READ) j->stop = &r->lookup_stop;
+        r->jobs[k++] = j;
+    }
     c->treq = r;
     kvf_tier_step(c);
     return 1;
@@ -272,7 +303,7 @@ void kvf_tier_conn_gone(struct conn *c)
         struct kvf_tier_job *j = r->jobs[i];
         if (r->state[i] == J_POSTED) continue; /* only at server teardown: the tier frees it */
         if (j->dst) kvf_store_unreserve(c->srv->st, j->slot_off, j->size);
-        kvf_tier_job_free(j);
+        kvf_tier_job_release(c->srv->tier, j);
     }
     req_free(r);
     c->treq = NULL;

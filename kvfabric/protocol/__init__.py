@@ -78,7 +78,7 @@ from .messages import (
     StatsReply,
     StatsRequest,
 )
-from .stats import SSD_STATS_FIELDS, STATS_FIELDS, STATS_KEYS, STATS_OPTIONAL_KEYS
+from .stats import SHARED_STATS_FIELDS, SSD_STATS_FIELDS, STATS_FIELDS, STATS_KEYS, STATS_OPTIONAL_KEYS
 from .wire import (
     DEFAULT_LIMITS,
     FLAG_ERROR,

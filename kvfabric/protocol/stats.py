@@ -82,6 +82,23 @@ SSD_STATS_FIELDS: dict[str, str] = {
     "ssd_queue_bytes": "bytes staged for writing now (bounded by --ssd-write-queue)",
 }
 
+#: The shared-filesystem tier's keys (``--shared-path``; docs/notes/tier-shared.md): present only when a
+#: shared tier is configured.
+SHARED_STATS_FIELDS: dict[str, str] = {
+    "shared_hits": "shared-tier reads that returned an object (verified under the key asked for)",
+    "shared_misses": "shared-tier reads that found no file for the key",
+    "shared_reads": "shared-tier files read (header and value), verified or not",
+    "shared_read_bytes": "value bytes returned by shared-tier reads",
+    "shared_writes": "objects written to the shared tier and linked into place",
+    "shared_write_bytes": "value bytes written to the shared tier",
+    "shared_write_drops": "shared-tier writes dropped before reaching the filesystem (the tier queue was full)",
+    "shared_errors": "shared-tier I/O errors (open, read, write, sync, link; not 'absent')",
+    "shared_corrupt": "shared-tier files torn or corrupt (failed verification): removed, never served",
+    "shared_exists": "shared-tier writes skipped because the key's file was already there",
+    "shared_read_us_total": "microseconds spent in shared-tier reads (all: hits, misses, failures)",
+    "shared_write_us_total": "microseconds spent in shared-tier writes (all: written, already there, failed)",
+}
+
 #: Implementation-specific keys a server may add, by implementation.
 STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
     # the product server (C io_uring data plane)
@@ -94,6 +111,7 @@ STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
         "shm_leases_expired",  # shm leases dropped at --max-lease-ms
         "shm_reservations_expired",  # shm reservations freed uncommitted
         *SSD_STATS_FIELDS,  # with --ssd-path only
+        *SHARED_STATS_FIELDS,  # shared_*: only with --shared-path
     ),
     # the test reference (pure Python)
     "reference": (

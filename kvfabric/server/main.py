@@ -144,6 +144,13 @@ def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
                    help="serve Prometheus metrics (a view of STATS) at http://METRICS_HOST:PORT/metrics; 0 picks a "
                         "free port (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
+    p.add_argument("--shared-path", default=None, metavar="DIR",
+                   help="shared-filesystem tier: a directory every pool server mounts (NFS, CephFS, JuiceFS, "
+                        "DingoFS, Lustre); committed PUTs are written there once by key, keys missing here are "
+                        "looked for there (default: off; docs/notes/tier-shared.md)")
+    p.add_argument("--shared-fsync", default="never", choices=["always", "never"],
+                   help="fdatasync each shared-tier object before it is linked into place (default never: every "
+                        "file is verified when read, so fsync only narrows what a host crash loses)")
     add_tier_arguments(p)
     add_membership_arguments(p)
     return p
@@ -324,7 +331,10 @@ def final_counters(st: dict[str, Any]) -> str:
             f"{st.get('connections_total', 0)} connections"
             + (f"; ssd: {st['ssd_objects']} objects, {st['ssd_hits']} hits, {st['ssd_writes']} writes, "
                f"{st['ssd_write_drops']} drops, {st['ssd_errors']} errors, {st['ssd_corrupt']} corrupt"
-               if "ssd_objects" in st else ""))
+               if "ssd_objects" in st else "")
+            + (f"; shared: {st['shared_hits']} hits, {st['shared_writes']} writes, {st['shared_write_drops']} drops, "
+               f"{st['shared_errors']} errors, {st['shared_corrupt']} corrupt"
+               if "shared_hits" in st else ""))
 
 
 def raise_fd_limit(want: int) -> None:
@@ -380,6 +390,12 @@ def main(argv: list[str]) -> int:
         raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
     shm = shm_options(args, transports)
     tier = tier_options(args)
+    if args.shared_fsync == "always" and not args.shared_path:
+        raise SystemExit("kvfabric serve: --shared-fsync needs --shared-path")
+    if args.shared_path and not tier:  # one tier thread, one write queue: it bounds the shared tier's copies too
+        tier = {"ssd_write_queue": _size("--ssd-write-queue", args.ssd_write_queue)}
+        if tier["ssd_write_queue"] < 8192:
+            raise SystemExit("kvfabric serve: --ssd-write-queue must be at least 8KiB")
     if args.idle_timeout < 0:
         raise SystemExit("kvfabric serve: --idle-timeout must be >= 0 (0 = never)")
     if args.drain_timeout <= 0:
@@ -406,6 +422,7 @@ def main(argv: list[str]) -> int:
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
             max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
+            shared_path=args.shared_path, shared_fsync=args.shared_fsync,
         )
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)

@@ -186,6 +186,33 @@ def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
         raise
 
 
+#: ``--shared-fsync``: the C tier's fsync mode (kvf_shared.h KVF_SHARED_FSYNC_*).
+SHARED_FSYNC_MODES = {"never": 0, "always": 1}
+
+
+def check_shared_path(path: str) -> str:
+    """The absolute path of a usable ``--shared-path`` directory, or ConfigError saying what is wrong.
+
+    The directory must exist (it is a mount every server shares; creating it here would hide a missing
+    mount) and this process must be able to create and remove a file in it. The C tier checks the same
+    again when it opens the directory (kvf_shared_open).
+    """
+    full = os.path.abspath(path)
+    if not os.path.exists(full):
+        raise ConfigError(f"--shared-path {full}: no such directory (it must exist: the filesystem every "
+                          "server mounts)")
+    if not os.path.isdir(full):
+        raise ConfigError(f"--shared-path {full}: not a directory")
+    probe = os.path.join(full, f".probe.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--shared-path {full}: cannot create files there ({e.strerror})") from None
+    return full
+
+
 def _bound_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), SO_REUSEADDR, not listening yet (the C loop listens)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -262,6 +289,8 @@ class NativeServer:
         ssd_admit: str = "all",
         ssd_write_queue: int = 64 << 20,
         ssd_promote_max: int | None = None,
+        shared_path: str | None = None,
+        shared_fsync: str = "never",
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -278,6 +307,9 @@ class NativeServer:
         unknown = set(transports) - {"tcp", "native", "shm"}
         if unknown:
             raise ConfigError(f"unknown transports {sorted(unknown)}")
+        if shared_fsync not in SHARED_FSYNC_MODES:
+            raise ConfigError(f"shared_fsync must be always|never, got {shared_fsync!r}")
+        self.shared_path = check_shared_path(shared_path) if shared_path is not None else None
         self.policy: EvictionPolicy = make_policy(policy)
         self._sizes: dict[bytes, int] = {}
         self._lock = threading.Lock()
@@ -327,12 +359,18 @@ class NativeServer:
                 reply_conn_budget=int(reply_budget_conn), reply_budget=int(reply_budget),
                 request_budget=int(request_budget),
                 reserve_budget=int(reserve_budget if reserve_budget is not None else max(1, capacity // 4)),
+                shared_path=self.shared_path, shared_fsync=SHARED_FSYNC_MODES[shared_fsync],
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
             raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
         if ssd_paths:
             self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max)
+        elif self.shared_path is not None:  # the tier thread alone runs the shared tier's I/O
+            self._srv.tier_open([], 0, write_queue=int(ssd_write_queue), promote_max=int(ssd_promote_max or 0))
+        if self.shared_path is not None:
+            log.warning("shared tier: %s (fsync %s); committed PUTs are written through", self.shared_path,
+                        shared_fsync)
         self.capacity = capacity
         self._low = int(capacity * low_watermark)
         self._high = int(capacity * high_watermark)

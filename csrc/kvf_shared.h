@@ -1,0 +1,136 @@
+/* kvf_shared.h: the shared-filesystem tier (`kvfabric serve --shared-path DIR`).
+ *
+ * A directory that every pool server mounts (DingoFS, JuiceFS, CephFS, NFS,
+ * Lustre, or a local directory for several servers on one host). Objects are
+ * written once by key and any server can read any key found there, so the
+ * pool survives the loss of a server and its capacity is the filesystem's.
+ *
+ * Layout: DIR/xx/yy/<hex key>.kvf, where xxyy are the low two bytes of
+ * xxh3_64(key) in hex (two levels of 256 directories, uniform whatever the
+ * key looks like; created on first use). A file is written as a temporary
+ * DIR/xx/yy/.<hex key>.<nonce>.<seq>.tmp (O_EXCL), fdatasync'ed with
+ * KVF_SHARED_FSYNC_ALWAYS, then linked into place without replacing anything
+ * (renameat2 RENAME_NOREPLACE; link() + unlink where the filesystem lacks
+ * it; a plain rename as the last resort, harmless because whoever wrote the
+ * same key wrote a verified copy of the same object). Readers open only
+ * final names, so a temporary left by a crashed writer is never served;
+ * writers remove the stale ones as they go (KVF_SHARED_SWEEP_EVERY).
+ *
+ * File format, version 1 (all little-endian):
+ *
+ *   off  size  field
+ *   0    4     magic "KVFS"
+ *   4    2     version 1
+ *   6    2     header_len = 40 + key_len (the value starts here)
+ *   8    1     key_len (1..64)
+ *   9    7     reserved, 0
+ *   16   8     value size
+ *   24   8     value checksum: kvf_obj_hash(key, value) (protocol v2)
+ *   32   k     key
+ *   32+k 8     header checksum: xxh3_64 of bytes [0, 32 + key_len)
+ *   40+k size  value
+ *
+ * A file whose header, key, length or value checksum does not verify (torn
+ * by a crash, truncated, corrupted) is dropped (unlinked, if it is still the
+ * same file), counted in `corrupt` and reported as -EBADMSG: never served.
+ *
+ * The functions do plain blocking file I/O (no O_DIRECT: many FUSE
+ * filesystems lack it, and every read is verified anyway); they are meant
+ * for the tier thread, never the io_uring loop. They are thread-safe (the
+ * only shared state is the counters, updated atomically) and return 0 or
+ * -errno as documented per function.
+ */
+#ifndef KVF_SHARED_H
+#define KVF_SHARED_H
+
+#include <stdint.h>
+
+struct kvf_mw;
+
+enum { KVF_SHARED_FSYNC_NEVER = 0, KVF_SHARED_FSYNC_ALWAYS = 1 };
+
+#define KVF_SHARED_MAGIC "KVFS"
+#define KVF_SHARED_VERSION 1
+#define KVF_SHARED_HEADER_FIXED 40u /* header bytes besides the key */
+/* Every KVF_SHARED_SWEEP_EVERY-th object a server writes (its first one
+ * included), the writer also removes the temporaries older than
+ * KVF_SHARED_TMP_STALE_S seconds (mtime) in that object's directory. */
+#define KVF_SHARED_SWEEP_EVERY 64u
+#define KVF_SHARED_TMP_STALE_S 3600
+
+/* Counts since open (read_us / write_us: microseconds spent in reads / writes). */
+struct kvf_shared_counters {
+    uint64_t hits;        /* reads that returned an object */
+    uint64_t misses;      /* reads that found no file */
+    uint64_t reads;       /* files read (header and value), verified or not */
+    uint64_t read_bytes;  /* value bytes returned */
+    uint64_t writes;      /* objects written and linked into place */
+    uint64_t write_bytes; /* value bytes written */
+    uint64_t write_drops; /* write jobs dropped before reaching the filesystem (kvf_shared_count_drop) */
+    uint64_t errors;      /* I/O errors (open, read, write, sync, link) other than "absent" */
+    uint64_t corrupt;     /* files that failed verification: dropped, never served */
+    uint64_t exists;      /* writes skipped: the key's file was already there */
+    uint64_t read_us, write_us;
+};
+
+struct kvf_shared;
+
+/* Open the tier on directory `dir` (which must exist) with fsync_mode
+ * KVF_SHARED_FSYNC_*. Checks that the directory is writable by creating,
+ * writing and removing a probe file in it. 0, or -ENOENT / -ENOTDIR /
+ * -EACCES / -EROFS / -ENOSPC / other -errno (nothing is left open),
+ * -EINVAL for a bad fsync_mode, -ENOMEM. */
+int kvf_shared_open(struct kvf_shared **out, const char *dir, int fsync_mode);
+void kvf_shared_close(struct kvf_shared *sh);
+
+/* Read the object stored under key[0..klen) into dst[0..cap).
+ * 0: *size bytes written to dst, their checksum in *csum (verified under this key);
+ * -ENOENT: no such object (counted as a miss);
+ * -EBADMSG: the file is torn or corrupt (dropped and counted; never served);
+ * -E2BIG: the object is larger than cap; *size is set to its size (the header
+ *         verified; nothing is counted), so a caller may read with cap = 0 to
+ *         learn the size, reserve a slot, and read again;
+ * -EINVAL: bad key length; other -errno: I/O error (counted). */
+int kvf_shared_read(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, uint8_t *dst, uint64_t cap,
+                    uint64_t *size, uint64_t *csum);
+
+/* kvf_shared_read_alloc's allocator: room for `size` value bytes in *dst
+ * (kept by the caller), or -errno (returned by the read as is: -ENOMEM, or
+ * -EFBIG for an object over the caller's limit). */
+typedef int (*kvf_shared_alloc_fn)(void *arg, uint64_t size, uint8_t **dst);
+
+/* kvf_shared_read in one open and one read: the value's size is taken from
+ * the file's length (and checked against the header), alloc gives the room
+ * for it before anything is read. Returns as kvf_shared_read (never
+ * -E2BIG), or alloc's -errno. On every return but 0 the caller frees
+ * whatever alloc gave (it may have been called). */
+int kvf_shared_read_alloc(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, kvf_shared_alloc_fn alloc,
+                          void *arg, uint64_t *size, uint64_t *csum);
+
+/* Write src[0..size) under key, whose checksum (kvf_obj_hash) is csum, unless
+ * the key's file is already there. 0 written; -EEXIST already there (counted
+ * in `exists`, nothing written); -EBADMSG csum does not match key + bytes
+ * (nothing written: the tier never stores bytes that would not verify;
+ * counted as an error); -EINVAL bad key length; other -errno: I/O error
+ * (-ENOSPC, -EDQUOT, -EIO, ...; counted, the temporary removed). */
+int kvf_shared_write(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, const uint8_t *src, uint64_t size,
+                     uint64_t csum);
+
+/* Remove the object stored under key (DELETE: a deleted key must not come
+ * back from the shared tier). 1 removed, 0 absent, -EINVAL bad key length,
+ * other -errno (counted). */
+int kvf_shared_delete(struct kvf_shared *sh, const uint8_t *key, uint32_t klen);
+
+/* A write job for this tier was dropped before it reached the filesystem
+ * (its queue was full); counted in `write_drops`. */
+void kvf_shared_count_drop(struct kvf_shared *sh);
+void kvf_shared_counters(struct kvf_shared *sh, struct kvf_shared_counters *out);
+
+/* STATS: the number of key/value pairs kvf_shared_stats_write appends
+ * (0 when sh is NULL: no shared tier configured, no keys), and the pairs
+ * themselves ("shared_hits": n, ...; names in kvfabric/protocol/stats.py). */
+#define KVF_SHARED_STATS_PAIRS 12u
+uint32_t kvf_shared_stats_pairs(const struct kvf_shared *sh);
+void kvf_shared_stats_write(struct kvf_shared *sh, struct kvf_mw *w);
+
+#endif
