@@ -79,6 +79,7 @@ struct kvf_tier_job {
     int *stop;             /* SHARED_READ of a LOOKUP: set by the tier thread on a miss; the request's
                               later SHARED_READs are then skipped (-ECANCELED): its leading run ended */
     uint64_t post_ns;      /* when it was posted (latency counters) */
+    uint64_t run_ns, cqe_ns, end_ns; /* tier thread: batch start, I/O completed, verified (stage trace) */
     struct iovec iov[2];   /* tier thread: SSD_READ's header block + value */
 };
 

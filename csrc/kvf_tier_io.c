@@ -258,6 +258,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
 {
     struct kvf_tier_job *done = NULL, *done_tail = NULL;
     unsigned inflight = 0;
+    uint64_t run_ns = kvf_tier_now_ns();
     /* The segment of the batch's first write: a batch never wraps the log back
      * onto it, so no two writes in flight together ever overlap, and a record
      * is indexed only if its segment was not reused before it completed. */
@@ -266,6 +267,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
     for (struct kvf_tier_job *j = list, *next; j; j = next) {
         next = j->next;
         j->next = NULL;
+        j->run_ns = run_ns;
         if (j->op == KVF_JOB_SHARED_READ || j->op == KVF_JOB_SHARED_WRITE || j->op == KVF_JOB_SHARED_DELETE) {
             shared_job(t, j);
             if (j->op != KVF_JOB_SHARED_READ) { /* SHARED_DELETE: buf_cap 0 */
@@ -371,6 +373,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             if (!j) continue; /* the NOP of a deferred job */
             uint64_t us = (kvf_tier_now_ns() - j->post_ns) / 1000;
             if (j->op == KVF_JOB_SSD_READ) {
+                j->cqe_ns = kvf_tier_now_ns();
                 uint64_t want = KVF_TIER_BLOCK + (j->size ? tier_round(j->size) : 0);
                 j->result = res < 0 ? res : (uint64_t)res != want ? -EIO : verify_read(t, j);
                 pthread_mutex_lock(&t->mu);
@@ -388,6 +391,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
                     }
                 }
                 pthread_mutex_unlock(&t->mu);
+                j->end_ns = kvf_tier_now_ns();
                 if (done_tail) done_tail->next = j; else done = j;
                 done_tail = j;
                 continue;

@@ -26,8 +26,10 @@
 #include "kvf_tier.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { J_WAIT = 0, J_POSTED = 1, J_DONE = 2 };
 
@@ -36,16 +38,56 @@ struct kvf_tier_req {
     uint32_t n, posted, done;
     uint64_t park_round;
     int lookup_stop;              /* a LOOKUP's shared read missed (jobs' stop points here) */
+    uint64_t park_ns, posted_ns, reap_ns; /* stage trace (KVFABRIC_TIER_TRACE) */
+    uint32_t space_parks;                 /* times it parked for the control thread's eviction */
     uint8_t *state;               /* J_* per job */
     struct kvf_tier_job *jobs[];  /* n */
 };
 
 static void wake_loop(void *arg) { kvf_server_wake(arg); }
 
+/* Debug: KVFABRIC_TIER_TRACE=FILE appends one line per parked request with
+ * the time of each stage of the tier path (docs/notes/bench-tier.md, "SSD
+ * GET path: where the time goes"). Opened at attach; loop thread only. */
+static FILE *trace_fp;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void trace_req(const struct kvf_tier_req *r, int op, uint64_t fin_ns, uint64_t end_ns)
+{
+    uint64_t q = 0, io = 0, ver = 0, end = 0;
+    for (uint32_t i = 0; i < r->n; i++) {
+        const struct kvf_tier_job *j = r->jobs[i];
+        if (!j->run_ns) continue; /* never posted (no space, too large) */
+        if (j->run_ns - j->post_ns > q) q = j->run_ns - j->post_ns;
+        if (j->cqe_ns > j->run_ns && j->cqe_ns - j->run_ns > io) io = j->cqe_ns - j->run_ns;
+        if (j->end_ns > j->cqe_ns && j->cqe_ns && j->end_ns - j->cqe_ns > ver) ver = j->end_ns - j->cqe_ns;
+        if (j->end_ns > end) end = j->end_ns;
+    }
+    /* space: park to last job posted (waits for eviction); queue: post to the tier thread's batch
+     * start; io: batch start to the read's completion; verify: header and value checksum; back: last completion to the loop reaping it;
+     * promote: reap to commit done; redispatch: the second pass (reply queued) */
+    fprintf(trace_fp, "op=%d n=%u parks=%u space_us=%llu queue_us=%llu io_us=%llu verify_us=%llu back_us=%llu promote_us=%llu "
+            "redispatch_us=%llu total_us=%llu\n", op, r->n, r->space_parks,
+            (unsigned long long)((r->posted_ns - r->park_ns) / 1000), (unsigned long long)(q / 1000),
+            (unsigned long long)(io / 1000), (unsigned long long)(ver / 1000),
+            (unsigned long long)(end && r->reap_ns > end ? (r->reap_ns - end) / 1000 : 0),
+            (unsigned long long)((fin_ns - r->reap_ns) / 1000), (unsigned long long)((end_ns - fin_ns) / 1000),
+            (unsigned long long)((end_ns - r->park_ns) / 1000));
+    fflush(trace_fp);
+}
+
 int kvf_server_attach_tier(struct kvf_server *s, struct kvf_tier *t)
 {
     if (s->tier) return -EBUSY;
     s->tier = t;
+    const char *tr = getenv("KVFABRIC_TIER_TRACE");
+    if (tr && *tr && !trace_fp) trace_fp = fopen(tr, "ae");
     kvf_tier_set_wake(t, wake_loop, s);
     kvf_store_set_evict_hook(s->st, kvf_tier_on_evict, t);
     return 0;
@@ -104,9 +146,11 @@ static void finish(struct conn *c)
     struct kvf_tier_req *r = c->treq;
     uint64_t hits = 0, misses = 0, prom = 0;
     if (!c->closing && s->tier && shared_slots(c, r)) return;
+    if (trace_fp && !r->reap_ns) r->reap_ns = now_ns(); /* finished without any job posted */
+    int op = r->n ? r->jobs[0]->op : 0;
     for (uint32_t i = 0; i < r->n; i++) {
         struct kvf_tier_job *j = r->jobs[i];
-        if (j->op == KVF_JOB_SSD_TOMB) { kvf_tier_job_free(j); continue; } /* a DELETE's, on disk (or counted) */
+        if (j->op == KVF_JOB_SSD_TOMB) continue; /* a DELETE's, on disk (or counted) */
         int ssd = j->op == KVF_JOB_SSD_READ;
         int ok = j->result == 0 && !c->closing && s->tier;
         if (ok && ssd && !kvf_tier_still(s->tier, j->key, j->klen, j->seq)) ok = 0; /* deleted meanwhile */
@@ -119,16 +163,19 @@ static void finish(struct conn *c)
             if (j->dst) kvf_store_unreserve(s->st, j->slot_off, j->size);
             if (ssd) misses++;
         }
-        kvf_tier_job_release(s->tier, j);
     }
     if (s->tier) kvf_tier_count(s->tier, hits, misses, prom);
-    req_free(r);
     c->treq = NULL;
-    if (c->closing) return;
-    c->tier_pass = 1;
-    c->rs = RS_META;
-    kvf_ops_request(c); /* the same request again, its metadata still in c->meta */
-    c->tier_pass = 0;
+    if (!c->closing) {
+        uint64_t fin_ns = trace_fp ? now_ns() : 0;
+        c->tier_pass = 1;
+        c->rs = RS_META;
+        kvf_ops_request(c); /* the same request again, its metadata still in c->meta */
+        c->tier_pass = 0;
+        if (trace_fp) trace_req(r, op, fin_ns, now_ns());
+    }
+    for (uint32_t i = 0; i < r->n; i++) kvf_tier_job_release(s->tier, r->jobs[i]);
+    req_free(r);
 }
 
 /* Reserve slots and post the jobs not posted yet; park for space when the arena is full. */
@@ -148,6 +195,7 @@ void kvf_tier_step(struct conn *c)
                 uint64_t round = kvf_store_round(s->st, &exhausted);
                 if (!(r->park_round && r->park_round != round + 1 && exhausted)) {
                     r->park_round = round + 1;
+                    r->space_parks++;
                     if (post) kvf_tier_post(s->tier, post);
                     kvf_conn_park(c, j->size); /* retry_parked calls kvf_tier_step again */
                     return;
@@ -178,6 +226,7 @@ void kvf_tier_step(struct conn *c)
         r->state[r->posted++] = J_POSTED;
     }
     if (post) kvf_tier_post(s->tier, post);
+    if (trace_fp) r->posted_ns = now_ns();
     if (r->done == r->n) finish(c);
 }
 
@@ -272,6 +321,7 @@ static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t
         r->jobs[k++] = j;
     }
     c->treq = r;
+    if (trace_fp) r->park_ns = now_ns();
     kvf_tier_step(c);
     return 1;
 }
@@ -289,7 +339,10 @@ void kvf_tier_reap(struct kvf_server *s)
             if (r->jobs[i] == j) { r->state[i] = J_DONE; break; }
         r->done++;
         c->refs--;
-        if (r->done == r->n) finish(c);
+        if (r->done == r->n) {
+            if (trace_fp) r->reap_ns = now_ns();
+            finish(c);
+        }
         kvf_conn_check(c);
     }
 }
