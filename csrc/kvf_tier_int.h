@@ -91,6 +91,10 @@ struct kvf_tier {
     uint8_t *scratch; /* KVF_TIER_BLOCK, aligned: read headers and tombstones (tier thread) */
     void (*wake)(void *);
     void *wake_arg;
+    /* kick: a read posted while the tier thread waits on a batch's I/O (in_io) writes kick_fd, whose
+     * READ the thread keeps armed on its ring, so the read is submitted at once, not after the batch */
+    int kick_fd, kick_armed, in_io;
+    uint64_t kick_val;
     /* shared tier */
     struct kvf_shared *sh; /* kvf_shared.h, or NULL */
     uint64_t sh_staged;    /* bytes of shared-read staging buffers alive (atomic): at most promote_max, over it a

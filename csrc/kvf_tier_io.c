@@ -22,12 +22,15 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kvf_hash.h"
 #include "kvf_shared.h"
 
 #define BATCH 64u
+#define MAX_INFLIGHT 192u /* a kick takes posted reads into the running batch up to this many in flight */
 
 uint64_t kvf_tier_now_ns(void)
 {
@@ -95,12 +98,16 @@ void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list)
     if (!list) return;
     uint64_t now = kvf_tier_now_ns();
     struct kvf_tier_job *last = list;
-    for (struct kvf_tier_job *j = list; j; j = j->next) { j->post_ns = now; last = j; }
+    int reads = 0;
+    for (struct kvf_tier_job *j = list; j; j = j->next) { j->post_ns = now; last = j; reads |= j->op == KVF_JOB_SSD_READ; }
     pthread_mutex_lock(&t->mu);
     if (t->q_tail) t->q_tail->next = list; else t->q_head = list;
     t->q_tail = last;
     pthread_cond_signal(&t->cv);
+    int kick = reads && t->in_io && t->kick_fd >= 0;
     pthread_mutex_unlock(&t->mu);
+    uint64_t one = 1;
+    if (kick && write(t->kick_fd, &one, sizeof one) < 0) { /* saturated: a kick is pending anyway */ }
 }
 
 struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t)
@@ -254,6 +261,80 @@ static int verify_read(struct kvf_tier *t, struct kvf_tier_job *j)
     return kvf_obj_hash(j->key, j->klen, j->dst, j->size) == j->csum ? 0 : -EBADMSG;
 }
 
+/* Fill q with SSD_READ job j's READV (header block + value straight into dst); 0 or -ENOMEM. */
+static int read_sqe(struct kvf_tier *t, struct kvf_tier_job *j, struct io_uring_sqe *q)
+{
+    int fd;
+    uint64_t off;
+    if (!j->buf && posix_memalign((void **)&j->buf, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) { j->buf = NULL; return -ENOMEM; }
+    j->buf_cap = KVF_TIER_BLOCK;
+    j->iov[0].iov_base = j->buf;
+    j->iov[0].iov_len = KVF_TIER_BLOCK;
+    j->iov[1].iov_base = j->dst;
+    j->iov[1].iov_len = tier_round(j->size);
+    kvf_tier_where(t, j->loc, &fd, &off);
+    q->opcode = IORING_OP_READV;
+    q->addr = (uint64_t)(uintptr_t)j->iov;
+    q->len = j->size ? 2 : 1;
+    q->fd = fd;
+    q->off = off;
+    q->user_data = (uint64_t)(uintptr_t)j;
+    return 0;
+}
+
+/* While a batch's I/O is in flight: take the SSD reads posted since (out of the FIFO queue: a read
+ * overtaking queued writes is safe, verify_read catches a record overwritten meanwhile) and submit
+ * them now; arm the kick's READ so the next post wakes the wait. Returns the SQEs added. */
+static unsigned take_late_reads(struct kvf_tier *t, unsigned inflight, struct kvf_tier_job **done,
+                                struct kvf_tier_job **done_tail)
+{
+    struct kvf_tier_job *reads = NULL, **rt = &reads;
+    pthread_mutex_lock(&t->mu);
+    t->in_io = 1;
+    unsigned n = 0;
+    struct kvf_tier_job **pp = &t->q_head, *prev = NULL;
+    while (*pp && inflight + n < MAX_INFLIGHT) {
+        struct kvf_tier_job *j = *pp;
+        if (j->op != KVF_JOB_SSD_READ) { prev = j; pp = &j->next; continue; }
+        *pp = j->next;
+        if (t->q_tail == j) t->q_tail = prev;
+        j->next = NULL;
+        *rt = j;
+        rt = &j->next;
+        n++;
+    }
+    pthread_mutex_unlock(&t->mu);
+    unsigned added = 0;
+    uint64_t now = kvf_tier_now_ns();
+    for (struct kvf_tier_job *j = reads, *next; j; j = next) {
+        next = j->next;
+        j->next = NULL;
+        j->run_ns = now;
+        struct io_uring_sqe *q = kvf_ring_sqe(&t->ring);
+        if (q && !read_sqe(t, j, q)) { added++; continue; }
+        if (q) { q->opcode = IORING_OP_NOP; q->user_data = 0; added++; } /* the SQE was taken */
+        j->result = -ENOMEM;
+        pthread_mutex_lock(&t->mu);
+        t->st.errors++;
+        pthread_mutex_unlock(&t->mu);
+        if (*done_tail) (*done_tail)->next = j; else *done = j;
+        *done_tail = j;
+    }
+    if (!t->kick_armed && t->kick_fd >= 0) {
+        struct io_uring_sqe *q = kvf_ring_sqe(&t->ring);
+        if (q) {
+            q->opcode = IORING_OP_READ;
+            q->fd = t->kick_fd;
+            q->addr = (uint64_t)(uintptr_t)&t->kick_val;
+            q->len = sizeof t->kick_val;
+            q->off = (uint64_t)-1;
+            q->user_data = (uint64_t)(uintptr_t)&t->kick_val;
+            t->kick_armed = 1;
+        }
+    }
+    return added;
+}
+
 static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
 {
     struct kvf_tier_job *done = NULL, *done_tail = NULL;
@@ -293,17 +374,15 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
         int fd = -1;
         uint64_t off = 0;
         if (q && j->op == KVF_JOB_SSD_READ) {
-            if (!j->buf && posix_memalign((void **)&j->buf, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) { j->buf = NULL; j->result = -ENOMEM; q = NULL; }
-            if (q) {
-                j->buf_cap = KVF_TIER_BLOCK;
-                j->iov[0].iov_base = j->buf;
-                j->iov[0].iov_len = KVF_TIER_BLOCK;
-                j->iov[1].iov_base = j->dst;
-                j->iov[1].iov_len = tier_round(j->size);
-                kvf_tier_where(t, j->loc, &fd, &off);
-                q->opcode = IORING_OP_READV;
-                q->addr = (uint64_t)(uintptr_t)j->iov;
-                q->len = j->size ? 2 : 1;
+            if (read_sqe(t, j, q)) {
+                q->opcode = IORING_OP_NOP; /* the SQE was taken: complete it as nothing */
+                q->user_data = 0;
+                inflight++;
+                j->result = -ENOMEM;
+                q = NULL;
+            } else {
+                inflight++;
+                continue;
             }
         } else if (q) {
             pthread_mutex_lock(&t->mu);
@@ -362,6 +441,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
         }
     }
     while (inflight) {
+        if (t->nfiles) inflight += take_late_reads(t, inflight, &done, &done_tail);
         int rc = kvf_ring_submit_wait(&t->ring, 1, 1000);
         if (rc && rc != -ETIME && rc != -EINTR) break; /* the ring is broken: what is in flight is lost */
         struct io_uring_cqe *cqe;
@@ -369,6 +449,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             struct kvf_tier_job *j = (struct kvf_tier_job *)(uintptr_t)cqe->user_data;
             int res = cqe->res;
             kvf_ring_cqe_seen(&t->ring);
+            if (j == (void *)&t->kick_val) { t->kick_armed = 0; continue; } /* a kick: late reads next round */
             inflight--;
             if (!j) continue; /* the NOP of a deferred job */
             uint64_t us = (kvf_tier_now_ns() - j->post_ns) / 1000;
@@ -429,6 +510,9 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             }
         }
     }
+    pthread_mutex_lock(&t->mu);
+    t->in_io = 0;
+    pthread_mutex_unlock(&t->mu);
     if (done) {
         pthread_mutex_lock(&t->mu);
         /* t->done is newest first (kvf_tier_take_done reverses it) */
@@ -459,8 +543,13 @@ static void *tier_main(void *arg)
 
 int kvf_tier_thread_start(struct kvf_tier *t)
 {
+    t->kick_fd = eventfd(0, EFD_CLOEXEC); /* -1: no kicks, late reads wait for the batch */
     int rc = pthread_create(&t->th, NULL, tier_main, t);
-    if (rc) return -rc;
+    if (rc) {
+        if (t->kick_fd >= 0) close(t->kick_fd);
+        t->kick_fd = -1;
+        return -rc;
+    }
     t->started = 1;
     return 0;
 }
@@ -475,4 +564,7 @@ void kvf_tier_thread_stop(struct kvf_tier *t)
     pthread_mutex_unlock(&t->mu);
     pthread_join(t->th, NULL);
     t->started = 0;
+    /* a kick READ may still be armed: the ring's exit cancels it (kick_val lives until then) */
+    if (t->kick_fd >= 0) close(t->kick_fd);
+    t->kick_fd = -1;
 }
