@@ -197,7 +197,11 @@ void kvf_tier_step(struct conn *c)
                     r->park_round = round + 1;
                     r->space_parks++;
                     if (post) kvf_tier_post(s->tier, post);
-                    kvf_conn_park(c, j->size); /* retry_parked calls kvf_tier_step again */
+                    /* ask for every slot still to reserve at once: one eviction round, not one per key */
+                    uint64_t want = 0;
+                    for (uint32_t k = r->posted; k < r->n; k++)
+                        if (r->jobs[k]->op == KVF_JOB_SSD_READ) want += (r->jobs[k]->size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
+                    kvf_conn_park(c, want); /* retry_parked calls kvf_tier_step again */
                     return;
                 }
                 /* everything evictable is pinned: the rest are misses */
