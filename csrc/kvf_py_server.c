@@ -25,6 +25,7 @@ typedef struct {
     uint32_t *shm_uids, *shm_gids; /* the C config points at these */
     PyObject *hello, *extra; /* bytes kept alive for the C config */
     int running;
+    int evicting; /* evict() is in kvf_store_evict with the GIL released: tier_close() must wait */
 } ServerObject;
 
 static void tier_close(ServerObject *self)
@@ -267,7 +268,13 @@ static PyObject *Server_evict(ServerObject *self, PyObject *arg)
     NEED_SRV(self);
     Py_buffer b;
     if (key_arg(arg, &b)) return NULL;
-    int64_t rc = kvf_store_evict(self->st, b.buf, (uint32_t)b.len);
+    int64_t rc;
+    /* GIL released: with a tier the eviction copies the object (1 MiB KV blocks) for write-behind */
+    self->evicting++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_store_evict(self->st, b.buf, (uint32_t)b.len);
+    Py_END_ALLOW_THREADS
+    self->evicting--;
     PyBuffer_Release(&b);
     return PyLong_FromLongLong(rc > 0 ? rc : 0);
 }
@@ -409,6 +416,7 @@ static PyObject *Server_tier_close(ServerObject *self, PyObject *noargs)
     (void)noargs;
     NEED_SRV(self);
     if (self->running) return PyErr_Format(PyExc_RuntimeError, "stop the loop first");
+    if (self->evicting) return PyErr_Format(PyExc_RuntimeError, "an eviction is running: stop the control thread first");
     tier_close(self);
     Py_RETURN_NONE;
 }
