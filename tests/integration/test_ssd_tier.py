@@ -288,6 +288,38 @@ def test_one_request_promotes_at_most_a_quarter_of_the_arena(tier_dir):
         assert st["ssd_promotions"] == 4 and st["ssd_misses"] == 4
 
 
+
+def test_multi_key_gets_during_write_behind_are_exact_and_traced(tier_dir):
+    """4-key GETs from the tier while new PUTs keep the write-behind queue busy (a read posted during a
+    write batch is submitted at once) on a full arena (each GET parks once for 4 slots): exact bytes,
+    and KVFABRIC_TIER_TRACE writes one line per parked GET naming every stage."""
+    old = [b"wbo%04d" % i for i in range(40)]
+    new = [b"wbn%04d" % i for i in range(32)]
+    trace = os.path.join(tier_dir, "trace.txt")
+    env = dict(os.environ, KVFABRIC_TIER_TRACE=trace)
+    with start_server("4MiB", extra_args=tier_args(tier_dir), env=env) as srv, \
+            tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, old)
+        settled(c)
+        on_tier = old[:16]  # the first evicted (LRU), all written
+        gets = 0
+        for i, k in enumerate(new):
+            put_all(c, [k])  # evicts one more object: a write-behind job
+            if i % 8 == 0:
+                batch = on_tier[(i // 8) * 4:(i // 8) * 4 + 4]
+                r = c.request(p.GetRequest(batch))
+                assert r.msg.sizes == [SZ] * 4
+                assert bytes(r.payload) == b"".join(value(k) for k in batch)
+                gets += 1
+        st = settled(c)
+        assert st["ssd_promotions"] == 4 * gets and st["ssd_corrupt"] == 0
+    lines = [dict(kv.split("=") for kv in ln.split()) for ln in open(trace)]
+    assert len([d for d in lines if d["n"] == "4"]) == gets
+    for d in lines:
+        assert {"space_us", "queue_us", "io_us", "verify_us", "back_us", "promote_us", "redispatch_us",
+                "total_us"} <= d.keys()
+
+
 # ---------------------------------------------------------------- start-up errors
 
 
