@@ -6,7 +6,8 @@
 # 2. an AddressSanitizer build in a copy of the tree under .venvs/native-asan/
 #    (so the dev build is untouched), then tests/native and every conformance
 #    pair that involves native code (reference-native, native-tcp, native-native,
-#    native-shm) with libasan preloaded; server subprocesses inherit it.
+#    native-shm) and the SSD tier's tests with libasan preloaded; server
+#    subprocesses inherit it.
 # Needs gcc, the Python headers and <linux/io_uring.h>; nothing else.
 # A failing build stops the script; a failing test step does not: every step
 # runs (so the ASan pairs run even after a plain test failed) and the exit
@@ -47,6 +48,7 @@ export LD_PRELOAD=$LIBASAN ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 PYTHONPA
 run_step "tests/native (ASan)" "$PY" -m pytest -q -p no:cacheprovider tests/native
 run_step "conformance pairs (ASan)" "$PY" -m pytest -q -p no:cacheprovider tests/integration \
   -k "reference-native or native-tcp or native-native or native-shm"
+run_step "SSD tier (ASan)" "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_ssd_tier.py
 if [ ${#failed[@]} -gt 0 ]; then
   echo "ci-native: FAILED: ${failed[*]}"
   exit 1
