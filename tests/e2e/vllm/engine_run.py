@@ -4,7 +4,7 @@ Used by the e2e tests so that every engine is an independently started
 process (its own PYTHONHASHSEED, its own connector instances)::
 
     python engine_run.py --model DIR --prompts prompts.json --out result.json \
-        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp] [--pause] \
+        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens N] [--mp] [--pause] \
         [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON]
 
 A prompt is a list of token ids or ``{"tokens": [...], "cache_salt": "..."}``.
@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--servers", default="")
-    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="0: the connector's default (vLLM's block)")
     ap.add_argument("--role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--mp", action="store_true", help="vLLM's default multi-process engine core")
@@ -55,7 +55,8 @@ def main() -> int:
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": args.role,
-            "kv_connector_extra_config": {"servers": args.servers.split(","), "chunk_tokens": args.chunk_tokens,
+            "kv_connector_extra_config": {"servers": args.servers.split(","),
+                                          **({"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {}),
                                           **json.loads(args.extra)},
         }
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
