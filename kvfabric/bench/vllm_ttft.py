@@ -145,7 +145,7 @@ def _data_path(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from kvfabric import Client
+    from kvfabric import Client, ClientConfig
     from kvfabric.testing.servers import start_pool
 
     block, nl, page = 128, 4, (2, 128, 128)
@@ -155,7 +155,8 @@ def _data_path(args: argparse.Namespace) -> int:
     pages = [t.view(torch.uint8).numpy() for t in layers]
     obj = layers[0][0].numel() * 4
     rows = []
-    with start_pool(args.servers_n, capacity=args.capacity) as pool, Client(pool.addresses) as c:
+    with start_pool(args.servers_n, capacity=args.capacity) as pool, Client(
+            pool.addresses, config=ClientConfig(timeout_s=60)) as c:
         c.register_buffers([t.view(torch.uint8).view(-1).numpy() for t in layers])
         for n_tok in lengths:
             n = (n_tok - 1) // block
@@ -199,7 +200,7 @@ def _data_path(args: argparse.Namespace) -> int:
                 t["recv_staged"].append(t1 - t0)
                 t["copy"].append(t2 - t1)
                 t["recv_in_place"].append(t3 - t2)
-            row = {"tokens": n_tok, "chunks": n, "bytes": n * nl * obj, "transport": c.transports()}
+            row = {"tokens": n_tok, "chunks": n, "bytes": n * nl * obj, "transport": sorted(set(filter(None, c.transports.values())))}
             row.update({f"{k}_ms": 1e3 * _median(v) for k, v in t.items()})
             rows.append(row)
     print(f"KV data path, ms for one prompt's loadable blocks (us per 128-token chunk = {nl} pages of "

@@ -5,7 +5,7 @@ process (its own PYTHONHASHSEED, its own connector instances)::
 
     python engine_run.py --model DIR --prompts prompts.json --out result.json \
         [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens N] [--mp] [--pause] \
-        [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON]
+        [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON] [--tp N]
 
 A prompt is a list of token ids or ``{"tokens": [...], "cache_salt": "..."}``.
 ``--batch`` submits all prompts in one ``generate`` call (they run concurrently).
@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--batch", action="store_true", help="all prompts in one generate call")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys (JSON)")
     ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in child processes)")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
 
@@ -61,7 +62,8 @@ def main() -> int:
         }
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_cache_memory_bytes=args.kv_cache_mb << 20, max_model_len=args.max_model_len,
-              max_num_batched_tokens=1024, seed=0, **({"enable_lora": True} if args.enable_lora else {}), **kw)
+              max_num_batched_tokens=1024, seed=0, **({"enable_lora": True} if args.enable_lora else {}),
+              **({"tensor_parallel_size": args.tp} if args.tp > 1 else {}), **kw)
     with open(args.prompts) as f:
         prompts = json.load(f)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
