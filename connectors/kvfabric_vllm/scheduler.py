@@ -13,7 +13,10 @@ loopback lookup answers well within that); if it has not answered, vLLM is
 told "ask again later" (``None``) and skips the request for this step (each
 later call waits at most 2 ms more); past ``lookup_timeout_ms`` the answer
 is "no hit". A lookup that fails is "no hit" too (counted, warned once). The
-lookup takes a lease so the chunks found are not evicted before the load.
+lookup asks for every layer object of every chunk (``layout``: one object per
+(chunk, layer), chunk-major), so a chunk counts only when the pool holds all
+its layers, and takes a lease so the objects found are not evicted before the
+load.
 Every request is looked up, also when vLLM's local prefix cache covers all
 it could load and in save-only roles: then only to learn what the pool
 already holds (no lease), so nothing it holds is gathered and sent again.
