@@ -200,7 +200,8 @@ def _data_path(args: argparse.Namespace) -> int:
                 t["recv_staged"].append(t1 - t0)
                 t["copy"].append(t2 - t1)
                 t["recv_in_place"].append(t3 - t2)
-            row = {"tokens": n_tok, "chunks": n, "bytes": n * nl * obj, "transport": sorted(set(filter(None, c.transports.values())))}
+            row = {"tokens": n_tok, "chunks": n, "bytes": n * nl * obj,
+                   "transport": sorted(set(filter(None, c.transports.values())))}
             row.update({f"{k}_ms": 1e3 * _median(v) for k, v in t.items()})
             rows.append(row)
     print(f"KV data path, ms for one prompt's loadable blocks (us per 128-token chunk = {nl} pages of "

@@ -139,7 +139,8 @@ def test_bad_extra_config_is_a_clear_error(extra, message):
 def test_roles_choose_load_and_save():
     cfg = parse_extra_config({"servers": "127.0.0.1:1,127.0.0.1:2"}, "kv_consumer", 128)
     # the default chunk is vLLM's block size (here 128): at most one partial block recomputed
-    assert (cfg.load, cfg.save, cfg.chunk_tokens, cfg.client.servers) == (True, False, 128, ("127.0.0.1:1", "127.0.0.1:2"))
+    assert (cfg.load, cfg.save, cfg.chunk_tokens, cfg.client.servers) == (True, False, 128,
+                                                                          ("127.0.0.1:1", "127.0.0.1:2"))
     assert parse_extra_config({"servers": ["127.0.0.1:1"]}, "kv_producer", 128).load is False
     with pytest.raises(ConfigError, match="kv_role"):
         parse_extra_config({"servers": ["127.0.0.1:1"]}, None, 128)
