@@ -11,7 +11,12 @@ servers            required  ``["host:port", ...]`` or ``"h1:p1,h2:p2"``; or ins
 etcd               -         ``"http://host:2379"`` (comma list for several): follow the
                              members of a cluster in etcd (``kvfabric serve --etcd``)
 cluster            default   with ``etcd``: the cluster name the servers registered under
-chunk_tokens       256       tokens per pool object; a multiple of vLLM's block size
+chunk_tokens       block     tokens per chunk (the unit of lookup and of keys); a
+                             multiple of vLLM's block size. Default: vLLM's block size
+                             (from its cache config at start; 128 on the CPU backend),
+                             so a hit recomputes at most one partial block, as vLLM's
+                             own prefix cache does, and every pool object is one KV page
+                             that loads receive in place
 model_id           (model)   id bound into keys; set it when engines load the same
                              weights from different paths (the weights' fingerprint,
                              see ``weights_fingerprint``, is bound as well)
@@ -26,6 +31,10 @@ load_async         true      load between steps (vLLM's ``load_kv_async``): a sl
                              delays only the requests loading from it, never the batch;
                              false: load inside the step, which then waits up to
                              ``load_timeout_s`` on a stalled pool
+load_layerwise     false     with ``load_async: false`` and one block per chunk: receive
+                             layer by layer, each layer's attention waiting only for its
+                             own objects (vLLM's ``wait_for_layer_load``), so later layers
+                             arrive while earlier ones compute
 load_poll_ms       2         with ``load_async``: how long one step's ``get_finished``
                              waits for a load that is still in flight (the bound a
                              slow pool adds to a step)
@@ -46,9 +55,10 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
                              ``kv_producer``, false otherwise
-register_load_buffer true    register the reused load staging buffer with the client
-                             (``Client.register_buffers``): on ``native`` connections
-                             loads are received with io_uring READ_FIXED
+register_load_buffer true    register what loads receive into with the client
+                             (``Client.register_buffers``): the KV layer tensors (one
+                             block per chunk) or the staging buffer; on ``native``
+                             connections loads are then received with io_uring READ_FIXED
 transport, timeout_s, connect_timeout_s, replicas, auth_token, key_algorithm,
 key_secret, verify_checksums: passed to ``kvfabric.ClientConfig`` (env
 ``KVFABRIC_*`` variables apply first, these keys win).
@@ -73,8 +83,9 @@ from kvfabric import ClientConfig, ConfigError, Namespace
 __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_namespace", "kv_layout_name",
            "weights_fingerprint", "KV_LAYOUT_VERSION"]
 
-# Bumped whenever the byte layout of a chunk object changes (see worker.py).
-KV_LAYOUT_VERSION = 1
+# Bumped whenever the byte layout of the pool objects changes (see layout.py).
+# 2: one object per (chunk, layer) (1: one object per chunk, layer-major).
+KV_LAYOUT_VERSION = 2
 
 _CLIENT_KEYS = ("transport", "timeout_s", "connect_timeout_s", "replicas", "auth_token",
                 "key_algorithm", "key_secret", "verify_checksums")
@@ -86,7 +97,7 @@ class ConnectorConfig:
     """Everything the connector needs, validated (see the module table)."""
 
     client: ClientConfig
-    chunk_tokens: int = 256
+    chunk_tokens: int = 128
     model_id: str | None = None
     tenant: str = ""
     lookup_timeout_ms: int = 1000
@@ -95,6 +106,7 @@ class ConnectorConfig:
     load_timeout_s: float = 2.0
     load_async: bool = True
     load_poll_ms: int = 2
+    load_layerwise: bool = False
     shutdown_drain_s: float = 3.0
     save_timeout_s: float = 10.0
     max_pending_save_bytes: int = 512 << 20
@@ -130,9 +142,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
     extra = dict(extra or {})
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
-             "lease_ms", "load_timeout_s", "load_async", "load_poll_ms", "shutdown_drain_s", "save_timeout_s",
-             "max_pending_save_mb", "load", "save", "register_load_buffer", "pd_wait_ms", "hold_until_saved",
-             *_CLIENT_KEYS}
+             "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
+             "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "pd_wait_ms",
+             "hold_until_saved", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -162,7 +174,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
 
     if type(block_size) is not int or block_size < 1:
         raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")
-    chunk = _int(extra, "chunk_tokens", max(256, block_size) // block_size * block_size, 1, 1 << 16)
+    # One block per chunk by default: at most one partial block is recomputed on a
+    # hit, and each (chunk, layer) object is one page, received in place (layout.py).
+    chunk = _int(extra, "chunk_tokens", block_size, 1, 1 << 16)
     if chunk % block_size:
         raise ConfigError(f"kv_connector_extra_config.chunk_tokens={chunk} must be a multiple of "
                           f"vLLM's block size {block_size}")
@@ -185,6 +199,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         load_timeout_s=_float(extra, "load_timeout_s", 2.0, 0, 600),
         load_async=_bool(extra, "load_async", True),
         load_poll_ms=_int(extra, "load_poll_ms", 2, 0, 1000),
+        load_layerwise=_bool(extra, "load_layerwise", False),
         shutdown_drain_s=_float(extra, "shutdown_drain_s", 3.0, 0, 600),
         save_timeout_s=_float(extra, "save_timeout_s", 10.0, 0, 600),
         max_pending_save_bytes=_int(extra, "max_pending_save_mb", 512, 1, 1 << 20) << 20,

@@ -105,7 +105,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         client = _open_client(self._cfg, self._counters)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, client, namespaces, spec.block_size, self._counters,
-                                        lambda: self._kv_cache_manager)
+                                        lambda: self._kv_cache_manager, n_layers=len(layer_names))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -140,11 +140,12 @@ class KVFabricConnector(KVConnectorBase_V1):
             self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Sync loads complete in start_load_kv, before the forward; async ones
-        # (the default) run between steps and are reported by get_finished.
-        # On the CPU backend copies and compute share the same cores, so
-        # pipelining layer loads with attention would not overlap anything.
-        return
+        # Async loads (the default) run between steps and are reported by
+        # get_finished; sync loads complete in start_load_kv, unless
+        # load_layerwise: then this layer's attention waits for its own objects
+        # only, and later layers arrive meanwhile.
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:

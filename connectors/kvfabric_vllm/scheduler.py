@@ -13,7 +13,10 @@ loopback lookup answers well within that); if it has not answered, vLLM is
 told "ask again later" (``None``) and skips the request for this step (each
 later call waits at most 2 ms more); past ``lookup_timeout_ms`` the answer
 is "no hit". A lookup that fails is "no hit" too (counted, warned once). The
-lookup takes a lease so the chunks found are not evicted before the load.
+lookup asks for every layer object of every chunk (``layout``: one object per
+(chunk, layer), chunk-major), so a chunk counts only when the pool holds all
+its layers, and takes a lease so the objects found are not evicted before the
+load.
 Every request is looked up, also when vLLM's local prefix cache covers all
 it could load and in save-only roles: then only to learn what the pool
 already holds (no lease), so nothing it holds is gathered and sent again.
@@ -72,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 from kvfabric import KeyHasher, Namespace
 
 from .config import ConnectorConfig, request_namespace
+from .layout import chunk_major_layer_keys
 from .meta import KVFabricMetadata, LoadSpec, SaveSpec
 from .metrics import Counters, log
 
@@ -111,8 +115,9 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig, client: Client | None, namespaces: Sequence[Namespace],
                  block_size: int, counters: Counters,
-                 cache_manager: Callable[[], KVCacheManager | None]) -> None:
+                 cache_manager: Callable[[], KVCacheManager | None], n_layers: int = 1) -> None:
         self.cfg = cfg
+        self.n_layers = n_layers      # pool objects per chunk (one per layer, ``layout``)
         self.client = client
         self.namespaces = list(namespaces)
         self.block_size = block_size
@@ -164,11 +169,14 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lookup
 
     def _lookup_all_ranks(self, keys: list[list[bytes]], lease_ms: int) -> int:
+        """Leading chunks whose every layer object (``layout``) every rank's pool holds."""
         assert self.client is not None
         timeout = self.cfg.lookup_timeout_ms / 1000
+        nl = self.n_layers
         run = len(keys[0])
         for rank_keys in keys:       # every rank must hold a chunk for it to be a hit
-            run = min(run, self.client.lookup(rank_keys[:run], lease_ms=lease_ms, timeout_s=timeout))
+            objs = chunk_major_layer_keys(self._hasher, rank_keys[:run], nl)
+            run = min(run, self.client.lookup(objs, lease_ms=lease_ms, timeout_s=timeout) // nl)
             if run == 0:
                 break
         return run

@@ -1,37 +1,38 @@
-"""Worker side: copy between vLLM's paged KV blocks and pool chunks.
+"""Worker side: move KV between vLLM's paged blocks and pool objects.
 
-Chunk object layout (``KV_LAYOUT_VERSION`` 1): for one TP rank, the pages of
-the chunk's ``P = chunk_tokens // block_size`` blocks, layer-major::
-
-    [layer 0: block 0 page, block 1 page, ... block P-1 page][layer 1: ...]...
-
-where a page is ``kv_layer[block_id]``, the block's ``[H, N, C]`` bytes in
-vLLM's per-layer view (blocks at dim 0; on the CPU backend ``C`` holds K then
-V). Layers are in the model order vLLM lists them in. The namespace binds
-the layout name, heads, head sizes, block size and layer count, so engines
-whose pages differ never share keys.
+Pool objects are one per (chunk, layer) (``layout``: the chunk's pages in that
+layer, keys derived from the chunk's prefix key). The namespace binds the
+layout name, heads, head sizes, block size and layer count, so engines whose
+pages differ never share keys.
 
 Loads (``load``): an async spec (``load_async``, the default) is queued on
 one loader thread and reported through ``finished_loads`` (vLLM's
 ``get_finished``), so no step of the batch waits on the pool; a step waits
 for a load still in flight at most ``load_poll_ms`` (2 ms). A sync spec runs
 in ``start_load_kv``, before the forward that reads it. Either way one
-batched ``Client.get_into`` per request (bounded by ``load_timeout_s``)
-straight into a staging tensor, then one ``copy_`` per page into the blocks. The staging
-tensor is reused and registered with the client (``register_load_buffer``),
-so on ``native`` connections the chunks are received with io_uring
-READ_FIXED into pre-registered memory. A chunk
-that misses, has the wrong size, or a step whose read raises, is reported in
-``failed_block_ids`` and vLLM recomputes those tokens; the failure is counted
-and warned once, never raised into vLLM's step.
+batched ``Client.get_into`` per request (bounded by ``load_timeout_s``).
+With one block per chunk (the default chunk size) every object is one page
+and is received straight into the paged KV cache: no staging buffer, no
+copy; the layer tensors are registered with the client
+(``register_load_buffer``), so ``native`` connections receive with io_uring
+READ_FIXED. A chunk of several blocks is received into a reused staging
+buffer and copied page by page. A chunk that misses or has the wrong size in
+any layer, or a load whose read raises, is reported in ``failed_block_ids``
+and vLLM recomputes those tokens (bytes a failed receive left in a block are
+overwritten by that recompute); the failure is counted and warned once,
+never raised into vLLM's step.
 
 Saves: ``gather_layer`` copies the chunks completed by this step out of a
 layer's blocks right after that layer's attention wrote them
-(``save_kv_layer``); ``submit_saves`` (``wait_for_save``) gathers any layer
-not seen yet and hands the staging tensors to one background thread that
-``put``s them. Since the bytes are copied out during the step, vLLM may
-free or reuse the blocks as soon as the step ends. Pending save bytes are
-bounded: past ``max_pending_save_bytes`` new chunks are skipped and counted.
+(``save_kv_layer``), straight into the objects' layout; ``submit_saves``
+(``wait_for_save``) gathers any layer not seen yet and hands the staging
+tensors to one background thread that ``put``s the per-layer objects
+from them (no further copy). Since the bytes are copied out during the step,
+vLLM may free or reuse the blocks as soon as the step ends: putting straight
+from the blocks would need every request (also a preempted one, whose blocks
+vLLM frees without asking the connector) to hold its blocks until the put
+is done. Pending save bytes are bounded: past ``max_pending_save_bytes`` new
+chunks are skipped and counted.
 
 Held requests (PD, ``hold_until_saved``): the scheduler kept the blocks of
 a finished request that sent saves and names it in the next step's
@@ -57,9 +58,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfabric import ConfigError, KVFabricError
+from kvfabric import ConfigError, KeyHasher, KVFabricError
 
 from .config import ConnectorConfig
+from .layout import chunk_major_layer_keys
 from .meta import LoadSpec, SaveSpec
 from .metrics import Counters, log
 
@@ -74,7 +76,7 @@ class _Staged:
 
     def __init__(self, spec: SaveSpec, data: torch.Tensor) -> None:
         self.spec = spec
-        self.data = data              # [n_chunks, L, P, *page_shape]
+        self.data = data              # [n_chunks, L, P, *page_shape]: object (c, l) is data[c, l]
         self.layers: set[int] = set()
 
 
@@ -97,10 +99,13 @@ class WorkerSide:
         self._staged: dict[int, _Staged] = {}   # id(spec) -> staging, for this step only
         self._pending_bytes = 0
         self._load_buf: torch.Tensor | None = None
+        self._hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
+        self._page_bytes: list = []              # per layer: numpy uint8 view [blocks, H, N, C*esize]
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-save")
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-load")
         self._loads: dict[str, Future] = {}      # req_id -> async load in flight, until reported
+        self._layerwise: tuple[list[LoadSpec], dict[str, Future]] | None = None   # this step's, if any
         self._save_jobs: set[Future] = set()
         self._req_saves: dict[str, set[Future]] = {}   # req_id -> its put jobs not done yet
         self._held: set[str] = set()                   # finished, held for their saves, not reported
@@ -125,23 +130,119 @@ class WorkerSide:
         self.layers = layers
         self.page_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
-        self.chunk_bytes = len(layers) * self.per_chunk * first[0].numel() * first.element_size()
-        log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk", len(layers),
-                 self.page_shape, self.dtype, self.chunk_bytes, self.cfg.chunk_tokens)
+        self.obj_bytes = self.per_chunk * first[0].numel() * first.element_size()
+        self.chunk_bytes = len(layers) * self.obj_bytes
+        # Byte views of the layers (pages keep their strides), so a page is a
+        # writable buffer the client can receive into, whatever the dtype.
+        self._page_bytes = [kv.view(torch.uint8).numpy() for kv in layers]
+        self._direct = self.per_chunk == 1
+        self._register_receive_buffers()
+        log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk (%d-byte objects, one per "
+                 "layer), loads %s", len(layers), self.page_shape, self.dtype, self.chunk_bytes,
+                 self.cfg.chunk_tokens, self.obj_bytes,
+                 "straight into the KV blocks" if self._direct else "through a staging buffer")
+
+    def _register_receive_buffers(self) -> None:
+        """Register what loads receive into: the layer tensors (direct loads) or the staging buffer.
+        Over the client's limits (or layers not contiguous) loads still work, with recvmsg."""
+        if not self.cfg.register_load_buffer or self.client is None:
+            return
+        if self._direct:
+            bufs = [kv.view(torch.uint8).view(-1).numpy() if kv.is_contiguous() else None for kv in self.layers]
+        else:
+            bufs = [] if self._load_buf is None else [self._load_buf.numpy()]
+        if not bufs:
+            return
+        try:
+            if any(b is None for b in bufs):
+                raise ValueError("a layer's KV tensor is not contiguous")
+            self.client.register_buffers(bufs)
+        except ValueError as e:  # over the registration limits: loads use recvmsg
+            log.warning("kvfabric: load buffers not registered (%s); loads use recvmsg", e)
 
     # ------------------------------------------------------------------ loads
 
     def load(self, specs: Iterable[LoadSpec]) -> None:
-        """Copy every spec's chunks into vLLM's blocks (async specs: queue them); failures land
-        in ``failed_block_ids`` (async: when ``finished_loads`` reports the request)."""
+        """Receive every spec's chunks into vLLM's blocks (async specs: queue them; sync specs
+        with ``load_layerwise``: start them layer by layer); failures land in
+        ``failed_block_ids`` (async: when ``finished_loads`` reports the request)."""
+        layerwise: list[LoadSpec] = []
         for spec in specs:
             if spec.async_load:
                 self.counters.add("async_loads")
                 self._loads[spec.req_id] = self._loader.submit(self._load_guarded, spec)
+            elif self.cfg.load_layerwise and self._direct and self.client is not None and spec.block_ids:
+                layerwise.append(spec)
             else:
                 failed = self._load_guarded(spec)
                 with self._lock:
                     self._failed.update(failed)
+        if layerwise:
+            self._start_layerwise(layerwise)
+
+    # -------------------------------------------------- sync loads, layer by layer (load_layerwise)
+
+    def _start_layerwise(self, specs: list[LoadSpec]) -> None:
+        """One ``get_into`` per layer, in layer order, on the loader thread: the forward's
+        attention of layer ``l`` waits only for layer ``l`` (``wait_layer``), so later layers
+        arrive while earlier ones compute. All layers share one ``load_timeout_s`` deadline."""
+        nl = len(self.layers)
+        good_specs = []
+        for spec in specs:
+            keys = spec.keys[self.tp_rank]
+            if len(keys) != len(spec.block_ids) or any(len(b) != 1 for b in spec.block_ids):
+                self.counters.fail("load_errors", "malformed load spec for %s", spec.req_id)
+                with self._lock:
+                    self._failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+                continue
+            good_specs.append(spec)
+        keys = [chunk_major_layer_keys(self._hasher, s.keys[self.tp_rank], nl) for s in good_specs]
+        deadline = time.monotonic() + self.cfg.load_timeout_s
+
+        def one_layer(li: int) -> list[int | None]:
+            assert self.client is not None
+            ks = [k[c * nl + li] for k in keys for c in range(len(k) // nl)]
+            bufs = [self._page_bytes[li][b[0]] for s in good_specs for b in s.block_ids]
+            return self.client.get_into(ks, bufs, timeout_s=max(0.001, deadline - time.monotonic()))
+
+        futs = {self.layer_names[li]: self._loader.submit(one_layer, li) for li in range(nl)}
+        self._layerwise = (good_specs, futs)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's layer-by-layer load of ``layer_name`` is received (or failed)."""
+        if self._layerwise is None:
+            return
+        fut = self._layerwise[1].get(layer_name)
+        if fut is not None:
+            wait_futures([fut])
+
+    def _finish_layerwise(self) -> None:
+        """Wait for every layer of this step's layer-by-layer load; chunks whose objects did not
+        all arrive whole become failed blocks (vLLM recomputes them)."""
+        if self._layerwise is None:
+            return
+        specs, futs = self._layerwise
+        self._layerwise = None
+        sizes: list[list[int | None] | None] = []
+        for fut in futs.values():     # layer order
+            try:
+                sizes.append(fut.result())
+            except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
+                self.counters.fail("load_errors", "loading a layer failed: %r", exc, exc=exc)
+                sizes.append(None)
+        off = 0
+        for spec in specs:
+            n = len(spec.block_ids)
+            bad = [i for i in range(n)
+                   if any(ls is None or ls[off + i] != self.obj_bytes for ls in sizes)]
+            off += n
+            if bad:
+                self.counters.fail("load_failed_chunks", "%d of %d chunks were missing or malformed in the pool",
+                                   len(bad), n, n=len(bad))
+                with self._lock:
+                    self._failed.update(self._blocks_to_write(spec, bad))
+            self.counters.add("load_chunks", n - len(bad))
+            self.counters.add("load_tokens", (n - len(bad)) * self.cfg.chunk_tokens)
 
     def _load_guarded(self, spec: LoadSpec) -> set[int]:
         """Load one spec; the blocks that must be recomputed (never raises)."""
@@ -184,48 +285,51 @@ class WorkerSide:
         keys = spec.keys[self.tp_rank]
         if len(keys) != n or any(len(b) != self.per_chunk for b in spec.block_ids):
             raise ValueError(f"malformed load spec for {spec.req_id}: {len(keys)} keys, {n} chunks")
-        raw = self._load_staging(n)
-        sizes = self.client.get_into(keys, [memoryview(raw[i].numpy()) for i in range(n)],
-                                     timeout_s=self.cfg.load_timeout_s)
-        good = [i for i, s in enumerate(sizes) if s == self.chunk_bytes]
-        bad = [i for i, s in enumerate(sizes) if s != self.chunk_bytes]
+        nl = len(self.layers)
+        okeys = chunk_major_layer_keys(self._hasher, keys, nl)
+        if self._direct:      # object (i, l) is block_ids[i][0]'s page in layer l: receive in place
+            bufs = [self._page_bytes[li][spec.block_ids[i][0]] for i in range(n) for li in range(nl)]
+        else:
+            raw = self._load_staging(n * nl)
+            bufs = [raw[j].numpy() for j in range(n * nl)]
+        sizes = self.client.get_into(okeys, bufs, timeout_s=self.cfg.load_timeout_s)
+        bad = sorted({j // nl for j, s in enumerate(sizes) if s != self.obj_bytes})
+        good = [i for i in range(n) if i not in set(bad)]
         if bad:
             self.counters.fail("load_failed_chunks", "%d of %d chunks were missing or malformed in the pool",
                                len(bad), n, n=len(bad))
             failed.update(self._blocks_to_write(spec, bad))
         if not good:
             return
-        data = raw.view(self.dtype).view(n, len(self.layers), self.per_chunk, *self.page_shape)
-        pages = 0
-        # One copy_ per page: pages are contiguous on both sides, and unlike
-        # index_copy_ this does not fan out to torch's intra-op threads, which
-        # compete with vLLM's own compute threads for the same cores.
-        for i in good:
-            first = spec.skip_blocks if i == 0 else 0
-            for li, kv in enumerate(self.layers):
-                src = data[i, li]
-                for j in range(first, self.per_chunk):
-                    kv[spec.block_ids[i][j]].copy_(src[j])
-            pages += self.per_chunk - first
+        pages = sum(self.per_chunk - (spec.skip_blocks if i == 0 else 0) for i in good)
+        if not self._direct:
+            data = raw.view(self.dtype).view(n, nl, self.per_chunk, *self.page_shape)
+            # One copy_ per page: pages are contiguous on both sides, and unlike
+            # index_copy_ this does not fan out to torch's intra-op threads, which
+            # compete with vLLM's own compute threads for the same cores.
+            for i in good:
+                first = spec.skip_blocks if i == 0 else 0
+                for li, kv in enumerate(self.layers):
+                    src = data[i, li]
+                    for j in range(first, self.per_chunk):
+                        kv[spec.block_ids[i][j]].copy_(src[j])
         self.counters.add("load_chunks", len(good))
         self.counters.add("load_tokens", pages * (self.cfg.chunk_tokens // self.per_chunk))
 
     def _load_staging(self, n: int) -> torch.Tensor:
-        """A reused staging buffer for ``n`` chunks: a fresh multi-MiB allocation would be
-        page-faulted in by the receive on every load. Loads run one at a time (in the step, or
-        on the one loader thread, and a step with sync loads has no async one running: vLLM
-        plans a request's load one way), so one buffer suffices; it never outgrows the
-        largest load seen (bounded by vLLM's KV cache)."""
+        """A reused staging buffer for ``n`` objects (chunks of several blocks only): a fresh
+        multi-MiB allocation would be page-faulted in by the receive on every load. Loads run one
+        at a time (in the step, or on the one loader thread, and a step with sync loads has no
+        async one running: vLLM plans a request's load one way), so one buffer suffices; it never
+        outgrows the largest load seen (bounded by vLLM's KV cache)."""
         if self._load_buf is None or self._load_buf.shape[0] < n:
-            self._load_buf = torch.empty((n, self.chunk_bytes), dtype=torch.uint8)
-            if self.cfg.register_load_buffer and self.client is not None:
-                try:
-                    self.client.register_buffers([self._load_buf.numpy()])
-                except ValueError as e:  # over the registration limits (1 GiB): loads use recvmsg
-                    log.warning("kvfabric: load staging buffer not registered (%s); loads use recvmsg", e)
+            self._load_buf = torch.empty((n, self.obj_bytes), dtype=torch.uint8)
+            self._register_receive_buffers()
         return self._load_buf[:n]
 
     def take_failed_block_ids(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM asks after each forward)."""
+        self._finish_layerwise()
         with self._lock:
             out, self._failed = self._failed, set()
         return out
@@ -297,14 +401,21 @@ class WorkerSide:
     def _put(self, spec: SaveSpec, data: torch.Tensor, nbytes: int) -> None:
         try:
             assert self.client is not None
-            raw = data.view(len(spec.block_ids), -1).view(torch.uint8)
-            values = [memoryview(raw[i].numpy()) for i in range(raw.shape[0])]
-            res = self.client.put(spec.keys[self.tp_rank], values, parents=spec.parents[self.tp_rank],
-                                  timeout_s=self.cfg.save_timeout_s)
-            self.counters.add("save_chunks", res.stored + res.existed)
-            if res.dropped:
+            nl = len(self.layers)
+            raw = data.view(len(spec.block_ids) * nl, -1).view(torch.uint8)   # one row per (chunk, layer)
+            values = [raw[j].numpy() for j in range(raw.shape[0])]
+            keys = chunk_major_layer_keys(self._hasher, spec.keys[self.tp_rank], nl)
+            parents = [p for c in spec.parents[self.tp_rank]
+                       for p in ([None] * nl if c is None else chunk_major_layer_keys(self._hasher, [c], nl))]
+            res = self.client.put(keys, values, parents=parents, timeout_s=self.cfg.save_timeout_s)
+            # Counted in chunks: a chunk is dropped when any of its layer objects is; the
+            # result counts objects only, so d dropped objects count as ceil(d / layers)
+            # chunks (exact when whole chunks are dropped, as with a dead shard or pool).
+            dropped = -(-res.dropped // nl)
+            self.counters.add("save_chunks", len(spec.block_ids) - dropped)
+            if dropped:
                 self.counters.fail("save_dropped_chunks", "the pool did not take %d chunks (down, full or slow)",
-                                   res.dropped, n=res.dropped)
+                                   dropped, n=dropped)
         except Exception as exc:  # noqa: BLE001 - a background save must never crash the worker
             self.counters.fail("save_errors", "saving %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
         finally:

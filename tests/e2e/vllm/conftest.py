@@ -24,7 +24,10 @@ if importlib.util.find_spec("vllm") is None:   # not the vLLM virtualenv: nothin
     collect_ignore_glob = ["test_*.py"]
 
 HERE = Path(__file__).parent
-CHUNK = 256
+# The connector's default chunk: vLLM's CPU block size (issue 13: at most one partial
+# block recomputed; every pool object is one KV page, loaded in place).
+CHUNK = 128
+LAYERS = 4          # the tiny Llama's layers: one pool object per (chunk, layer)
 PROMPT_TOKENS = 1500
 # whole chunks that can be loaded: the last prompt token is always computed
 LOADABLE = (PROMPT_TOKENS - 1) // CHUNK * CHUNK

@@ -4,8 +4,8 @@ Used by the e2e tests so that every engine is an independently started
 process (its own PYTHONHASHSEED, its own connector instances)::
 
     python engine_run.py --model DIR --prompts prompts.json --out result.json \
-        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens 256] [--mp] [--pause] \
-        [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON]
+        [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens N] [--mp] [--pause] \
+        [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON] [--tp N]
 
 A prompt is a list of token ids or ``{"tokens": [...], "cache_salt": "..."}``.
 ``--batch`` submits all prompts in one ``generate`` call (they run concurrently).
@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--servers", default="")
-    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="0: the connector's default (vLLM's block)")
     ap.add_argument("--role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--mp", action="store_true", help="vLLM's default multi-process engine core")
@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--batch", action="store_true", help="all prompts in one generate call")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys (JSON)")
     ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in child processes)")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
 
@@ -55,12 +56,14 @@ def main() -> int:
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": args.role,
-            "kv_connector_extra_config": {"servers": args.servers.split(","), "chunk_tokens": args.chunk_tokens,
+            "kv_connector_extra_config": {"servers": args.servers.split(","),
+                                          **({"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {}),
                                           **json.loads(args.extra)},
         }
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=args.prefix_caching,
               kv_cache_memory_bytes=args.kv_cache_mb << 20, max_model_len=args.max_model_len,
-              max_num_batched_tokens=1024, seed=0, **({"enable_lora": True} if args.enable_lora else {}), **kw)
+              max_num_batched_tokens=1024, seed=0, **({"enable_lora": True} if args.enable_lora else {}),
+              **({"tensor_parallel_size": args.tp} if args.tp > 1 else {}), **kw)
     with open(args.prompts) as f:
         prompts = json.load(f)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 
-from conftest import BUSY_LOADABLE, CHUNK, PROMPT_TOKENS
+from conftest import BUSY_LOADABLE, CHUNK, LAYERS, PROMPT_TOKENS
 
 SAVED = PROMPT_TOKENS // CHUNK     # whole chunks of a 1500-token prompt
 
@@ -27,12 +27,12 @@ def delta(after: dict, before: dict, name: str) -> int:
 
 def test_cache_salt_isolation_no_resend_of_local_hits_and_logs_in_vllm_output(run_engine, cold):
     """One engine with vLLM's local prefix cache on, the same prompt three times:
-    1. unsalted, cold: saves its 5 chunks;
+    1. unsalted, cold: saves its whole chunks;
     2. unsalted again: vLLM's local prefix cache covers every loadable chunk. Defect: the
-       connector returned before any lookup, so it gathered and re-sent all 5 chunks
+       connector returned before any lookup, so it gathered and re-sent all of them
        (answered "exists"). Now the lookup tells it the pool holds them: nothing is sent;
     3. salted ``tenant-b``: defect: it loaded the 1280 tokens saved unsalted. Now the salt
-       is bound into the keys: no hit, output identical to cold, its own 5 chunks saved.
+       is bound into the keys: no hit, output identical to cold, its own chunks saved.
     And the connector's INFO lines reach vLLM's own log output (defect: they never did)."""
     with start_pool(1, capacity="64MiB") as pool:
         r = run_engine(["salt", "salt", "salt"], pool.addresses, salts=[None, None, "tenant-b"],
@@ -51,7 +51,7 @@ def test_cache_salt_isolation_no_resend_of_local_hits_and_logs_in_vllm_output(ru
     assert r["cached"][2] == 0, r["cached"]
     assert delta(c2, c1, "scheduled_load_tokens") == 0 and delta(c2, c1, "lookup_hit_tokens") == 0
     assert delta(c2, c1, "save_chunks") == SAVED
-    assert objects == 2 * SAVED
+    assert objects == 2 * SAVED * LAYERS        # one pool object per (chunk, layer)
     # vLLM's log output (its handler, its format) carries the connector's INFO lines
     out = r["stdout"] + r["log"]
     assert "kvfabric connector (SCHEDULER)" in out and "kvfabric connector (WORKER)" in out, out[-3000:]

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from kvfabric import Client
+from kvfabric import Client, KeyHasher
 from kvfabric.testing.servers import start_pool, stop_process_group
 from kvfabric_vllm.config import parse_extra_config
 from kvfabric_vllm.meta import SaveSpec
 from kvfabric_vllm.metrics import Counters
+from kvfabric_vllm.layout import chunk_major_layer_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import PROMPTS
+from conftest import LAYERS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
@@ -69,8 +70,8 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
                 assert time.monotonic() < deadline, "held request never reported"
                 reported = w.finished_saves(set(), [])
             assert reported == {"p1"}                      # never "other": it was not held
-            with Client(pool.addresses) as c:
-                assert c.lookup(keys) == 2                     # reported => in the pool
+            with Client(pool.addresses) as c:                  # reported => in the pool (every layer)
+                assert c.lookup(chunk_major_layer_keys(KeyHasher(), keys, layers)) == 2 * layers
             c = w.counters.snapshot()
             assert c["held_released"] == 1 and c["save_chunks"] == 2
             assert w.finished_saves(set(), []) == set()        # reported once
@@ -189,7 +190,7 @@ def test_pd_proxy_decodes_from_the_pool_and_recomputes_when_it_dies(tiny_model, 
     # every request went to the consumer with the producer's kv_transfer_params
     assert proxy_counts == {"requests": 2, "prefill_failures": 0, "with_params": 2}
     whole = sum(len(PROMPTS[n]) // VLLM_BLOCK for n in names)
-    assert stats["objects"] == whole                     # the producer saved every whole block
+    assert stats["objects"] == whole * LAYERS            # the producer saved every whole block (per layer)
     assert stats["hits"] >= sum((len(PROMPTS[n]) - 1) // VLLM_BLOCK for n in names)
     assert "kvfabric connector (SCHEDULER)" in consumer_log
 
