@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from . import protocol, transport
 from .config import ClientConfig
 from .errors import KVFabricError
+from .metrics import CLIENT, names
 
 # The client's logger: these messages are part of the client's behaviour.
 log = logging.getLogger("kvfabric.client")
@@ -56,12 +57,9 @@ class _Busy(Exception):
     """Internal: every pooled connection of the shard stayed busy until the deadline."""
 
 
-_COUNTERS = (
-    "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
-    "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
-    "bytes_in", "bytes_out", "requests", "buffer_registrations", "buffer_registration_failures",
-    "membership_changes", "handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped",
-)
+#: names, types and meanings: kvfabric/metrics.py CLIENT (a GET's keys count in hits / misses, a
+#: lookup's in lookup_hits / lookup_misses, so a block looked up and then fetched is one hit, not two)
+_COUNTERS = names(CLIENT)
 
 
 class _Counters:

@@ -745,11 +745,11 @@ class Client(_FanOut, HandOff):
             present = [False] * len(keys)
             self._presence(keys, present, deadline)
             run = self._handoff_run(keys, next((i for i, p in enumerate(present) if not p), len(keys)), deadline)
-            self._counters.add(hits=run, misses=len(keys) - run)
+            self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
             return run
         groups = self._primary_groups(keys)
         if not groups:  # no members: nothing is held
-            self._counters.add(misses=len(keys))
+            self._counters.add(lookup_misses=len(keys))
             return 0
         first_missing: dict[int, int] = {}  # shard -> global index of its first missing key
 
@@ -768,7 +768,7 @@ class Client(_FanOut, HandOff):
             if not good:  # a failing shard holds nothing, as far as this call knows
                 first_missing[s] = groups[s][0]
         run = self._handoff_run(keys, leading_run(len(keys), list(first_missing.values())), deadline)
-        self._counters.add(hits=run, misses=len(keys) - run)
+        self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
         return run
 
     def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:

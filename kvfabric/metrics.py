@@ -139,6 +139,10 @@ CLIENT: dict[str, Metric] = _table(
     Metric("buffer_registrations", COUNTER, "caller buffers registered with the native transport"),
     Metric("buffer_registration_failures", COUNTER, "buffer registrations refused (the copy path is used)"),
     Metric("membership_changes", COUNTER, "member-list changes applied (etcd)"),
+    Metric("handoff_hits", COUNTER, "keys found on a previous owner after a membership change, by GET or LOOKUP"),
+    Metric("handoff_repairs", COUNTER, "of those, keys re-put to their new owner"),
+    Metric("read_repairs", COUNTER, "keys re-put to a replica that lacked them"),
+    Metric("repairs_dropped", COUNTER, "repairs that did not fit the repair queue"),
 )
 
 # ------------------------------------------------------------------ vLLM connector
