@@ -158,6 +158,12 @@ VLLM: dict[str, Metric] = _table(
     Metric("scheduled_load_tokens", COUNTER, "tokens vLLM accepted to load from the pool"),
     Metric("save_known_chunks", COUNTER, "prompt chunks not saved because the lookup found them in the pool"),
     Metric("save_unchecked_jobs", COUNTER, "saves sent before their lookup answered (may re-send held chunks)"),
+    Metric("pd_waits", COUNTER, "PD consumer: requests that found fewer chunks than the producer reported, "
+                                "and waited"),
+    Metric("pd_relookups", COUNTER, "PD consumer: lookups repeated while waiting for the producer's chunks"),
+    Metric("pd_wait_timeouts", COUNTER, "PD consumer: waits that ran out (pd_wait_ms); the missing chunks are "
+                                        "recomputed"),
+    Metric("held_requests", COUNTER, "finished requests whose blocks are kept until their saves are acknowledged"),
     # worker side
     Metric("load_chunks", COUNTER, "chunks copied into paged KV blocks"),
     Metric("load_tokens", COUNTER, "tokens copied into paged KV blocks (loaded)"),
@@ -170,6 +176,8 @@ VLLM: dict[str, Metric] = _table(
     Metric("save_dropped_chunks", COUNTER, "chunks the pool did not take (down, full, slow)"),
     Metric("save_skipped_chunks", COUNTER, "chunks not even sent (pending-save bound reached)"),
     Metric("save_errors", COUNTER, "save jobs that raised"),
+    Metric("held_released", COUNTER, "of held_requests: reported in get_finished's finished_sending (blocks "
+                                     "freed)"),
     Metric("save_abandoned_jobs", COUNTER, "save jobs still pending when the shutdown drain bound ran out"),
     Metric("client_errors", COUNTER, "the kvfabric client could not be built (pool off)"),
     # worker side, through vLLM's KV-connector stats (per step, aggregated by vLLM)

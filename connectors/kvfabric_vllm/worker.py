@@ -146,11 +146,13 @@ class WorkerSide:
     def _load_guarded(self, spec: LoadSpec) -> set[int]:
         """Load one spec; the blocks that must be recomputed (never raises)."""
         failed: set[int] = set()
+        t0 = time.monotonic()
         try:
             self._load_one(spec, failed)
         except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
             self.counters.fail("load_errors", "loading %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
             failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+        self.counters.observe("load_seconds", time.monotonic() - t0)
         return failed
 
     def finished_loads(self) -> set[str]:
@@ -209,6 +211,7 @@ class WorkerSide:
             pages += self.per_chunk - first
         self.counters.add("load_chunks", len(good))
         self.counters.add("load_tokens", pages * (self.cfg.chunk_tokens // self.per_chunk))
+        self.counters.add("load_bytes", pages * (self.chunk_bytes // self.per_chunk))
 
     def _load_staging(self, n: int) -> torch.Tensor:
         """A reused staging buffer for ``n`` chunks: a fresh multi-MiB allocation would be
@@ -295,6 +298,7 @@ class WorkerSide:
             self._staged.clear()
 
     def _put(self, spec: SaveSpec, data: torch.Tensor, nbytes: int) -> None:
+        t0 = time.monotonic()
         try:
             assert self.client is not None
             raw = data.view(len(spec.block_ids), -1).view(torch.uint8)
@@ -302,6 +306,7 @@ class WorkerSide:
             res = self.client.put(spec.keys[self.tp_rank], values, parents=spec.parents[self.tp_rank],
                                   timeout_s=self.cfg.save_timeout_s)
             self.counters.add("save_chunks", res.stored + res.existed)
+            self.counters.add("save_bytes", (res.stored + res.existed) * (nbytes // max(1, len(values))))
             if res.dropped:
                 self.counters.fail("save_dropped_chunks", "the pool did not take %d chunks (down, full or slow)",
                                    res.dropped, n=res.dropped)
@@ -310,6 +315,7 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pending_bytes -= nbytes
+            self.counters.observe("save_seconds", time.monotonic() - t0)
             self.counters.add("save_jobs_done")
 
     def _track_save(self, req_id: str, fut: Future) -> None:
