@@ -52,13 +52,16 @@ from .. import __version__, protocol
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
-from .main import (
+from .config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_LEASE_MS,
+    DEFAULT_MIN_RATE,
     DEFAULT_REPLY_BUDGET,
     DEFAULT_REPLY_BUDGET_CONN,
     DEFAULT_REQUEST_BUDGET,
+    DEFAULT_STALL_TIMEOUT_S,
 )
 
 try:
@@ -267,13 +270,13 @@ class NativeServer:
         transports: Sequence[str] = ("tcp", "native", "shm"),
         server_id: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         zerocopy: str = "auto",
         low_watermark: float = 0.0,
         high_watermark: float = 0.0,
-        stall_timeout_s: float = 10.0,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
-        min_rate: float = 1024 * 1024,
+        min_rate: float = DEFAULT_MIN_RATE,
         shm_socket: str | None = None,
         shm_group: str | int | None = None,
         shm_allow_uids: Sequence[int] = (),
