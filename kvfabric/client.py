@@ -736,8 +736,8 @@ class Client(_FanOut, HandOff):
         """
         self._check_open()
         keys = self._keys(keys)
-        if type(lease_ms) is not int or not 0 <= lease_ms <= 3_600_000:
-            raise ValueError(f"lease_ms must be an int in 0..3600000, got {lease_ms!r}")
+        if type(lease_ms) is not int or not 0 <= lease_ms <= protocol.MAX_LEASE_MS:
+            raise ValueError(f"lease_ms must be an int in 0..{protocol.MAX_LEASE_MS}, got {lease_ms!r}")
         if not keys:
             return 0
         deadline = self._deadline(timeout_s)

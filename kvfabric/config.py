@@ -178,4 +178,23 @@ class ClientConfig:
         return replace(self, **changes)
 
 
-__all__ = ["ClientConfig", "ENV_VARS", "TRANSPORTS", "parse_size", "parse_servers"]
+_SCALAR_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "str | None": str}
+
+
+def client_settings(exclude: Sequence[str] = ()) -> dict[str, type]:
+    """ClientConfig's settings and their value types (str, int, float or bool), ``exclude`` left out.
+
+    Connectors take client settings from their engine's configuration; they accept these names
+    (and pass them to :meth:`ClientConfig.from_env`) instead of re-declaring a subset of them,
+    so a client setting added here is a connector setting too."""
+    out = {}
+    for f in fields(ClientConfig):
+        if f.name in exclude:
+            continue
+        t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if t in _SCALAR_TYPES:
+            out[f.name] = _SCALAR_TYPES[t]
+    return out
+
+
+__all__ = ["ClientConfig", "ENV_VARS", "TRANSPORTS", "client_settings", "parse_size", "parse_servers"]

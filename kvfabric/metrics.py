@@ -194,11 +194,12 @@ VLLM_COUNTERS: tuple[str, ...] = tuple(
 
 #: The LMCache connector's counters (per connector instance).
 LMCACHE: dict[str, Metric] = _table(
-    Metric("lookups", COUNTER, "contains() / batched lookups asked"),
-    Metric("lookup_hits", COUNTER, "keys those lookups found"),
+    Metric("lookups", COUNTER, "batched_contains lookups asked (one pool LOOKUP each)"),
+    Metric("lookup_hits", COUNTER, "keys of the leading runs those lookups found"),
     Metric("gets", COUNTER, "objects asked for"),
     Metric("get_hits", COUNTER, "objects returned"),
     Metric("get_misses", COUNTER, "objects not returned"),
+    Metric("get_copies", COUNTER, "hits that took a copy (shorter chunks, the older format) instead of landing in place"),
     Metric("bad_values", COUNTER, "objects returned whose layout did not match (dropped, a miss)"),
     Metric("alloc_failures", COUNTER, "objects LMCache could not allocate memory for (a miss)"),
     Metric("puts", COUNTER, "objects offered to the pool"),
