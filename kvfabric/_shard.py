@@ -219,9 +219,12 @@ class _Shard:
 
     # -- connections -----------------------------------------------------
 
-    def _connect(self, timeout_s: float) -> transport.Connection:
+    def _connect(self, connect_s: float, hello_s: float) -> transport.Connection:
+        """A new connection: ``connect_s`` to reach the server, then ``hello_s`` for its HELLO reply
+        (a server that accepted is alive; a late HELLO is load, not a dead shard)."""
         cfg = self._config
-        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(timeout_s, 0.001)))
+        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(connect_s, 0.001)),
+                                 hello_timeout_s=max(hello_s, 0.001))
         if self.transport is not None and self.transport != conn.name:
             log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)
         self.transport = conn.name
@@ -292,7 +295,7 @@ class _Shard:
             if left <= 0:
                 raise _Busy()
             gen = self._gen
-            conn = self._connect(min(self._config.connect_timeout_s, left))
+            conn = self._connect(min(self._config.connect_timeout_s, left), left)
             with self._cond:
                 self._conn_gen[id(conn)] = gen
             return conn
@@ -331,7 +334,7 @@ class _Shard:
     def try_reconnect(self) -> bool:
         """One reconnect attempt (reconnector thread only). True when the shard is up again."""
         try:
-            conn = self._connect(self._config.connect_timeout_s)
+            conn = self._connect(self._config.connect_timeout_s, self._config.timeout_s)
         except Exception as e:  # whatever it is, the shard stays down and is retried later
             if not isinstance(e, KVFabricError):
                 log.exception("kvfabric: unexpected error reconnecting %s", self.address)

@@ -209,7 +209,7 @@ class Client(_FanOut, HandOff):
         self._hasher = KeyHasher(config.key_algorithm, config.key_secret)
         self._counters = _Counters()
         self._closed = False
-        self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + 1)
+        self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + config.timeout_s + 1)
         self._registration = _Registration(self._counters)
         # Membership state, changed under _members_lock by _apply_members / _on_identity only:
         # _shards: the current members' shards (rebound, never mutated); _view: what keys route over;
@@ -291,7 +291,9 @@ class Client(_FanOut, HandOff):
 
     def _initial_connect(self, allow_rejects: bool) -> None:
         """Connect every shard once; see the class docstring for what raises (``allow_rejects``)."""
-        deadline = time.monotonic() + self.config.connect_timeout_s
+        # reaching a server has connect_timeout_s; a server that accepted then has the call deadline
+        # (timeout_s) for its HELLO: first contact never marks a loaded server down after 0.5 s
+        deadline = time.monotonic() + self.config.connect_timeout_s + self.config.timeout_s
         shards = list(self._shards)
         rejects: dict[int, RemoteError] = {}  # position in shards -> the server's refusal, named
 
@@ -408,7 +410,7 @@ class Client(_FanOut, HandOff):
     def _warm(self, shard: _Shard) -> None:
         """Connect a shard that just joined (pool thread), so its HELLO id and a connection are ready."""
         try:
-            shard.release(shard.acquire(time.monotonic() + self.config.connect_timeout_s))
+            shard.release(shard.acquire(time.monotonic() + self.config.connect_timeout_s + self.config.timeout_s))
         except _Down:
             pass
         except _Busy:
