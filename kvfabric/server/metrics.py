@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..metrics import LAT_KEYS, LAT_OPS, SERVER, lat_histogram
+from ..metrics import LAT_KEYS, LAT_OPS, SERVER, SERVER_PROM_NAMES, lat_histogram
 from ..metrics import SERVER_GAUGES as GAUGES
 from ..metrics import SERVER_LABELS as LABELS
 
@@ -40,7 +40,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _help(key: str, default: str) -> str:
-    m = SERVER.get(key)
+    m = SERVER.get(SERVER_PROM_NAMES.get(key, key))
     return m.help if m is not None else default
 
 
@@ -66,7 +66,7 @@ def families(stats: Mapping[str, Any]) -> Iterator[Any]:
         if key in LAT_KEYS:
             continue
         value = stats[key]
-        name = PREFIX + key
+        name = PREFIX + SERVER_PROM_NAMES.get(key, key)
         if _is_number(value):
             if key in GAUGES:
                 yield GaugeMetricFamily(name, _help(key, f"STATS {key}"), value=value)

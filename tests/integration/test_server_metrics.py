@@ -98,3 +98,10 @@ def test_service_time_histograms_and_error_counters():
     assert sum(stats["lat_put_us_buckets"]) >= 1 and sum(stats["lat_get_us_buckets"]) >= 1
     assert stats["errors"]["BAD_MAGIC"] == 1
     assert m["kvfabric_errors"]["samples"][("kvfabric_errors_total", frozenset({"code": "BAD_MAGIC"}.items()))] == 1
+    # names follow the registry: one family per name, counters never end in _total_total
+    assert m["kvfabric_connections_accepted"]["type"] == "counter" and m["kvfabric_connections"]["type"] == "gauge"
+    assert m["kvfabric_transports_in_use"]["samples"][
+        ("kvfabric_transports_in_use_total", frozenset({"transport": "tcp"}.items()))] >= 1
+    assert not [n for fam in m.values() for (n, _) in fam["samples"] if n.endswith("_total_total")]
+    assert m["kvfabric_server_info"]["samples"] and any(
+        dict(lb).get("data_plane", "").startswith("io_uring") for (_, lb) in m["kvfabric_server_info"]["samples"])
