@@ -31,6 +31,11 @@ dies leaves when its lease expires. The address published is
 with the listening port. An unreachable etcd is logged and retried; the
 server serves either way (see ``kvfabric/membership/registry.py``).
 
+Settings: every option is a field of :class:`kvfabric.server.config.ServerConfig`
+(default and why), set by a flag, a ``KVFABRIC_SERVE_<NAME>`` environment
+variable or ``--config FILE.toml`` (flags > environment > file > defaults);
+``--print-config`` prints the effective settings (docs/notes/operations.md).
+
 A machine where the extension did not build gets one clear error saying what
 to install and how to rebuild, and exit status 2; it never falls back to a
 different server. The pure-Python server that used to be ``--data-plane
