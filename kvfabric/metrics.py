@@ -232,5 +232,19 @@ def lat_histogram(buckets: list[int]) -> list[tuple[str, int]]:
     return out
 
 
+def lat_quantile(buckets: list[int], q: float) -> float | None:
+    """Upper bound (seconds) of the bucket holding quantile ``q`` of one ``lat_<op>_us_buckets`` list (or of
+    the difference of two); None when it counts nothing, ``inf`` when the quantile is in the last bucket."""
+    total = sum(buckets)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0
+    for bound, n in zip(LAT_BOUNDS_US, buckets):
+        seen += n
+        if seen >= rank:
+            return bound / 1e6
+    return float("inf")
+
+
 __all__ = ["CLIENT", "LAT_BOUNDS_US", "LAT_BUCKETS", "LAT_OPS", "LMCACHE", "Metric", "SERVER", "VLLM",
-           "lat_histogram", "names"]
+           "lat_histogram", "lat_quantile", "names"]
