@@ -58,20 +58,8 @@ from ..config import parse_size
 from ..errors import ConfigError, TransportUnavailable
 from .eviction import POLICIES
 
-# Every default and limit of the server is declared once, with why, in kvfabric/server/config.py
-# (the DEFAULT_* names are re-exported here for the modules that import them from here).
-from .config import (  # noqa: F401
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_LEASE_MS,
-    DEFAULT_REPLY_BUDGET,
-    DEFAULT_REPLY_BUDGET_CONN,
-    DEFAULT_REQUEST_BUDGET,
-    MAX_LEASE_MS,
-    ServerConfig,
-    add_arguments,
-    load,
-)
+# Every default and limit of the server is declared once, with why, in kvfabric/server/config.py.
+from .config import MAX_LEASE_MS, ServerConfig, add_arguments, load
 
 log = logging.getLogger("kvfabric.server")
 
