@@ -88,6 +88,9 @@ class ClientConfig:
 
     ``timeout_s`` is the deadline of one client call (all shards together);
     a shard that has not answered by then counts as a miss for that call.
+    ``connect_timeout_s`` bounds reaching a server (the TCP connect); a server
+    that accepted then has the call deadline for its HELLO, so a loaded one is
+    not marked down on first contact (docs/notes/client.md, "Connect timeout").
 
     Membership: either ``servers`` (a static list) or ``etcd`` (one
     ``http://host:port`` URL or a comma-separated list) with ``cluster``, the
