@@ -98,15 +98,13 @@ class ReplayOptions:
     ssd_capacity: float = 0.0
     ssd_admit: list[str] = field(default_factory=lambda: ["all"])
     ssd_dir: str | None = None
-    # The useful level at an engine's real KV size while moving scaled payloads: a load's time is the
-    # measured GET time plus the bytes the real size adds, at link_gbps (modelled, not measured).
-    # None: the moved size is the real size (nothing modelled).
+    # useful level at a real KV size while moving scaled payloads (None: nothing modelled; see load_seconds)
     kv_bytes_per_token: int | None = None
     link_gbps: float = DEFAULT_LINK_GBPS
 
     def load_seconds(self, get_s: float, tokens: int) -> float:
-        """Time of a load of ``tokens`` tokens whose GET (at ``bytes_per_token``) took ``get_s``: plus
-        the modelled transfer of the bytes ``kv_bytes_per_token`` adds, when set."""
+        """A load of ``tokens`` tokens whose GET (at ``bytes_per_token``) took ``get_s``, plus the modelled
+        (not measured) transfer of the bytes ``kv_bytes_per_token`` adds at ``link_gbps``, when set."""
         if self.kv_bytes_per_token is None or self.kv_bytes_per_token <= self.bytes_per_token:
             return get_s
         return get_s + tokens * (self.kv_bytes_per_token - self.bytes_per_token) * 8 / (self.link_gbps * 1e9)
