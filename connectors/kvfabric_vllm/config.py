@@ -79,8 +79,9 @@ __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_n
 # Bumped whenever the byte layout of a chunk object changes (see worker.py).
 KV_LAYOUT_VERSION = 1
 
-# every ClientConfig setting is a connector setting too (kvfabric.config.client_settings)
-_CLIENT_KEYS = tuple(client_settings(exclude=("servers",)))
+# every ClientConfig setting is a connector setting too (kvfabric.config.client_settings); the
+# membership ones (servers, etcd, cluster) are parsed on their own below
+_CLIENT_KEYS = tuple(client_settings(exclude=("servers", "etcd", "cluster")))
 #: Lease the scheduler's lookup takes on what it found, ms. vLLM loads in the step that scheduled the
 #: request or, with async loads, within a few steps; 30 s covers a request that is looked up and
 #: then preempted or queued behind a long prefill, and a lease left by an aborted request pins its
