@@ -105,7 +105,7 @@ def _server_metrics() -> list[Metric]:
            Metric("request_seconds", HISTOGRAM,
                   "service time: request header received -> reply queued (log2 buckets from 1 us)", ("op",))]
     # the product server's keys (the test reference's own extras are not exported by anything)
-    keys = dict(STATS_FIELDS)
+    keys = {**STATS_FIELDS, **SSD_STATS_FIELDS}
     for k in STATS_OPTIONAL_KEYS["native"]:
         keys.setdefault(k, _OPTIONAL_HELP.get(k, f"STATS {k}"))
     for key, meaning in keys.items():
