@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol.stats import SSD_STATS_FIELDS, STATS_FIELDS, STATS_OPTIONAL_KEYS
+from .protocol.stats import SHARED_STATS_FIELDS, SSD_STATS_FIELDS, STATS_FIELDS, STATS_OPTIONAL_KEYS
 
 PREFIX = "kvfabric_"
 COUNTER, GAUGE, HISTOGRAM, INFO = "counter", "gauge", "histogram", "info"
@@ -105,7 +105,7 @@ def _server_metrics() -> list[Metric]:
            Metric("request_seconds", HISTOGRAM,
                   "service time: request header received -> reply queued (log2 buckets from 1 us)", ("op",))]
     # the product server's keys (the test reference's own extras are not exported by anything)
-    keys = {**STATS_FIELDS, **SSD_STATS_FIELDS}
+    keys = {**STATS_FIELDS, **SSD_STATS_FIELDS, **SHARED_STATS_FIELDS}
     for k in STATS_OPTIONAL_KEYS["native"]:
         keys.setdefault(k, _OPTIONAL_HELP.get(k, f"STATS {k}"))
     for key, meaning in keys.items():
