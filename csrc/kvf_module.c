@@ -157,7 +157,7 @@ static PyObject *py_constants(PyObject *self, PyObject *noargs)
         "s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
         "s:{s:i,s:i,s:i,s:i,s:i},"
         "s:{s:I,s:I,s:I,s:K,s:K,s:I},"
-        "s:{s:i,s:i,s:i,s:i,s:i}}",
+        "s:{s:i,s:i,s:i,s:i,s:i},s:I}",
         "ops", "HELLO", KVF_OP_HELLO, "PING", KVF_OP_PING, "EXISTS", KVF_OP_EXISTS, "LOOKUP", KVF_OP_LOOKUP,
         "GET", KVF_OP_GET, "PUT", KVF_OP_PUT, "DELETE", KVF_OP_DELETE, "STATS", KVF_OP_STATS,
         "errors", "BAD_MAGIC", KVF_E_BAD_MAGIC, "BAD_VERSION", KVF_E_BAD_VERSION, "UNKNOWN_OPCODE",
@@ -171,7 +171,7 @@ static PyObject *py_constants(PyObject *self, PyObject *noargs)
         "max_meta_bytes", KVF_MAX_META_BYTES, "max_payload_bytes", (unsigned long long)KVF_MAX_PAYLOAD_BYTES,
         "max_object_bytes", (unsigned long long)KVF_MAX_OBJECT_BYTES, "max_in_flight", KVF_MAX_IN_FLIGHT,
         "shm_ops", "ATTACH", KVF_OP_SHM_ATTACH, "LEASE", KVF_OP_SHM_LEASE, "RELEASE", KVF_OP_SHM_RELEASE,
-        "RESERVE", KVF_OP_SHM_RESERVE, "COMMIT", KVF_OP_SHM_COMMIT);
+        "RESERVE", KVF_OP_SHM_RESERVE, "COMMIT", KVF_OP_SHM_COMMIT, "max_lease_ms", KVF_MAX_LEASE_MS);
 }
 
 PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: plain xxh3_64 as the C data plane computes it (the key's seed)");

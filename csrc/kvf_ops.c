@@ -204,12 +204,12 @@ static void op_stats(struct conn *c)
     struct kvf_store_stats ss;
     kvf_store_stats(s->st, &ss);
     int ssd = s->tier && kvf_tier_has_ssd(s->tier); /* ssd_* only with --ssd-path (a tier may run a shared tier alone) */
-    size_t cap = 2048 + s->cfg.stats_extra_len + (ssd ? 1024 : 0) + 40 * kvf_shared_stats_pairs(s->cfg.shared);
+    size_t cap = 2048 + 2048 /* service-time histograms */ + s->cfg.stats_extra_len + (ssd ? 1024 : 0) + 40 * kvf_shared_stats_pairs(s->cfg.shared);
     BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    /* protocol/stats.py STATS_KEYS + the optional ones (ssd_* with a tier, shared_* with a shared tier) */
-    kvf_mw_map(&w, 39 + s->cfg.stats_extra_pairs + (ssd ? KVF_TIER_NSTATS : 0) + kvf_shared_stats_pairs(s->cfg.shared));
+    /* protocol/stats.py STATS_KEYS + the optional ones (lat_* always, ssd_* with a tier, shared_* with a shared tier) */
+    kvf_mw_map(&w, 39 + 2 * KVF_LAT_OPS + s->cfg.stats_extra_pairs + (ssd ? KVF_TIER_NSTATS : 0) + kvf_shared_stats_pairs(s->cfg.shared));
 #define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
@@ -258,6 +258,7 @@ static void op_stats(struct conn *c)
     for (int i = 1; i < 14; i++)
         if (s->ctr.errors[i]) { kvf_mw_cstr(&w, kvf_err_names[i]); kvf_mw_uint(&w, s->ctr.errors[i]); }
 #undef KV
+    kvf_lat_write(&w, &s->ctr);
     if (ssd) kvf_tier_stats_mw(s->tier, &w);
     kvf_shared_stats_write(s->cfg.shared, &w); /* shared_*: only with a shared tier */
     kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);

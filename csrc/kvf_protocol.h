@@ -82,6 +82,8 @@ enum kvf_put_status {
 #define KVF_MAX_OBJECT_BYTES (64ull << 20)
 #define KVF_MAX_IN_FLIGHT 64u
 #define KVF_PRE_AUTH_META_BYTES 4096u
+/* Cap on a LOOKUP / shm lease, ms (kvfabric.protocol.MAX_LEASE_MS). */
+#define KVF_MAX_LEASE_MS 3600000u
 
 struct kvf_header {
     char magic[4];

@@ -10,6 +10,7 @@
 #include "kvf_tier.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -315,6 +316,46 @@ static PyObject *Server_keys(ServerObject *self, PyObject *noargs)
     return out;
 }
 
+/* Add what STATS reports beside the flat counters to d: the error replies by
+ * code name (only codes seen) and the service-time histograms (lat_<op>_us_buckets
+ * lists, lat_<op>_us_sum). Returns d, or NULL with an exception set (d released). */
+static PyObject *stats_maps(PyObject *d, const struct kvf_server_counters *c)
+{
+    if (!d) return NULL;
+    PyObject *errs = PyDict_New();
+    if (!errs || PyDict_SetItemString(d, "errors", errs)) goto fail;
+    for (int i = 1; i < 16; i++) {
+        if (!c->errors[i] || !kvf_err_names[i] || !kvf_err_names[i][0]) continue;
+        PyObject *v = PyLong_FromUnsignedLongLong(c->errors[i]);
+        if (!v || PyDict_SetItemString(errs, kvf_err_names[i], v)) { Py_XDECREF(v); goto fail; }
+        Py_DECREF(v);
+    }
+    Py_CLEAR(errs);
+    char name[40];
+    for (int k = 0; k < KVF_LAT_OPS; k++) {
+        PyObject *l = PyList_New(KVF_LAT_BUCKETS);
+        if (!l) goto fail;
+        for (int i = 0; i < KVF_LAT_BUCKETS; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(c->lat[k][i]);
+            if (!v) { Py_DECREF(l); goto fail; }
+            PyList_SET_ITEM(l, i, v);
+        }
+        snprintf(name, sizeof name, "lat_%s_us_buckets", kvf_lat_names[k]);
+        int rc = PyDict_SetItemString(d, name, l);
+        Py_DECREF(l);
+        if (rc) goto fail;
+        PyObject *v = PyLong_FromUnsignedLongLong(c->lat_sum_us[k]);
+        snprintf(name, sizeof name, "lat_%s_us_sum", kvf_lat_names[k]);
+        if (!v || PyDict_SetItemString(d, name, v)) { Py_XDECREF(v); goto fail; }
+        Py_DECREF(v);
+    }
+    return d;
+fail:
+    Py_XDECREF(errs);
+    Py_DECREF(d);
+    return NULL;
+}
+
 /* The shared_* counters (names as STATS, kvf_shared_stats_write) into d. 0, or -1 with an exception. */
 static int add_shared_stats(PyObject *d, struct kvf_shared *sh)
 {
@@ -338,7 +379,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
     struct kvf_server_counters c;
     kvf_store_stats(self->st, &ss);
     kvf_server_counters(self->srv, &c);
-    PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
+    PyObject *d = stats_maps(Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
                          "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
         "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
@@ -353,7 +394,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "idle_timeouts", c.idle_closed, "preauth_timeouts", c.preauth_closed, "reply_budget_waits", c.reply_waits,
         "reply_budget_busy", c.reply_busy, "request_budget_busy", c.request_busy,
         "reserve_budget_waits", c.reserve_waits, "reply_bytes", c.reply_bytes, "request_bytes", c.request_bytes,
-        "reserved_bytes", c.reserved_bytes);
+        "reserved_bytes", c.reserved_bytes), &c);
     if (d && self->shared && add_shared_stats(d, self->shared)) Py_CLEAR(d);
     return d;
 }

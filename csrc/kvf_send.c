@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include "kvf_server_int.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,10 +61,59 @@ void kvf_reply_drop(struct conn *c, struct reply *r)
     kvf_reply_try_free(c->srv, r);
 }
 
-/* Queue a reply whose metadata (meta_len bytes) is already at head + 32. */
+/* ------------------------------------------------------ service times */
+
+const char *const kvf_lat_names[KVF_LAT_OPS] = {"get", "put", "lookup", "exists", "delete"};
+
+static int lat_op(uint8_t opcode)
+{
+    switch (opcode) {
+    case KVF_OP_GET: return KVF_LAT_GET;
+    case KVF_OP_PUT: return KVF_LAT_PUT;
+    case KVF_OP_LOOKUP: return KVF_LAT_LOOKUP;
+    case KVF_OP_EXISTS: return KVF_LAT_EXISTS;
+    case KVF_OP_DELETE: return KVF_LAT_DELETE;
+    default: return -1;
+    }
+}
+
+/* The request of c is answered: count its service time (header in -> reply
+ * queued) in its opcode's histogram, once. No return. */
+static void lat_record(struct conn *c)
+{
+    int k = lat_op(c->hdr.opcode);
+    if (!c->req_us || k < 0) { c->req_us = 0; return; }
+    int64_t d = kvf_now_us() - c->req_us;
+    uint64_t t = d > 0 ? (uint64_t)d : 0;
+    c->req_us = 0;
+    unsigned b = t ? 64u - (unsigned)__builtin_clzll(t) : 0; /* t < 2^b */
+    if (b > KVF_LAT_BUCKETS - 1) b = KVF_LAT_BUCKETS - 1;
+    c->srv->ctr.lat[k][b]++;
+    c->srv->ctr.lat_sum_us[k] += t;
+}
+
+void kvf_lat_write(struct kvf_mw *w, const struct kvf_server_counters *ctr)
+{
+    char name[40];
+    for (int k = 0; k < KVF_LAT_OPS; k++) {
+        snprintf(name, sizeof name, "lat_%s_us_buckets", kvf_lat_names[k]);
+        kvf_mw_cstr(w, name);
+        kvf_mw_array(w, KVF_LAT_BUCKETS);
+        for (int i = 0; i < KVF_LAT_BUCKETS; i++) kvf_mw_uint(w, ctr->lat[k][i]);
+        snprintf(name, sizeof name, "lat_%s_us_sum", kvf_lat_names[k]);
+        kvf_mw_cstr(w, name);
+        kvf_mw_uint(w, ctr->lat_sum_us[k]);
+    }
+}
+
+/* ---------------------------------------------------------------- queueing */
+
+/* Queue a reply whose metadata (meta_len bytes) is already at head + 32, and
+ * record the request's service time. */
 void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
                       uint64_t payload_len)
 {
+    lat_record(c);
     kvf_header_pack((struct kvf_header *)r->head, opcode, flags, c->hdr.request_id, (uint32_t)meta_len,
                     payload_len);
     r->head_len = KVF_HEADER_SIZE + meta_len;

@@ -225,6 +225,7 @@ void kvf_conn_park(struct conn *c, uint64_t bytes)
 static void on_header(struct conn *c)
 {
     struct kvf_server *s = c->srv;
+    c->req_us = kvf_now_us(); /* service time starts: recorded when the reply is queued (kvf_send.c) */
     int pre = s->cfg.auth && !c->authed;
     int rc = kvf_header_check(&c->hdr, pre ? KVF_PRE_AUTH_META_BYTES : s->cfg.max_meta,
                               pre ? 0 : s->cfg.max_payload);

@@ -65,6 +65,17 @@ struct kvf_server_cfg {
     struct kvf_shared *shared;
 };
 
+/* Service-time histograms (struct kvf_server_counters.lat): one per measured
+ * opcode, KVF_LAT_BUCKETS log2 buckets of microseconds. The time runs from the
+ * request's header being in to its reply being queued (kvf_reply_finish), so
+ * it includes receiving a PUT's objects and waiting for eviction space, not
+ * sending a GET's bytes. Bucket i < KVF_LAT_BUCKETS - 1 counts times t with
+ * t < 2^i us (and t >= 2^(i-1) us for i > 0); the last bucket counts the rest
+ * (>= 2^(KVF_LAT_BUCKETS-2) us, about 8.4 s). Recorded by the loop thread only,
+ * read without locks (kvf_server_counters). */
+enum { KVF_LAT_GET, KVF_LAT_PUT, KVF_LAT_LOOKUP, KVF_LAT_EXISTS, KVF_LAT_DELETE, KVF_LAT_OPS };
+#define KVF_LAT_BUCKETS 25
+
 struct kvf_server_counters {
     uint64_t hits, misses, puts, bytes_in, bytes_out, connections, connections_total, rejected;
     uint64_t zc_sends, copy_sends, zc_copied_notifs, stalled;
@@ -82,10 +93,17 @@ struct kvf_server_counters {
                                                             PUT slots reserved and not yet received */
     uint64_t errors[16];
     uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
+    uint64_t lat[KVF_LAT_OPS][KVF_LAT_BUCKETS]; /* service-time histograms (see KVF_LAT_BUCKETS) */
+    uint64_t lat_sum_us[KVF_LAT_OPS];           /* their sums, microseconds */
     int zerocopy, fixed_buffers;
 };
 
 struct kvf_server;
+
+/* Wire error code -> name as STATS reports it ("" or NULL: unused code). */
+extern const char *const kvf_err_names[16];
+/* KVF_LAT_* -> the op's name in STATS keys: "get", "put", "lookup", "exists", "delete". */
+extern const char *const kvf_lat_names[KVF_LAT_OPS];
 
 int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg);
 /* Listen on the configured sockets, then run the loop on this thread until

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #include "kvf_mpack.h"
 #include "kvf_protocol.h"
@@ -106,6 +107,7 @@ struct conn {
     int64_t rx_deadline_ms;        /* min_rate bound of the frame being read (0: none / between frames) */
     int64_t park_ms;               /* when it parked (waiting for space is not the peer's time) */
     int64_t accepted_ms;           /* pre-auth timeout */
+    int64_t req_us;                /* when the current request's header was in (kvf_now_us); 0: not timed */
     size_t reply_mem;              /* bytes of its queued replies */
     size_t meta_mem;               /* bytes of c->meta charged to the request budget */
     uint64_t reserved;             /* bytes of the PUT slot reserved and not yet received */
@@ -168,6 +170,14 @@ struct kvf_server {
     struct kvf_tier *tier;         /* tiers below DRAM (kvf_tier.h), or NULL */
 };
 
+/* Monotonic clock in microseconds (service-time histograms). */
+static inline int64_t kvf_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 /* kvf_server.c */
 /* A free SQE (submits pending ones first when the ring is full); NULL if none
  * could be freed: callers close the connection (treat it as -EBUSY). */
@@ -201,7 +211,9 @@ void kvf_sweep(struct kvf_server *s, int64_t now); /* timeouts (every 500 ms) an
 void kvf_wake_waiters(struct kvf_server *s);      /* a budget was freed: resume who waits on it */
 
 /* kvf_send.c */
-extern const char *const kvf_err_names[16];
+/* Append the service-time histograms to a STATS map: 2 * KVF_LAT_OPS pairs,
+ * lat_<op>_us_buckets (array of KVF_LAT_BUCKETS counts) and lat_<op>_us_sum. */
+void kvf_lat_write(struct kvf_mw *w, const struct kvf_server_counters *ctr);
 struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);
 void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
                       uint64_t payload_len);

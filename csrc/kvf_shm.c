@@ -36,7 +36,7 @@
 #include "kvf_hash.h"
 #include "kvf_tier.h"
 
-#define LEASE_CAP_DEFAULT_MS 3600000 /* the protocol's cap when max_lease_ms is 0 */
+#define LEASE_CAP_DEFAULT_MS ((int64_t)KVF_MAX_LEASE_MS) /* the protocol's cap when max_lease_ms is 0 */
 
 static int64_t lease_cap_ms(const struct kvf_server *s)
 {

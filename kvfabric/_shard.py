@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from . import protocol, transport
 from .config import ClientConfig
 from .errors import KVFabricError
+from .metrics import CLIENT, names
 
 # The client's logger: these messages are part of the client's behaviour.
 log = logging.getLogger("kvfabric.client")
@@ -56,12 +57,9 @@ class _Busy(Exception):
     """Internal: every pooled connection of the shard stayed busy until the deadline."""
 
 
-_COUNTERS = (
-    "hits", "misses", "checksum_failures", "puts_stored", "puts_existed", "dropped_puts",
-    "replica_puts_dropped", "shard_errors", "timeouts", "skipped_down", "reconnects",
-    "bytes_in", "bytes_out", "requests", "buffer_registrations", "buffer_registration_failures",
-    "membership_changes", "handoff_hits", "handoff_repairs", "read_repairs", "repairs_dropped",
-)
+#: names, types and meanings: kvfabric/metrics.py CLIENT (a GET's keys count in hits / misses, a
+#: lookup's in lookup_hits / lookup_misses, so a block looked up and then fetched is one hit, not two)
+_COUNTERS = names(CLIENT)
 
 
 class _Counters:
@@ -221,9 +219,12 @@ class _Shard:
 
     # -- connections -----------------------------------------------------
 
-    def _connect(self, timeout_s: float) -> transport.Connection:
+    def _connect(self, connect_s: float, hello_s: float) -> transport.Connection:
+        """A new connection: ``connect_s`` to reach the server, then ``hello_s`` for its HELLO reply
+        (a server that accepted is alive; a late HELLO is load, not a dead shard)."""
         cfg = self._config
-        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(timeout_s, 0.001)))
+        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(connect_s, 0.001)),
+                                 hello_timeout_s=max(hello_s, 0.001))
         if self.transport is not None and self.transport != conn.name:
             log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)
         self.transport = conn.name
@@ -294,7 +295,7 @@ class _Shard:
             if left <= 0:
                 raise _Busy()
             gen = self._gen
-            conn = self._connect(min(self._config.connect_timeout_s, left))
+            conn = self._connect(min(self._config.connect_timeout_s, left), left)
             with self._cond:
                 self._conn_gen[id(conn)] = gen
             return conn
@@ -333,7 +334,7 @@ class _Shard:
     def try_reconnect(self) -> bool:
         """One reconnect attempt (reconnector thread only). True when the shard is up again."""
         try:
-            conn = self._connect(self._config.connect_timeout_s)
+            conn = self._connect(self._config.connect_timeout_s, self._config.timeout_s)
         except Exception as e:  # whatever it is, the shard stays down and is retried later
             if not isinstance(e, KVFabricError):
                 log.exception("kvfabric: unexpected error reconnecting %s", self.address)

@@ -209,7 +209,7 @@ class Client(_FanOut, HandOff):
         self._hasher = KeyHasher(config.key_algorithm, config.key_secret)
         self._counters = _Counters()
         self._closed = False
-        self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + 1)
+        self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + config.timeout_s + 1)
         self._registration = _Registration(self._counters)
         # Membership state, changed under _members_lock by _apply_members / _on_identity only:
         # _shards: the current members' shards (rebound, never mutated); _view: what keys route over;
@@ -291,7 +291,9 @@ class Client(_FanOut, HandOff):
 
     def _initial_connect(self, allow_rejects: bool) -> None:
         """Connect every shard once; see the class docstring for what raises (``allow_rejects``)."""
-        deadline = time.monotonic() + self.config.connect_timeout_s
+        # reaching a server has connect_timeout_s; a server that accepted then has the call deadline
+        # (timeout_s) for its HELLO: first contact never marks a loaded server down after 0.5 s
+        deadline = time.monotonic() + self.config.connect_timeout_s + self.config.timeout_s
         shards = list(self._shards)
         rejects: dict[int, RemoteError] = {}  # position in shards -> the server's refusal, named
 
@@ -408,7 +410,7 @@ class Client(_FanOut, HandOff):
     def _warm(self, shard: _Shard) -> None:
         """Connect a shard that just joined (pool thread), so its HELLO id and a connection are ready."""
         try:
-            shard.release(shard.acquire(time.monotonic() + self.config.connect_timeout_s))
+            shard.release(shard.acquire(time.monotonic() + self.config.connect_timeout_s + self.config.timeout_s))
         except _Down:
             pass
         except _Busy:
@@ -736,8 +738,8 @@ class Client(_FanOut, HandOff):
         """
         self._check_open()
         keys = self._keys(keys)
-        if type(lease_ms) is not int or not 0 <= lease_ms <= 3_600_000:
-            raise ValueError(f"lease_ms must be an int in 0..3600000, got {lease_ms!r}")
+        if type(lease_ms) is not int or not 0 <= lease_ms <= protocol.MAX_LEASE_MS:
+            raise ValueError(f"lease_ms must be an int in 0..{protocol.MAX_LEASE_MS}, got {lease_ms!r}")
         if not keys:
             return 0
         deadline = self._deadline(timeout_s)
@@ -745,11 +747,11 @@ class Client(_FanOut, HandOff):
             present = [False] * len(keys)
             self._presence(keys, present, deadline)
             run = self._handoff_run(keys, next((i for i, p in enumerate(present) if not p), len(keys)), deadline)
-            self._counters.add(hits=run, misses=len(keys) - run)
+            self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
             return run
         groups = self._primary_groups(keys)
         if not groups:  # no members: nothing is held
-            self._counters.add(misses=len(keys))
+            self._counters.add(lookup_misses=len(keys))
             return 0
         first_missing: dict[int, int] = {}  # shard -> global index of its first missing key
 
@@ -768,7 +770,7 @@ class Client(_FanOut, HandOff):
             if not good:  # a failing shard holds nothing, as far as this call knows
                 first_missing[s] = groups[s][0]
         run = self._handoff_run(keys, leading_run(len(keys), list(first_missing.values())), deadline)
-        self._counters.add(hits=run, misses=len(keys) - run)
+        self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
         return run
 
     def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:

@@ -88,6 +88,9 @@ class ClientConfig:
 
     ``timeout_s`` is the deadline of one client call (all shards together);
     a shard that has not answered by then counts as a miss for that call.
+    ``connect_timeout_s`` bounds reaching a server (the TCP connect); a server
+    that accepted then has the call deadline for its HELLO, so a loaded one is
+    not marked down on first contact (docs/notes/client.md, "Connect timeout").
 
     Membership: either ``servers`` (a static list) or ``etcd`` (one
     ``http://host:port`` URL or a comma-separated list) with ``cluster``, the
@@ -178,4 +181,23 @@ class ClientConfig:
         return replace(self, **changes)
 
 
-__all__ = ["ClientConfig", "ENV_VARS", "TRANSPORTS", "parse_size", "parse_servers"]
+_SCALAR_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "str | None": str}
+
+
+def client_settings(exclude: Sequence[str] = ()) -> dict[str, type]:
+    """ClientConfig's settings and their value types (str, int, float or bool), ``exclude`` left out.
+
+    Connectors take client settings from their engine's configuration; they accept these names
+    (and pass them to :meth:`ClientConfig.from_env`) instead of re-declaring a subset of them,
+    so a client setting added here is a connector setting too."""
+    out = {}
+    for f in fields(ClientConfig):
+        if f.name in exclude:
+            continue
+        t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if t in _SCALAR_TYPES:
+            out[f.name] = _SCALAR_TYPES[t]
+    return out
+
+
+__all__ = ["ClientConfig", "ENV_VARS", "TRANSPORTS", "client_settings", "parse_size", "parse_servers"]

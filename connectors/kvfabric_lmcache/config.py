@@ -24,6 +24,7 @@ in ``extra_config``; the URL wins):
 ``key_algorithm``         xxh3_128 | blake3 | sha256
 ``max_batch_keys``        keys per request (1..4096)
 ``verify_checksums``      true | false
+(any other)               every other ``ClientConfig`` setting (``connections_per_server``, ...)
 ``lease_ms``              lease a pinned lookup takes on the blocks (default 10000)
 ``io_threads``            threads that run pool calls for LMCache's event loop (default 4)
 ``scratch_mb``            staging buffers kept for reuse, MiB (default 256; see scratch.py)
@@ -46,26 +47,24 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from kvfabric import ClientConfig, ConfigError, parse_servers
+from kvfabric.config import client_settings
+from kvfabric.protocol import MAX_LEASE_MS
 
 SCHEME = "kvfabric://"
 PLUGIN_SCHEME = "plugin://"
 PLUGIN_TYPE = "kvfabric"
 
-# option name -> converter from its text form
-_CLIENT_OPTIONS: dict[str, Any] = {
-    "etcd": str,
-    "cluster": str,
-    "timeout_s": float,
-    "connect_timeout_s": float,
-    "replicas": int,
-    "transport": str,
-    "key_algorithm": str,
-    "max_batch_keys": int,
-    "verify_checksums": bool,
-}
-_PLUGIN_OPTIONS: dict[str, Any] = {"lease_ms": int, "io_threads": int, "scratch_mb": int}
 _SECRET_OPTIONS = ("auth_token", "key_secret")
+# option name -> converter from its text form: every ClientConfig setting (etcd and cluster included)
+# but the servers (the URL's) and the secrets (kept out of URLs), so a client setting is an LMCache
+# option too
+_CLIENT_OPTIONS: dict[str, Any] = client_settings(exclude=("servers", *_SECRET_OPTIONS))
+_PLUGIN_OPTIONS: dict[str, Any] = {"lease_ms": int, "io_threads": int, "scratch_mb": int}
 
+#: Lease a pinned lookup takes, ms. LMCache looks up (contains / batched_contains) right before it
+#: retrieves the same keys in the same call path, so the lease has to outlive one retrieve, not
+#: a scheduler queue: 10 s, far above a retrieve's deadline, and short because LMCache may look up
+#: many keys it never retrieves (a lease pins their space). Capped by the server's --max-lease-ms.
 DEFAULT_LEASE_MS = 10_000
 DEFAULT_IO_THREADS = 4
 DEFAULT_SCRATCH_MB = 256
@@ -101,8 +100,8 @@ class PluginSettings:
     scratch_mb: int = DEFAULT_SCRATCH_MB
 
     def __post_init__(self) -> None:
-        if type(self.lease_ms) is not int or not 0 <= self.lease_ms <= 3_600_000:
-            raise ConfigError(f"lease_ms must be an int in 0..3600000, got {self.lease_ms!r}")
+        if type(self.lease_ms) is not int or not 0 <= self.lease_ms <= MAX_LEASE_MS:
+            raise ConfigError(f"lease_ms must be an int in 0..{MAX_LEASE_MS}, got {self.lease_ms!r}")
         if type(self.io_threads) is not int or not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io_threads must be an int in 1..64, got {self.io_threads!r}")
         if type(self.scratch_mb) is not int or not 0 <= self.scratch_mb <= 1 << 20:

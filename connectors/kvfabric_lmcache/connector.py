@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 from kvfabric import Client, KVFabricError
+from kvfabric.metrics import LMCACHE, names
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
@@ -59,10 +60,8 @@ log = logging.getLogger("kvfabric.lmcache")
 
 T = TypeVar("T")
 
-_COUNTERS = (
-    "lookups", "lookup_hits", "gets", "get_hits", "get_misses", "get_copies", "bad_values", "alloc_failures",
-    "puts", "puts_stored", "puts_existed", "puts_dropped", "pool_errors",
-)
+#: names and meanings: kvfabric/metrics.py LMCACHE
+_COUNTERS = names(LMCACHE)
 
 
 def _release_result(fut: "asyncio.Future[list[Optional[MemoryObj]]]") -> None:

@@ -55,13 +55,14 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
                              ``kv_producer``, false otherwise
-register_load_buffer true    register what loads receive into with the client
-                             (``Client.register_buffers``): the KV layer tensors (one
-                             block per chunk) or the staging buffer; on ``native``
-                             connections loads are then received with io_uring READ_FIXED
-transport, timeout_s, connect_timeout_s, replicas, auth_token, key_algorithm,
-key_secret, verify_checksums: passed to ``kvfabric.ClientConfig`` (env
-``KVFABRIC_*`` variables apply first, these keys win).
+ register_load_buffer true    register what loads receive into with the client
+                              (``Client.register_buffers``): the KV layer tensors (one
+                              block per chunk) or the staging buffer; on ``native``
+                              connections loads are then received with io_uring READ_FIXED
+ every other ``kvfabric.ClientConfig`` setting (transport, timeout_s,
+ connect_timeout_s, replicas, auth_token, key_algorithm, key_secret,
+ verify_checksums, connections_per_server, ...; ``kvfabric.config.client_settings``):
+ passed to ``ClientConfig`` (env ``KVFABRIC_*`` variables apply first, these keys win).
 ================== ========= ====================================================
 
 Per request, vLLM's ``cache_salt`` is bound into the namespace
@@ -79,6 +80,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric import ClientConfig, ConfigError, Namespace
+from kvfabric.config import client_settings
+from kvfabric.protocol import MAX_LEASE_MS
 
 __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_namespace", "kv_layout_name",
            "weights_fingerprint", "KV_LAYOUT_VERSION"]
@@ -87,8 +90,14 @@ __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_n
 # 2: one object per (chunk, layer) (1: one object per chunk, layer-major).
 KV_LAYOUT_VERSION = 2
 
-_CLIENT_KEYS = ("transport", "timeout_s", "connect_timeout_s", "replicas", "auth_token",
-                "key_algorithm", "key_secret", "verify_checksums")
+# every ClientConfig setting is a connector setting too (kvfabric.config.client_settings); the
+# membership ones (servers, etcd, cluster) are parsed on their own below
+_CLIENT_KEYS = tuple(client_settings(exclude=("servers", "etcd", "cluster")))
+#: Lease the scheduler's lookup takes on what it found, ms. vLLM loads in the step that scheduled the
+#: request or, with async loads, within a few steps; 30 s covers a request that is looked up and
+#: then preempted or queued behind a long prefill, and a lease left by an aborted request pins its
+#: chunks for at most that long. At most the server's --max-lease-ms (60 s by default) is granted.
+DEFAULT_LEASE_MS = 30_000
 _ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
 
 
@@ -102,7 +111,7 @@ class ConnectorConfig:
     tenant: str = ""
     lookup_timeout_ms: int = 1000
     lookup_wait_ms: int = 20
-    lease_ms: int = 30_000
+    lease_ms: int = DEFAULT_LEASE_MS
     load_timeout_s: float = 2.0
     load_async: bool = True
     load_poll_ms: int = 2
@@ -195,7 +204,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         tenant=tenant,
         lookup_timeout_ms=lookup_timeout_ms,
         lookup_wait_ms=_int(extra, "lookup_wait_ms", min(20, lookup_timeout_ms), 0, lookup_timeout_ms),
-        lease_ms=_int(extra, "lease_ms", 30_000, 0, 3_600_000),
+        lease_ms=_int(extra, "lease_ms", DEFAULT_LEASE_MS, 0, MAX_LEASE_MS),
         load_timeout_s=_float(extra, "load_timeout_s", 2.0, 0, 600),
         load_async=_bool(extra, "load_async", True),
         load_poll_ms=_int(extra, "load_poll_ms", 2, 0, 1000),

@@ -37,11 +37,13 @@ from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra
 from .meta import KVFabricMetadata
 from .metrics import Counters, log
 from .scheduler import SchedulerSide
+from .stats import KVFabricPromMetrics, KVFabricStats
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -121,6 +123,23 @@ class KVFabricConnector(KVConnectorBase_V1):
     def counters(self) -> dict[str, int]:
         """This instance's counters (``metrics.COUNTER_NAMES``)."""
         return self._counters.snapshot()
+
+    # ------------------------------------------------------------------ vLLM's stats (kvfabric_vllm.stats)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this instance counted since vLLM last asked (called every step on both sides)."""
+        data = self._counters.take_interval()
+        return KVFabricStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVFabricStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVFabricPromMetrics:
+        return KVFabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker side
 

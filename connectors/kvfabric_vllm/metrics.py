@@ -12,7 +12,10 @@ without importing vLLM here).
 
 Counters are per connector instance; ``all_counters()`` sums the live
 instances of this process (tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` read
-it; the same numbers are logged at shutdown).
+it; the same numbers are logged at shutdown). ``take_interval()`` hands what
+changed since its previous call to vLLM's KV-connector stats
+(``kvfabric_vllm.stats``), so vLLM's own ``/metrics`` shows them. Names,
+types and meanings are declared in ``kvfabric/metrics.py`` (``VLLM``).
 """
 
 from __future__ import annotations
@@ -21,39 +24,17 @@ import logging
 import threading
 import weakref
 
+from kvfabric.metrics import COUNTER, HISTOGRAM, VLLM, names
+
 LOGGER_NAME = "vllm.kvfabric_vllm"
 log = logging.getLogger(LOGGER_NAME)
 
-COUNTER_NAMES = (
-    # scheduler side
-    "lookups",            # pool lookups started (one per request, again after each preemption)
-    "relookups",          # of which after a preemption
-    "lookup_timeouts",    # lookups that missed their deadline (answered "no hit")
-    "lookup_errors",      # lookups that raised (answered "no hit")
-    "lookup_hit_tokens",  # loadable tokens the pool held beyond vLLM's local hit, once per lookup
-    "scheduled_load_tokens",  # tokens vLLM accepted to load from the pool
-    "save_known_chunks",  # prompt chunks not saved because the lookup found them in the pool
-    "save_unchecked_jobs",  # saves sent before their lookup answered (may re-send held chunks)
-    "pd_waits",           # PD consumer: requests that found fewer chunks than the producer reported, and waited
-    "pd_relookups",       # PD consumer: lookups repeated while waiting for the producer's chunks
-    "pd_wait_timeouts",   # PD consumer: waits that ran out (pd_wait_ms); the missing chunks are recomputed
-    "held_requests",      # finished requests whose blocks are kept until their saves are acknowledged
-    # worker side
-    "load_chunks",        # chunks copied into paged KV blocks
-    "load_tokens",        # tokens copied into paged KV blocks
-    "load_failed_chunks",  # chunks that missed / were malformed -> recomputed
-    "load_errors",        # whole load steps that raised -> recomputed
-    "async_loads",        # loads run between steps (load_kv_async)
-    "save_jobs",          # put jobs queued (one per request per step that completed chunks)
-    "save_jobs_done",     # put jobs finished, whatever their outcome (== save_jobs: nothing in flight)
-    "save_chunks",        # chunks handed to the pool (stored or already there)
-    "save_dropped_chunks",  # chunks the pool did not take (down, full, slow)
-    "save_skipped_chunks",  # chunks not even sent (pending-save bound reached)
-    "save_errors",        # save jobs that raised
-    "held_released",      # of held_requests: reported in get_finished's finished_sending (blocks freed)
-    "save_abandoned_jobs",  # save jobs still queued or running when the shutdown drain bound ran out
-    "client_errors",      # the kvfabric client could not be built (pool off)
-)
+#: Names and meanings are declared once, in kvfabric/metrics.py (VLLM); these are the counters.
+COUNTER_NAMES: tuple[str, ...] = names(VLLM, COUNTER)
+#: Timings observed per load / save job (seconds), reported through vLLM's KV-connector stats.
+TIMING_NAMES: tuple[str, ...] = names(VLLM, HISTOGRAM)
+#: Observations kept per timing between two reports (vLLM takes them every step); more are dropped.
+MAX_OBSERVATIONS = 4096
 
 _live: "weakref.WeakSet[Counters]" = weakref.WeakSet()
 _lock = threading.Lock()
@@ -64,6 +45,8 @@ class Counters:
 
     def __init__(self) -> None:
         self._values = dict.fromkeys(COUNTER_NAMES, 0)
+        self._reported = dict.fromkeys(COUNTER_NAMES, 0)  # values at the last take_interval()
+        self._timings: dict[str, list[float]] = {n: [] for n in TIMING_NAMES}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         with _lock:
@@ -85,9 +68,29 @@ class Counters:
             log.warning("kvfabric: " + message + " (recomputing; further %s are counted, not logged)",
                         *args, name, exc_info=exc)
 
+    def observe(self, name: str, seconds: float) -> None:
+        """Record one timing (``TIMING_NAMES``); at most ``MAX_OBSERVATIONS`` are kept per interval."""
+        with self._lock:
+            obs = self._timings[name]
+            if len(obs) < MAX_OBSERVATIONS:
+                obs.append(float(seconds))
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+    def take_interval(self) -> dict[str, int | list[float]]:
+        """What changed since the previous call: counter increments (only those > 0) and the timings
+        observed, which are handed over (the next call starts empty). Feeds vLLM's KV-connector stats."""
+        with self._lock:
+            out: dict[str, int | list[float]] = {
+                k: v - self._reported[k] for k, v in self._values.items() if v != self._reported[k]}
+            self._reported = dict(self._values)
+            for k, obs in self._timings.items():
+                if obs:
+                    out[k] = obs
+                    self._timings[k] = []
+        return out
 
 
 def all_counters() -> dict[str, int]:

@@ -247,11 +247,13 @@ class WorkerSide:
     def _load_guarded(self, spec: LoadSpec) -> set[int]:
         """Load one spec; the blocks that must be recomputed (never raises)."""
         failed: set[int] = set()
+        t0 = time.monotonic()
         try:
             self._load_one(spec, failed)
         except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
             self.counters.fail("load_errors", "loading %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
             failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+        self.counters.observe("load_seconds", time.monotonic() - t0)
         return failed
 
     def finished_loads(self) -> set[str]:
@@ -315,6 +317,7 @@ class WorkerSide:
                         kv[spec.block_ids[i][j]].copy_(src[j])
         self.counters.add("load_chunks", len(good))
         self.counters.add("load_tokens", pages * (self.cfg.chunk_tokens // self.per_chunk))
+        self.counters.add("load_bytes", pages * (self.chunk_bytes // self.per_chunk))
 
     def _load_staging(self, n: int) -> torch.Tensor:
         """A reused staging buffer for ``n`` objects (chunks of several blocks only): a fresh
@@ -399,6 +402,7 @@ class WorkerSide:
             self._staged.clear()
 
     def _put(self, spec: SaveSpec, data: torch.Tensor, nbytes: int) -> None:
+        t0 = time.monotonic()
         try:
             assert self.client is not None
             nl = len(self.layers)
@@ -413,6 +417,7 @@ class WorkerSide:
             # chunks (exact when whole chunks are dropped, as with a dead shard or pool).
             dropped = -(-res.dropped // nl)
             self.counters.add("save_chunks", len(spec.block_ids) - dropped)
+            self.counters.add("save_bytes", (len(spec.block_ids) - dropped) * (nbytes // max(1, len(spec.block_ids))))
             if dropped:
                 self.counters.fail("save_dropped_chunks", "the pool did not take %d chunks (down, full or slow)",
                                    dropped, n=dropped)
@@ -421,6 +426,7 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pending_bytes -= nbytes
+            self.counters.observe("save_seconds", time.monotonic() - t0)
             self.counters.add("save_jobs_done")
 
     def _track_save(self, req_id: str, fut: Future) -> None:

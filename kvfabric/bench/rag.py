@@ -45,6 +45,7 @@ from . import ragtrace
 from .replay import (
     CHUNK_DEFINITION,
     KEY_MODES,
+    LLAMA31_8B_BYTES_PER_TOKEN,
     PREFIX_DEFINITION,
     add_common_arguments,
     exit_on_sigterm,
@@ -54,6 +55,26 @@ from .sweep import _floats, plot_or_explain, print_report, print_sweep, sweep_tr
 from .traces import Trace, TraceError, load_trace, write_trace
 
 DATASETS = {"musique": "musique-b{}"}
+#: line style and marker per policy, in the order policies are listed
+POLICY_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 1)), "P"))
+#: The engine the useful level is modelled for: Llama-3-8B (and 3.1-8B), 32 layers x 8 KV heads x 128 dims
+#: x K and V x 2 bytes (bf16) = 131072 B = 128 KiB of KV per token.
+KV_MODEL = "Llama-3-8B (32 layers x 8 KV heads x 128 dims x K,V x 2 B bf16)"
+
+
+def level_definitions(opt: Any) -> list[str]:
+    """One line per level, with the numbers this run uses."""
+    kv = opt.kv_bytes_per_token
+    load = (f"its measured GET of {opt.bytes_per_token} B/token payloads plus the modelled transfer of the "
+            f"real {kv} B/token ({KV_MODEL}) over {opt.link_gbps:g} Gb/s"
+            if kv and kv > opt.bytes_per_token else f"its measured GET of {opt.bytes_per_token} B/token payloads")
+    return [
+        "exists = leading blocks of the prompt the pool held when asked (LOOKUP)",
+        f"loaded = of those, blocks that arrived whole with the right bytes within {opt.deadline_ms:g} ms "
+        "(and every earlier block too)",
+        f"useful = loaded blocks of requests whose load beat recomputing them at {opt.prefill_tokens_per_s:g} "
+        f"tokens/s; a load takes {load}",
+    ]
 DATASET_BLOCK_TOKENS = (16, 256)
 
 
@@ -133,18 +154,26 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
                     label="MIN over both key streams (reference)")
             ax.plot(xs, [p["sim"][next(iter(p["sim"]))]["token_hit_rate"] * 100 for p in pts], "-", color="0.6",
                     label=f"prefix level in this pool ({next(iter(pts[0]['sim']))})")
-        for i, pol in enumerate(pts[0]["sim"] if pts else []):
-            ax.plot(xs, [p["sim"][pol][level] * 100 for p in pts], "-", color=f"C{i}", label=pol)
+        pols = list(pts[0]["sim"]) if pts else []
+        for i, pol in enumerate(pols):
+            # Each policy its own colour, line style and marker, so equal curves (lru and tail-lru often
+            # coincide) stay visible: the later one is drawn thinner on top of the earlier one.
+            ls, mk = POLICY_STYLES[i % len(POLICY_STYLES)]
+            ax.plot(xs, [p["sim"][pol][level] * 100 for p in pts], linestyle=ls, marker=mk, markersize=4,
+                    linewidth=2.4 - 1.6 * i / max(1, len(pols) - 1), color=f"C{i}", label=pol, zorder=2 + i)
             rx, ry = [], []
+            # measured points side by side (a small x offset per policy), not on top of each other
+            shift = 1.0 + 0.04 * (i - (len(pols) - 1) / 2)
             for p in pts:
                 real = p["real"].get(pol)
                 if real is not None:
                     lv = real["levels"] if mode == "prefix" else real.get("chunk_levels")
                     if lv:
-                        rx.append(p["capacity_fraction"] * 100)
+                        rx.append(p["capacity_fraction"] * 100 * shift)
                         ry.append(lv["exists"]["token_hit_rate"] * 100)
             if rx:
-                ax.plot(rx, ry, "o", color=f"C{i}", markersize=6, markerfacecolor="none")
+                ax.plot(rx, ry, linestyle="none", marker=mk, color=f"C{i}", markersize=8, markerfacecolor="none",
+                        markeredgewidth=1.5, label=f"{pol} measured", zorder=10 + i)
         ax.set_xscale("log")
         ax.set_xticks(xs)
         ax.set_xticklabels([f"{x:g}" for x in xs])
@@ -162,7 +191,8 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     top = max(max(line.get_ydata(), default=0) for ax in axes[0] for line in ax.get_lines())
     axes[0][0].set_ylim(0, max(1.0, top * 1.08))  # shared: both panels from 0, one scale
-    fig.suptitle(title + "\nlines: offline simulation of the server's policies; circles: measured on real servers",
+    fig.suptitle(title + "\nlines: offline simulation of the server's policies; hollow markers: measured on real "
+                 "servers (exists level)",
                  fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -185,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default all)")
     ragtrace.add_arguments(p)
     add_common_arguments(p, block_tokens=False)
+    # the main job models a real engine's KV size for the useful level (kvfabric bench replay does not)
+    p.set_defaults(kv_bytes_per_token=LLAMA31_8B_BYTES_PER_TOKEN)
     args = p.parse_args(argv)
     exit_on_sigterm()
     policies = [x for x in args.policies.split(",") if x]
@@ -227,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (bundled dataset {args.dataset})"
     print(f"{trace.name}: {len(trace)} requests, {trace.total_blocks} block accesses, {trace.unique_blocks} unique "
           f"blocks of {trace.block_tokens} tokens, {trace.unique_chunk_blocks} unique chunk blocks{where}")
+    print("hit-rate levels (per request, token-weighted in the tables):")
+    for line in level_definitions(opts[modes[0]]):
+        print("  " + line)
     results: dict[str, dict[str, Any]] = {}
     try:
         for m, opt in opts.items():
@@ -244,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         if m == "prefix":
             print_sweep(res)
     print_side_by_side(results)
+    print("levels:")
+    for line in level_definitions(opts[modes[0]]):
+        print("  " + line)
     doc: dict[str, Any] = {"modes": results, "dataset": args.dataset}
     if cfg is not None:
         doc["generator"] = asdict(cfg)

@@ -69,6 +69,8 @@ from .traces import Trace, TraceError, block_keys, chunk_block_keys, load_trace
 LLAMA31_8B_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 DEFAULT_BYTES_PER_TOKEN = 16
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
+#: Link of the modelled transfer (--kv-bytes-per-token): 25 Gb/s, a common NIC of a TCP pool.
+DEFAULT_LINK_GBPS = 25.0
 DEFAULT_GET_WINDOW_BYTES = 64 << 20
 KEY_MODES = ("prefix", "chunk")
 # Client counters that mean transport trouble (a shard timed out, failed, or was skipped while down).
@@ -96,6 +98,16 @@ class ReplayOptions:
     ssd_capacity: float = 0.0
     ssd_admit: list[str] = field(default_factory=lambda: ["all"])
     ssd_dir: str | None = None
+    # useful level at a real KV size while moving scaled payloads (None: nothing modelled; see load_seconds)
+    kv_bytes_per_token: int | None = None
+    link_gbps: float = DEFAULT_LINK_GBPS
+
+    def load_seconds(self, get_s: float, tokens: int) -> float:
+        """A load of ``tokens`` tokens whose GET (at ``bytes_per_token``) took ``get_s``, plus the modelled
+        (not measured) transfer of the bytes ``kv_bytes_per_token`` adds at ``link_gbps``, when set."""
+        if self.kv_bytes_per_token is None or self.kv_bytes_per_token <= self.bytes_per_token:
+            return get_s
+        return get_s + tokens * (self.kv_bytes_per_token - self.bytes_per_token) * 8 / (self.link_gbps * 1e9)
 
     def validate(self) -> None:
         if self.shards < 1 or self.shards > 64:
@@ -115,6 +127,10 @@ class ReplayOptions:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--servers takes host:port,... ; {a!r} is not host:port")
+        if self.kv_bytes_per_token is not None and not 1 <= self.kv_bytes_per_token <= LLAMA31_8B_BYTES_PER_TOKEN * 8:
+            raise ValueError(f"--kv-bytes-per-token must be in 1..{LLAMA31_8B_BYTES_PER_TOKEN * 8}")
+        if not self.link_gbps > 0:
+            raise ValueError("--link-gbps must be > 0")
         if not 0 <= self.spread <= 64:
             raise ValueError(f"--spread must be in 0..64, got {self.spread}")
         if not 0 <= self.ssd_capacity <= 100:
@@ -233,7 +249,7 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
             flags, get_s = _get_flags(data, keys[:run], views, block_bytes, deadline_s, moved) if run else ([], 0.0)
             loaded = _leading(flags)
             tokens = sum(r.block_tokens(j, bt) for j in range(loaded))
-            useful = loaded if get_s <= tokens / opt.prefill_tokens_per_s else 0
+            useful = loaded if opt.load_seconds(get_s, tokens) <= tokens / opt.prefill_tokens_per_s else 0
             chits = chunk_hit_blocks(r, bt, run, cruns) if chunks else []
             if chits:
                 cflags, cget_s = _get_flags(data, [ckeys[c][j] for c, j, _ in chits], views, block_bytes,
@@ -247,7 +263,7 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
                         broken.add(c)
                 get_s += cget_s
                 ctok = sum(b for _, _, b in cloaded)
-                cuseful = cloaded if cget_s <= ctok / opt.prefill_tokens_per_s else []
+                cuseful = cloaded if opt.load_seconds(cget_s, ctok) <= ctok / opt.prefill_tokens_per_s else []
             else:
                 cloaded = cuseful = []
             t2 = time.perf_counter()
@@ -361,6 +377,7 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
         "trace": trace.name, "requests": len(trace), "total_blocks": trace.total_blocks,
         "unique_blocks": trace.unique_blocks, "block_tokens": trace.block_tokens,
         "bytes_per_token": opt.bytes_per_token, "block_bytes": block_bytes,
+        "kv_bytes_per_token": opt.kv_bytes_per_token, "link_gbps": opt.link_gbps,
         "prefill_tokens_per_s": opt.prefill_tokens_per_s, "deadline_ms": opt.deadline_ms,
         "timed": opt.timed, "speedup": opt.speedup, "salt": opt.salt, "timeout_s": opt.timeout_s,
         "key_mode": opt.key_mode, "runs": [],
@@ -550,6 +567,11 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
     p.add_argument("--shards", type=int, default=2, help="local servers to start per policy (default 2)")
     p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
                    help="payload bytes per token (default 16 = Llama-3.1-8B's 131072 scaled 1/8192)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="the engine's real KV bytes per token for the useful level: a load takes its measured GET "
+                        "time plus the extra bytes at --link-gbps (modelled; default: none, the moved size is real)")
+    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                   help=f"link of that modelled transfer, Gb/s (default {DEFAULT_LINK_GBPS:g})")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
                    help="recompute rate for the useful level (default 8000)")
     p.add_argument("--deadline-ms", type=float, default=2000.0, help="GET deadline per request (default 2000)")
@@ -587,7 +609,8 @@ def options_from_args(args: argparse.Namespace, **over: Any) -> ReplayOptions:
               salt=salt, servers=servers,
               check_sim=not args.no_check_sim, progress=not args.no_progress, key_mode=args.key_mode or "prefix",
               spread=args.spread or 0, get_window_bytes=int(args.window_mib * (1 << 20)),
-              ssd_capacity=args.ssd_capacity, ssd_admit=args.ssd_admit or ["all"], ssd_dir=args.ssd_dir)
+              ssd_capacity=args.ssd_capacity, ssd_admit=args.ssd_admit or ["all"], ssd_dir=args.ssd_dir,
+              kv_bytes_per_token=args.kv_bytes_per_token, link_gbps=args.link_gbps)
     kw.update(over)
     return ReplayOptions(**kw)
 

@@ -87,6 +87,7 @@ from .wire import (
     HEADER_SIZE,
     MAGIC,
     MAX_IN_FLIGHT,
+    MAX_LEASE_MS,
     MAX_KEY_BYTES,
     MAX_KEYS_PER_BATCH,
     MAX_META_BYTES,
@@ -179,7 +180,8 @@ def decode_reply(header: Header, meta_buf: Any, expected: Op, limits: Limits = D
 __all__ = [
     "MAGIC", "VERSION", "BAD_VERSION_MESSAGE", "HEADER", "HEADER_SIZE", "FLAG_REPLY", "FLAG_ERROR", "Op", "ShmOp", "PutStatus",
     "Limits", "DEFAULT_LIMITS", "PRE_AUTH_LIMITS", "MAX_KEYS_PER_BATCH", "MAX_KEY_BYTES",
-    "MAX_META_BYTES", "MAX_PAYLOAD_BYTES", "MAX_OBJECT_BYTES", "MAX_IN_FLIGHT", "checksum", "checksum_parts",
+    "MAX_META_BYTES", "MAX_PAYLOAD_BYTES", "MAX_OBJECT_BYTES", "MAX_IN_FLIGHT", "MAX_LEASE_MS", "checksum",
+    "checksum_parts",
     "Header", "pack_header", "unpack_header", "check_request_opcode", "encode_meta", "decode_meta",
     "Message", "HelloRequest", "HelloReply", "PingRequest", "PingReply", "ExistsRequest",
     "ExistsReply", "LookupRequest", "LookupReply", "GetRequest", "GetReply", "PutRequest",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ErrorCode, ProtocolError
-from .wire import DEFAULT_LIMITS, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
+from .wire import DEFAULT_LIMITS, MAX_LEASE_MS, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +169,8 @@ class LookupRequest(Message):
     @classmethod
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> LookupRequest:
         lease_ms = _field(meta, "lease_ms", int, default=0)
-        if not 0 <= lease_ms <= 3_600_000:
-            raise ProtocolError(ErrorCode.MALFORMED, "lease_ms must be in 0..3600000")
+        if not 0 <= lease_ms <= MAX_LEASE_MS:
+            raise ProtocolError(ErrorCode.MALFORMED, f"lease_ms must be in 0..{MAX_LEASE_MS}")
         return cls(keys=_keys(meta, limits), lease_ms=lease_ms)
 
 

@@ -112,6 +112,9 @@ STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
         "shm_reservations_expired",  # shm reservations freed uncommitted
         *SSD_STATS_FIELDS,  # with --ssd-path only
         *SHARED_STATS_FIELDS,  # shared_*: only with --shared-path
+        # service time (header in -> reply queued) of GET, PUT, LOOKUP, EXISTS, DELETE: per-bucket counts
+        # of log2 microsecond buckets, and their sum in microseconds (bounds: kvfabric/metrics.py)
+        *(f"lat_{op}_us_{part}" for op in ("get", "put", "lookup", "exists", "delete") for part in ("buckets", "sum")),
     ),
     # the test reference (pure Python)
     "reference": (

@@ -105,6 +105,11 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+#: Cap on a LOOKUP (or shm) lease, ms: an hour. A lease pins arena space against eviction, so no
+#: client may hold space longer than this however it asks; one that needs a block longer looks it
+#: up again. The one constant: the client, the decoder, both servers' option checks and the
+#: connectors' configs use it (csrc/kvf_ops.c and csrc/kvf_shm.c mirror it as a literal).
+MAX_LEASE_MS = 3_600_000
 # Before a server that requires auth has seen a valid HELLO, a peer may send
 # only a small HELLO: no keys, no payload.
 PRE_AUTH_LIMITS = Limits(

@@ -31,6 +31,11 @@ dies leaves when its lease expires. The address published is
 with the listening port. An unreachable etcd is logged and retried; the
 server serves either way (see ``kvfabric/membership/registry.py``).
 
+Settings: every option is a field of :class:`kvfabric.server.config.ServerConfig`
+(default and why), set by a flag, a ``KVFABRIC_SERVE_<NAME>`` environment
+variable or ``--config FILE.toml`` (flags > environment > file > defaults);
+``--print-config`` prints the effective settings (docs/notes/operations.md).
+
 A machine where the extension did not build gets one clear error saying what
 to install and how to rebuild, and exit status 2; it never falls back to a
 different server. The pure-Python server that used to be ``--data-plane
@@ -53,28 +58,12 @@ from ..config import parse_size
 from ..errors import ConfigError, TransportUnavailable
 from .eviction import POLICIES
 
+# Every default and limit of the server is declared once, with why, in kvfabric/server/config.py.
+from .config import MAX_LEASE_MS, ServerConfig, add_arguments, load
+
 log = logging.getLogger("kvfabric.server")
 
 LISTENING_PREFIX = "kvfabric serve: listening on "
-
-#: Default cap on LOOKUP (and shm) leases, in milliseconds.
-DEFAULT_MAX_LEASE_MS = 60_000
-
-#: Connections idle between frames this long are closed (0: never), so silent sockets cannot hold
-#: --max-connections forever even without a token (with one, the pre-auth timeout closes a socket
-#: that never authenticates after the stall timeout). Five minutes: far longer than an engine's
-#: gap between requests under load; the client drops pooled connections the server closed
-#: (``Connection.stale``) and connects afresh, so a quiet engine pays one connect, not a miss.
-DEFAULT_IDLE_TIMEOUT_S = 300.0
-#: On SIGTERM, frames in flight may finish for this long before every connection is closed.
-DEFAULT_DRAIN_TIMEOUT_S = 5.0
-#: Queued replies of one connection over this many bytes pause reading its next request ...
-DEFAULT_REPLY_BUDGET_CONN = 1 << 20
-#: ... and of all connections together, every connection's.
-DEFAULT_REPLY_BUDGET = 32 << 20
-#: Request buffers beyond the per-connection keep sizes (large metadata, large key batches),
-#: server-wide; a request over it is answered BUSY.
-DEFAULT_REQUEST_BUDGET = 32 << 20
 
 #: What to tell a user whose installation has no C extension.
 BUILD_HINT = (
@@ -87,91 +76,33 @@ BUILD_HINT = (
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    """Options every pool server process takes (the product server and the test reference)."""
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=7070, help="TCP port; 0 picks a free one (default 7070)")
-    p.add_argument("--capacity", default="4GiB", help="arena size, e.g. 4GiB, 512MiB (default 4GiB)")
-    p.add_argument("--policy", default="lru", help=f"eviction policy (known: {', '.join(sorted(POLICIES))})")
-    p.add_argument("--auth-token", default=None, help="require this token in HELLO (must not be empty)")
-    p.add_argument("--auth-token-file", default=None, help="read the auth token from this file")
-    p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections (default 1024)")
-    p.add_argument("--stall-timeout", type=float, default=10.0, help="seconds a peer may stall mid-frame (default 10)")
-    p.add_argument("--min-rate", default="1MiB", help="slowest accepted transfer rate per frame, bytes/s (default 1MiB)")
-    p.add_argument("--max-lease-ms", type=int, default=DEFAULT_MAX_LEASE_MS,
-                   help=f"cap on LOOKUP and shm leases (default {DEFAULT_MAX_LEASE_MS})")
-    p.add_argument("--server-id", default=None, help="id reported in HELLO/STATS (default host:port)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    """Options every pool server process takes (the product server and the test reference), with their
+    defaults set (the reference server parses flags only)."""
+    add_arguments(p, ["common"])
 
 
 def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a kvfabric pool server (the C io_uring data plane).")
-    add_common_arguments(p)
-    p.add_argument("--transports", default="tcp,native",
-                   help="comma-separated transports to offer: tcp, native, shm (default tcp,native; shm only "
-                        "when asked for: an attached same-host client maps the arena)")
-    p.add_argument("--zerocopy", default="auto", choices=["auto", "on", "off"],
-                   help="IORING_OP_SEND_ZC for GET replies (default: for peers off this host, when the kernel has it)")
-    p.add_argument("--shm-socket", default=None, metavar="PATH",
-                   help="path of the shm unix socket (default: shm-<port>.sock in $XDG_RUNTIME_DIR/kvfabric or "
-                        "/tmp/kvfabric-<uid>, a directory created 0700)")
-    p.add_argument("--shm-group", default=None, metavar="GROUP",
-                   help="let this group (name or gid) attach too: socket 0660, default directory 0750")
-    p.add_argument("--shm-allow-uid", default="", metavar="UID[,UID]",
-                   help="shm peers allowed besides the server's own uid (checked with SO_PEERCRED)")
-    p.add_argument("--shm-allow-gid", default="", metavar="GID[,GID]",
-                   help="shm peers allowed by effective or supplementary group (SO_PEERCRED)")
-    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
-                   help=f"close connections idle between frames this many seconds; 0 = never "
-                        f"(default {DEFAULT_IDLE_TIMEOUT_S:g})")
-    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                   help=f"on SIGTERM, let frames in flight finish for up to this many seconds "
-                        f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    p.add_argument("--reply-budget-conn", default="1MiB",
-                   help="bytes of queued replies on one connection before its next request waits (default 1MiB)")
-    p.add_argument("--reply-budget", default="32MiB",
-                   help="bytes of queued replies on all connections before every next request waits (default 32MiB)")
-    p.add_argument("--request-budget", default="32MiB",
-                   help="bytes of large request buffers (metadata > 4 KiB, batches > 64 keys) server-wide; "
-                        "over it a request gets BUSY (default 32MiB)")
-    p.add_argument("--reserve-budget", default="auto",
-                   help="bytes of PUT slots reserved but not yet received server-wide; over it the next PUT "
-                        "object waits (default auto: a quarter of the capacity)")
-    p.add_argument("--evict-watermarks", default="auto", metavar="LOW,HIGH",
-                   help="evict ahead of demand when free space < LOW (fraction of capacity) until HIGH "
-                        "is free; 0,0 evicts only when a PUT finds no room (default auto: 64 MiB / "
-                        "128 MiB, at most 5%% / 10%% of the capacity)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics (a view of STATS) at http://METRICS_HOST:PORT/metrics; 0 picks a "
-                        "free port (default: off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default loopback)")
-    p.add_argument("--shared-path", default=None, metavar="DIR",
-                   help="shared-filesystem tier: a directory every pool server mounts (NFS, CephFS, JuiceFS, "
-                        "DingoFS, Lustre); committed PUTs are written there once by key, keys missing here are "
-                        "looked for there (default: off; docs/notes/tier-shared.md)")
-    p.add_argument("--shared-fsync", default="never", choices=["always", "never"],
-                   help="fdatasync each shared-tier object before it is linked into place (default never: every "
-                        "file is verified when read, so fsync only narrows what a host crash loses)")
-    add_tier_arguments(p)
-    add_membership_arguments(p)
+    """The ``kvfabric serve`` flags: one per :class:`ServerConfig` field, plus ``--config FILE.toml``
+    and ``--print-config``. A flag not given leaves no attribute (:func:`parse_config` fills it from
+    the file, the environment or the default)."""
+    p = argparse.ArgumentParser(
+        prog=prog, description="Run a kvfabric pool server (the C io_uring data plane). Settings: flags > "
+        "KVFABRIC_SERVE_<NAME> environment variables > --config file > defaults.")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read settings from this TOML file (keys: the flag names with underscores)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective settings as TOML and exit")
+    add_arguments(p, ["common", "serve", "membership"], suppress=True)
     return p
 
 
-def add_tier_arguments(p: argparse.ArgumentParser) -> None:
-    """The SSD tier below the arena (docs/notes/tier.md)."""
-    p.add_argument("--ssd-path", action="append", default=[], metavar="DIR",
-                   help="directory of the SSD tier (its file kvfabric-tier.v1 is preallocated there; O_DIRECT "
-                        "required); repeat for several disks (default: no SSD tier)")
-    p.add_argument("--ssd-capacity", default=None, metavar="SIZE",
-                   help="bytes of SSD tier in all, split evenly over the --ssd-path directories (required with them)")
-    p.add_argument("--ssd-admit", default="all", choices=["all", "hit"],
-                   help="which evicted objects are written to the SSD tier: all (default), or hit (only objects "
-                        "read at least once while in DRAM)")
-    p.add_argument("--ssd-write-queue", default="64MiB", metavar="SIZE",
-                   help="bytes of evicted objects staged for writing; over it evictions are not kept (counted in "
-                        "ssd_write_drops; the server never waits for the disk) (default 64MiB)")
+def parse_config(argv: list[str]) -> tuple[ServerConfig, argparse.Namespace]:
+    """The effective :class:`ServerConfig` for ``argv`` and the parsed flags (SystemExit on errors)."""
+    args = build_parser().parse_args(argv)
+    return load(args), args
 
 
-def tier_options(args: argparse.Namespace) -> dict[str, Any]:
+def tier_options(args: ServerConfig) -> dict[str, Any]:
     """The --ssd-* options as NativeServer keyword arguments (exits on bad ones)."""
     if not args.ssd_path:
         if args.ssd_capacity is not None:
@@ -191,19 +122,7 @@ def tier_options(args: argparse.Namespace) -> dict[str, Any]:
             "ssd_write_queue": queue}
 
 
-def add_membership_arguments(p: argparse.ArgumentParser) -> None:
-    """``--etcd``, ``--cluster``, ``--etcd-ttl``, ``--advertise`` (cluster membership through etcd)."""
-    p.add_argument("--etcd", default=None, metavar="URL",
-                   help="register in this etcd (http://HOST:PORT, or a comma-separated list) under --cluster")
-    p.add_argument("--cluster", default="default", help="cluster name to register under (default 'default')")
-    p.add_argument("--etcd-ttl", type=int, default=10, metavar="SECONDS",
-                   help="etcd lease TTL: a server that dies leaves the cluster this long after (default 10)")
-    p.add_argument("--advertise", default=None, metavar="HOST",
-                   help="host clients should connect to, published in etcd (default --host; needed when "
-                        "--host is a wildcard such as 0.0.0.0)")
-
-
-def membership_registration(args: argparse.Namespace, server_id: str, address: str, transports: list[str],
+def membership_registration(args: ServerConfig, server_id: str, address: str, transports: list[str],
                             capacity: int) -> Any:
     """A started :class:`~kvfabric.membership.registry.Registration` for ``--etcd``, or None without it.
     Exits (status 2) for bad membership options."""
@@ -250,7 +169,7 @@ def _size(name: str, text: str) -> int:
         raise SystemExit(f"kvfabric serve: {name}: {e}") from None
 
 
-def validate_common(args: argparse.Namespace) -> tuple[int, str | None, int]:
+def validate_common(args: ServerConfig | argparse.Namespace) -> tuple[int, str | None, int]:
     """Check the common options; returns (capacity, auth token or None, min_rate). Exits with a message."""
     capacity = _size("--capacity", args.capacity)
     min_rate = _size("--min-rate", args.min_rate)
@@ -266,8 +185,8 @@ def validate_common(args: argparse.Namespace) -> tuple[int, str | None, int]:
         raise SystemExit("kvfabric serve: --max-connections must be >= 1")
     if args.stall_timeout <= 0:
         raise SystemExit("kvfabric serve: --stall-timeout must be > 0")
-    if not 0 <= args.max_lease_ms <= 3_600_000:
-        raise SystemExit("kvfabric serve: --max-lease-ms must be in 0..3600000")
+    if not 0 <= args.max_lease_ms <= MAX_LEASE_MS:
+        raise SystemExit(f"kvfabric serve: --max-lease-ms must be in 0..{MAX_LEASE_MS}")
     if args.auth_token is not None and args.auth_token_file:
         raise SystemExit("kvfabric serve: give --auth-token or --auth-token-file, not both")
     token = args.auth_token
@@ -295,7 +214,7 @@ def _ids(flag: str, text: str) -> list[int]:
     return ids
 
 
-def shm_options(args: argparse.Namespace, transports: list[str]) -> dict[str, Any]:
+def shm_options(args: ServerConfig, transports: list[str]) -> dict[str, Any]:
     """The --shm-* options as NativeServer keyword arguments (exits when given without shm)."""
     given = [f for f, v in (("--shm-socket", args.shm_socket), ("--shm-group", args.shm_group),
                             ("--shm-allow-uid", args.shm_allow_uid), ("--shm-allow-gid", args.shm_allow_gid)) if v]
@@ -377,7 +296,7 @@ def exit_2_on_bad_options(run: Callable[[list[str]], int]) -> Callable[[list[str
 def main(argv: list[str]) -> int:
     """Run the server; returns the exit status (0 after a clean SIGTERM/SIGINT shutdown, 2 for bad options
     or a server that cannot start here)."""
-    args = build_parser().parse_args(argv)
+    args, flags = parse_config(argv)
     capacity, token, min_rate = validate_common(args)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = sorted(set(transports) - {"tcp", "native", "shm"})
@@ -405,6 +324,9 @@ def main(argv: list[str]) -> int:
     reserve = None if args.reserve_budget == "auto" else _size("--reserve-budget", args.reserve_budget)
     if min(*budgets.values(), reserve or 1) < 1:
         raise SystemExit("kvfabric serve: memory budgets must be >= 1 byte")
+    if flags.print_config:  # after every check: what is printed is a config that starts
+        print(args.to_toml(), end="")
+        return 0
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)

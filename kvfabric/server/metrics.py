@@ -8,8 +8,11 @@ use, connections, ...) are gauges. A nested map of numbers (``errors`` by
 code, ``transports_in_use`` by transport, ...) becomes one family with a
 label (``code``, ``transport``, or ``kind``). Strings (policy, data plane,
 server id) are labels of ``kvfabric_server_info``. A STATS key added to the
-server appears in the exposition without a change here; only whether it is a
-counter is decided below.
+server appears in the exposition without a change here; its type, label and
+help text come from the one registry, ``kvfabric/metrics.py``. The service-time
+histograms (``lat_<op>_us_buckets`` / ``lat_<op>_us_sum`` in STATS) become one
+histogram family, ``kvfabric_request_seconds{op=get|put|lookup|exists|delete}``
+with ``_bucket`` / ``_sum`` / ``_count``.
 
 The HTTP side is ``prometheus_client`` (imported only when a metrics port is
 asked for, so engines' virtualenvs that run a pool server for tests need not
@@ -23,16 +26,12 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from ..metrics import LAT_KEYS, LAT_OPS, SERVER, SERVER_PROM_NAMES, lat_histogram
+from ..metrics import SERVER_GAUGES as GAUGES
+from ..metrics import SERVER_LABELS as LABELS
+
 log = logging.getLogger("kvfabric.server.metrics")
 
-#: STATS keys that are gauges (a level that goes up and down); every other number is a counter.
-GAUGES = frozenset({
-    "objects", "bytes_used", "bytes_allocated", "capacity", "free_bytes", "pinned", "leased", "connections",
-    "uptime_s", "reserved_bytes", "queued_reply_bytes", "shm_leases", "shm_reservations",
-    "ssd_capacity", "ssd_objects", "ssd_bytes", "ssd_queue_bytes",
-})
-#: label name for the nested maps of STATS
-LABELS = {"errors": "code", "transports_in_use": "transport", "drops": "reason"}
 PREFIX = "kvfabric_"
 
 
@@ -40,25 +39,43 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _help(key: str, default: str) -> str:
+    m = SERVER.get(SERVER_PROM_NAMES.get(key, key))
+    return m.help if m is not None else default
+
+
 def families(stats: Mapping[str, Any]) -> Iterator[Any]:
     """Prometheus metric families for one STATS map (see the module docstring)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                        InfoMetricFamily)
 
     info = {k: str(v) for k, v in stats.items() if isinstance(v, str)}
     if info:
-        yield InfoMetricFamily(PREFIX + "server", "identity of this pool server", value=info)
+        yield InfoMetricFamily(PREFIX + "server", SERVER["server"].help, value=info)
+    hist = None
+    for op in LAT_OPS:
+        buckets, total = stats.get(f"lat_{op}_us_buckets"), stats.get(f"lat_{op}_us_sum")
+        if isinstance(buckets, list) and _is_number(total):
+            if hist is None:
+                hist = HistogramMetricFamily(PREFIX + "request_seconds", SERVER["request_seconds"].help,
+                                             labels=["op"])
+            hist.add_metric([op], lat_histogram(buckets), sum_value=total / 1e6)
+    if hist is not None:
+        yield hist
     for key in sorted(stats):
+        if key in LAT_KEYS:
+            continue
         value = stats[key]
-        name = PREFIX + key
+        name = PREFIX + SERVER_PROM_NAMES.get(key, key)
         if _is_number(value):
             if key in GAUGES:
-                yield GaugeMetricFamily(name, f"STATS {key}", value=value)
+                yield GaugeMetricFamily(name, _help(key, f"STATS {key}"), value=value)
             else:
-                yield CounterMetricFamily(name, f"STATS {key} (since start)", value=value)
+                yield CounterMetricFamily(name, _help(key, f"STATS {key}") + " (since start)", value=value)
         elif isinstance(value, Mapping) and value and all(_is_number(v) for v in value.values()):
             label = LABELS.get(key, "kind")
             fam = (GaugeMetricFamily if key in GAUGES else CounterMetricFamily)(
-                name, f"STATS {key} by {label}", labels=[label])
+                name, _help(key, f"STATS {key} by {label}"), labels=[label])
             for sub, v in sorted(value.items()):
                 fam.add_metric([str(sub)], v)
             yield fam

@@ -52,13 +52,16 @@ from .. import __version__, protocol
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
-from .main import (
+from .config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_LEASE_MS,
+    DEFAULT_MIN_RATE,
     DEFAULT_REPLY_BUDGET,
     DEFAULT_REPLY_BUDGET_CONN,
     DEFAULT_REQUEST_BUDGET,
+    DEFAULT_STALL_TIMEOUT_S,
 )
 
 try:
@@ -267,13 +270,13 @@ class NativeServer:
         transports: Sequence[str] = ("tcp", "native", "shm"),
         server_id: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         zerocopy: str = "auto",
         low_watermark: float = 0.0,
         high_watermark: float = 0.0,
-        stall_timeout_s: float = 10.0,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
-        min_rate: float = 1024 * 1024,
+        min_rate: float = DEFAULT_MIN_RATE,
         shm_socket: str | None = None,
         shm_group: str | int | None = None,
         shm_allow_uids: Sequence[int] = (),
@@ -468,6 +471,10 @@ class NativeServer:
         out = self._srv.stats()
         out.update(self._srv.tier_stats())
         out.update(policy=self.policy.name, transports=list(self.transports), server_id=self.server_id)
+        # the same shape as the wire STATS (csrc/kvf_ops.c op_stats): connections by transport as one map
+        out["transports_in_use"] = {t: out.pop(t) for t in ("tcp", "native", "shm")}
+        zc, fixed = out["zerocopy"], out["fixed_buffers"]
+        out["data_plane"] = "io_uring+send_zc+fixed" if zc and fixed else "io_uring+send_zc" if zc else "io_uring"
         return out
 
     def _close_sockets(self) -> None:

@@ -5,7 +5,8 @@
 prints one row per server: objects, bytes used / capacity, hit rate, bytes in
 and out, connections, evictions, checksum failures, errors; ``--json`` prints
 the whole answer instead. ``top`` does the same every ``--interval`` seconds
-and shows rates between two samples (GB/s in and out, hits/s), until Ctrl-C or
+and shows rates between two samples (GB/s in and out, hits/s, and the GET
+service-time p99 as the bound of its log2 bucket), until Ctrl-C or
 ``--count`` refreshes. A server that does not answer is a row that says why;
 the exit status is 1 when none answered, 2 for bad arguments, else 0.
 """
@@ -22,9 +23,11 @@ from typing import Any, TextIO
 from ..client import Client
 from ..config import ClientConfig
 from ..errors import ConfigError
+from ..metrics import LAT_BOUNDS_US, lat_quantile
 
 COLUMNS = ("server", "objects", "used", "capacity", "hit%", "in", "out", "conns", "evict", "csum_fail", "errors")
-RATE_COLUMNS = ("server", "objects", "used", "hit%", "GB/s in", "GB/s out", "hits/s", "conns", "errors")
+RATE_COLUMNS = ("server", "objects", "used", "hit%", "GB/s in", "GB/s out", "hits/s", "conns", "errors",
+                "get p99 ms")
 
 
 def human_bytes(n: float) -> str:
@@ -80,9 +83,22 @@ def rate_rows(before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mappi
         rows.append((
             address, str(st.get("objects", 0)), human_bytes(st.get("bytes_used", 0)), hit_rate(st),
             f"{rate('bytes_in') / 1e9:.3f}", f"{rate('bytes_out') / 1e9:.3f}", f"{rate('hits'):.0f}",
-            str(st.get("connections", 0)), str(error_count(st)),
+            str(st.get("connections", 0)), str(error_count(st)), get_p99(prev, st),
         ))
     return rows
+
+
+def get_p99(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """GET service-time p99 between two samples, as the upper bound of its log2 bucket in ms ("-": no GETs,
+    or a server without the histograms)."""
+    a, b = after.get("lat_get_us_buckets"), before.get("lat_get_us_buckets")
+    if not isinstance(a, list):
+        return "-"
+    delta = [x - y for x, y in zip(a, b)] if isinstance(b, list) and len(b) == len(a) and b is not a else a
+    p99 = lat_quantile([max(0, int(d)) for d in delta], 0.99)
+    if p99 is None:
+        return "-"
+    return f"<{p99 * 1000:g}" if p99 != float("inf") else f">{LAT_BOUNDS_US[-1] / 1000:g}"
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -94,15 +94,21 @@ def _entry(name: str) -> _Entry:
     raise ConfigError(f"unknown transport {name!r}; registered: {names()} (or 'auto')")
 
 
-def connect(name: str, address: str, config: ClientConfig, *, client_name: str = "kvfabric") -> Connection:
+def connect(name: str, address: str, config: ClientConfig, *, client_name: str = "kvfabric",
+            hello_timeout_s: float | None = None) -> Connection:
     """Open a HELLO-negotiated connection to ``address`` with transport ``name`` (or ``"auto"``).
+
+    ``config.connect_timeout_s`` bounds reaching the server; its HELLO reply then has
+    ``hello_timeout_s`` (default ``config.timeout_s``, the deadline of any call): a loaded server
+    that answers late is slow, not down (docs/notes/client.md, "Connect timeout").
 
     Raises ``TransportUnavailable`` when the named transport (or, for
     ``auto``, every available one) cannot serve this address, ``ConfigError``
     for an unknown name, and whatever the transport's ``connect`` raises
     (``TransportError``, ``RemoteError``, ``ProtocolError``) otherwise.
     """
-    kwargs = dict(timeout_s=config.connect_timeout_s, auth_token=config.auth_token, client_name=client_name)
+    kwargs = dict(timeout_s=config.connect_timeout_s, auth_token=config.auth_token, client_name=client_name,
+                  hello_timeout_s=config.timeout_s if hello_timeout_s is None else hello_timeout_s)
     if name != "auto":
         got = _load(_entry(name))
         if isinstance(got, str):

@@ -84,8 +84,13 @@ def connect(
     timeout_s: float,
     auth_token: str | None = None,
     client_name: str = "kvfabric",
+    hello_timeout_s: float | None = None,
 ) -> NativeConnection:
-    """Connect to ``address`` ("host:port") and run HELLO within ``timeout_s``.
+    """Connect to ``address`` ("host:port") and run HELLO.
+
+    ``timeout_s`` bounds reaching the server (the TCP handshake, which the kernel answers even when
+    the server is loaded); ``hello_timeout_s`` (default: ``timeout_s``) bounds its HELLO reply
+    from then on: a server that accepted the connection is alive, and a slow reply means load.
 
     Raises ``TransportUnavailable`` (via :func:`probe`'s reason) when the
     extension is missing, ``ConfigError`` for a bad address, ``TransportError``
@@ -103,6 +108,8 @@ def connect(
     sock = dial(address, deadline)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = NativeConnection(sock, address)
+    if hello_timeout_s is not None:
+        deadline = time.monotonic() + hello_timeout_s
     try:
         conn.hello = conn._hello(client_name, auth_token, deadline)
     except BaseException:

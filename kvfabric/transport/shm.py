@@ -124,6 +124,7 @@ def connect(
     timeout_s: float,
     auth_token: str | None = None,
     client_name: str = "kvfabric",
+    hello_timeout_s: float | None = None,
 ) -> ShmConnection:
     """Attach to the arena of the native server at ``address`` ("host:port", same host).
 
@@ -137,7 +138,8 @@ def connect(
     host, _ = parse_address(address)
     if not _is_local(host):
         raise TransportUnavailable(f"shm needs a server on this host; {address} is not a loopback address")
-    deadline = time.monotonic() + timeout_s
+    # same host: nothing to blackhole the handshake, so one deadline covers reaching it and its HELLOs
+    deadline = time.monotonic() + max(timeout_s, hello_timeout_s or 0.0)
     hello = _tcp_hello(address, client_name, auth_token, deadline)
     path = hello.shm_socket
     if "shm" not in hello.transports or path is None:

@@ -59,8 +59,13 @@ def connect(
     timeout_s: float,
     auth_token: str | None = None,
     client_name: str = "kvfabric",
+    hello_timeout_s: float | None = None,
 ) -> TcpConnection:
-    """Connect to ``address`` ("host:port") and run HELLO within ``timeout_s``.
+    """Connect to ``address`` ("host:port") and run HELLO.
+
+    ``timeout_s`` bounds reaching the server (the TCP handshake, which the kernel answers even when
+    the server is loaded); ``hello_timeout_s`` (default: ``timeout_s``) bounds its HELLO reply
+    from then on: a server that accepted the connection is alive, and a slow reply means load.
 
     Raises ``ConfigError`` for a malformed address, ``TransportError`` when the
     server cannot be reached or does not answer in time, ``RemoteError`` when
@@ -70,6 +75,8 @@ def connect(
     """
     deadline = time.monotonic() + timeout_s
     conn = TcpConnection(dial(address, deadline), address)
+    if hello_timeout_s is not None:
+        deadline = time.monotonic() + hello_timeout_s
     try:
         reply = conn.request(HelloRequest(client=client_name, transports=("tcp",), auth=auth_token), deadline=deadline)
     except BaseException:

@@ -190,3 +190,29 @@ def test_rag_generator_in_both_key_modes(tmp_path, capsys):
     assert rag_main(["--requests", "60", "--capacities", "0.2", "--policies", "lru", "--no-progress",
                      "--out-dir", str(tmp_path / "p")]) == 0
     assert set(json.loads((tmp_path / "p" / "rag.json").read_text())["modes"]) == {"prefix"}
+
+
+def test_rag_defines_its_levels_and_models_the_real_kv_size(tmp_path, capsys):
+    """The main job says what each level means, and its useful level counts the real KV size's transfer:
+    over a slow modelled link no load beats recompute, so useful drops below loaded."""
+    from kvfabric.bench.rag import main as rag_main
+    from kvfabric.bench.replay import LLAMA31_8B_BYTES_PER_TOKEN, ReplayOptions
+
+    opt = ReplayOptions(kv_bytes_per_token=LLAMA31_8B_BYTES_PER_TOKEN, link_gbps=25.0)
+    extra = 256 * (LLAMA31_8B_BYTES_PER_TOKEN - opt.bytes_per_token) * 8 / 25e9
+    assert abs(opt.load_seconds(0.001, 256) - (0.001 + extra)) < 1e-12
+    assert ReplayOptions().load_seconds(0.001, 256) == 0.001  # bench replay models nothing by default
+
+    rc = rag_main(["--requests", "200", "--capacity", "0.5", "--capacities", "0.5", "--policies", "lru",
+                   "--link-gbps", "0.001", "--no-progress", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    lines = [ln.strip() for ln in out.splitlines()]
+    for level in ("exists =", "loaded =", "useful ="):
+        assert any(ln.startswith(level) for ln in lines), level
+    assert any("131072 B/token" in ln and "Llama-3-8B" in ln for ln in lines)
+    (rep,) = json.loads((tmp_path / "rag.json").read_text())["replays"]
+    (run,) = rep["runs"]
+    assert rep["kv_bytes_per_token"] == LLAMA31_8B_BYTES_PER_TOKEN
+    assert run["levels"]["loaded"]["hit_blocks"] > 0
+    assert run["levels"]["useful"]["hit_blocks"] == 0

@@ -46,8 +46,11 @@ def test_rate_rows_are_differences_over_time():
     before = {"a:1": {"bytes_in": 0, "bytes_out": 1_000_000_000, "hits": 10, "objects": 1}}
     after = {"a:1": {"bytes_in": 2_000_000_000, "bytes_out": 3_000_000_000, "hits": 30, "objects": 2},
              "b:2": {"error": "down"}}
+    before["a:1"]["lat_get_us_buckets"] = [0] * 25
+    after["a:1"]["lat_get_us_buckets"] = [0] * 10 + [99, 1] + [0] * 13  # 99 GETs < 1.024 ms, one < 2.048 ms
     rows = {r[0]: r for r in rate_rows(before, after, 2.0)}
     assert rows["a:1"][4:7] == ("1.000", "1.000", "10")
+    assert rows["a:1"][9] == "<1.024"  # p99: the bucket of the 99th of 100 GETs
     assert "unreachable" in rows["b:2"][1]
 
 

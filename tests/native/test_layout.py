@@ -34,6 +34,7 @@ def test_constants_match():
     assert c["put_status"] == {s.name: int(s) for s in p.PutStatus}
     assert c["limits"] == p.DEFAULT_LIMITS.to_meta()
     assert c["shm_ops"] == {op.name: int(op) for op in p.ShmOp}
+    assert c["max_lease_ms"] == p.MAX_LEASE_MS
 
 
 @pytest.mark.parametrize(

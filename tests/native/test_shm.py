@@ -38,7 +38,7 @@ def test_get_put_round_trip_with_parts_split_anyhow(server):
     assert rep.checksums[:3] == [p.checksum(k, v) for k, v in zip(keys, vals)]
     t = tcp.connect(server.address, timeout_s=5)  # the same objects over the wire
     assert t.request(p.GetRequest([b"c"])).payload == vals[2]
-    assert server.stats()["shm"] == 1
+    assert server.stats()["transports_in_use"]["shm"] == 1
     # RELEASE is not awaited and a zero-copy send pins until its notification: both settle
     assert wait_for(lambda: server.stats()["pinned"] == 0)
     c.close()

@@ -48,7 +48,7 @@ from typing import Any
 
 from ...protocol import PutStatus, checksum
 from ...server.eviction import EvictionPolicy, make_policy
-from ...server.main import DEFAULT_MAX_LEASE_MS
+from ...server.config import DEFAULT_MAX_LEASE_MS
 from .arena import Arena, pages_for
 
 

@@ -48,6 +48,21 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log) -> None:
     raise AssertionError("api_server did not become healthy")
 
 
+def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """vLLM's /metrics read with prometheus_client's parser: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _total(samples: dict[tuple[str, frozenset], float], name: str) -> float:
+    """Sum of one sample name over its label sets (one engine here); 0 when absent."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
 def test_openai_completions_hit_the_pool(tiny_model, cold):
     prompt = PROMPTS["openai"]
     with start_pool(1, capacity="64MiB") as pool, tempfile.TemporaryFile("w+") as log:
@@ -73,6 +88,14 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
             second = _post(url + "/v1/completions", body)    # no local prefix cache: loads from the pool
             with Client(pool.addresses) as c:
                 after = c.stats()["servers"][pool.addresses[0]]
+            # vLLM's own /metrics carries the connector's counters (KV-connector stats -> Prometheus);
+            # vLLM records a step's stats after the step, so wait for the load to show up
+            deadline = time.monotonic() + 60
+            while True:
+                metrics = _scrape(url)
+                if _total(metrics, "vllm:kvfabric_load_tokens_total") > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
         finally:
             stop_process_group(proc)
     assert first["choices"][0]["token_ids"] == cold["openai"]
@@ -81,3 +104,14 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
     assert after["hits"] - before["hits"] >= LOADABLE // CHUNK        # hits visible in the pool's stats
     details = second["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens", 0) >= LOADABLE
+    # pool hits (exists, loaded), bytes and load / save latency in vLLM's own /metrics
+    assert _total(metrics, "vllm:kvfabric_lookup_hit_tokens_total") >= LOADABLE
+    assert _total(metrics, "vllm:kvfabric_load_tokens_total") >= LOADABLE
+    assert _total(metrics, "vllm:kvfabric_load_chunks_total") >= LOADABLE // CHUNK
+    assert _total(metrics, "vllm:kvfabric_load_bytes_total") > 0
+    assert _total(metrics, "vllm:kvfabric_save_chunks_total") >= len(prompt) // CHUNK
+    assert _total(metrics, "vllm:kvfabric_save_bytes_total") > 0
+    assert _total(metrics, "vllm:kvfabric_load_seconds_count") >= 1
+    assert _total(metrics, "vllm:kvfabric_save_seconds_count") >= 1
+    assert _total(metrics, "vllm:kvfabric_load_seconds_sum") > 0
+    assert _total(metrics, "vllm:kvfabric_load_errors_total") == 0
