@@ -14,6 +14,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -149,3 +152,21 @@ def cold(run_engine, tiny_model) -> dict[str, list[int]]:
     if cache:
         Path(cache).write_text(json.dumps({"key": key, "cold": out}))
     return out
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = ENGINE_TIMEOUT_S) -> None:
+    """Wait until the OpenAI server ``proc`` at ``url`` answers /health (its log, an open file,
+    is shown if it exits first); generous for a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise AssertionError(f"{url} exited {proc.returncode}:\n{log.read()[-6000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"{url} did not become healthy")

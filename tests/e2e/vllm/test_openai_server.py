@@ -15,7 +15,7 @@ import urllib.request
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool, stop_process_group
 
-from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS
+from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS, wait_healthy
 
 START_TIMEOUT_S = 300
 
@@ -32,20 +32,6 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise AssertionError(f"api_server exited {proc.returncode}:\n{log.read()[-6000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise AssertionError("api_server did not become healthy")
 
 
 def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -79,7 +65,7 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(proc, url, log)
+            wait_healthy(proc, url, log, START_TIMEOUT_S)
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
                     "ignore_eos": True, "return_token_ids": True}
             first = _post(url + "/v1/completions", body)     # prefills and saves

@@ -31,7 +31,7 @@ from kvfabric_vllm.metrics import Counters
 from kvfabric_vllm.layout import chunk_major_layer_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import LAYERS, PROMPTS
+from conftest import LAYERS, PROMPTS, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
@@ -114,20 +114,6 @@ def _start_vllm(model: str, role: str, servers: list[str], log) -> tuple[subproc
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise AssertionError(f"{url} exited {proc.returncode}:\n{log.read()[-6000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"{url} did not become healthy")
 
 
 def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
@@ -159,8 +145,8 @@ def test_pd_proxy_decodes_from_the_pool_and_recomputes_when_it_dies(tiny_model, 
             procs.append(prod)
             cons, curl = _start_vllm(tiny_model, "kv_consumer", pool.addresses, dlog)
             procs.append(cons)
-            _wait_healthy(prod, purl, plog)
-            _wait_healthy(cons, curl, dlog)
+            wait_healthy(prod, purl, plog, START_TIMEOUT_S)
+            wait_healthy(cons, curl, dlog, START_TIMEOUT_S)
             proxy, url = _start_proxy(purl, curl)
             procs.append(proxy)
 
