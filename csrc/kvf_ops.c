@@ -274,7 +274,8 @@ static void op_keys(struct conn *c, struct meta m, int op)
     int e = parse_keys(c, m, &c->b, &n);
     if (e) { reject(c, e, keys_error(e)); return; }
     uint64_t lease_ms = 0;
-    if (op == KVF_OP_LOOKUP && (parse_uint(m, "lease_ms", &lease_ms, 0) || lease_ms > 3600000)) {
+    if (op == KVF_OP_LOOKUP && (parse_uint(m, "lease_ms", &lease_ms, 0) || lease_ms > KVF_MAX_LEASE_MS)) {
+        _Static_assert(KVF_MAX_LEASE_MS == 3600000u, "the message below names the protocol's lease cap");
         reject(c, KVF_E_MALFORMED, "lease_ms must be in 0..3600000");
         return;
     }
