@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..client import Client, _View
+    from .._routing import _View
+    from ..client import Client
 
 log = logging.getLogger("kvfabric.client")
 
