@@ -9,6 +9,7 @@
 # to pytest. Runtime once the virtualenv exists: under a minute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/progress.sh
 PY=${PYTHON:-python3}
 VENV=.venvs/lmcache
 TORCH_PIN=torch==2.13.0
@@ -26,8 +27,8 @@ PYEOF
 if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   echo "ci-lmcache: building $VENV ($TORCH_PIN, $LMCACHE_PIN)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
-  "$VENV/bin/python" -m pip install -q "$LMCACHE_PIN" "$TORCH_PIN"
+  with_progress "ci-lmcache: pip install $TORCH_PIN" "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
+  with_progress "ci-lmcache: pip install $LMCACHE_PIN" "$VENV/bin/python" -m pip install -q "$LMCACHE_PIN" "$TORCH_PIN"
   "$VENV/bin/python" -m pip install -q pytest pytest-timeout
   have_engine || { echo "ci-lmcache: $VENV does not hold $LMCACHE_PIN + $TORCH_PIN"; exit 1; }
 fi

