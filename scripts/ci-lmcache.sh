@@ -40,4 +40,4 @@ if ! "$VENV/bin/python" -c "import os, importlib.util as u; r=os.path.realpath('
   "$VENV/bin/python" -m pip install -q xxhash msgpack numpy
 fi
 
-exec timeout 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/lmcache "$@"
+exec timeout 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e/lmcache "$@"

@@ -46,7 +46,7 @@ LIBASAN=$(gcc -print-file-name=libasan.so)
 export LD_PRELOAD=$LIBASAN ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 PYTHONPATH=$WORK/src
 "$PY" -c "import kvfabric._native as n, sys; assert n.__file__.startswith('$WORK/src'), n.__file__"
 run_step "tests/native (ASan)" "$PY" -m pytest -q -p no:cacheprovider tests/native
-run_step "conformance pairs (ASan)" "$PY" -m pytest -q -p no:cacheprovider tests/integration \
+run_step "conformance pairs (ASan)" "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/integration \
   -k "reference-native or native-tcp or native-native or native-shm"
 run_step "SSD tier (ASan)" "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_ssd_tier.py
 if [ ${#failed[@]} -gt 0 ]; then

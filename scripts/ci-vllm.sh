@@ -46,4 +46,4 @@ if ! "$VENV/bin/python" -c "import os, importlib.util as u; r=os.path.realpath('
 fi
 
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # tests opt into the multi-process mode explicitly
-exec timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/vllm "$@"
+exec timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e/vllm "$@"
