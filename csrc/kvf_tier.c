@@ -531,14 +531,7 @@ void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8
     t->ents[i].csum = csum;
     t->ents[i].loc = (uint64_t)(uintptr_t)j;
     pthread_mutex_unlock(&t->mu);
-    j->op = KVF_JOB_SSD_WRITE;
-    j->klen = (uint8_t)klen;
-    memcpy(j->key, key, klen);
-    j->size = size;
-    j->csum = csum;
-    j->buf = buf;
-    j->buf_cap = rec;
-    kvf_tier_post(t, j);
+    kvf_tier_post_write(t, j, KVF_JOB_SSD_WRITE, key, klen, size, csum, buf, rec);
 }
 
 /* ---------------------------------------------------------------- stats */

@@ -135,6 +135,9 @@ uint64_t kvf_tier_now_ns(void);
 uint8_t *kvf_tier_buf_get(struct kvf_tier *t, uint64_t cap);
 /* Give a staging buffer back: cached while queue + cache stay within write_queue, else freed. */
 void kvf_tier_buf_put(struct kvf_tier *t, uint8_t *b, uint64_t cap);
+/* Fill j as a write of key's staged record (buf: header block + value, rec bytes) and post it. No return. */
+void kvf_tier_post_write(struct kvf_tier *t, struct kvf_tier_job *j, int op, const uint8_t *key, uint32_t klen,
+                         uint64_t size, uint64_t csum, uint8_t *buf, uint64_t rec);
 void kvf_tier_buf_drain(struct kvf_tier *t);
 
 #endif

@@ -207,7 +207,13 @@ void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, 
         return;
     }
     memcpy(buf + KVF_TIER_BLOCK, val, size);
-    j->op = KVF_JOB_SHARED_WRITE;
+    kvf_tier_post_write(t, j, KVF_JOB_SHARED_WRITE, key, klen, size, csum, buf, rec);
+}
+
+void kvf_tier_post_write(struct kvf_tier *t, struct kvf_tier_job *j, int op, const uint8_t *key, uint32_t klen,
+                         uint64_t size, uint64_t csum, uint8_t *buf, uint64_t rec)
+{
+    j->op = (uint8_t)op;
     j->klen = (uint8_t)klen;
     memcpy(j->key, key, klen);
     j->size = size;
