@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -170,3 +171,16 @@ def wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = ENGIN
             pass
         time.sleep(1.0)
     raise AssertionError(f"{url} did not become healthy")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_json(url: str, body: dict, timeout_s: float) -> dict:
+    """POST ``body`` as JSON to an OpenAI server and return its JSON answer."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())

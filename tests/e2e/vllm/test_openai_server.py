@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,22 +14,13 @@ import urllib.request
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool, stop_process_group
 
-from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS, wait_healthy
+from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS, wait_healthy, free_port, post_json
 
 START_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
+    return post_json(url, body, 120)
 
 
 
@@ -52,7 +42,7 @@ def _total(samples: dict[tuple[str, frozenset], float], name: str) -> float:
 def test_openai_completions_hit_the_pool(tiny_model, cold):
     prompt = PROMPTS["openai"]
     with start_pool(1, capacity="64MiB") as pool, tempfile.TemporaryFile("w+") as log:
-        port = _free_port()
+        port = free_port()
         flag = {"kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric_vllm.connector",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"servers": pool.addresses, "chunk_tokens": CHUNK}}

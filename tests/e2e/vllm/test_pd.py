@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from kvfabric_vllm.metrics import Counters
 from kvfabric_vllm.layout import chunk_major_layer_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import LAYERS, PROMPTS, wait_healthy
+from conftest import LAYERS, PROMPTS, wait_healthy, free_port, post_json
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
@@ -81,16 +80,8 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
 
 # ---------------------------------------------------------------------------- e2e
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-        return json.loads(r.read())
+    return post_json(url, body, REQUEST_TIMEOUT_S)
 
 
 def _get(url: str) -> dict:
@@ -99,7 +90,7 @@ def _get(url: str) -> dict:
 
 
 def _start_vllm(model: str, role: str, servers: list[str], log) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     flag = {"kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": role,
             "kv_connector_extra_config": {"servers": servers, "chunk_tokens": VLLM_BLOCK,
