@@ -2,14 +2,18 @@
 # LMCache plugin tests on real LMCache 0.5.6, from a fresh clone; scripts/test-all calls this.
 #
 # Idempotent: creates .venvs/lmcache on first use (CPU torch pinned first: an
-# unpinned torch would pull a multi-GB CUDA build, then lmcache==0.5.6), installs
-# this checkout of kvfabric into it (editable) unless it is already there, and
+# unpinned torch would pull a multi-GB CUDA build, then lmcache==0.5.6), puts
+# this checkout of kvfabric on its path (scripts/engine-venv.sh), and
 # runs tests/e2e/lmcache (real `kvfabric serve` processes on loopback, real
 # LMCache engines with a CPU stand-in for the GPU connector). Extra arguments go
 # to pytest. Runtime once the virtualenv exists: under a minute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/progress.sh
+. scripts/engine-venv.sh
+# --venv-only: build the virtualenv and stop (scripts/test-all runs that in the background)
+VENV_ONLY=0
+if [ "${1:-}" = "--venv-only" ]; then VENV_ONLY=1; shift; fi
 PY=${PYTHON:-python3}
 VENV=.venvs/lmcache
 TORCH_PIN=torch==2.13.0
@@ -33,11 +37,11 @@ if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   have_engine || { echo "ci-lmcache: $VENV does not hold $LMCACHE_PIN + $TORCH_PIN"; exit 1; }
 fi
 
-# kvfabric from this checkout (editable), unless the venv already points here.
-if ! "$VENV/bin/python" -c "import os, importlib.util as u; r=os.path.realpath('.') + os.sep; assert all(os.path.realpath(u.find_spec(m).origin).startswith(r) for m in ('kvfabric', 'kvfabric_lmcache'))" 2>/dev/null; then
-  echo "ci-lmcache: installing kvfabric (editable) into $VENV"
-  "$VENV/bin/python" -m pip install -q --no-deps -e .
-  "$VENV/bin/python" -m pip install -q xxhash msgpack numpy
-fi
+# kvfabric from this checkout: a .pth file puts the checkout and connectors/ on the
+# venv's path, with kvfabric's own dependencies (no second build: the native extension
+# is the one the dev venv built in place, same interpreter).
+checkout_on_path "$VENV" || exit 1
+[ "$VENV_ONLY" = 1 ] && { echo "ci-lmcache: $VENV ready"; exit 0; }
+native_built "$VENV" || exit 1
 
 exec timeout 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e/lmcache "$@"

