@@ -14,7 +14,9 @@ it:
 - :data:`CLIENT`: ``Client.stats()["client"]`` (``kvfabric/_shard.py``);
 - :data:`VLLM`: the vLLM connector's counters (``connectors/kvfabric_vllm/metrics.py``),
   exported through vLLM's own ``/metrics`` as ``kvfabric_vllm_<name>``;
-- :data:`LMCACHE`: the LMCache connector's counters (``connectors/kvfabric_lmcache/connector.py``).
+- :data:`LMCACHE`: the LMCache connector's counters (``connectors/kvfabric_lmcache/connector.py``),
+  exported into the process's default ``prometheus_client`` registry (the one LMCache's metrics
+  use) as ``kvfabric_lmcache_<name>`` (``connectors/kvfabric_lmcache/stats.py``).
 
 Counters are monotonic since the producer started and get Prometheus's
 ``_total`` suffix; gauges are levels now. Names here are without the

@@ -55,6 +55,7 @@ from . import value
 from .config import PluginSettings
 from .keymap import KeyMapper
 from .scratch import ScratchPool
+from .stats import track as track_counters
 
 log = logging.getLogger("kvfabric.lmcache")
 
@@ -62,6 +63,16 @@ T = TypeVar("T")
 
 #: names and meanings: kvfabric/metrics.py LMCACHE
 _COUNTERS = names(LMCACHE)
+
+
+def _reader(lock: threading.Lock, counts: dict[str, int]) -> Callable[[], dict[str, int]]:
+    """A snapshot function over one connector's counters that does not hold the connector."""
+
+    def read() -> dict[str, int]:
+        with lock:
+            return dict(counts)
+
+    return read
 
 
 def _release_result(fut: "asyncio.Future[list[Optional[MemoryObj]]]") -> None:
@@ -99,6 +110,7 @@ class KVFabricConnector(RemoteConnector):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        track_counters(_reader(self._lock, self._counts))  # into the process's Prometheus registry
 
     # ------------------------------------------------------------------ plumbing
 
