@@ -52,6 +52,8 @@ BUSY_TOKENS = 700
 BUSY_LOADABLE = (BUSY_TOKENS - 1) // CHUNK * CHUNK
 for _seed, _name in enumerate(["busy_a", "busy_b", "busy_c", "busy_d"], start=19):
     PROMPTS[_name] = random_prompt(BUSY_TOKENS, seed=_seed)
+# PD (test_pd.py): one prompt streamed through the PD proxy
+PROMPTS["pd_stream"] = random_prompt(PROMPT_TOKENS, seed=23)
 ENGINE_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 
@@ -184,3 +186,18 @@ def post_json(url: str, body: dict, timeout_s: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
+
+
+def scrape_metrics(url: str) -> dict[tuple[str, frozenset], float]:
+    """An OpenAI server's /metrics read with prometheus_client's parser: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric_total(samples: dict[tuple[str, frozenset], float], name: str) -> float:
+    """Sum of one sample name over its label sets; 0 when absent."""
+    return sum(v for (n, _), v in samples.items() if n == name)

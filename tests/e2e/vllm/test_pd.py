@@ -2,41 +2,70 @@
 
 The worker test runs without an engine on a real server: a producer's held
 request is reported (vLLM's ``finished_sending``) only once its put was
-acknowledged. The e2e test runs two real OpenAI servers (``kv_producer``,
-``kv_consumer``), ``examples/pd/proxy.py`` and a real ``kvfabric serve``.
+acknowledged. The e2e tests share one deployment (module fixture ``pd``): a
+real ``kvfabric serve``, two real OpenAI servers (``kv_producer``,
+``kv_consumer``) started by the example's own ``start_vllm``
+(``examples/pd/run.py``) and ``examples/pd/proxy.py``. They run in file
+order; the last one kills the pool.
+
+1. two prompts at once through the proxy: identical to a single instance,
+   the consumer loaded all but the last partial block, and its counters in
+   vLLM's ``/metrics`` say so (no PD wait ran out); the producer released
+   every request it held;
+2. a streamed request through the proxy: token-identical, loaded;
+3. ``examples/pd/run.py`` itself, as a subprocess, pointed at the running
+   instances (no engine of its own): what it prints;
+4. the pool killed after the producer's prefills: the consumer recomputes
+   (after its bounded wait), identical outputs, never a hang.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import pytest
 import torch
 
 from kvfabric import Client, KeyHasher
-from kvfabric.testing.servers import start_pool, stop_process_group
+from kvfabric.testing.servers import ServerPool, start_pool, stop_process_group
 from kvfabric_vllm.config import parse_extra_config
 from kvfabric_vllm.meta import SaveSpec
 from kvfabric_vllm.metrics import Counters
 from kvfabric_vllm.layout import chunk_major_layer_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import LAYERS, PROMPTS, wait_healthy, free_port, post_json
+from conftest import LAYERS, PROMPTS, metric_total, scrape_metrics, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 300      # generous: "never hangs" means it answers well within this
+EXAMPLE_TIMEOUT_S = 900      # the example's four requests on a loaded machine
 VLLM_BLOCK = 128             # vLLM's CPU block size; PD chunks are one block
 PD_WAIT_MS = 3000
+METRICS_WAIT_S = 120         # vLLM records a step's connector stats after the step
+
+
+def _load_example():
+    """``examples/pd/run.py`` as a module: the tests start their engines with its ``start_vllm``."""
+    spec = importlib.util.spec_from_file_location("kvfabric_pd_example_run", ROOT / "examples" / "pd" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pd_example = _load_example()
 
 
 # ---------------------------------------------------------------------------- worker, no engine
@@ -80,8 +109,26 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
 
 # ---------------------------------------------------------------------------- e2e
 
-def _post(url: str, body: dict) -> dict:
-    return post_json(url, body, REQUEST_TIMEOUT_S)
+
+@dataclass
+class PD:
+    model: str
+    pool: ServerPool
+    prefill: str            # base URLs
+    decode: str
+    proxy: str
+    consumer_log: Path
+
+    def complete(self, name: str, **extra) -> tuple[list[int], int]:
+        """PROMPTS[name] through the proxy (streamed with ``stream=True``): (generated ids, cached tokens)."""
+        body = {"model": self.model, "prompt": PROMPTS[name], "max_tokens": 12, "temperature": 0.0,
+                "ignore_eos": True, **extra}
+        tokens, prompt, cached = pd_example.complete(self.proxy, body)
+        assert prompt == len(PROMPTS[name])
+        return tokens, cached
+
+    def proxy_counts(self) -> dict:
+        return _get(self.proxy + "/stats")
 
 
 def _get(url: str) -> dict:
@@ -89,91 +136,137 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _start_vllm(model: str, role: str, servers: list[str], log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    flag = {"kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric_vllm.connector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": VLLM_BLOCK,
-                                          "pd_wait_ms": PD_WAIT_MS}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-           "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(256 << 20),
-           "--max-model-len", "4096", "--max-num-batched-tokens", "1024", "--seed", "0",
-           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(flag)]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+def _loadable(name: str) -> int:
+    """Tokens a consumer loads: every whole block but the one holding the last prompt token."""
+    return (len(PROMPTS[name]) - 1) // VLLM_BLOCK * VLLM_BLOCK
 
 
+def _metrics_when(url: str, ready: Callable[[Callable[[str], float]], bool]) -> Callable[[str], float]:
+    """vLLM's /metrics at ``url`` once ``ready(total)`` holds (or after METRICS_WAIT_S: the caller's
+    assertions then say what is missing); ``total("load_tokens")`` sums ``vllm:kvfabric_load_tokens_total``."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        samples = scrape_metrics(url)
+
+        def total(name: str, samples=samples) -> float:
+            return metric_total(samples, f"vllm:kvfabric_{name}_total")
+
+        if ready(total) or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
 
 
-def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, str(ROOT / "examples" / "pd" / "proxy.py"), "--port", "0",
-           "--prefill", prefill, "--decode", decode]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    line = proc.stdout.readline()           # "PD proxy listening on host:port"
-    assert line.startswith("PD proxy listening on "), line
-    return proc, "http://" + line.split()[-1]
-
-
-def _complete(url: str, model: str, prompt: list[int]) -> dict:
-    return _post(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 12,
-                                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
-
-
-def _cached(res: dict) -> int:
-    return (res["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def test_pd_proxy_decodes_from_the_pool_and_recomputes_when_it_dies(tiny_model, cold):
-    names = ["single", "openai"]                 # 1500-token prompts, run at once through the proxy
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
     procs: list[subprocess.Popen] = []
-    with start_pool(1, capacity="64MiB") as pool, tempfile.TemporaryFile("w+") as plog, \
-            tempfile.TemporaryFile("w+") as dlog:
+    with start_pool(1, capacity="64MiB") as pool:
         try:
-            prod, purl = _start_vllm(tiny_model, "kv_producer", pool.addresses, plog)
-            procs.append(prod)
-            cons, curl = _start_vllm(tiny_model, "kv_consumer", pool.addresses, dlog)
-            procs.append(cons)
-            wait_healthy(prod, purl, plog, START_TIMEOUT_S)
-            wait_healthy(cons, curl, dlog, START_TIMEOUT_S)
-            proxy, url = _start_proxy(purl, curl)
+            engines = {}
+            for role in ("kv_producer", "kv_consumer"):
+                log = open(tmp / f"{role}.log", "a+")    # O_APPEND: the test reads it while vLLM writes
+                proc, url = pd_example.start_vllm(
+                    tiny_model, role, pool.addresses, log, extra_config={"pd_wait_ms": PD_WAIT_MS},
+                    extra_args=["--max-num-batched-tokens", "1024", "--seed", "0"])
+                procs.append(proc)
+                engines[role] = (proc, url, log)
+            for proc, url, log in engines.values():
+                wait_healthy(proc, url, log, START_TIMEOUT_S)
+            purl, curl = engines["kv_producer"][1], engines["kv_consumer"][1]
+            proxy, url = pd_example.start_proxy(purl, curl)
             procs.append(proxy)
-
-            with ThreadPoolExecutor(2) as ex:
-                results = dict(zip(names, ex.map(lambda n: _complete(url, tiny_model, PROMPTS[n]), names)))
-            with Client(pool.addresses) as c:
-                stats = c.stats()["servers"][pool.addresses[0]]
-            proxy_counts = _get(url + "/stats")
-
-            # the pool dies mid-run: the consumer recomputes (after its bounded wait), never hangs
-            pool[0].kill()
-            down = _complete(url, tiny_model, PROMPTS["down"])
-            after = _complete(url, tiny_model, PROMPTS["single"])
+            yield PD(tiny_model, pool, purl, curl, url, tmp / "kv_consumer.log")
         finally:
             for p in reversed(procs):
                 stop_process_group(p)
-        dlog.seek(0)
-        consumer_log = dlog.read()
+            for _, _, log in engines.values():
+                log.close()
+
+
+def test_pd_proxy_decodes_from_the_pool(pd, cold):
+    names = ["single", "openai"]                 # 1500-token prompts, run at once through the proxy
+    with ThreadPoolExecutor(2) as ex:
+        results = dict(zip(names, ex.map(pd.complete, names)))
+    with Client(pd.pool.addresses) as c:
+        stats = c.stats()["servers"][pd.pool.addresses[0]]
+    loaded = sum(_loadable(n) for n in names)
+    consumer = _metrics_when(pd.decode, lambda t: t("load_tokens") >= loaded)
+    producer = _metrics_when(pd.prefill, lambda t: t("held_requests") >= len(names)
+                             and t("held_released") >= t("held_requests"))
 
     for n in names:
-        res = results[n]
-        assert res["choices"][0]["token_ids"] == cold[n], n          # identical to a single instance
-        prompt = len(PROMPTS[n])
+        tokens, cached = results[n]
+        assert tokens == cold[n], n                                  # identical to a single instance
         # the consumer computed at most one partial block: everything before it came from the pool
-        assert prompt - _cached(res) <= VLLM_BLOCK, (n, _cached(res))
-        assert _cached(res) == (prompt - 1) // VLLM_BLOCK * VLLM_BLOCK
+        assert cached == _loadable(n) and len(PROMPTS[n]) - cached <= VLLM_BLOCK, (n, cached)
     # every request went to the consumer with the producer's kv_transfer_params
-    assert proxy_counts == {"requests": 2, "prefill_failures": 0, "with_params": 2}
+    assert pd.proxy_counts() == {"requests": 2, "prefill_failures": 0, "with_params": 2}
     whole = sum(len(PROMPTS[n]) // VLLM_BLOCK for n in names)
     assert stats["objects"] == whole * LAYERS            # the producer saved every whole block (per layer)
-    assert stats["hits"] >= sum((len(PROMPTS[n]) - 1) // VLLM_BLOCK for n in names)
-    assert "kvfabric connector (SCHEDULER)" in consumer_log
+    assert stats["hits"] >= sum(_loadable(n) // VLLM_BLOCK for n in names)
+    assert "kvfabric connector (SCHEDULER)" in pd.consumer_log.read_text()
 
-    assert down["choices"][0]["token_ids"] == cold["down"]
-    assert _cached(down) == 0                            # recomputed: nothing could be loaded
-    # ... after waiting (bounded, pd_wait_ms) for the chunks the producer reported: warned once
-    assert "chunks the producer reported after" in consumer_log
-    assert after["choices"][0]["token_ids"] == cold["single"]
-    assert _cached(after) == 0
+    # the consumer's own counters (vLLM's /metrics): it loaded exactly those tokens from the pool,
+    # found them (waiting for the producer's puts if it had to), and no wait ran out
+    assert consumer("load_tokens") == loaded
+    assert consumer("lookup_hit_tokens") == loaded
+    assert consumer("load_chunks") == loaded // VLLM_BLOCK
+    assert consumer("pd_wait_timeouts") == 0, consumer("pd_waits")
+    assert consumer("load_errors") == consumer("load_failed_chunks") == 0
+    assert consumer("save_chunks") == 0                  # a consumer never saves
+    # the producer saved every whole block and held each request until its puts were acknowledged
+    assert producer("save_chunks") == whole
+    assert producer("held_requests") == producer("held_released") == len(names)
+    assert producer("load_tokens") == producer("pd_waits") == 0
+
+
+def test_pd_streamed_request_through_the_proxy(pd, cold):
+    before = pd.proxy_counts()
+    tokens, cached = pd.complete("pd_stream", stream=True)
+    after = pd.proxy_counts()
+    assert tokens == cold["pd_stream"]                   # streamed == a single instance, not streamed
+    assert cached == _loadable("pd_stream")              # ... decoded from the producer's KV in the pool
+    assert after["prefill_failures"] == before["prefill_failures"]
+    assert after["with_params"] == before["with_params"] + 1
+
+
+def test_pd_example_runs_against_the_engines(pd):
+    """``examples/pd/run.py`` as a user runs it against a deployment (no engine of its own)."""
+    cmd = [sys.executable, str(ROOT / "examples" / "pd" / "run.py"), "--prefill", pd.prefill,
+           "--decode", pd.decode, "--servers", ",".join(pd.pool.addresses)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S)
+    out = res.stdout
+    print(out)                                           # shown with -rP and on failure
+    assert res.returncode == 0, out + res.stderr[-4000:]
+    requests = re.findall(r"request '.*?'( \(streamed\))?: prompt (\d+) tokens, decode instance loaded (\d+) "
+                          r"from the pool and computed (\d+); .*; same tokens as one instance alone: (\w+)", out)
+    assert len(requests) == 2, out
+    assert [r[0] for r in requests] == ["", " (streamed)"], out
+    for _, prompt, loaded, computed, same in requests:
+        prompt, loaded = int(prompt), int(loaded)
+        assert same == "yes", out
+        assert loaded == (prompt - 1) // VLLM_BLOCK * VLLM_BLOCK and int(computed) == prompt - loaded, out
+    pool_line = re.search(rf"pool server {re.escape(pd.pool.addresses[0])}: (\d+) chunks stored, (\d+) chunk hits",
+                          out)
+    assert pool_line and int(pool_line[1]) > 0 and int(pool_line[2]) > 0, out
+    proxy_line = re.search(r"^proxy: (.*)$", out, re.M)
+    assert proxy_line and json.loads(proxy_line[1]) == {"requests": 2, "prefill_failures": 0, "with_params": 2}, out
+
+
+def test_pd_consumer_recomputes_when_the_pool_dies(pd, cold):
+    """The pool dies after the producer's prefills: the consumer waits at most pd_wait_ms for the
+    chunks the producer reported, then recomputes: identical outputs, never a hang."""
+    timeouts = _metrics_when(pd.decode, lambda t: True)("pd_wait_timeouts")
+    pd.pool[0].kill()
+    down = pd.complete("down")
+    after = pd.complete("single")
+    consumer = _metrics_when(pd.decode, lambda t: t("pd_wait_timeouts") >= timeouts + 2)
+    producer = _metrics_when(pd.prefill, lambda t: t("held_released") >= t("held_requests"))
+
+    assert down == (cold["down"], 0)                     # recomputed: nothing could be loaded
+    assert after == (cold["single"], 0)
+    # ... after waiting (bounded, pd_wait_ms) for the chunks the producer reported: warned once, counted
+    assert "chunks the producer reported after" in pd.consumer_log.read_text()
+    assert consumer("pd_wait_timeouts") == timeouts + 2
+    # the producer's saves to the dead pool failed, and that too ended its holds (blocks freed)
+    assert producer("held_released") == producer("held_requests")
