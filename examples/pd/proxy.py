@@ -9,9 +9,9 @@ Like vLLM's disaggregated-serving example proxies (``disagg_proxy_demo.py``,
 Each ``POST /v1/completions`` or ``/v1/chat/completions``:
 
 1. goes to a prefill instance (``kv_role: kv_producer``, round robin) with
-   ``max_tokens=1`` and no streaming: it prefills the prompt, saves the KV to
-   the pool, and answers with ``kv_transfer_params`` naming the chunks it
-   saved (``{"kvfabric": {"chunks": N, ...}}``);
+   ``max_tokens=1``, no ``min_tokens`` and no streaming: it prefills the
+   prompt, saves the KV to the pool, and answers with ``kv_transfer_params``
+   naming the chunks it saved (``{"kvfabric": {"chunks": N, ...}}``);
 2. then goes, unchanged except for those ``kv_transfer_params``, to a decode
    instance (``kv_role: kv_consumer``, round robin), which loads the prompt's
    KV from the pool (waiting up to its ``pd_wait_ms`` for chunks whose puts
@@ -116,6 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         n = int(self.headers.get("Content-Length") or 0)
         if n > MAX_BODY_BYTES:
+            self.close_connection = True        # the unread body must not be parsed as the next request
             self._reply(413, b'{"error": "request body too large"}')
             return
         try:
@@ -148,6 +149,9 @@ class _Handler(BaseHTTPRequestHandler):
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
+        # vLLM refuses min_tokens > max_tokens (400): the client's min_tokens would turn
+        # every such request into a prefill failure and a full recompute on the decode side
+        pbody.pop("min_tokens", None)
         try:
             with _post(base + self.path, pbody, headers, self.server.timeout_s) as r:
                 return json.loads(r.read()).get("kv_transfer_params")

@@ -12,7 +12,8 @@ order; the last one kills the pool.
    the consumer loaded all but the last partial block, and its counters in
    vLLM's ``/metrics`` say so (no PD wait ran out); the producer released
    every request it held;
-2. a streamed request through the proxy: token-identical, loaded;
+2. a streamed request (with ``min_tokens``, which the proxy must not send to
+   the prefill instance) through the proxy: token-identical, loaded;
 3. ``examples/pd/run.py`` itself, as a subprocess, pointed at the running
    instances (no engine of its own): what it prints;
 4. the pool killed after the producer's prefills: the consumer recomputes
@@ -220,9 +221,11 @@ def test_pd_proxy_decodes_from_the_pool(pd, cold):
     assert producer("load_tokens") == producer("pd_waits") == 0
 
 
-def test_pd_streamed_request_through_the_proxy(pd, cold):
+def test_pd_streamed_request_with_min_tokens_through_the_proxy(pd, cold):
     before = pd.proxy_counts()
-    tokens, cached = pd.complete("pd_stream", stream=True)
+    # min_tokens: the proxy must not pass it to the prefill request (max_tokens=1), which vLLM
+    # refuses (min_tokens > max_tokens): that was a prefill failure and a full recompute here
+    tokens, cached = pd.complete("pd_stream", stream=True, min_tokens=12)
     after = pd.proxy_counts()
     assert tokens == cold["pd_stream"]                   # streamed == a single instance, not streamed
     assert cached == _loadable("pd_stream")              # ... decoded from the producer's KV in the pool
