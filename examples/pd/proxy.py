@@ -105,8 +105,16 @@ class _Handler(BaseHTTPRequestHandler):
                 counts = dict(self.server.counts)
             self._reply(200, json.dumps(counts).encode())
         elif self.path == "/v1/models":
-            with urllib.request.urlopen(self.server.decode[0] + "/v1/models", timeout=self.server.timeout_s) as r:
-                self._reply(r.status, r.read())
+            base = self.server.decode[0]
+            try:
+                upstream = urllib.request.urlopen(base + "/v1/models", timeout=self.server.timeout_s)
+            except urllib.error.HTTPError as exc:
+                upstream = exc
+            except OSError as exc:              # down: an answer, not a dropped connection
+                self._reply(502, json.dumps({"error": f"decode instance {base}: {exc}"}).encode())
+                return
+            with upstream:
+                self._reply(upstream.status, upstream.read())
         else:
             self._reply(404, b'{"error": "not found"}')
 

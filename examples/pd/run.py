@@ -144,11 +144,11 @@ def start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
 def demo(prefill: str, decode: str, servers: list[str], model: str | None = None) -> int:
     """Send the example's requests through a PD proxy in front of ``prefill`` and ``decode`` and print what
     happened; 0 if every answer equals the prefill instance's own and the decode instance loaded from the pool."""
-    model = model or get_json(decode + "/v1/models")["data"][0]["id"]
     proxy, url = start_proxy(prefill, decode)
     ok = True
     try:
         print("PD proxy:", url, flush=True)
+        model = model or get_json(url + "/v1/models")["data"][0]["id"]     # the decode instance's
         rng = random.Random(0)
         words = "pool block cache key value token prefix shard server engine layer chunk".split()
         for i, question in enumerate(QUESTIONS):
@@ -170,7 +170,7 @@ def demo(prefill: str, decode: str, servers: list[str], model: str | None = None
         if servers:
             with Client(servers) as c:
                 for addr, s in c.stats()["servers"].items():
-                    print(f"pool server {addr}: {s['objects']} chunks stored, {s['hits']} chunk hits")
+                    print(f"pool server {addr}: {s['objects']} objects (one per chunk and layer), {s['hits']} hits")
         print("proxy:", json.dumps(get_json(url + "/stats")), flush=True)
     finally:
         stop_process_group(proxy)

@@ -17,7 +17,10 @@ order; the last one kills the pool.
 3. ``examples/pd/run.py`` itself, as a subprocess, pointed at the running
    instances (no engine of its own): what it prints;
 4. the pool killed after the producer's prefills: the consumer recomputes
-   (after its bounded wait), identical outputs, never a hang.
+   (after its bounded wait), identical outputs, never a hang;
+5. the prefill instance stopped: the proxy sends the request to the decode
+   instance alone (identical output); the decode instance stopped too: the
+   proxy answers 502 / 503 at once, no hang.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -119,6 +123,8 @@ class PD:
     decode: str
     proxy: str
     consumer_log: Path
+    prefill_proc: subprocess.Popen
+    decode_proc: subprocess.Popen
 
     def complete(self, name: str, **extra) -> tuple[list[int], int]:
         """PROMPTS[name] through the proxy (streamed with ``stream=True``): (generated ids, cached tokens)."""
@@ -176,10 +182,12 @@ def pd(tiny_model, tmp_path_factory):
             purl, curl = engines["kv_producer"][1], engines["kv_consumer"][1]
             proxy, url = pd_example.start_proxy(purl, curl)
             procs.append(proxy)
-            yield PD(tiny_model, pool, purl, curl, url, tmp / "kv_consumer.log")
+            yield PD(tiny_model, pool, purl, curl, url, tmp / "kv_consumer.log",
+                     engines["kv_producer"][0], engines["kv_consumer"][0])
         finally:
             for p in reversed(procs):
-                stop_process_group(p)
+                if p.poll() is None:                     # the last test stops the engines itself
+                    stop_process_group(p)
             for _, _, log in engines.values():
                 log.close()
 
@@ -202,6 +210,7 @@ def test_pd_proxy_decodes_from_the_pool(pd, cold):
         assert cached == _loadable(n) and len(PROMPTS[n]) - cached <= VLLM_BLOCK, (n, cached)
     # every request went to the consumer with the producer's kv_transfer_params
     assert pd.proxy_counts() == {"requests": 2, "prefill_failures": 0, "with_params": 2}
+    assert _get(pd.proxy + "/health") == {"unhealthy": []}
     whole = sum(len(PROMPTS[n]) // VLLM_BLOCK for n in names)
     assert stats["objects"] == whole * LAYERS            # the producer saved every whole block (per layer)
     assert stats["hits"] >= sum(_loadable(n) // VLLM_BLOCK for n in names)
@@ -249,8 +258,7 @@ def test_pd_example_runs_against_the_engines(pd):
         prompt, loaded = int(prompt), int(loaded)
         assert same == "yes", out
         assert loaded == (prompt - 1) // VLLM_BLOCK * VLLM_BLOCK and int(computed) == prompt - loaded, out
-    pool_line = re.search(rf"pool server {re.escape(pd.pool.addresses[0])}: (\d+) chunks stored, (\d+) chunk hits",
-                          out)
+    pool_line = re.search(rf"pool server {re.escape(pd.pool.addresses[0])}: (\d+) objects .*, (\d+) hits", out)
     assert pool_line and int(pool_line[1]) > 0 and int(pool_line[2]) > 0, out
     proxy_line = re.search(r"^proxy: (.*)$", out, re.M)
     assert proxy_line and json.loads(proxy_line[1]) == {"requests": 2, "prefill_failures": 0, "with_params": 2}, out
@@ -273,3 +281,24 @@ def test_pd_consumer_recomputes_when_the_pool_dies(pd, cold):
     assert consumer("pd_wait_timeouts") == timeouts + 2
     # the producer's saves to the dead pool failed, and that too ended its holds (blocks freed)
     assert producer("held_released") == producer("held_requests")
+
+
+def test_pd_proxy_when_the_instances_stop(pd, cold):
+    """The proxy's fall-backs: no prefill instance -> the decode instance computes the prompt; no
+    decode instance either -> an error answer at once (never a hang, never a dropped connection)."""
+    before = pd.proxy_counts()
+    stop_process_group(pd.prefill_proc)
+    alone = pd.complete("down")                           # (the pool is dead too: nothing to load)
+    after = pd.proxy_counts()
+    assert alone == (cold["down"], 0)
+    assert after["prefill_failures"] == before["prefill_failures"] + 1
+    assert after["with_params"] == before["with_params"]
+
+    stop_process_group(pd.decode_proc)
+    for method, path, body, status in (("POST", "/v1/completions", {"model": pd.model, "prompt": [1, 2, 3]}, 502),
+                                       ("GET", "/v1/models", None, 502), ("GET", "/health", None, 503)):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(pd.proxy + path, data, {"Content-Type": "application/json"}, method=method)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+        assert err.value.code == status, (path, err.value.read())
