@@ -16,9 +16,11 @@ order; the last one kills the pool.
    the prefill instance) through the proxy: token-identical, loaded;
 3. ``examples/pd/run.py`` itself, as a subprocess, pointed at the running
    instances (no engine of its own): what it prints;
-4. the pool killed after the producer's prefills: the consumer recomputes
+4. the consumer gets the producer's ``kv_transfer_params`` before the
+   producer's puts land: it waits (``pd_waits``), then loads them all;
+5. the pool killed after the producer's prefills: the consumer recomputes
    (after its bounded wait), identical outputs, never a hang;
-5. the prefill instance stopped: the proxy sends the request to the decode
+6. the prefill instance stopped: the proxy sends the request to the decode
    instance alone (identical output); the decode instance stopped too: the
    proxy answers 502 / 503 at once, no hang.
 """
@@ -45,20 +47,23 @@ import torch
 
 from kvfabric import Client, KeyHasher
 from kvfabric.testing.servers import ServerPool, start_pool, stop_process_group
-from kvfabric_vllm.config import parse_extra_config
+from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
 from kvfabric_vllm.meta import SaveSpec
 from kvfabric_vllm.metrics import Counters
 from kvfabric_vllm.layout import chunk_major_layer_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import LAYERS, PROMPTS, metric_total, scrape_metrics, wait_healthy
+from conftest import LAYERS, PROMPTS, metric_total, post_json, scrape_metrics, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 300      # generous: "never hangs" means it answers well within this
 EXAMPLE_TIMEOUT_S = 900      # the example's four requests on a loaded machine
 VLLM_BLOCK = 128             # vLLM's CPU block size; PD chunks are one block
-PD_WAIT_MS = 3000
+# the consumer's bounded wait for the producer's chunks: long enough for the late-puts test to see
+# the consumer waiting and then run the producer (a prefill, seconds on a loaded machine) within it;
+# the dead-pool test pays it once
+PD_WAIT_MS = 20000
 METRICS_WAIT_S = 120         # vLLM records a step's connector stats after the step
 
 
@@ -264,21 +269,58 @@ def test_pd_example_runs_against_the_engines(pd):
     assert proxy_line and json.loads(proxy_line[1]) == {"requests": 2, "prefill_failures": 0, "with_params": 2}, out
 
 
+def _chunk_keys(pd: PD, name: str) -> list[bytes]:
+    """The keys the engines give PROMPTS[name]'s whole chunks (rank 0), computed here as the connector does."""
+    cfg = parse_extra_config({"servers": pd.pool.addresses, "chunk_tokens": VLLM_BLOCK}, "kv_consumer", VLLM_BLOCK)
+    layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=VLLM_BLOCK,
+                            num_layers=LAYERS)
+    ns = make_namespace(cfg, model=pd.model, revision=None, dtype="torch.float32", kv_layout=layout,
+                        tp_rank=0, tp_size=1, weights=weights_fingerprint(pd.model))
+    tokens = PROMPTS[name]
+    return KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret).prefix_keys(
+        ns, tokens[: len(tokens) // VLLM_BLOCK * VLLM_BLOCK])
+
+
+def test_pd_consumer_waits_for_the_producers_late_puts(pd, cold):
+    """The race the consumer's bounded wait closes: it gets the producer's ``kv_transfer_params``
+    while the pool does not hold the chunks yet; it waits (looking up again), then loads them all."""
+    name = "pd_stream"                         # its chunks are in the pool since the streamed test
+    keys = _chunk_keys(pd, name)
+    with Client(pd.pool.addresses) as c:       # take them out: the producer's puts have "not landed"
+        deleted = c.delete(chunk_major_layer_keys(KeyHasher(), keys, LAYERS))
+    assert deleted == len(keys) * LAYERS, "the keys computed here are no longer the connector's"
+    params = {"kvfabric": {"chunks": len(keys), "chunk_tokens": VLLM_BLOCK, "key": keys[-1].hex()}}
+    body = {"model": pd.model, "prompt": PROMPTS[name], "max_tokens": 12, "temperature": 0.0,
+            "ignore_eos": True}
+    base = _metrics_when(pd.decode, lambda t: True)
+    waits, relookups, timeouts = base("pd_waits"), base("pd_relookups"), base("pd_wait_timeouts")
+    with ThreadPoolExecutor(1) as ex:
+        consumer_answer = ex.submit(pd_example.complete, pd.decode, dict(body, kv_transfer_params=params))
+        waiting = _metrics_when(pd.decode, lambda t: t("pd_waits") > waits or consumer_answer.done())
+        assert not consumer_answer.done() and waiting("pd_waits") == waits + 1   # it waits ...
+        # ... for the producer, which now prefills the prompt and puts its chunks (the same params)
+        producer_answer = post_json(pd.prefill + "/v1/completions", dict(body, max_tokens=1), REQUEST_TIMEOUT_S)
+        tokens, prompt, cached = consumer_answer.result(timeout=REQUEST_TIMEOUT_S)
+    assert producer_answer["kv_transfer_params"] == params
+    consumer = _metrics_when(pd.decode, lambda t: t("pd_relookups") > relookups)
+    assert tokens == cold[name]
+    assert cached == _loadable(name)                     # every chunk the producer reported
+    assert consumer("pd_relookups") > relookups and consumer("pd_wait_timeouts") == timeouts
+
+
 def test_pd_consumer_recomputes_when_the_pool_dies(pd, cold):
     """The pool dies after the producer's prefills: the consumer waits at most pd_wait_ms for the
-    chunks the producer reported, then recomputes: identical outputs, never a hang."""
+    chunks the producer reported, then recomputes: identical output, never a hang."""
     timeouts = _metrics_when(pd.decode, lambda t: True)("pd_wait_timeouts")
     pd.pool[0].kill()
     down = pd.complete("down")
-    after = pd.complete("single")
-    consumer = _metrics_when(pd.decode, lambda t: t("pd_wait_timeouts") >= timeouts + 2)
+    consumer = _metrics_when(pd.decode, lambda t: t("pd_wait_timeouts") > timeouts)
     producer = _metrics_when(pd.prefill, lambda t: t("held_released") >= t("held_requests"))
 
     assert down == (cold["down"], 0)                     # recomputed: nothing could be loaded
-    assert after == (cold["single"], 0)
     # ... after waiting (bounded, pd_wait_ms) for the chunks the producer reported: warned once, counted
     assert "chunks the producer reported after" in pd.consumer_log.read_text()
-    assert consumer("pd_wait_timeouts") == timeouts + 2
+    assert consumer("pd_wait_timeouts") == timeouts + 1
     # the producer's saves to the dead pool failed, and that too ended its holds (blocks freed)
     assert producer("held_released") == producer("held_requests")
 
