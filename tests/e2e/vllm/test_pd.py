@@ -6,14 +6,15 @@ acknowledged. The e2e tests share one deployment (module fixture ``pd``): a
 real ``kvfabric serve``, two real OpenAI servers (``kv_producer``,
 ``kv_consumer``) started by the example's own ``start_vllm``
 (``examples/pd/run.py``) and ``examples/pd/proxy.py``. They run in file
-order; the last one kills the pool.
+order; the last two kill the pool, then the engines.
 
 1. two prompts at once through the proxy: identical to a single instance,
    the consumer loaded all but the last partial block, and its counters in
    vLLM's ``/metrics`` say so (no PD wait ran out); the producer released
    every request it held;
 2. a streamed request (with ``min_tokens``, which the proxy must not send to
-   the prefill instance) through the proxy: token-identical, loaded;
+   the prefill instance) and a chat completion (``max_completion_tokens``)
+   through the proxy: token-identical, loaded;
 3. ``examples/pd/run.py`` itself, as a subprocess, pointed at the running
    instances (no engine of its own): what it prints;
 4. the consumer gets the producer's ``kv_transfer_params`` before the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -65,6 +67,7 @@ VLLM_BLOCK = 128             # vLLM's CPU block size; PD chunks are one block
 # the dead-pool test pays it once
 PD_WAIT_MS = 20000
 METRICS_WAIT_S = 120         # vLLM records a step's connector stats after the step
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 def _load_example():
@@ -171,6 +174,7 @@ def _metrics_when(url: str, ready: Callable[[Callable[[str], float]], bool]) -> 
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
     procs: list[subprocess.Popen] = []
     with start_pool(1, capacity="64MiB") as pool:
         try:
@@ -179,7 +183,8 @@ def pd(tiny_model, tmp_path_factory):
                 log = open(tmp / f"{role}.log", "a+")    # O_APPEND: the test reads it while vLLM writes
                 proc, url = pd_example.start_vllm(
                     tiny_model, role, pool.addresses, log, extra_config={"pd_wait_ms": PD_WAIT_MS},
-                    extra_args=["--max-num-batched-tokens", "1024", "--seed", "0"])
+                    extra_args=["--max-num-batched-tokens", "1024", "--seed", "0",
+                                "--chat-template", str(tmp / "chat.jinja")])
                 procs.append(proc)
                 engines[role] = (proc, url, log)
             for proc, url, log in engines.values():
@@ -245,6 +250,26 @@ def test_pd_streamed_request_with_min_tokens_through_the_proxy(pd, cold):
     assert cached == _loadable("pd_stream")              # ... decoded from the producer's KV in the pool
     assert after["prefill_failures"] == before["prefill_failures"]
     assert after["with_params"] == before["with_params"] + 1
+
+
+def test_pd_chat_completion_through_the_proxy(pd):
+    """``/v1/chat/completions`` with ``max_completion_tokens`` (the proxy makes it 1 for the prefill):
+    the answer equals the producer's own (it computes the whole prompt) and the consumer loaded it."""
+    rng = random.Random(7)
+    document = " ".join(f"shard{rng.randrange(100)} block{rng.randrange(100)}" for _ in range(400))
+    body = {"model": pd.model, "messages": [{"role": "user", "content": document}], "max_completion_tokens": 12,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    before = pd.proxy_counts()
+    res = post_json(pd.proxy + "/v1/chat/completions", body, REQUEST_TIMEOUT_S)
+    alone = post_json(pd.prefill + "/v1/chat/completions", body, REQUEST_TIMEOUT_S)
+    after = pd.proxy_counts()
+    tokens, prompt = res["choices"][0]["token_ids"], res["usage"]["prompt_tokens"]
+    assert prompt > 2 * VLLM_BLOCK and len(tokens) == 12
+    assert tokens == alone["choices"][0]["token_ids"]
+    assert (res["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") == \
+        (prompt - 1) // VLLM_BLOCK * VLLM_BLOCK
+    assert after["with_params"] == before["with_params"] + 1
+    assert after["prefill_failures"] == before["prefill_failures"]
 
 
 def test_pd_example_runs_against_the_engines(pd):
