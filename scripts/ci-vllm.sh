@@ -7,7 +7,7 @@
 # (scripts/engine-venv.sh), and runs tests/e2e/vllm: real
 # `kvfabric serve` processes on loopback and real vLLM engines (a tiny random
 # Llama built offline at test time). Extra arguments go to pytest. Runtime once
-# the virtualenv exists: ~4-9 min on 2 cores (8 engine starts, one API server).
+# the virtualenv exists: ~9 min on 2 cores when quiet (about ten engine starts, three of them OpenAI API servers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/progress.sh
