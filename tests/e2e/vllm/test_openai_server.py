@@ -8,35 +8,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool, stop_process_group
 
-from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS, wait_healthy, free_port, post_json
+from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS, free_port, metric_total, post_json, scrape_metrics, wait_healthy
 
 START_TIMEOUT_S = 300
 
 
 def _post(url: str, body: dict) -> dict:
     return post_json(url, body, 120)
-
-
-
-def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """vLLM's /metrics read with prometheus_client's parser: (sample name, labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
-        text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def _total(samples: dict[tuple[str, frozenset], float], name: str) -> float:
-    """Sum of one sample name over its label sets (one engine here); 0 when absent."""
-    return sum(v for (n, _), v in samples.items() if n == name)
 
 
 def test_openai_completions_hit_the_pool(tiny_model, cold):
@@ -68,8 +50,8 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
             # vLLM records a step's stats after the step, so wait for the load to show up
             deadline = time.monotonic() + 60
             while True:
-                metrics = _scrape(url)
-                if _total(metrics, "vllm:kvfabric_load_tokens_total") > 0 or time.monotonic() > deadline:
+                metrics = scrape_metrics(url)
+                if metric_total(metrics, "vllm:kvfabric_load_tokens_total") > 0 or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
         finally:
@@ -81,13 +63,13 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
     details = second["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens", 0) >= LOADABLE
     # pool hits (exists, loaded), bytes and load / save latency in vLLM's own /metrics
-    assert _total(metrics, "vllm:kvfabric_lookup_hit_tokens_total") >= LOADABLE
-    assert _total(metrics, "vllm:kvfabric_load_tokens_total") >= LOADABLE
-    assert _total(metrics, "vllm:kvfabric_load_chunks_total") >= LOADABLE // CHUNK
-    assert _total(metrics, "vllm:kvfabric_load_bytes_total") > 0
-    assert _total(metrics, "vllm:kvfabric_save_chunks_total") >= len(prompt) // CHUNK
-    assert _total(metrics, "vllm:kvfabric_save_bytes_total") > 0
-    assert _total(metrics, "vllm:kvfabric_load_seconds_count") >= 1
-    assert _total(metrics, "vllm:kvfabric_save_seconds_count") >= 1
-    assert _total(metrics, "vllm:kvfabric_load_seconds_sum") > 0
-    assert _total(metrics, "vllm:kvfabric_load_errors_total") == 0
+    assert metric_total(metrics, "vllm:kvfabric_lookup_hit_tokens_total") >= LOADABLE
+    assert metric_total(metrics, "vllm:kvfabric_load_tokens_total") >= LOADABLE
+    assert metric_total(metrics, "vllm:kvfabric_load_chunks_total") >= LOADABLE // CHUNK
+    assert metric_total(metrics, "vllm:kvfabric_load_bytes_total") > 0
+    assert metric_total(metrics, "vllm:kvfabric_save_chunks_total") >= len(prompt) // CHUNK
+    assert metric_total(metrics, "vllm:kvfabric_save_bytes_total") > 0
+    assert metric_total(metrics, "vllm:kvfabric_load_seconds_count") >= 1
+    assert metric_total(metrics, "vllm:kvfabric_save_seconds_count") >= 1
+    assert metric_total(metrics, "vllm:kvfabric_load_seconds_sum") > 0
+    assert metric_total(metrics, "vllm:kvfabric_load_errors_total") == 0
