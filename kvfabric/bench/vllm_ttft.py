@@ -4,6 +4,7 @@ Runs in the vLLM virtualenv (``scripts/ci-vllm.sh`` builds it)::
 
     .venvs/vllm/bin/python benchmarks/vllm_ttft.py [--lengths 512,1500,3000,6000] [--repeats 3]
         [--servers-n 2] [--chunk-tokens 128] [--load async|sync|layerwise] [--model DIR]
+        [--server-transports tcp,native,shm] [--transport auto] [--no-trace]
         [--out bench-results/vllm_ttft.json]
     .venvs/vllm/bin/python benchmarks/vllm_ttft.py --data-path [--lengths ...]   # no engine: per-step times
 
@@ -12,7 +13,13 @@ One run, same machine, same model (the tiny random Llama of
 in its own process, one after the other:
 
 * **pool** engine: the kvfabric connector on ``--servers-n`` fresh
-  ``kvfabric serve`` processes, vLLM's prefix cache OFF. Per length and repeat
+  ``kvfabric serve`` processes on this host, vLLM's prefix cache OFF. The
+  servers offer ``--server-transports`` (default ``tcp,native,shm``: an engine
+  on the pool server's host, the deployment this figure is for), and the
+  connector's client picks with ``--transport`` (default ``auto``: ``shm``
+  when offered, one copy out of the server's arena; checksums verified as
+  on every transport). ``--server-transports tcp,native`` gives the figure
+  for an engine that reaches the pool over the network stack. Per length and repeat
   a fresh random prompt is sent twice: the first request is a **cold**
   prefill (the pool is empty for it; it saves its chunks), then, once its
   saves are in the pool, the same prompt again is a **pool hit** (all whole
@@ -28,6 +35,13 @@ the ratios use the best (on a shared machine the least disturbed run). Each engi
 prompt. Ratios printed: ``pool_hit / local_hit`` (target <= 1.5) and
 ``cold / pool_hit`` (target >= 4 at >= 1500 tokens). The JSON holds every
 sample, the cached-token counts vLLM reported, and the connector's counters.
+
+Unless ``--no-trace``, each hit is traced (``_Trace``: wrappers around the
+connector's and vLLM's methods in the engine process, a few microseconds
+per call): when the lookup ran and how long, when the load started, its
+bytes, transport, duration and checksum time, when the load was reported,
+how many engine steps came between and the forward that reads the blocks;
+printed for the best hit of each length and kept per sample in the JSON.
 """
 
 from __future__ import annotations
@@ -51,7 +65,111 @@ _LOAD_MODES = {"async": {}, "sync": {"load_async": False},
                "layerwise": {"load_async": False, "load_layerwise": True}}
 
 
-def _engine(model: str, servers: list[str] | None, max_len: int, chunk: int, load: str = "async"):
+class _Trace:
+    """Where a pool hit's time goes (on unless ``--no-trace``), measured by wrapping the connector's methods in
+    this (single) engine process. Per timed request: the pool lookup, the load (bytes, transport,
+    checksum time), the engine steps between the load's end and the forward that reads it, and
+    that forward. Class-level wrappers, so nothing in the connector changes."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, dict]] = []
+        self.checksum_s = 0.0
+
+    def reset(self) -> None:
+        self.events, self.checksum_s = [], 0.0
+
+    def install(self) -> None:
+        import kvfabric.client as kc
+        from kvfabric_vllm import connector, scheduler, worker
+
+        tr = self
+
+        def wrap(cls, name, on_exit):
+            orig = getattr(cls, name)
+
+            def inner(self_, *a, **kw):
+                t0 = time.perf_counter()
+                out = orig(self_, *a, **kw)
+                on_exit(self_, t0, time.perf_counter(), a, out)
+                return out
+            setattr(cls, name, inner)
+
+        def ev(name, **info):
+            def rec(self_, t0, t1, a, out):
+                self.events.append((t0, name, {"t1": t1, **{k: f(self_, a, out) for k, f in info.items()}}))
+            return rec
+
+        wrap(scheduler.SchedulerSide, "_lookup_all_ranks", ev("lookup", run=lambda s, a, o: o))
+        wrap(scheduler.SchedulerSide, "get_num_new_matched_tokens", ev("match", ext=lambda s, a, o: o[0]))
+        wrap(worker.WorkerSide, "_load_one", ev(
+            "load", chunks=lambda s, a, o: len(a[0].block_ids),
+            bytes=lambda s, a, o: len(a[0].block_ids) * s.chunk_bytes,
+            transport=lambda s, a, o: sorted(set(filter(None, s.client.transports.values()))) if s.client else []))
+        wrap(worker.WorkerSide, "finished_loads", ev("reported", n=lambda s, a, o: len(o)))
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        wrap(Scheduler, "schedule", ev("step", tokens=lambda s, a, o: o.total_num_scheduled_tokens))
+        wrap(GPUModelRunner, "execute_model", ev("exec", tokens=lambda s, a, o: a[0].total_num_scheduled_tokens))
+        wrap(GPUModelRunner, "_model_forward", ev("model"))
+        for hook in ("start_load_kv", "wait_for_save", "get_finished", "save_kv_layer", "wait_for_layer_load",
+                     "get_block_ids_with_load_errors"):
+            wrap(connector.KVFabricConnector, hook, ev("hook"))
+        orig_ck = kc._object_checksum
+
+        def ck(*a):
+            t0 = time.perf_counter()
+            try:
+                return orig_ck(*a)
+            finally:
+                tr.checksum_s += time.perf_counter() - t0
+        kc._object_checksum = ck
+
+    def summary(self, t_start: float, t_end: float) -> dict:
+        """Milliseconds from the request's submission: lookup, load, report, forward (see class doc)."""
+        ms = lambda a, b: round(1e3 * (b - a), 2)  # noqa: E731
+        ev = sorted(self.events, key=lambda e: e[0])
+        out: dict = {"total_ms": ms(t_start, t_end), "checksum_ms": round(1e3 * self.checksum_s, 2),
+                     "steps": sum(1 for e in ev if e[1] == "step"),
+                     "forwards": sum(1 for e in ev if e[1] == "exec" and e[2]["tokens"])}
+        out["events"] = [(name, ms(t_start, t0), ms(t0, info["t1"])) for t0, name, info in ev
+                         if name not in ("hook", "model")]
+        lk = [e for e in ev if e[1] == "lookup"]
+        if lk:
+            out["lookup_ms"] = ms(lk[0][0], lk[0][2]["t1"])
+            out["lookup_start_ms"] = ms(t_start, lk[0][0])
+        loads = [e for e in ev if e[1] == "load"]
+        if loads:
+            t0, _, info = loads[0]
+            out.update(load_start_ms=ms(t_start, t0), load_ms=ms(t0, info["t1"]), load_bytes=info["bytes"],
+                       load_chunks=info["chunks"], transport=info["transport"],
+                       load_gbps=round(info["bytes"] / max(1e-9, info["t1"] - t0) / 1e9, 2))
+            rep = [e for e in ev if e[1] == "reported" and e[2]["n"] and e[0] >= t0]
+            # the forward that reads the loaded blocks: the first with tokens once the load ended
+            # (sync loads run inside it: then the one around the load)
+            fwd = [e for e in ev if e[1] == "exec" and e[2]["tokens"] and e[2]["t1"] >= info["t1"]]
+            if rep:
+                out["reported_ms"] = ms(t_start, rep[0][2]["t1"])
+            if fwd:
+                f0 = fwd[0]
+                out["forward_start_ms"] = ms(t_start, f0[0])
+                out["forward_ms"] = ms(f0[0], f0[2]["t1"])
+                out["steps_after_load"] = sum(1 for e in ev if e[1] == "step" and info["t1"] <= e[0] <= f0[0])
+                inside = [e for e in ev if f0[0] <= e[0] <= f0[2]["t1"]]
+                out["model_ms"] = round(sum(1e3 * (e[2]["t1"] - e[0]) for e in inside if e[1] == "model"), 2)
+                out["hooks_ms"] = round(sum(1e3 * (e[2]["t1"] - e[0]) for e in inside if e[1] == "hook"), 2)
+        else:
+            fwd = [e for e in ev if e[1] == "exec" and e[2]["tokens"]]
+            if fwd:
+                out["forward_start_ms"] = ms(t_start, fwd[0][0])
+                out["forward_ms"] = ms(fwd[0][0], fwd[0][2]["t1"])
+                inside = [e for e in ev if fwd[0][0] <= e[0] <= fwd[0][2]["t1"]]
+                out["model_ms"] = round(sum(1e3 * (e[2]["t1"] - e[0]) for e in inside if e[1] == "model"), 2)
+        return out
+
+
+def _engine(model: str, servers: list[str] | None, max_len: int, chunk: int, load: str = "async",
+            transport: str = "auto"):
     from vllm import LLM
 
     kw = {}
@@ -60,7 +178,8 @@ def _engine(model: str, servers: list[str] | None, max_len: int, chunk: int, loa
             "kv_connector": "KVFabricConnector",
             "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": chunk, **_LOAD_MODES[load]},
+            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": chunk, "transport": transport,
+                                          **_LOAD_MODES[load]},
         }
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=not servers,
                kv_cache_memory_bytes=512 << 20, max_model_len=max_len, max_num_batched_tokens=max_len,
@@ -78,13 +197,20 @@ def _child(args: argparse.Namespace) -> int:
 
     servers = args.servers.split(",") if args.servers else None
     lengths = [int(x) for x in args.lengths.split(",")]
-    llm = _engine(args.model, servers, max(lengths) + 16, args.chunk_tokens, args.load)
+    trace = _Trace() if args.trace else None
+    if trace is not None:
+        trace.install()
+    llm = _engine(args.model, servers, max(lengths) + 16, args.chunk_tokens, args.load, args.transport)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def timed(tokens: list[int]) -> tuple[float, int]:
+        if trace is not None:
+            trace.reset()
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-        return time.perf_counter() - t0, out.num_cached_tokens or 0
+        t1 = time.perf_counter()
+        timed.trace = trace.summary(t0, t1) if trace is not None else None
+        return t1 - t0, out.num_cached_tokens or 0
 
     def saves_settled(timeout_s: float = 60.0) -> bool:
         """Wait until the connector has no put in flight (its jobs-done counter caught up)."""
@@ -107,7 +233,7 @@ def _child(args: argparse.Namespace) -> int:
                     print(f"warning: saves of the {n}-token prompt did not settle", file=sys.stderr)
             hit_s, hit_cached = timed(prompt)
             samples.append({"tokens": n, "repeat": r, "cold_s": cold_s, "cold_cached": cold_cached,
-                            "hit_s": hit_s, "hit_cached": hit_cached})
+                            "hit_s": hit_s, "hit_cached": hit_cached, "hit_trace": timed.trace})
     result = {"samples": samples, "counters": all_counters() if servers else None}
     llm.llm_engine.engine_core.shutdown()
     Path(args.child_out).write_text(json.dumps(result))
@@ -220,6 +346,26 @@ def _data_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_traces(lengths: list[int], pooled: dict, local: dict) -> None:
+    """The best pool hit's and the best local hit's time line per length (ms)."""
+    print("\ntrace of the best hit per length, ms from submission (lookup: its duration; load: when it "
+          "started, its duration; rep: the load reported done; fwd: the forward that reads the blocks "
+          "started, its duration; +steps: engine steps between the load's end and that forward)")
+    for n in lengths:
+        for name, eng in (("pool", pooled), ("local", local)):
+            best = min((s for s in eng["samples"] if s["tokens"] == n), key=lambda s: s["hit_s"])
+            t = best.get("hit_trace") or {}
+            if "load_ms" in t:
+                load = (f"lookup {t.get('lookup_ms', '-')} load @{t['load_start_ms']} {t['load_ms']} "
+                        f"({t['load_bytes'] >> 20} MiB, {t['load_gbps']} GB/s, {','.join(t['transport'])}, "
+                        f"checksums {t['checksum_ms']}) rep @{t.get('reported_ms', '-')} ")
+            else:
+                load = ""
+            print(f"{n:>7} {name:>5} total {t.get('total_ms', '-')}: {load}fwd @{t.get('forward_start_ms', '-')} "
+                  f"{t.get('forward_ms', '-')} (model {t.get('model_ms', '-')}, hooks {t.get('hooks_ms', '-')}) "
+                  f"+steps {t.get('steps_after_load', '-')} (steps {t.get('steps')}, forwards {t.get('forwards')})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vllm_ttft", description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="512,1500,3000,6000")
@@ -229,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="connector chunk (multiple of 128; default: the connector's, vLLM's block)")
     ap.add_argument("--load", choices=["async", "sync", "layerwise"], default="async",
                     help="connector load mode: load_async (default), sync, or sync layer by layer")
+    ap.add_argument("--server-transports", default="tcp,native,shm",
+                    help="what the pool servers offer (default: with shm, as for engines on the pool's host)")
+    ap.add_argument("--transport", default="auto", help="the connector's client transport (default auto)")
+    ap.add_argument("--no-trace", dest="trace", action="store_false",
+                    help="do not record where each hit's time goes (lookup, load, transport, steps, forward)")
     ap.add_argument("--data-path", action="store_true",
                     help="no engine: time receive/copy/gather/put per chunk on real servers")
     ap.add_argument("--capacity", default="512MiB", help="per pool server")
@@ -255,14 +406,20 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
         common = ["--model", model, "--lengths", args.lengths, "--repeats", str(args.repeats),
                   "--chunk-tokens", str(args.chunk_tokens), "--load", args.load]
-        with start_pool(args.servers_n, capacity=args.capacity) as pool:
-            pooled = _run_child(common + ["--servers", ",".join(pool.addresses)], Path(tmp) / "pool.json")
+        if not args.trace:
+            common.append("--no-trace")
+        with start_pool(args.servers_n, capacity=args.capacity,
+                        extra_args=["--transports", args.server_transports]) as pool:
+            pooled = _run_child(common + ["--servers", ",".join(pool.addresses), "--transport", args.transport],
+                                Path(tmp) / "pool.json")
         local = _run_child(common, Path(tmp) / "local.json")
 
     rows = []
+    used = sorted({t for s in pooled["samples"] for t in (s.get("hit_trace") or {}).get("transport", [])})
     print(f"vLLM TTFT in ms, best (median) of {args.repeats}; tiny Llama fp32 on CPU, {args.servers_n} pool "
-          f"servers, chunk {args.chunk_tokens} tokens, {args.load} loads; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"servers offering {args.server_transports}, connector transport {args.transport} "
+          f"(used: {','.join(used) or 'not traced'}), chunk {args.chunk_tokens} tokens, {args.load} loads; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     hdr = (f"{'tokens':>7} {'cold':>15} {'cold+kvf':>15} {'pool hit':>15} {'local hit':>15} "
            f"{'pool/local':>11} {'cold/pool':>10} {'loaded':>7}")
     print(hdr)
@@ -293,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     print("cold: no connector; cold+kvf: connector on, pool empty for the prompt (includes gathering its saves); "
           "pool hit: prefix cache off, whole chunks loaded from the pool; local hit: vLLM's own prefix cache; "
           "ratios from the best runs; loaded: tokens vLLM reported cached on the pool hit")
+    if args.trace:
+        _print_traces(lengths, pooled, local)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "pool_engine": pooled, "local_engine": local},
