@@ -49,6 +49,7 @@ queued or running then is abandoned and counted (``save_abandoned_jobs``).
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -110,6 +111,7 @@ class WorkerSide:
         self._req_saves: dict[str, set[Future]] = {}   # req_id -> its put jobs not done yet
         self._held: set[str] = set()                   # finished, held for their saves, not reported
         self._closed = False
+        self._transport_noted = False                  # the transports loads use were logged
 
     # ------------------------------------------------------------------ registration
 
@@ -223,6 +225,8 @@ class WorkerSide:
             return
         specs, futs = self._layerwise
         self._layerwise = None
+        if not self._transport_noted and self.client is not None:
+            self._note_transport()
         sizes: list[list[int | None] | None] = []
         for fut in futs.values():     # layer order
             try:
@@ -253,8 +257,27 @@ class WorkerSide:
         except Exception as exc:  # noqa: BLE001 - nothing may escape into vLLM's step
             self.counters.fail("load_errors", "loading %d chunks failed: %r", len(spec.block_ids), exc, exc=exc)
             failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
+        if not self._transport_noted and self.client is not None:
+            self._note_transport()
         self.counters.observe("load_seconds", time.monotonic() - t0)
         return failed
+
+    def _note_transport(self) -> None:
+        """Log once (INFO) the transport each pool server's loads use, and when servers on this host
+        do not give ``shm`` to an ``auto`` client, how to get it: a load over ``shm`` is one copy
+        out of the server's arena; over loopback ``native``/``tcp`` it crosses the network stack
+        (about 5x slower for the tiny Llama's loads here, docs/notes/vllm.md "Issue 13 figures")."""
+        assert self.client is not None
+        used = {a: t for a, t in self.client.transports.items() if t}
+        if not used:
+            return                     # not connected yet: note it after a later load
+        self._transport_noted = True
+        log.info("kvfabric: loads use %s", ", ".join(f"{t} ({a})" for a, t in sorted(used.items())))
+        local = sorted(a for a, t in used.items() if t != "shm" and _on_this_host(a))
+        if local and self.cfg.client.transport == "auto":
+            log.info("kvfabric: pool server(s) %s are on this host but do not offer shm: start them with "
+                     "`--transports tcp,native,shm` for faster loads (transport auto then picks shm)",
+                     ", ".join(local))
 
     def finished_loads(self) -> set[str]:
         """Requests whose async load is done; their failed blocks join ``failed_block_ids`` now,
@@ -490,3 +513,14 @@ class WorkerSide:
             self.client.close()
         log.info("kvfabric worker shut down (%d save jobs drained in %.2f s, %d abandoned); counters: %s",
                  len(jobs) - len(left), time.monotonic() - t0, len(left), self.counters.snapshot())
+
+
+def _on_this_host(address: str) -> bool:
+    """True for a loopback ``host:port`` (``localhost``, 127.0.0.0/8, ``[::1]``)."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

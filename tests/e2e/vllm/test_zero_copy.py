@@ -7,6 +7,7 @@ real vLLM engines (float32, tiny Llama) with the connector's default chunk size.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -19,7 +20,7 @@ from kvfabric.testing.servers import start_pool
 from kvfabric_vllm.config import parse_extra_config
 from kvfabric_vllm.layout import LAYER_DOMAIN, chunk_major_layer_keys, layer_keys
 from kvfabric_vllm.meta import LoadSpec, SaveSpec
-from kvfabric_vllm.metrics import Counters
+from kvfabric_vllm.metrics import LOGGER_NAME, Counters
 from kvfabric_vllm.scheduler import SchedulerSide
 from kvfabric_vllm.worker import WorkerSide
 
@@ -170,6 +171,59 @@ def test_lookup_counts_only_chunks_held_in_every_layer():
         finally:
             w.shutdown()
             sched.shutdown()
+
+
+class _Lines(logging.Handler):
+    """The connector's log lines, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("offer_shm", [True, False])
+def test_loads_from_a_server_on_this_host_use_shm_when_offered(offer_shm):
+    """Issue 13 figures: over loopback ``native``/``tcp`` a load crosses the network stack; a
+    server on this host that offers ``shm`` gets an ``auto`` client's loads as one copy out of its
+    arena, exact and checksum-verified. The worker logs the transport once, and when a same-host
+    server does not offer shm, how to get it."""
+    offered = "tcp,native,shm" if offer_shm else "tcp,native"
+    logger = logging.getLogger(LOGGER_NAME)
+    lines, level = _Lines(), logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    with start_pool(1, capacity="16MiB", extra_args=["--transports", offered]) as pool:
+        a, kv_a = make_worker(pool.addresses)
+        b, kv_b = make_worker(pool.addresses)
+        try:
+            for t in kv_a:
+                t.copy_(torch.randn_like(t))
+            keys = [os.urandom(16) for _ in range(3)]
+            save(a, keys, [2, 4, 6])
+            for dst in ([1, 3, 5], [7, 8, 9]):     # twice: the transport is logged once
+                b.load([LoadSpec("r", [keys], [[d] for d in dst])])
+                assert b.take_failed_block_ids() == set()
+                for la, lb in zip(kv_a, kv_b):
+                    assert all(torch.equal(la[s], lb[d]) for s, d in zip([2, 4, 6], dst))
+            (addr,) = pool.addresses
+            used = b.client.transports[addr]
+            assert (used == "shm") == offer_shm, used
+            cst = b.client.stats()["client"]
+            assert b.cfg.client.verify_checksums and cst["checksum_failures"] == 0
+            assert [ln for ln in lines.lines if ln.startswith("kvfabric: loads use")] == [
+                f"kvfabric: loads use {used} ({addr})"]
+            hints = [ln for ln in lines.lines if "do not offer shm" in ln]
+            assert hints == ([] if offer_shm else [
+                f"kvfabric: pool server(s) {addr} are on this host but do not offer shm: start them with "
+                "`--transports tcp,native,shm` for faster loads (transport auto then picks shm)"])
+        finally:
+            logger.removeHandler(lines)
+            logger.setLevel(level)
+            a.shutdown()
+            b.shutdown()
 
 
 def test_engines_with_the_default_chunk_load_in_place_token_identical(run_engine, cold):
