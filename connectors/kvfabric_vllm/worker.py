@@ -20,7 +20,10 @@ buffer and copied page by page. A chunk that misses or has the wrong size in
 any layer, or a load whose read raises, is reported in ``failed_block_ids``
 and vLLM recomputes those tokens (bytes a failed receive left in a block are
 overwritten by that recompute); the failure is counted and warned once,
-never raised into vLLM's step.
+never raised into vLLM's step. The first load logs the transport each pool
+server's loads use (``shm`` for a server on this host that offers it: one
+copy out of its arena, the fastest way here), and a hint when a server on
+this host does not offer ``shm`` to an ``auto`` client.
 
 Saves: ``gather_layer`` copies the chunks completed by this step out of a
 layer's blocks right after that layer's attention wrote them
