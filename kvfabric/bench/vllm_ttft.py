@@ -10,7 +10,9 @@ Runs in the vLLM virtualenv (``scripts/ci-vllm.sh`` builds it)::
 
 One run, same machine, same model (the tiny random Llama of
 ``kvfabric_vllm.tinymodel`` unless ``--model``; float32, eager), each engine
-in its own process, one after the other:
+in its own process, both alive at once and taking turns: per length and
+repeat the pool engine serves its two requests, then the local engine the
+same prompt's two (``_Engine``), so both see the same machine load:
 
 * **pool** engine: the kvfabric connector on ``--servers-n`` fresh
   ``kvfabric serve`` processes on this host, vLLM's prefix cache OFF. The
@@ -222,30 +224,76 @@ def _child(args: argparse.Namespace) -> int:
             time.sleep(0.005)
         return False
 
+    def sample(n: int, r: int) -> dict:
+        prompt = random_prompt(n, seed=1000 * n + r)
+        cold_s, cold_cached = timed(prompt)
+        if servers and not saves_settled():
+            print(f"warning: saves of the {n}-token prompt did not settle", file=sys.stderr)
+        hit_s, hit_cached = timed(prompt)
+        return {"tokens": n, "repeat": r, "cold_s": cold_s, "cold_cached": cold_cached,
+                "hit_s": hit_s, "hit_cached": hit_cached, "hit_trace": timed.trace}
+
     timed(random_prompt(300, seed=999))          # warm-up
-    samples = []
-    for n in lengths:
-        for r in range(args.repeats):
-            prompt = random_prompt(n, seed=1000 * n + r)
-            cold_s, cold_cached = timed(prompt)
-            if servers:
-                if not saves_settled():
-                    print(f"warning: saves of the {n}-token prompt did not settle", file=sys.stderr)
-            hit_s, hit_cached = timed(prompt)
-            samples.append({"tokens": n, "repeat": r, "cold_s": cold_s, "cold_cached": cold_cached,
-                            "hit_s": hit_s, "hit_cached": hit_cached, "hit_trace": timed.trace})
-    result = {"samples": samples, "counters": all_counters() if servers else None}
+    # Driven by the parent (``_Engine``): one "run N R" line per sample, answered with one
+    # tagged JSON line on stdout (vLLM logs there too), until "quit".
+    print(_TAG + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        print(_TAG + json.dumps(sample(int(cmd[1]), int(cmd[2]))), flush=True)
+    result = {"counters": all_counters() if servers else None}
     llm.llm_engine.engine_core.shutdown()
     Path(args.child_out).write_text(json.dumps(result))
     return 0
 
 
-def _run_child(argv: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "kvfabric.bench.vllm_ttft", *argv, "--child-out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"engine process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+_TAG = "KVF-TTFT-SAMPLE "
+
+
+class _Engine:
+    """One engine process (``_child``), driven one sample at a time, so the pool and the local
+    engine take turns on the same prompt seconds apart: on a shared machine whose load drifts
+    over minutes, both then see the same conditions (run one after the other, a whole engine's
+    run apart, the ratio measured the drift as much as the pool)."""
+
+    def __init__(self, argv: list[str], out: Path) -> None:
+        self.out = out
+        self.err = out.with_suffix(".err")
+        cmd = [sys.executable, "-m", "kvfabric.bench.vllm_ttft", *argv, "--child-out", str(out)]
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         text=True)
+        self._answer()                                   # "ready": built and warmed up
+
+    def _answer(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_TAG):
+                return json.loads(line[len(_TAG):])
+        raise SystemExit(f"engine process failed ({self.proc.wait()}):\n{self.err.read_text()[-4000:]}")
+
+    def sample(self, n: int, r: int) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"run {n} {r}\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def finish(self, samples: list[dict]) -> dict:
+        """Stop the engine; its samples and connector counters."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        for _ in self.proc.stdout or ():
+            pass
+        if self.proc.wait(timeout=300) != 0:
+            raise SystemExit(f"engine process failed ({self.proc.returncode}):\n{self.err.read_text()[-4000:]}")
+        return {"samples": samples, **json.loads(self.out.read_text())}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _median(xs: list[float]) -> float:
@@ -410,9 +458,20 @@ def main(argv: list[str] | None = None) -> int:
             common.append("--no-trace")
         with start_pool(args.servers_n, capacity=args.capacity,
                         extra_args=["--transports", args.server_transports]) as pool:
-            pooled = _run_child(common + ["--servers", ",".join(pool.addresses), "--transport", args.transport],
-                                Path(tmp) / "pool.json")
-        local = _run_child(common, Path(tmp) / "local.json")
+            engines: list[_Engine] = []
+            try:
+                engines.append(_Engine(common + ["--servers", ",".join(pool.addresses), "--transport",
+                                                 args.transport], Path(tmp) / "pool.json"))
+                engines.append(_Engine(common, Path(tmp) / "local.json"))
+                got: list[list[dict]] = [[], []]
+                for n in lengths:
+                    for r in range(args.repeats):
+                        for e, out in zip(engines, got):      # the same prompt, pool then local
+                            out.append(e.sample(n, r))
+                pooled, local = (e.finish(out) for e, out in zip(engines, got))
+            finally:
+                for e in engines:
+                    e.kill()
 
     rows = []
     used = sorted({t for s in pooled["samples"] for t in (s.get("hit_trace") or {}).get("transport", [])})
