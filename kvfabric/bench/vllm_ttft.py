@@ -171,7 +171,7 @@ class _Trace:
 
 
 def _engine(model: str, servers: list[str] | None, max_len: int, chunk: int, load: str = "async",
-            transport: str = "auto"):
+            transport: str = "auto", options: str = "{}"):
     from vllm import LLM
 
     kw = {}
@@ -181,7 +181,7 @@ def _engine(model: str, servers: list[str] | None, max_len: int, chunk: int, loa
             "kv_connector_module_path": "kvfabric_vllm.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"servers": servers, "chunk_tokens": chunk, "transport": transport,
-                                          **_LOAD_MODES[load]},
+                                          **_LOAD_MODES[load], **json.loads(options)},
         }
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=not servers,
                kv_cache_memory_bytes=512 << 20, max_model_len=max_len, max_num_batched_tokens=max_len,
@@ -202,7 +202,8 @@ def _child(args: argparse.Namespace) -> int:
     trace = _Trace() if args.trace else None
     if trace is not None:
         trace.install()
-    llm = _engine(args.model, servers, max(lengths) + 16, args.chunk_tokens, args.load, args.transport)
+    llm = _engine(args.model, servers, max(lengths) + 16, args.chunk_tokens, args.load, args.transport,
+                  args.connector_options)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def timed(tokens: list[int]) -> tuple[float, int]:
@@ -426,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-transports", default="tcp,native,shm",
                     help="what the pool servers offer (default: with shm, as for engines on the pool's host)")
     ap.add_argument("--transport", default="auto", help="the connector's client transport (default auto)")
+    ap.add_argument("--connector-options", default="{}",
+                    help='more kv_connector_extra_config keys, JSON (e.g. \'{"register_load_buffer": false}\')')
     ap.add_argument("--no-trace", dest="trace", action="store_false",
                     help="do not record where each hit's time goes (lookup, load, transport, steps, forward)")
     ap.add_argument("--data-path", action="store_true",
@@ -453,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvf-ttft-") as tmp:
         model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
         common = ["--model", model, "--lengths", args.lengths, "--repeats", str(args.repeats),
+                  "--connector-options", args.connector_options,
                   "--chunk-tokens", str(args.chunk_tokens), "--load", args.load]
         if not args.trace:
             common.append("--no-trace")
