@@ -126,6 +126,16 @@ class _Trace:
             finally:
                 tr.checksum_s += time.perf_counter() - t0
         kc._object_checksum = ck
+        import gc
+
+        gc_t0: list[float] = []
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                gc_t0[:] = [time.perf_counter()]
+            elif gc_t0:
+                self.events.append((gc_t0[0], "gc", {"t1": time.perf_counter(), "gen": info["generation"]}))
+        gc.callbacks.append(on_gc)
 
     def summary(self, t_start: float, t_end: float) -> dict:
         """Milliseconds from the request's submission: lookup, load, report, forward (see class doc)."""
@@ -135,7 +145,10 @@ class _Trace:
                      "steps": sum(1 for e in ev if e[1] == "step"),
                      "forwards": sum(1 for e in ev if e[1] == "exec" and e[2]["tokens"])}
         out["events"] = [(name, ms(t_start, t0), ms(t0, info["t1"])) for t0, name, info in ev
-                         if name not in ("hook", "model")]
+                         if name not in ("hook", "model", "gc")]
+        gcs = [e for e in ev if e[1] == "gc"]
+        out["gc_ms"] = round(sum(1e3 * (e[2]["t1"] - e[0]) for e in gcs), 2)
+        out["gc_gen2"] = sum(1 for e in gcs if e[2]["gen"] == 2)
         lk = [e for e in ev if e[1] == "lookup"]
         if lk:
             out["lookup_ms"] = ms(lk[0][0], lk[0][2]["t1"])
@@ -412,7 +425,8 @@ def _print_traces(lengths: list[int], pooled: dict, local: dict) -> None:
                 load = ""
             print(f"{n:>7} {name:>5} total {t.get('total_ms', '-')}: {load}fwd @{t.get('forward_start_ms', '-')} "
                   f"{t.get('forward_ms', '-')} (model {t.get('model_ms', '-')}, hooks {t.get('hooks_ms', '-')}) "
-                  f"+steps {t.get('steps_after_load', '-')} (steps {t.get('steps')}, forwards {t.get('forwards')})")
+                  f"+steps {t.get('steps_after_load', '-')} (steps {t.get('steps')}, forwards {t.get('forwards')}, "
+                  f"gc {t.get('gc_ms', '-')})")
 
 
 def main(argv: list[str] | None = None) -> int:
