@@ -8,6 +8,7 @@
  */
 #define _GNU_SOURCE
 #include "kvf_conn.h"
+#include "kvf_hash.h"
 #include "kvf_mpack.h"
 
 #include <errno.h>
@@ -91,7 +92,80 @@ int kvf_sendv_all(int fd, struct iovec *iov, int n)
     return 0;
 }
 
-int kvf_recvv_all(int fd, struct iovec *iov, int n)
+/* ---------------------------------------------------------------- checksums while receiving */
+
+/* Slice of the stream received per recvmsg / READ_FIXED while objects are
+ * hashed: each slice is hashed right after it lands, while it is still in
+ * this core's cache; a separate pass after the whole reply re-reads every
+ * byte from memory. Measured with perf on loopback (8 x 32 MiB GETs, hash
+ * cycles / copy-out cycles): 64 KiB 0.15, 256 KiB 0.23, 1 MiB 0.21, 8 MiB
+ * 0.60, a pass after the reply 0.47; the extra recvmsg calls cost ~1%. */
+#define KVF_HASH_SLICE (64u << 10)
+
+/* The checksum cursor of kvf_recv_objects: walks the objects' segments in
+ * stream order as bytes land and keeps one streaming xxh3 state. */
+struct objhash {
+    const int64_t *sizes;
+    void *const *bufs;
+    const size_t *buf_lens;
+    const uint32_t *nseg;
+    uint32_t n;
+    const void *const *keys;
+    const size_t *key_lens;
+    uint64_t *digests;
+    void *state;
+    uint32_t i;     /* current object */
+    size_t first;   /* index in bufs of object i's first segment */
+    uint32_t seg;   /* segment of object i being filled */
+    size_t seg_off; /* bytes of that segment hashed */
+    uint64_t left;  /* bytes of object i not hashed yet */
+    int open;       /* state reset for object i */
+};
+
+/* Finish every object that needs no more bytes (misses skipped, empty
+ * objects digested) and open the next one that does. */
+static void objhash_settle(struct objhash *h)
+{
+    while (h->i < h->n) {
+        if (h->sizes[h->i] >= 0) {
+            if (!h->open) {
+                kvf_hash_reset_key(h->state, h->keys[h->i], h->key_lens[h->i]);
+                h->open = 1;
+                h->left = (uint64_t)h->sizes[h->i];
+                h->seg = 0;
+                h->seg_off = 0;
+            }
+            if (h->left) return;
+            h->digests[h->i] = kvf_hash_digest(h->state);
+        }
+        h->first += h->nseg ? h->nseg[h->i] : 1;
+        h->i++;
+        h->open = 0;
+    }
+}
+
+/* The next len bytes of the payload stream have landed: hash them. */
+static void objhash_feed(struct objhash *h, size_t len)
+{
+    while (len) {
+        objhash_settle(h);
+        if (h->i >= h->n) return; /* cannot happen: the sizes add up to the payload */
+        size_t cap = h->buf_lens[h->first + h->seg];
+        if (h->seg_off >= cap) { h->seg++; h->seg_off = 0; continue; }
+        size_t take = cap - h->seg_off;
+        if (take > len) take = len;
+        if (take > h->left) take = (size_t)h->left;
+        kvf_hash_update(h->state, (const char *)h->bufs[h->first + h->seg] + h->seg_off, take);
+        h->seg_off += take;
+        h->left -= take;
+        len -= take;
+    }
+    objhash_settle(h);
+}
+
+/* recvmsg until the iovec is full (advanced in place). With h, at most
+ * KVF_HASH_SLICE bytes per call, each slice hashed as soon as it lands. */
+static int recvv_hashed(int fd, struct iovec *iov, int n, struct objhash *h)
 {
     while (n > 0 && iov->iov_len == 0) { iov++; n--; }
     while (n > 0) {
@@ -99,23 +173,47 @@ int kvf_recvv_all(int fd, struct iovec *iov, int n)
         memset(&mh, 0, sizeof mh);
         mh.msg_iov = iov;
         mh.msg_iovlen = (size_t)(n < KVF_IOV_CHUNK ? n : KVF_IOV_CHUNK);
+        /* with h: cut the iovec at the slice (the last entry shortened, restored after) */
+        struct iovec *cut = NULL;
+        size_t cut_len = 0;
+        if (h) {
+            size_t room = KVF_HASH_SLICE;
+            for (size_t j = 0; j < mh.msg_iovlen; j++) {
+                if (iov[j].iov_len >= room) {
+                    cut = &iov[j];
+                    cut_len = iov[j].iov_len;
+                    iov[j].iov_len = room;
+                    mh.msg_iovlen = j + 1;
+                    break;
+                }
+                room -= iov[j].iov_len;
+            }
+        }
         int rc = arm(fd, SO_RCVTIMEO);
-        if (rc) return rc;
         /* No MSG_WAITALL: with it TCP wakes the receiver only once the whole
          * remainder is queued, so the copy out cannot overlap the sender's
          * transmission; without it each wake-up copies what has arrived
          * (measured 12-18% faster for 1 MiB on loopback, raw C ceiling too). */
-        ssize_t r = recvmsg(fd, &mh, 0);
+        ssize_t r = rc ? -1 : recvmsg(fd, &mh, 0);
+        int err = errno;
+        if (cut) cut->iov_len = cut_len;
+        if (rc) return rc;
         if (r < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN && tl_deadline_ns) continue;
-            return -errno;
+            if (err == EINTR) continue;
+            if (err == EAGAIN && tl_deadline_ns) continue;
+            return -err;
         }
         if (r == 0) return -ECONNRESET;
+        if (h) objhash_feed(h, (size_t)r);
         advance(&iov, &n, (size_t)r);
         while (n > 0 && iov->iov_len == 0) { iov++; n--; }
     }
     return 0;
+}
+
+int kvf_recvv_all(int fd, struct iovec *iov, int n)
+{
+    return recvv_hashed(fd, iov, n, NULL);
 }
 
 int kvf_recv_all(int fd, void *buf, size_t n)
@@ -291,9 +389,11 @@ static int reap_read(struct kvf_creg *c, int fd, int *res)
     }
 }
 
-/* Read exactly len bytes of the stream into p, inside registered buffer idx. */
-static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t len)
+/* Read exactly len bytes of the stream into p, inside registered buffer idx
+ * (with h: at most KVF_HASH_SLICE per read, each hashed as it lands). */
+static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t len, struct objhash *h)
 {
+    size_t most = h ? KVF_HASH_SLICE : (1u << 30);
     char *at = p;
     while (len) {
         struct io_uring_sqe *sqe = kvf_ring_sqe(&c->ring);
@@ -301,7 +401,7 @@ static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t l
         sqe->opcode = IORING_OP_READ_FIXED;
         sqe->fd = fd;
         sqe->addr = (uint64_t)(uintptr_t)at;
-        sqe->len = len > (1u << 30) ? (1u << 30) : (unsigned)len;
+        sqe->len = (unsigned)(len > most ? most : len);
         sqe->off = 0;
         sqe->buf_index = (uint16_t)idx;
         sqe->user_data = KVF_UD_READ;
@@ -314,6 +414,7 @@ static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t l
         if (res == 0) return -ECONNRESET;
         c->fixed_reads++;
         c->fixed_bytes += (uint64_t)res;
+        if (h) objhash_feed(h, (size_t)res);
         at += res;
         len -= (size_t)res;
     }
@@ -322,7 +423,7 @@ static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t l
 
 int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
                      const size_t *buf_lens, uint32_t n, const uint32_t *nseg, uint32_t *bad_index,
-                     struct kvf_creg *reg)
+                     struct kvf_creg *reg, const void *const *keys, const size_t *key_lens, uint64_t *digests)
 {
     uint64_t total = 0;
     uint64_t pieces = 0;
@@ -345,9 +446,30 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
         int rc = kvf_drain(fd, payload_len);
         return rc ? rc : -EMSGSIZE;
     }
-    if (!pieces) return 0;
+    struct objhash oh, *h = NULL;
+    if (keys) {
+        memset(&oh, 0, sizeof oh);
+        oh.sizes = sizes;
+        oh.bufs = bufs;
+        oh.buf_lens = buf_lens;
+        oh.nseg = nseg;
+        oh.n = n;
+        oh.keys = keys;
+        oh.key_lens = key_lens;
+        oh.digests = digests;
+        oh.state = kvf_hash_new();
+        if (!oh.state) return -ENOMEM;
+        h = &oh;
+    }
+    if (!pieces) {
+        if (h) { objhash_settle(h); kvf_hash_free(h->state); }
+        return 0;
+    }
     struct iovec *iov = malloc(sizeof(struct iovec) * pieces);
-    if (!iov) return -ENOMEM;
+    if (!iov) {
+        if (h) kvf_hash_free(h->state);
+        return -ENOMEM;
+    }
     uint32_t k = 0;
     first = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -369,7 +491,7 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
     if (!k) {
         rc = 0;
     } else if (!reg || !reg->n) {
-        rc = kvf_recvv_all(fd, iov, (int)k);
+        rc = recvv_hashed(fd, iov, (int)k, h);
     } else {
         /* runs of unregistered pieces go through recvmsg, each registered
          * piece through READ_FIXED, in stream order */
@@ -378,13 +500,17 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
         for (uint32_t j = 0; j < k && !rc; j++) {
             int idx = iov[j].iov_len ? kvf_creg_find(reg, iov[j].iov_base, iov[j].iov_len) : -1;
             if (idx < 0) continue;
-            if (j > start) rc = kvf_recvv_all(fd, iov + start, (int)(j - start));
-            if (!rc) rc = read_fixed_all(fd, reg, idx, iov[j].iov_base, iov[j].iov_len);
+            if (j > start) rc = recvv_hashed(fd, iov + start, (int)(j - start), h);
+            if (!rc) rc = read_fixed_all(fd, reg, idx, iov[j].iov_base, iov[j].iov_len, h);
             start = j + 1;
         }
-        if (!rc && start < k) rc = kvf_recvv_all(fd, iov + start, (int)(k - start));
+        if (!rc && start < k) rc = recvv_hashed(fd, iov + start, (int)(k - start), h);
     }
     free(iov);
+    if (h) {
+        if (!rc) objhash_settle(h); /* objects of 0 bytes after the last byte */
+        kvf_hash_free(h->state);
+    }
     return rc;
 }
 

@@ -73,10 +73,13 @@ int kvf_creg_find(const struct kvf_creg *c, const void *p, size_t len);
  * is the first object that did not fit). reg (may be NULL): pieces whose
  * buffer lies in a registered buffer are read with READ_FIXED through it;
  * no request is left in flight on return (a timed-out read is cancelled and
- * reaped first). Returns 0 or -errno. */
+ * reaped first). keys (may be NULL): object i's key is keys[i][0..key_lens[i]);
+ * then each object found gets its checksum (kvf_hash.h) in digests[i],
+ * computed slice by slice as the bytes land (no second pass over the
+ * memory); digests of misses are left as they are. Returns 0 or -errno. */
 int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *const *bufs,
                      const size_t *buf_lens, uint32_t n, const uint32_t *nseg, uint32_t *bad_index,
-                     struct kvf_creg *reg);
+                     struct kvf_creg *reg, const void *const *keys, const size_t *key_lens, uint64_t *digests);
 
 #endif
 

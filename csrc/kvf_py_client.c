@@ -218,6 +218,65 @@ fail:
     return -1;
 }
 
+/* Checksums while receiving (hash_keys=, digests=): the keys' bytes (held
+ * by the caller's list for the call) and the caller's output buffer. */
+struct hashset {
+    PyObject *fast;      /* the keys, as a fast sequence; NULL: no hashing */
+    const void **keys;   /* PyMem */
+    size_t *key_lens;    /* PyMem */
+    Py_buffer out;       /* n uint64 digests */
+};
+
+static void hashset_release(struct hashset *hs)
+{
+    if (!hs->fast) return;
+    Py_CLEAR(hs->fast);
+    PyMem_Free(hs->keys);
+    PyMem_Free(hs->key_lens);
+    hs->keys = NULL;
+    hs->key_lens = NULL;
+    PyBuffer_Release(&hs->out);
+}
+
+/* hash_keys (bytes, one per GET object) and digests (a writable buffer of
+ * at least 8 bytes per object, 8-byte aligned): both None or both given,
+ * and only with recv buffers. 0, or -1 with a Python exception set (nothing held). GIL held. */
+static int hashset_get(struct hashset *hs, PyObject *keys, PyObject *digests, const struct recvset *rs)
+{
+    memset(hs, 0, sizeof *hs);
+    if (keys == Py_None && digests == Py_None) return 0;
+    if (keys == Py_None || digests == Py_None || !rs) {
+        PyErr_SetString(PyExc_ValueError, "hash_keys and digests go together, with recv buffers");
+        return -1;
+    }
+    PyObject *fast = PySequence_Fast(keys, "hash_keys");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if ((uint64_t)n != rs->nobj) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "hash_keys: %zd keys for %u objects", n, rs->nobj);
+        return -1;
+    }
+    if (PyObject_GetBuffer(digests, &hs->out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) { Py_DECREF(fast); return -1; }
+    if (hs->out.len < n * (Py_ssize_t)sizeof(uint64_t) || ((uintptr_t)hs->out.buf % sizeof(uint64_t))) {
+        PyBuffer_Release(&hs->out);
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "digests: an 8-byte aligned buffer of 8 bytes per key");
+        return -1;
+    }
+    hs->fast = fast;
+    hs->keys = PyMem_Malloc(sizeof(void *) * (size_t)(n ? n : 1));
+    hs->key_lens = PyMem_Malloc(sizeof(size_t) * (size_t)(n ? n : 1));
+    if (!hs->keys || !hs->key_lens) { hashset_release(hs); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyBytes_Check(k)) { hashset_release(hs); PyErr_SetString(PyExc_TypeError, "hash_keys: bytes"); return -1; }
+        hs->keys[i] = PyBytes_AS_STRING(k);
+        hs->key_lens[i] = (size_t)PyBytes_GET_SIZE(k);
+    }
+    return 0;
+}
+
 struct recv_result {
     struct kvf_header h;
     uint8_t *meta;       /* malloc'd */
@@ -228,7 +287,7 @@ struct recv_result {
 
 /* GIL released. Receives one reply into r; object payload into rs when given. */
 static int recv_reply_nogil(int fd, struct recv_result *r, struct recvset *rs, uint32_t max_meta,
-                            uint64_t max_payload, char *payload_buf, struct kvf_creg *reg)
+                            uint64_t max_payload, char *payload_buf, struct kvf_creg *reg, struct hashset *hs)
 {
     int rc = kvf_recv_header(fd, &r->h, max_meta, max_payload, &r->wire_err);
     if (rc) return rc;
@@ -248,7 +307,10 @@ static int recv_reply_nogil(int fd, struct recv_result *r, struct recvset *rs, u
     rc = kvf_parse_sizes(r->meta, r->h.meta_len, sizes, n);
     if (rc == 0) {
         for (size_t i = 0; i < nb; i++) { ptrs[i] = rs->b.views[i].buf; lens[i] = (size_t)rs->b.views[i].len; }
-        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, rs->nseg, &r->bad_index, reg);
+        int hashing = hs && hs->fast;
+        rc = kvf_recv_objects(fd, r->h.payload_len, sizes, ptrs, lens, n, rs->nseg, &r->bad_index, reg,
+                              hashing ? hs->keys : NULL, hashing ? hs->key_lens : NULL,
+                              hashing ? (uint64_t *)hs->out.buf : NULL);
         if (rc == -EPROTO) r->wire_err = KVF_E_LENGTH_MISMATCH;
     } else {
         r->wire_err = KVF_E_MALFORMED;
@@ -299,8 +361,11 @@ static PyObject *finish_recv(int fd, struct recv_result *r, struct recvset *bufs
 
 PyDoc_STRVAR(request_doc,
 "request(fd, opcode, request_id, meta, parts, recv, max_meta, max_payload, flags=0, send=True, deadline=0,\n"
-"        ring=None)\n"
+"        ring=None, hash_keys=None, digests=None)\n"
 "Send one frame and receive one reply on the blocking socket fd, GIL released.\n"
+"hash_keys, digests (with recv): the GET's keys and a writable 8-byte aligned buffer of one\n"
+"uint64 per key; each object found gets its checksum (protocol.checksum) there, computed\n"
+"as its bytes land; entries of misses are left as they are.\n"
 "ring: a ConnRing; GET objects whose recv buffer lies in one of its registered buffers are\n"
 "read with io_uring READ_FIXED, the others with recvmsg.\n"
 "recv: writable buffers (one per key) that a GET reply's objects go into (an entry may be\n"
@@ -314,15 +379,16 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
 {
     (void)self;
     static char *kwlist[] = {"fd", "opcode", "request_id", "meta", "parts", "recv", "max_meta", "max_payload",
-                             "flags", "send", "deadline", "ring", NULL};
+                             "flags", "send", "deadline", "ring", "hash_keys", "digests", NULL};
     int fd, opcode, flags = 0, do_send = 1;
     double deadline = 0;
     unsigned long long rid, max_payload;
     unsigned int max_meta;
     Py_buffer meta;
-    PyObject *parts, *recv, *ring_o = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiKy*OOIK|ipdO", kwlist, &fd, &opcode, &rid, &meta, &parts, &recv,
-                                     &max_meta, &max_payload, &flags, &do_send, &deadline, &ring_o))
+    PyObject *parts, *recv, *ring_o = Py_None, *hkeys = Py_None, *digests = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiKy*OOIK|ipdOOO", kwlist, &fd, &opcode, &rid, &meta, &parts, &recv,
+                                     &max_meta, &max_payload, &flags, &do_send, &deadline, &ring_o, &hkeys,
+                                     &digests))
         return NULL;
     if (opcode < 0 || opcode > 255 || flags < 0 || flags > 255 || meta.len > UINT32_MAX) {
         PyBuffer_Release(&meta);
@@ -333,11 +399,21 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
     if (bufset_get(&pb, parts, 0, "parts")) { PyBuffer_Release(&meta); return NULL; }
     int have_recv = recv != Py_None;
     if (have_recv && recvset_get(&rb, recv)) { bufset_release(&pb); PyBuffer_Release(&meta); return NULL; }
+    struct hashset hs;
+    if (hashset_get(&hs, hkeys, digests, have_recv ? &rb : NULL)) {
+        bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta); return NULL;
+    }
     struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(pb.n ? pb.n : 1));
-    if (!iov) { bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta); return PyErr_NoMemory(); }
+    if (!iov) {
+        hashset_release(&hs); bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta);
+        return PyErr_NoMemory();
+    }
     for (Py_ssize_t i = 0; i < pb.n; i++) { iov[i].iov_base = pb.views[i].buf; iov[i].iov_len = (size_t)pb.views[i].len; }
     RingObject *ring = NULL;
-    if (ring_arg(ring_o, &ring)) { PyMem_Free(iov); bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta); return NULL; }
+    if (ring_arg(ring_o, &ring)) {
+        PyMem_Free(iov); hashset_release(&hs); bufset_release(&pb); recvset_release(&rb); PyBuffer_Release(&meta);
+        return NULL;
+    }
     struct kvf_creg *reg = ring ? &ring->reg : NULL;
     struct recv_result r;
     memset(&r, 0, sizeof r);
@@ -346,9 +422,10 @@ static PyObject *py_request(PyObject *self, PyObject *args, PyObject *kw)
     Py_BEGIN_ALLOW_THREADS
     if (do_send) rc = kvf_send_frame(fd, (uint8_t)opcode, (uint8_t)flags, rid, meta.buf, (uint32_t)meta.len, iov, (int)pb.n);
     if (rc) sent_ok = 0;
-    else rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg);
+    else rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg, &hs);
     Py_END_ALLOW_THREADS
     ring_done(ring);
+    hashset_release(&hs);
     PyMem_Free(iov);
     bufset_release(&pb);
     PyBuffer_Release(&meta);
@@ -394,32 +471,37 @@ static PyObject *py_send_frame(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(recv_frame_doc,
-"recv_frame(fd, recv, max_meta, max_payload, deadline=0, ring=None)\n"
+"recv_frame(fd, recv, max_meta, max_payload, deadline=0, ring=None, hash_keys=None, digests=None)\n"
 "Receive one frame; same result and errors as request().");
 
 static PyObject *py_recv_frame(PyObject *self, PyObject *args)
 {
     (void)self;
     int fd;
-    PyObject *recv, *ring_o = Py_None;
+    PyObject *recv, *ring_o = Py_None, *hkeys = Py_None, *digests = Py_None;
     unsigned int max_meta;
     unsigned long long max_payload;
     double deadline = 0;
-    if (!PyArg_ParseTuple(args, "iOIK|dO", &fd, &recv, &max_meta, &max_payload, &deadline, &ring_o)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOIK|dOOO", &fd, &recv, &max_meta, &max_payload, &deadline, &ring_o, &hkeys,
+                          &digests))
+        return NULL;
     struct recvset rb = {{0}, NULL, 0};
     int have_recv = recv != Py_None;
     if (have_recv && recvset_get(&rb, recv)) return NULL;
+    struct hashset hs;
+    if (hashset_get(&hs, hkeys, digests, have_recv ? &rb : NULL)) { recvset_release(&rb); return NULL; }
     RingObject *ring = NULL;
-    if (ring_arg(ring_o, &ring)) { recvset_release(&rb); return NULL; }
+    if (ring_arg(ring_o, &ring)) { hashset_release(&hs); recvset_release(&rb); return NULL; }
     struct kvf_creg *reg = ring ? &ring->reg : NULL;
     struct recv_result r;
     memset(&r, 0, sizeof r);
     int rc;
     kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
     Py_BEGIN_ALLOW_THREADS
-    rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg);
+    rc = recv_reply_nogil(fd, &r, have_recv ? &rb : NULL, max_meta, max_payload, NULL, reg, &hs);
     Py_END_ALLOW_THREADS
     ring_done(ring);
+    hashset_release(&hs);
     PyObject *out = finish_recv(fd, &r, &rb, rc, max_payload);
     recvset_release(&rb);
     return out;

@@ -17,12 +17,13 @@ def request(
     fd: int, opcode: int, request_id: int, meta: bytes, parts: Sequence[Buffer],
     recv: Sequence[Buffer | tuple[Buffer, ...]] | None,
     max_meta: int, max_payload: int, flags: int = 0, send: bool = True, deadline: float = 0.0,
-    ring: ConnRing | None = None,
+    ring: ConnRing | None = None, hash_keys: Sequence[bytes] | None = None, digests: Buffer | None = None,
 ) -> tuple[int, int, int, bytes, int, bytearray | None]: ...
 def send_frame(fd: int, opcode: int, flags: int, request_id: int, meta: bytes, parts: Sequence[Buffer],
                deadline: float = 0.0) -> None: ...
 def recv_frame(fd: int, recv: Sequence[Buffer | tuple[Buffer, ...]] | None, max_meta: int, max_payload: int,
                deadline: float = 0.0, ring: ConnRing | None = None,
+               hash_keys: Sequence[bytes] | None = None, digests: Buffer | None = None,
                ) -> tuple[int, int, int, bytes, int, bytearray | None]: ...
 
 class ConnRing:

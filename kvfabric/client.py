@@ -469,16 +469,18 @@ class Client(_Routing, _FanOut, HandOff):
                 for chunk in self._chunks(shard, idx, weight):
                     msg = protocol.GetRequest(keys=[keys[i] for i in chunk])
                     bufs = None if views is None else [views[i] for i in chunk]
-                    reply = conn.request(msg, recv_buffers=bufs, deadline=deadline)
+                    # checksums=: a transport that can hashes each object as it lands (no second pass)
+                    reply = conn.request(msg, recv_buffers=bufs, deadline=deadline, checksums=verify and bufs is not None)
+                    got = reply.checksums
                     bad = nbytes = off = 0
                     payload = memoryview(reply.payload if reply.payload is not None else b"")
-                    for i, n, ck in zip(chunk, reply.msg.sizes, reply.msg.checksums):
+                    for j, (i, n, ck) in enumerate(zip(chunk, reply.msg.sizes, reply.msg.checksums)):
                         if n < 0:
                             continue
                         data = payload[off : off + n] if views is None else views[i]
                         off += n
                         nbytes += n
-                        if verify and _object_checksum(keys[i], data, n) != ck:
+                        if verify and (got[j] if got is not None else _object_checksum(keys[i], data, n)) != ck:
                             bad += 1
                             continue
                         if out is not None:

@@ -55,10 +55,15 @@ class Reply:
     ``payload`` holds the reply payload only when a GET was made without
     ``recv_buffers`` (one bytearray, objects concatenated in key order);
     otherwise the bytes are already in the caller's buffers and it is ``None``.
+    ``checksums`` (a GET into ``recv_buffers`` asked with ``checksums=True``,
+    on a transport that computes them while receiving; ``None`` otherwise):
+    :func:`protocol.checksum` of each object received, index ``i`` for key
+    ``i`` (meaningless for a miss), to compare with the reply's.
     """
 
     msg: Message
     payload: bytearray | None = None
+    checksums: Sequence[int] | None = None
 
 
 class Connection(ABC):
@@ -80,13 +85,16 @@ class Connection(ABC):
         recv_buffers: Sequence[Buffer] | None = None,
         *,
         deadline: float | None = None,
+        checksums: bool = False,
     ) -> Reply:
         """Send one request frame (``msg`` + payload) and return its reply.
 
         ``payload_parts`` are sent back to back as the frame payload without
         being joined; their total must equal ``msg.payload_len()``.
         ``recv_buffers`` (GET only) receive the found objects, one buffer per
-        key. ``deadline`` is an absolute ``time.monotonic()`` value; past it
+        key. ``checksums``: a transport that can compute each received
+        object's checksum while receiving does so (``Reply.checksums``);
+        others ignore it. ``deadline`` is an absolute ``time.monotonic()`` value; past it
         the call raises :class:`~kvfabric.errors.DeadlineExceeded` and the
         connection is closed. Errors: see the module docstring.
         """

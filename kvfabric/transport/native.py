@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import socket
 import time
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -238,16 +239,22 @@ class NativeConnection(SocketConnection):
         recv_buffers: Sequence[Any] | None = None,
         *,
         deadline: float | None = None,
+        checksums: bool = False,
     ) -> Reply:
-        return self.pipeline([(msg, payload_parts, recv_buffers)], deadline=deadline)[0]
+        return self.pipeline([(msg, payload_parts, recv_buffers)], deadline=deadline, checksums=checksums)[0]
 
     def pipeline(
         self,
         requests: Sequence[tuple[Message, Sequence[Any], Sequence[Any] | None]],
         *,
         deadline: float | None = None,
+        checksums: bool = False,
     ) -> list[Reply]:
         """Send every ``(msg, payload_parts, recv_buffers)`` request, then read the replies in order.
+
+        ``checksums``: each GET with ``recv_buffers`` has its objects' checksums
+        computed in C slice by slice as the bytes land (``Reply.checksums``),
+        not in a second pass over the buffers.
 
         At most the server's ``max_in_flight`` requests are outstanding. Errors
         as for :meth:`request`; the first error reply raises (after the
@@ -270,11 +277,14 @@ class NativeConnection(SocketConnection):
             n = len(prepared)
             sent = 0
             for i, (msg, rid, meta, parts, recv) in enumerate(prepared):
+                hkeys = digests = None
+                if checksums and recv is not None:
+                    hkeys, digests = msg.keys, array("Q", bytes(8 * len(recv)))
                 if n == 1:  # one call into C: send + receive with one GIL release
                     res_call = lambda: _native.request(  # noqa: E731
                         self._fd, int(msg.op), rid, meta, parts, recv,
                         lim.max_meta_bytes, lim.max_payload_bytes, deadline=dl,
-                        ring=self._ring if recv is not None else None)
+                        ring=self._ring if recv is not None else None, hash_keys=hkeys, digests=digests)
                 else:
                     while sent < n and sent < i + window:
                         m2, rid2, meta2, parts2, _ = prepared[sent]
@@ -282,9 +292,10 @@ class NativeConnection(SocketConnection):
                         sent += 1
                     res_call = lambda: _native.recv_frame(  # noqa: E731
                         self._fd, recv, lim.max_meta_bytes, lim.max_payload_bytes, dl,
-                        self._ring if recv is not None else None)
+                        self._ring if recv is not None else None, hkeys, digests)
                 try:
-                    replies.append(self._decode(msg, rid, res_call()))
+                    reply = self._decode(msg, rid, res_call())
+                    replies.append(reply if digests is None else Reply(reply.msg, reply.payload, digests))
                 except RemoteError as e:
                     if e.code in FATAL_CODES or self._sock is None:  # closed: refused connection
                         raise

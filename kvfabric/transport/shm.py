@@ -260,6 +260,7 @@ class ShmConnection(NativeConnection):
         recv_buffers: Sequence[Any] | None = None,
         *,
         deadline: float | None = None,
+        checksums: bool = False,  # not computed here: Reply.checksums stays None
     ) -> Reply:
         if isinstance(msg, GetRequest):
             return self._get(msg, recv_buffers, deadline)

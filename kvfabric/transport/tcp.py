@@ -120,6 +120,7 @@ class TcpConnection(SocketConnection):
         recv_buffers: Sequence[Any] | None = None,
         *,
         deadline: float | None = None,
+        checksums: bool = False,  # not computed here: Reply.checksums stays None
     ) -> Reply:
         if self._sock is None:
             raise ConnectionClosed(f"connection to {self.address} is closed")

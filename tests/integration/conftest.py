@@ -74,7 +74,9 @@ class CorruptingProxy(FrameProxy):
     """A loopback TCP proxy to ``target``; ``arm(n)`` corrupts the next ``n`` GET reply payloads.
 
     Requests pass through untouched. For an armed GET reply with a payload,
-    the first payload byte is flipped in transit.
+    one payload byte is flipped in transit: the first, or the one at
+    ``arm(n, at=OFFSET)`` (an offset into the reply's payload; negative
+    counts from its end).
     """
 
     parse_replies = True
@@ -82,12 +84,14 @@ class CorruptingProxy(FrameProxy):
     def __init__(self, target: str) -> None:
         self._lock = threading.Lock()
         self._armed = 0
+        self._at = 0
         self.corrupted = 0
         super().__init__(target)
 
-    def arm(self, n: int = 1) -> None:
+    def arm(self, n: int = 1, at: int = 0) -> None:
         with self._lock:
             self._armed += n
+            self._at = at
 
     def _take(self) -> bool:
         with self._lock:
@@ -99,7 +103,7 @@ class CorruptingProxy(FrameProxy):
 
     def reply_frame(self, h, head, rest):
         if h.opcode == protocol.Op.GET and h.payload_len and not h.is_error and self._take():
-            rest[h.meta_len] ^= 0xFF
+            rest[h.meta_len + self._at % h.payload_len] ^= 0xFF
         return bytes(head) + bytes(rest)
 
 

@@ -53,3 +53,33 @@ def test_without_verification_the_corruption_would_get_through(pair, make_pool, 
     got = client.get(keys)
     assert all(g is not None for g in got)
     assert sum(g != v for g, v in zip(got, values)) == 3
+
+
+def test_a_byte_flipped_deep_inside_a_large_object_is_a_miss(pair, make_pool, make_client, make_proxy):
+    """The native transport hashes objects in slices as they land: a flip in a later slice, or in
+    the reply's very last byte, still fails that object only (get_into and the scatter form)."""
+    if pair[1] not in SOCKET_PAYLOAD_TRANSPORTS:
+        pytest.skip(f"{pair[1]} GET payloads do not travel through the proxied socket")
+    pool = make_pool(1)
+    proxy = make_proxy(pool.addresses[0])
+    client = make_client([proxy.address])
+    rng = np.random.default_rng(12)
+    sizes = [3000, 1_000_000, 70_000, 5]
+    keys = [rng.bytes(16) for _ in sizes]
+    values = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    assert client.put(keys, values).stored == len(keys)
+
+    proxy.arm(1, at=3000 + 700_000)  # inside the 1 MB object, well past its first slices
+    bufs = [np.zeros(n, np.uint8) for n in sizes]
+    got = client.get_into(keys, bufs)
+    assert got == [3000, None, 70_000, 5]
+    assert [bytes(bufs[i]) for i in (0, 2, 3)] == [values[i] for i in (0, 2, 3)]
+
+    proxy.arm(1, at=-1)  # the last byte of the reply: the last object's
+    parts = [(np.zeros(256, np.uint8), np.zeros(max(n - 256, 1), np.uint8)) for n in sizes]
+    got = client.get_into_parts(keys, parts)
+    assert got == [3000, 1_000_000, 70_000, None]
+    for i in range(3):
+        assert (bytes(parts[i][0]) + bytes(parts[i][1]))[: sizes[i]] == values[i]
+    assert client.stats()["client"]["checksum_failures"] == 2
+    assert client.get_into(keys, bufs) == sizes  # stored intact, the connection still serves
