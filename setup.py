@@ -32,6 +32,7 @@ SOURCES = [
     "csrc/kvf_py_bench.c",
     "csrc/kvf_mpack.c",
     "csrc/kvf_conn.c",
+    "csrc/kvf_rxhash.c",
     "csrc/kvf_store.c",
     "csrc/kvf_shared.c",
     "csrc/kvf_shm.c",

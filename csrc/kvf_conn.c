@@ -4,12 +4,13 @@
  * caller's buffers, so object bytes go from the socket straight into the
  * engine's memory; PUT payloads are sent with sendmsg() from the caller's
  * buffers (gathered, no staging copy). IOV_MAX bounds each call, partial
- * transfers advance the iovec and continue.
+ * transfers advance the iovec and continue. Asked for checksums, the GET
+ * receive hashes each slice as it lands (kvf_rxhash.c).
  */
 #define _GNU_SOURCE
 #include "kvf_conn.h"
-#include "kvf_hash.h"
 #include "kvf_mpack.h"
+#include "kvf_rxhash.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -92,7 +93,7 @@ int kvf_sendv_all(int fd, struct iovec *iov, int n)
     return 0;
 }
 
-/* ---------------------------------------------------------------- checksums while receiving */
+/* ---------------------------------------------------------------- receiving */
 
 /* Slice of the stream received per recvmsg / READ_FIXED while objects are
  * hashed: each slice is hashed right after it lands, while it is still in
@@ -102,70 +103,9 @@ int kvf_sendv_all(int fd, struct iovec *iov, int n)
  * 0.60, a pass after the reply 0.47; the extra recvmsg calls cost ~1%. */
 #define KVF_HASH_SLICE (64u << 10)
 
-/* The checksum cursor of kvf_recv_objects: walks the objects' segments in
- * stream order as bytes land and keeps one streaming xxh3 state. */
-struct objhash {
-    const int64_t *sizes;
-    void *const *bufs;
-    const size_t *buf_lens;
-    const uint32_t *nseg;
-    uint32_t n;
-    const void *const *keys;
-    const size_t *key_lens;
-    uint64_t *digests;
-    void *state;
-    uint32_t i;     /* current object */
-    size_t first;   /* index in bufs of object i's first segment */
-    uint32_t seg;   /* segment of object i being filled */
-    size_t seg_off; /* bytes of that segment hashed */
-    uint64_t left;  /* bytes of object i not hashed yet */
-    int open;       /* state reset for object i */
-};
-
-/* Finish every object that needs no more bytes (misses skipped, empty
- * objects digested) and open the next one that does. */
-static void objhash_settle(struct objhash *h)
-{
-    while (h->i < h->n) {
-        if (h->sizes[h->i] >= 0) {
-            if (!h->open) {
-                kvf_hash_reset_key(h->state, h->keys[h->i], h->key_lens[h->i]);
-                h->open = 1;
-                h->left = (uint64_t)h->sizes[h->i];
-                h->seg = 0;
-                h->seg_off = 0;
-            }
-            if (h->left) return;
-            h->digests[h->i] = kvf_hash_digest(h->state);
-        }
-        h->first += h->nseg ? h->nseg[h->i] : 1;
-        h->i++;
-        h->open = 0;
-    }
-}
-
-/* The next len bytes of the payload stream have landed: hash them. */
-static void objhash_feed(struct objhash *h, size_t len)
-{
-    while (len) {
-        objhash_settle(h);
-        if (h->i >= h->n) return; /* cannot happen: the sizes add up to the payload */
-        size_t cap = h->buf_lens[h->first + h->seg];
-        if (h->seg_off >= cap) { h->seg++; h->seg_off = 0; continue; }
-        size_t take = cap - h->seg_off;
-        if (take > len) take = len;
-        if (take > h->left) take = (size_t)h->left;
-        kvf_hash_update(h->state, (const char *)h->bufs[h->first + h->seg] + h->seg_off, take);
-        h->seg_off += take;
-        h->left -= take;
-        len -= take;
-    }
-    objhash_settle(h);
-}
-
 /* recvmsg until the iovec is full (advanced in place). With h, at most
  * KVF_HASH_SLICE bytes per call, each slice hashed as soon as it lands. */
-static int recvv_hashed(int fd, struct iovec *iov, int n, struct objhash *h)
+static int recvv_hashed(int fd, struct iovec *iov, int n, struct kvf_rxhash *h)
 {
     while (n > 0 && iov->iov_len == 0) { iov++; n--; }
     while (n > 0) {
@@ -204,7 +144,7 @@ static int recvv_hashed(int fd, struct iovec *iov, int n, struct objhash *h)
             return -err;
         }
         if (r == 0) return -ECONNRESET;
-        if (h) objhash_feed(h, (size_t)r);
+        if (h) kvf_rxhash_feed(h, (size_t)r);
         advance(&iov, &n, (size_t)r);
         while (n > 0 && iov->iov_len == 0) { iov++; n--; }
     }
@@ -391,7 +331,7 @@ static int reap_read(struct kvf_creg *c, int fd, int *res)
 
 /* Read exactly len bytes of the stream into p, inside registered buffer idx
  * (with h: at most KVF_HASH_SLICE per read, each hashed as it lands). */
-static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t len, struct objhash *h)
+static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t len, struct kvf_rxhash *h)
 {
     size_t most = h ? KVF_HASH_SLICE : (1u << 30);
     char *at = p;
@@ -414,7 +354,7 @@ static int read_fixed_all(int fd, struct kvf_creg *c, int idx, void *p, size_t l
         if (res == 0) return -ECONNRESET;
         c->fixed_reads++;
         c->fixed_bytes += (uint64_t)res;
-        if (h) objhash_feed(h, (size_t)res);
+        if (h) kvf_rxhash_feed(h, (size_t)res);
         at += res;
         len -= (size_t)res;
     }
@@ -446,28 +386,18 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
         int rc = kvf_drain(fd, payload_len);
         return rc ? rc : -EMSGSIZE;
     }
-    struct objhash oh, *h = NULL;
+    struct kvf_rxhash oh, *h = NULL;
     if (keys) {
-        memset(&oh, 0, sizeof oh);
-        oh.sizes = sizes;
-        oh.bufs = bufs;
-        oh.buf_lens = buf_lens;
-        oh.nseg = nseg;
-        oh.n = n;
-        oh.keys = keys;
-        oh.key_lens = key_lens;
-        oh.digests = digests;
-        oh.state = kvf_hash_new();
-        if (!oh.state) return -ENOMEM;
+        if (kvf_rxhash_open(&oh, sizes, bufs, buf_lens, nseg, n, keys, key_lens, digests)) return -ENOMEM;
         h = &oh;
     }
     if (!pieces) {
-        if (h) { objhash_settle(h); kvf_hash_free(h->state); }
+        if (h) { kvf_rxhash_finish(h); kvf_rxhash_close(h); }
         return 0;
     }
     struct iovec *iov = malloc(sizeof(struct iovec) * pieces);
     if (!iov) {
-        if (h) kvf_hash_free(h->state);
+        if (h) kvf_rxhash_close(h);
         return -ENOMEM;
     }
     uint32_t k = 0;
@@ -508,8 +438,8 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
     }
     free(iov);
     if (h) {
-        if (!rc) objhash_settle(h); /* objects of 0 bytes after the last byte */
-        kvf_hash_free(h->state);
+        if (!rc) kvf_rxhash_finish(h); /* objects of 0 bytes after the last byte */
+        kvf_rxhash_close(h);
     }
     return rc;
 }
