@@ -91,3 +91,43 @@ def test_lora_engine_is_refused_at_start_with_a_clear_error(run_engine):
     with pytest.raises(AssertionError, match="engine failed") as err:
         run_engine(["salt"], ["127.0.0.1:1"], args=["--enable-lora"])
     assert "kvfabric: LoRA is not supported" in str(err.value), str(err.value)[-3000:]
+
+
+def _connector_for(model_dir: str):
+    """Build the connector the way vLLM does (scheduler side), on vLLM's own ModelConfig of
+    ``model_dir``, with a pool that is not there (it serves without it)."""
+    import torch
+    from kvfabric_vllm.connector import KVFabricConnector
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    xfer = KVTransferConfig(kv_connector="KVFabricConnector", kv_connector_module_path="kvfabric_vllm.connector",
+                            kv_role="kv_both", kv_connector_extra_config={"servers": ["127.0.0.1:1"]})
+    vc = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
+                    kv_transfer_config=xfer)
+    spec = FullAttentionSpec(block_size=CHUNK, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    kvc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    return KVFabricConnector(vc, KVConnectorRole.SCHEDULER, kvc)
+
+
+def test_multimodal_model_is_refused_with_a_clear_error(tmp_path, tiny_model):
+    """Defect: multimodal models were not refused (an image changes the KV of the same placeholder
+    tokens, which the keys do not bind). No multimodal engine can run here (the models vLLM's CPU
+    build can import need weights and processors this test cannot fetch), so the check runs where
+    vLLM runs it: the connector built on vLLM's own ModelConfig of a tiny PaliGemma config (vLLM
+    decides it is multimodal). The same construction on the text-only tiny Llama is accepted."""
+    from kvfabric.errors import ConfigError
+    from transformers import GemmaConfig, PaliGemmaConfig, SiglipVisionConfig
+
+    text = GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=16, projection_dim=64)
+    cfg = PaliGemmaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=500,
+                          projection_dim=64)
+    cfg.architectures = ["PaliGemmaForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="kvfabric: multimodal models are not supported"):
+        _connector_for(str(tmp_path))
+    _connector_for(tiny_model).shutdown()  # text-only: built (the pool is down: it serves without it)
