@@ -52,7 +52,6 @@ queued or running then is abandoned and counted (``save_abandoned_jobs``).
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -270,13 +269,15 @@ class WorkerSide:
         do not give ``shm`` to an ``auto`` client, how to get it: a load over ``shm`` is one copy
         out of the server's arena; over loopback ``native``/``tcp`` it crosses the network stack
         (about 5x slower for the tiny Llama's loads here, docs/notes/vllm.md "Issue 13 figures")."""
+        from kvfabric.transport.shm import on_this_host  # the check shm's connect makes
+
         assert self.client is not None
         used = {a: t for a, t in self.client.transports.items() if t}
         if not used:
             return                     # not connected yet: note it after a later load
         self._transport_noted = True
         log.info("kvfabric: loads use %s", ", ".join(f"{t} ({a})" for a, t in sorted(used.items())))
-        local = sorted(a for a, t in used.items() if t != "shm" and _on_this_host(a))
+        local = sorted(a for a, t in used.items() if t != "shm" and on_this_host(a))
         if local and self.cfg.client.transport == "auto":
             log.info("kvfabric: pool server(s) %s are on this host but do not offer shm: start them with "
                      "`--transports tcp,native,shm` for faster loads (transport auto then picks shm)",
@@ -516,14 +517,3 @@ class WorkerSide:
             self.client.close()
         log.info("kvfabric worker shut down (%d save jobs drained in %.2f s, %d abandoned); counters: %s",
                  len(jobs) - len(left), time.monotonic() - t0, len(left), self.counters.snapshot())
-
-
-def _on_this_host(address: str) -> bool:
-    """True for a loopback ``host:port`` (``localhost``, 127.0.0.0/8, ``[::1]``)."""
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -57,6 +57,7 @@ from typing import Any
 from .. import protocol
 from ..errors import (
     FATAL_CODES,
+    ConfigError,
     DeadlineExceeded,
     RemoteError,
     NativeError,
@@ -116,6 +117,16 @@ def _is_local(host: str) -> bool:
     except OSError:
         return False
     return all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def on_this_host(address: str) -> bool:
+    """True when ``address`` ("host:port") names this host the way :func:`connect` requires
+    (every address it resolves to is loopback); False for anything else, malformed included."""
+    try:
+        host, _ = parse_address(address)
+    except ConfigError:
+        return False
+    return _is_local(host)
 
 
 def connect(
