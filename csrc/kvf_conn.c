@@ -25,8 +25,18 @@
 
 static __thread int64_t tl_deadline_ns;
 static __thread int tl_timeo_set;
+/* The last socket timeout armed on this thread (arm): which fd and option,
+ * for which deadline, when. A receive loop of many slices re-arms only when
+ * the last arming is over KVF_REARM_NS old, so a call can overrun the
+ * deadline by at most that much (instead of one setsockopt per slice). */
+static __thread struct { int fd, opt; int64_t deadline, at; } tl_armed = {-1, 0, 0, 0};
+#define KVF_REARM_NS 2000000LL
 
-void kvf_set_deadline(int64_t deadline_ns) { tl_deadline_ns = deadline_ns; }
+void kvf_set_deadline(int64_t deadline_ns)
+{
+    tl_deadline_ns = deadline_ns;
+    tl_armed.fd = -1; /* every call arms afresh: an fd number may have been reused */
+}
 
 static int64_t now_ns(void)
 {
@@ -47,12 +57,19 @@ static int arm(int fd, int opt)
         }
         return 0;
     }
-    int64_t left = tl_deadline_ns - now_ns();
+    int64_t now = now_ns(), left = tl_deadline_ns - now;
     if (left <= 0) return -ETIMEDOUT;
+    if (tl_armed.fd == fd && tl_armed.opt == opt && tl_armed.deadline == tl_deadline_ns &&
+        now - tl_armed.at < KVF_REARM_NS)
+        return 0; /* armed moments ago for this deadline: still within KVF_REARM_NS of it */
     if (left < 1000000) left = 1000000;
     struct timeval tv = {(time_t)(left / 1000000000LL), (suseconds_t)((left % 1000000000LL) / 1000)};
     if (setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv)) return -errno;
     tl_timeo_set = 1;
+    tl_armed.fd = fd;
+    tl_armed.opt = opt;
+    tl_armed.deadline = tl_deadline_ns;
+    tl_armed.at = now;
     return 0;
 }
 

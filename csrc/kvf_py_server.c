@@ -380,7 +380,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
     kvf_store_stats(self->st, &ss);
     kvf_server_counters(self->srv, &c);
     PyObject *d = stats_maps(Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
         "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
         "pinned", ss.pinned, "hits", c.hits, "misses", c.misses, "puts", c.puts, "bytes_in", c.bytes_in,
@@ -388,7 +388,7 @@ static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
         "zc_sends", c.zc_sends, "zerocopy", c.zerocopy ? Py_True : Py_False,
         "fixed_buffers", c.fixed_buffers ? Py_True : Py_False, "tcp", c.by_transport[0],
         "native", c.by_transport[1], "shm", c.by_transport[2], "connections_refused", c.rejected,
-        "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends,
+        "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends, "client_verified_sends", c.client_verified,
         "checksum_rejects", c.checksum_rejects, "shm_refused", c.shm_refused,
         "shm_leases_expired", c.shm_leases_expired, "shm_reservations_expired", c.shm_reservations_expired,
         "idle_timeouts", c.idle_closed, "preauth_timeouts", c.preauth_closed, "reply_budget_waits", c.reply_waits,

@@ -40,6 +40,9 @@ enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP, RS_
 /* GET objects up to this size are verified before their reply is queued;
  * larger ones chunk by chunk while they are sent (bounded loop stalls). */
 #define KVF_VERIFY_WHOLE (4u << 20)
+/* A streamed-verified object is hashed this far ahead of what is sent: one
+ * send's worth, small enough to stay in a core's L2 until it is sent. */
+#define KVF_HASH_AHEAD (512u << 10)
 #define KVF_SEND_IOV 64
 #define KVF_FIXED_CHUNK (1ull << 30) /* registered buffers are at most 1 GiB each */
 /* SQE user_data: a pointer tagged in its low 3 bits (see kvf_server.c) */

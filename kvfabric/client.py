@@ -464,31 +464,47 @@ class Client(_Routing, _FanOut, HandOff):
         cap = protocol.MAX_OBJECT_BYTES
 
         def job_for(shard: _Shard, idx: list[int]):
+            def fetch(conn: transport.Connection, chunk: list[int], deadline: float, trust: bool) -> list[int]:
+                """One GET of ``chunk``; the keys whose object failed its checksum here.
+
+                ``trust``: the server may send without checking (``client_verifies``), this client checks.
+                """
+                msg = protocol.GetRequest(keys=[keys[i] for i in chunk], client_verifies=trust)
+                bufs = None if views is None else [views[i] for i in chunk]
+                # checksums=: a transport that can hashes each object as it lands (no second pass)
+                reply = conn.request(msg, recv_buffers=bufs, deadline=deadline, checksums=verify and bufs is not None)
+                got = reply.checksums
+                bad: list[int] = []
+                nbytes = off = 0
+                payload = memoryview(reply.payload if reply.payload is not None else b"")
+                for j, (i, n, ck) in enumerate(zip(chunk, reply.msg.sizes, reply.msg.checksums)):
+                    if n < 0:
+                        continue
+                    data = payload[off : off + n] if views is None else views[i]
+                    off += n
+                    nbytes += n
+                    if verify and (got[j] if got is not None else _object_checksum(keys[i], data, n)) != ck:
+                        bad.append(i)
+                        continue
+                    if out is not None:
+                        out[i] = bytes(data)
+                    sizes[i] = n
+                self._counters.add(requests=1, bytes_in=nbytes, checksum_failures=len(bad))
+                if bad:
+                    log.warning("kvfabric: %d objects from %s failed their checksum%s", len(bad), shard.address,
+                                "; asking the server to check them" if trust else "")
+                return bad
+
             def job(conn: transport.Connection, deadline: float) -> None:
                 weight = (lambda i: min(_nbytes(views[i]), cap)) if views is not None else None
                 for chunk in self._chunks(shard, idx, weight):
-                    msg = protocol.GetRequest(keys=[keys[i] for i in chunk])
-                    bufs = None if views is None else [views[i] for i in chunk]
-                    # checksums=: a transport that can hashes each object as it lands (no second pass)
-                    reply = conn.request(msg, recv_buffers=bufs, deadline=deadline, checksums=verify and bufs is not None)
-                    got = reply.checksums
-                    bad = nbytes = off = 0
-                    payload = memoryview(reply.payload if reply.payload is not None else b"")
-                    for j, (i, n, ck) in enumerate(zip(chunk, reply.msg.sizes, reply.msg.checksums)):
-                        if n < 0:
-                            continue
-                        data = payload[off : off + n] if views is None else views[i]
-                        off += n
-                        nbytes += n
-                        if verify and (got[j] if got is not None else _object_checksum(keys[i], data, n)) != ck:
-                            bad += 1
-                            continue
-                        if out is not None:
-                            out[i] = bytes(data)
-                        sizes[i] = n
-                    self._counters.add(requests=1, bytes_in=nbytes, checksum_failures=bad)
+                    # A verifying client lets the server skip its own pass over the bytes. A mismatch
+                    # is asked again without that: the server checks, drops a corrupt stored object
+                    # and answers a miss (so one bad copy cannot stay in the pool), or sends the bytes
+                    # again (a flip on the way), which are checked again.
+                    bad = fetch(conn, chunk, deadline, verify)
                     if bad:
-                        log.warning("kvfabric: %d objects from %s failed their checksum", bad, shard.address)
+                        fetch(conn, bad, deadline, False)
             return job
 
         pending = list(range(len(keys)))

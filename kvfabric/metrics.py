@@ -94,6 +94,7 @@ _OPTIONAL_HELP = {
     "zc_sends": "GET reply sends with IORING_OP_SEND_ZC",
     "copy_sends": "GET reply sends copied by the kernel (SENDMSG)",
     "zc_copied_notifs": "zero-copy sends the kernel copied after all",
+    "client_verified_sends": "GET objects sent without the server's checksum pass: their client verifies them",
     "transports_in_use": "connections accepted, by the transport they said at HELLO",
     "shm_refused": "unix peers refused by the SO_PEERCRED check",
     "shm_leases_expired": "shm leases dropped at --max-lease-ms",

@@ -191,8 +191,29 @@ class LookupReply(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class GetRequest(KeysMessage):
+class GetRequest(Message):
+    """The objects stored under ``keys``.
+
+    ``client_verifies``: the client checks every object it receives against
+    the reply's checksum itself, so the server may send the objects without
+    checking them first (one pass over the bytes fewer on the server). A
+    client that then finds a mismatch asks for those keys again without the
+    flag: the server checks them, drops a corrupt object and answers a miss.
+    """
+
     op: ClassVar[Op] = Op.GET
+    keys: Sequence[bytes] = ()
+    client_verifies: bool = False
+
+    def to_meta(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"keys": list(self.keys)}
+        if self.client_verifies:
+            m["client_verifies"] = True
+        return m
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> GetRequest:
+        return cls(keys=_keys(meta, limits), client_verifies=_field(meta, "client_verifies", bool, default=False))
 
 
 @dataclass(frozen=True, slots=True)

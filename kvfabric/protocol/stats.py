@@ -105,6 +105,7 @@ STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
     "native": (
         "events_dropped",  # eviction events lost to a full ring (the policy was resynchronised)
         "zc_sends", "copy_sends", "zc_copied_notifs",  # how GET objects went out
+        "client_verified_sends",  # GET objects sent unchecked: their client verifies them (client_verifies)
         "data_plane",  # io_uring[+send_zc[+fixed]]
         "transports_in_use",  # {tcp, native, shm}: connections by what they said at HELLO
         "shm_refused",  # unix peers refused by the SO_PEERCRED check

@@ -134,3 +134,12 @@ def test_random_metadata_gets_the_same_verdict_from_both_servers_and_decode_meta
         if server_ok != python_ok:
             disagree.append((meta.hex(), python_ok, reply))
     assert not disagree, disagree[:3]
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_a_get_whose_client_verifies_is_not_a_bool_is_malformed_on_both_servers(address, open_raw, value):
+    raw = open_raw(address)
+    h, reply = exchange(raw, p.Op.GET, msgpack.packb({"keys": [K], "client_verifies": value}), 4)
+    assert h.is_error and reply["code"] == ErrorCode.MALFORMED, reply
+    h, reply = exchange(raw, p.Op.GET, msgpack.packb({"keys": [K], "client_verifies": True}), 5)
+    assert not h.is_error and reply["sizes"] == [-1]

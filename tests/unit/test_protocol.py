@@ -186,6 +186,7 @@ def decode(op, meta, payload_len=0, limits=p.DEFAULT_LIMITS):
          ErrorCode.PAYLOAD_TOO_LARGE),
         (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "parents": [b"a", b"b"]}, 1, ErrorCode.MALFORMED),
         (p.Op.LOOKUP, {"keys": [b"k"], "lease_ms": -1}, 0, ErrorCode.MALFORMED),
+        (p.Op.GET, {"keys": [b"k"], "client_verifies": 1}, 0, ErrorCode.MALFORMED),
         (p.Op.HELLO, {"client": "x"}, 0, ErrorCode.MALFORMED),
     ],
 )

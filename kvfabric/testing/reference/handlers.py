@@ -251,7 +251,7 @@ class Handlers:
         return Reply(protocol.encode_reply(LookupReply(count), header.request_id))
 
     def _get(self, session: Session, header: Header, msg: Any) -> Reply:
-        got = self.store.acquire(msg.keys, max_bytes=session.limits.max_payload_bytes)
+        got = self.store.acquire(msg.keys, max_bytes=session.limits.max_payload_bytes, verify=not msg.client_verifies)
         try:
             head = protocol.encode_reply(GetReply(got.sizes, got.checksums), header.request_id)
         except BaseException:

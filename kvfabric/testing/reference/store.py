@@ -213,18 +213,19 @@ class Store:
 
     # ------------------------------------------------------------------ GET
 
-    def acquire(self, keys: Sequence[bytes], max_bytes: int | None = None) -> Acquired:
+    def acquire(self, keys: Sequence[bytes], max_bytes: int | None = None, verify: bool = True) -> Acquired:
         """Pin and verify the objects for ``keys``; count hits and misses.
 
         An object whose checksum fails is dropped (``checksum_failures``) and
-        reported as a miss. Found objects beyond ``max_bytes`` in total (the
+        reported as a miss; ``verify=False`` (a GET whose client verifies
+        itself) skips that check. Found objects beyond ``max_bytes`` in total (the
         reply's payload limit) are reported as misses too. The caller must
         ``release()`` the result.
         """
         budget = max_bytes if max_bytes is not None else 1 << 62
         with self._lock:
             found = [self._pin(k) for k in keys]
-        verified = [e is not None and checksum(k, self.arena.view(e.offset, e.size)) == e.checksum
+        verified = [e is not None and (not verify or checksum(k, self.arena.view(e.offset, e.size)) == e.checksum)
                     for k, e in zip(keys, found)]
         sizes: list[int] = []
         sums: list[int] = []
