@@ -187,6 +187,19 @@ class _Routing:
         return [[view.ids[p] for p in row]
                 for row in sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))]
 
+    def unreachable(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: True when every server that owns it now is marked down (a request or connect to
+        it failed; it is tried again after its backoff), so a lookup or get of it is a miss without
+        asking anyone until one of them is back. True for every key of an empty cluster. Pure
+        bookkeeping: no request is sent (a caller deciding whether waiting for a key can pay off)."""
+        keys = self._keys(keys)
+        view = self._view
+        if not view.ids:
+            return [True] * len(keys)
+        down = [bool(s.down_until) for s in view.shards]
+        return [all(down[p] for p in row)
+                for row in sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))]
+
     def _owners(self, keys: list[bytes], view: _View | None = None) -> list[list[int]]:
         """Owners of each key as ``shard.index`` values, routed over ``view``'s server ids (default: the current)."""
         view = self._view if view is None else view

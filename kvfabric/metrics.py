@@ -170,6 +170,8 @@ VLLM: dict[str, Metric] = _table(
     Metric("pd_relookups", COUNTER, "PD consumer: lookups repeated while waiting for the producer's chunks"),
     Metric("pd_wait_timeouts", COUNTER, "PD consumer: waits that ran out (pd_wait_ms); the missing chunks are "
                                         "recomputed"),
+    Metric("pd_pool_down", COUNTER, "PD consumer: waits ended at once because every server owning the first "
+                                    "missing chunk is down; the missing chunks are recomputed"),
     Metric("held_requests", COUNTER, "finished requests whose blocks are kept until their saves are acknowledged"),
     # worker side
     Metric("load_chunks", COUNTER, "chunks copied into paged KV blocks"),

@@ -50,7 +50,8 @@ pd_wait_ms         1000      disaggregated prefill (PD): when a request carries 
                              ``kv_transfer_params`` (``{"kvfabric": {"chunks": N, ...}}``) and the
                              pool holds fewer of its chunks, look up again (every 10 ms, the
                              request waits, the batch does not) for at most this long before
-                             recomputing the rest
+                             recomputing the rest (not at all when every server owning the next
+                             missing chunk is down)
 hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_free_blocks``)
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for

@@ -51,7 +51,10 @@ passes them to the consumer lets the consumer tell "not there yet" from "not
 saved": when its lookup finds fewer than N chunks it looks up again every
 ``_PD_RETRY_S`` for at most ``pd_wait_ms`` (the request waits, returning
 "ask again later"; the batch does not), then recomputes what is missing
-(``pd_wait_timeouts``). A ``key`` that is not the consumer's own key for
+(``pd_wait_timeouts``). When every server owning the first missing chunk
+is marked down (the client's lookup failed there) the wait ends at once
+(``pd_pool_down``): a dead pool costs a consumer no wait, only the
+recompute. A ``key`` that is not the consumer's own key for
 chunk N-1 (another model, chunk size, salt...) means it can never hit: no
 wait, warned once. With ``hold_until_saved`` (default for ``kv_producer``)
 a finished request that sent saves keeps its blocks (``request_finished``
@@ -223,11 +226,23 @@ class SchedulerSide:
             st.saved_upto = st.pool_run
         return st.pool_run
 
+    def _unreachable(self, st: _Req, chunk: int) -> bool:
+        """Whether some object of prompt chunk ``chunk`` (any rank, any layer object) has every owner down."""
+        assert self.client is not None
+        objs = [k for rank_keys in st.keys
+                for k in chunk_major_layer_keys(self._hasher, rank_keys[chunk:chunk + 1], self.n_layers)]
+        return any(self.client.unreachable(objs))
+
     def _pd_wait(self, st: _Req, run: int, n_load: int) -> bool:
         """PD: True while the request should wait for the producer's chunks (a lookup is started
         again every ``_PD_RETRY_S``); False once they are all found or the wait has run out."""
         want = min(st.expect_chunks, n_load)
         if run >= want or self.cfg.pd_wait_ms == 0:
+            return False
+        if self._unreachable(st, run):
+            self.counters.fail("pd_pool_down", "the pool held %d of the %d chunks the producer reported and the "
+                               "servers owning the next one are down", run, want)
+            st.expect_chunks = 0
             return False
         now = time.monotonic()
         if not st.pd_deadline:

@@ -124,6 +124,8 @@ def test_client_starts_with_a_dead_server(make_pool, make_client):
     assert [g is None for g in got] == [o == 1 for o in owner]
     st = client.stats()["client"]
     assert st["shards"][dead]["up"] is False and st["shards"][dead]["last_error"]
+    # the keys a caller need not wait for: exactly those whose only owner is the dead server
+    assert client.unreachable(keys) == [o == 1 for o in owner]
 
 
 def test_stalled_shard_hits_the_deadline_then_recovers(make_pool, make_client):
@@ -155,8 +157,11 @@ def test_replicas_survive_one_dead_shard(make_pool, make_client):
     assert client.put(keys, values).stored == 120
     st = client.stats()["servers"]
     assert sum(s["objects"] for s in st.values()) == 240  # two copies of each
+    assert client.unreachable(keys) == [False] * 120
     pool[0].kill()
     assert client.get(keys) == values  # the second owner answers for every key
+    assert client.stats()["client"]["shards"][pool[0].address]["up"] is False
+    assert client.unreachable(keys) == [False] * 120  # one owner of each key is still up
     assert client.exists(keys) == [True] * 120
     assert client.lookup(keys) == 120
     new_keys, new_values = _data(30, 25)

@@ -20,7 +20,8 @@ order; the last two kill the pool, then the engines.
 4. the consumer gets the producer's ``kv_transfer_params`` before the
    producer's puts land: it waits (``pd_waits``), then loads them all;
 5. the pool killed after the producer's prefills: the consumer recomputes
-   (after its bounded wait), identical outputs, never a hang;
+   at once (its lookup marked the server down: no pd_wait_ms wait,
+   ``pd_pool_down``), identical outputs, never a hang;
 6. the prefill instance stopped: the proxy sends the request to the decode
    instance alone (identical output); the decode instance stopped too: the
    proxy answers 502 / 503 at once, no hang.
@@ -64,7 +65,7 @@ EXAMPLE_TIMEOUT_S = 900      # the example's four requests on a loaded machine
 VLLM_BLOCK = 128             # vLLM's CPU block size; PD chunks are one block
 # the consumer's bounded wait for the producer's chunks: long enough for the late-puts test to see
 # the consumer waiting and then run the producer (a prefill, seconds on a loaded machine) within it;
-# the dead-pool test pays it once
+# (the dead-pool test no longer pays it: a pool whose servers are down ends the wait at once)
 PD_WAIT_MS = 20000
 METRICS_WAIT_S = 120         # vLLM records a step's connector stats after the step
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -334,18 +335,20 @@ def test_pd_consumer_waits_for_the_producers_late_puts(pd, cold):
 
 
 def test_pd_consumer_recomputes_when_the_pool_dies(pd, cold):
-    """The pool dies after the producer's prefills: the consumer waits at most pd_wait_ms for the
-    chunks the producer reported, then recomputes: identical output, never a hang."""
-    timeouts = _metrics_when(pd.decode, lambda t: True)("pd_wait_timeouts")
+    """The pool dies after the producer's prefills: the consumer's lookup fails, the pool's only
+    server is marked down, so it does not wait for the chunks the producer reported (pd_wait_ms):
+    it recomputes at once: identical output, never a hang."""
+    before = _metrics_when(pd.decode, lambda t: True)
+    timeouts, pool_down = before("pd_wait_timeouts"), before("pd_pool_down")
     pd.pool[0].kill()
     down = pd.complete("down")
-    consumer = _metrics_when(pd.decode, lambda t: t("pd_wait_timeouts") > timeouts)
+    consumer = _metrics_when(pd.decode, lambda t: t("pd_pool_down") > pool_down)
     producer = _metrics_when(pd.prefill, lambda t: t("held_released") >= t("held_requests"))
 
     assert down == (cold["down"], 0)                     # recomputed: nothing could be loaded
-    # ... after waiting (bounded, pd_wait_ms) for the chunks the producer reported: warned once, counted
-    assert "chunks the producer reported after" in pd.consumer_log.read_text()
-    assert consumer("pd_wait_timeouts") == timeouts + 1
+    # ... without waiting for the chunks the producer reported: warned once, counted
+    assert "servers owning the next one are down" in pd.consumer_log.read_text()
+    assert consumer("pd_pool_down") == pool_down + 1 and consumer("pd_wait_timeouts") == timeouts
     # the producer's saves to the dead pool failed, and that too ended its holds (blocks freed)
     assert producer("held_released") == producer("held_requests")
 
