@@ -289,8 +289,8 @@ static void start_send(struct conn *c)
         if (g && g->hashed < g->len) {
             /* Hash the next KVF_HASH_AHEAD bytes while the kernel sends what
              * is verified: the next send carries them while they are still
-             * in this core's cache (each byte read from memory once), and no
-             * object, however large, holds the loop for more than one window. */
+             * in cache, and no object, however large, holds the loop for more
+             * than one window (it used to hash the whole rest here). */
             kvf_ring_submit_wait(&s->ring, 0, 0);
             uint64_t until = g->hashed + KVF_HASH_AHEAD;
             while (g->hashed < g->len && g->hashed < until)
