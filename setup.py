@@ -41,6 +41,7 @@ SOURCES = [
     "csrc/kvf_send.c",
     "csrc/kvf_limits.c",
     "csrc/kvf_ops.c",
+    "csrc/kvf_stats.c",
     "csrc/kvf_tier.c",
     "csrc/kvf_tier_io.c",
     "csrc/kvf_tier_ops.c",

@@ -219,6 +219,8 @@ void kvf_wake_waiters(struct kvf_server *s);      /* a budget was freed: resume 
 /* kvf_send.c */
 /* Append the service-time histograms to a STATS map: 2 * KVF_LAT_OPS pairs,
  * lat_<op>_us_buckets (array of KVF_LAT_BUCKETS counts) and lat_<op>_us_sum. */
+/* STATS: queue the reply (kvf_stats.c), then the next request. */
+void kvf_op_stats(struct conn *c);
 void kvf_lat_write(struct kvf_mw *w, const struct kvf_server_counters *ctr);
 struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);
 void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,

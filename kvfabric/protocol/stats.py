@@ -1,7 +1,7 @@
 """The STATS schema: the keys every pool server reports, defined once.
 
 Both implementations fill exactly :data:`STATS_KEYS` (the product server,
-``csrc/kvf_ops.c`` ``op_stats``, and the test reference,
+``csrc/kvf_stats.c`` ``kvf_op_stats``, and the test reference,
 ``kvfabric/testing/reference/handlers.py``), plus only the implementation-specific keys
 listed in :data:`STATS_OPTIONAL_KEYS`. ``tests/native/test_stats.py`` checks
 both against these tuples, so a key added to one server and not to the

@@ -471,7 +471,7 @@ class NativeServer:
         out = self._srv.stats()
         out.update(self._srv.tier_stats())
         out.update(policy=self.policy.name, transports=list(self.transports), server_id=self.server_id)
-        # the same shape as the wire STATS (csrc/kvf_ops.c op_stats): connections by transport as one map
+        # the same shape as the wire STATS (csrc/kvf_stats.c kvf_op_stats): connections by transport as one map
         out["transports_in_use"] = {t: out.pop(t) for t in ("tcp", "native", "shm")}
         zc, fixed = out["zerocopy"], out["fixed_buffers"]
         out["data_plane"] = "io_uring+send_zc+fixed" if zc and fixed else "io_uring+send_zc" if zc else "io_uring"
