@@ -54,7 +54,9 @@ saved": when its lookup finds fewer than N chunks it looks up again every
 (``pd_wait_timeouts``). When every server owning the first missing chunk
 is marked down (the client's lookup failed there) the wait ends at once
 (``pd_pool_down``): a dead pool costs a consumer no wait, only the
-recompute. A ``key`` that is not the consumer's own key for
+recompute. A request vLLM reads no cached prefix for (``prompt_logprobs``:
+``skip_reading_prefix_cache``) is looked up for saves only: nothing is
+loaded, counted or waited for. A ``key`` that is not the consumer's own key for
 chunk N-1 (another model, chunk size, salt...) means it can never hit: no
 wait, warned once. With ``hold_until_saved`` (default for ``kv_producer``)
 a finished request that sent saves keeps its blocks (``request_finished``
@@ -108,9 +110,16 @@ class _Req:
     load: LoadSpec | None = None     # planned by update_state_after_alloc, sent next meta
     loading: bool = False            # an async load was planned and has not reported back
     expect_chunks: int = 0           # PD: leading chunks the producer reported in the pool (0: none)
+    no_load: bool = False            # vLLM discards any load for it (prompt logprobs): looked up for saves only
     pd_deadline: float = 0.0         # PD: monotonic time the wait for them ends (0.0: not waiting)
     saves_sent: bool = False         # a SaveSpec of this request went to the workers
     stats: dict[str, int] = field(default_factory=dict)
+
+
+def _skips_prefix_cache(request: Request) -> bool:
+    """vLLM reads no cached prefix for this request (``skip_reading_prefix_cache``: set when it asks
+    for prompt logprobs, which need every prompt token computed) and discards a connector's answer."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 class SchedulerSide:
@@ -146,8 +155,8 @@ class SchedulerSide:
         salt = getattr(request, "cache_salt", None)
         keys = [self._hasher.prefix_keys(request_namespace(ns, salt), tokens[: n_chunks * self.cfg.chunk_tokens])
                 for ns in self.namespaces]
-        st = _Req(prompt_len=len(tokens), keys=keys)
-        if self.cfg.load and request.kv_transfer_params:
+        st = _Req(prompt_len=len(tokens), keys=keys, no_load=_skips_prefix_cache(request))
+        if self.cfg.load and request.kv_transfer_params and not st.no_load:
             st.expect_chunks = self._expected_chunks(request.kv_transfer_params, keys[0])
         self._reqs[request.request_id] = st
         return st
@@ -270,7 +279,7 @@ class SchedulerSide:
             return 0, False
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
-        loadable = self.cfg.load and n_load * chunk > num_computed_tokens
+        loadable = self.cfg.load and not st.no_load and n_load * chunk > num_computed_tokens
         # Looked up even when nothing is loadable: saves must know what the pool holds.
         started = self._start_lookup(st, getattr(request, "num_preemptions", 0), lease=loadable)
         if not loadable:

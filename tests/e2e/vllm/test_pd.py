@@ -19,6 +19,8 @@ order; the last two kill the pool, then the engines.
    instances (no engine of its own): what it prints;
 4. the consumer gets the producer's ``kv_transfer_params`` before the
    producer's puts land: it waits (``pd_waits``), then loads them all;
+   a consumer request with ``prompt_logprobs`` (vLLM reads no cached prefix
+   for it) does not wait for chunks that are not there;
 5. the pool killed after the producer's prefills: the consumer recomputes
    at once (its lookup marked the server down: no pd_wait_ms wait,
    ``pd_pool_down``), identical outputs, never a hang;
@@ -332,6 +334,26 @@ def test_pd_consumer_waits_for_the_producers_late_puts(pd, cold):
     assert tokens == cold[name]
     assert cached == _loadable(name)                     # every chunk the producer reported
     assert consumer("pd_relookups") > relookups and consumer("pd_wait_timeouts") == timeouts
+
+
+def test_pd_consumer_does_not_wait_for_a_request_that_reads_no_prefix(pd, cold):
+    """A consumer request with ``prompt_logprobs`` (vLLM reads no cached prefix for it and discards
+    a connector's answer) carrying the producer's params whose chunks are not in the pool: no PD
+    wait, nothing loaded, the same tokens."""
+    name = "pd_stream"
+    keys = _chunk_keys(pd, name)
+    with Client(pd.pool.addresses) as c:       # not in the pool (the late-puts test checks these keys)
+        c.delete(chunk_major_layer_keys(KeyHasher(), keys, LAYERS))
+        assert c.lookup(chunk_major_layer_keys(KeyHasher(), keys, LAYERS)) == 0
+    params = {"kvfabric": {"chunks": len(keys), "chunk_tokens": VLLM_BLOCK, "key": keys[-1].hex()}}
+    body = {"model": pd.model, "prompt": PROMPTS[name], "max_tokens": 12, "temperature": 0.0,
+            "ignore_eos": True, "prompt_logprobs": 1, "kv_transfer_params": params}
+    base = _metrics_when(pd.decode, lambda t: True)
+    waits, hits = base("pd_waits"), base("lookup_hit_tokens")
+    tokens, prompt, cached = pd_example.complete(pd.decode, body)
+    after = _metrics_when(pd.decode, lambda t: True)
+    assert tokens == cold[name] and prompt == len(PROMPTS[name]) and cached == 0
+    assert after("pd_waits") == waits and after("lookup_hit_tokens") == hits
 
 
 def test_pd_consumer_recomputes_when_the_pool_dies(pd, cold):
