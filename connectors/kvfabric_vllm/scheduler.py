@@ -94,6 +94,7 @@ __all__ = ["SchedulerSide"]
 
 _POLL_WAIT_S = 0.002   # per later call while a lookup is pending
 _PD_RETRY_S = 0.010    # PD consumer: interval between lookups while the producer's chunks are missing
+_PD_BATCH_MAX = 1024   # PD consumer: entries of a batch's kv_transfer_params looked at
 
 
 @dataclass
@@ -162,21 +163,33 @@ class SchedulerSide:
         return st
 
     def _expected_chunks(self, params: object, keys: list[bytes]) -> int:
-        """PD: the producer's chunk count from ``kv_transfer_params`` when its keys are ours, else 0."""
+        """PD: the producer's chunk count from ``kv_transfer_params`` when its keys are ours, else 0.
+
+        ``{"kvfabric": {"chunks": N, "key": hex, ...}}`` names one prompt's chunks;
+        ``{"kvfabric": {"batch": [entry, ...]}}`` (the proxy's merge of one producer answer per
+        prompt of a batch request: vLLM gives every prompt of a batch the request's params) names
+        several, and each prompt takes the entry whose key is its own (at most ``_PD_BATCH_MAX``
+        entries are looked at).
+        """
         kvf = params.get("kvfabric") if isinstance(params, dict) else None
         if not isinstance(kvf, dict):
             return 0
-        n, key = kvf.get("chunks"), kvf.get("key")
-        if type(n) is not int or n <= 0:
-            return 0
-        if n > len(keys) or keys[n - 1].hex() != key:
-            if not self._warned_pd_key:
-                self._warned_pd_key = True
-                log.warning("kvfabric: the producer's kv_transfer_params name chunks this engine cannot key "
-                            "alike (chunk_tokens %r vs %d, or another model, dtype, layout, tenant or "
-                            "cache_salt): not waiting for them", kvf.get("chunk_tokens"), self.cfg.chunk_tokens)
-            return 0
-        return n
+        batch = kvf.get("batch")
+        entries = batch[:_PD_BATCH_MAX] if isinstance(batch, list) else [kvf]
+        named = None
+        for e in entries:
+            n = e.get("chunks") if isinstance(e, dict) else None
+            if type(n) is not int or n <= 0:
+                continue
+            if n <= len(keys) and keys[n - 1].hex() == e.get("key"):
+                return n
+            named = e
+        if named is not None and not self._warned_pd_key:
+            self._warned_pd_key = True
+            log.warning("kvfabric: the producer's kv_transfer_params name chunks this engine cannot key "
+                        "alike (chunk_tokens %r vs %d, or another model, dtype, layout, tenant or "
+                        "cache_salt): not waiting for them", named.get("chunk_tokens"), self.cfg.chunk_tokens)
+        return 0
 
     # ------------------------------------------------------------------ lookup
 

@@ -18,6 +18,12 @@ Each ``POST /v1/completions`` or ``/v1/chat/completions``:
    are still landing) and generates; its answer (streamed or not) is relayed
    to the client as is.
 
+A completion whose ``prompt`` is a batch (a list of strings or of token-id
+lists) is prefilled one prompt per request (vLLM answers a batch with the
+first prompt's ``kv_transfer_params`` only), in parallel, and the decode
+instance gets them merged: ``{"kvfabric": {"batch": [one entry per
+prompt]}}``; each of its prompts takes the entry whose key is its own.
+
 If the prefill instance fails (down, error status), the request still goes to
 a decode instance without ``kv_transfer_params``: it computes the prompt
 itself. The decode instance's errors are relayed with their status. ``GET
@@ -37,6 +43,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 __all__ = ["PDProxy", "main"]
@@ -44,6 +51,7 @@ __all__ = ["PDProxy", "main"]
 log = logging.getLogger("kvfabric.pd_proxy")
 _RELAY_BYTES = 64 << 10
 MAX_BODY_BYTES = 64 << 20   # a request body larger than this is refused (413)
+_PREFILL_THREADS = 8        # a batch's prompts prefilled at once
 
 
 class PDProxy(ThreadingHTTPServer):
@@ -69,6 +77,15 @@ class PDProxy(ThreadingHTTPServer):
     def count(self, name: str) -> None:
         with self._lock:
             self.counts[name] += 1
+
+
+def _batch(body: dict) -> list | None:
+    """The prompts of a batch completion (2 or more strings or token-id lists), else None."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) > 1 and (all(isinstance(x, str) for x in p) or
+                                               all(isinstance(x, list) for x in p)):
+        return p
+    return None
 
 
 def _post(url: str, body: dict, headers: dict[str, str], timeout_s: float):
@@ -136,7 +153,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "x-request-id")}
         prefill, decode = self.server.next_instances()
-        params = self._prefill(prefill, body, headers)
+        prompts = _batch(body) if self.path == "/v1/completions" else None
+        if prompts is None:
+            params = self._prefill(prefill, body, headers)
+        else:
+            with ThreadPoolExecutor(min(len(prompts), _PREFILL_THREADS)) as ex:
+                got = list(ex.map(lambda p: self._prefill(prefill, dict(body, prompt=p), headers), prompts))
+            entries = [g["kvfabric"] for g in got if isinstance(g, dict) and isinstance(g.get("kvfabric"), dict)]
+            params = {"kvfabric": {"batch": entries}} if entries else None
         dbody = dict(body)
         if params:
             dbody["kv_transfer_params"] = params

@@ -15,6 +15,8 @@ order; the last two kill the pool, then the engines.
 2. a streamed request (with ``min_tokens``, which the proxy must not send to
    the prefill instance) and a chat completion (``max_completion_tokens``)
    through the proxy: token-identical, loaded;
+   a batch of two prompts through the proxy: one prefill per prompt, both
+   prompts' entries to the decode instance, both loaded;
 3. ``examples/pd/run.py`` itself, as a subprocess, pointed at the running
    instances (no engine of its own): what it prints;
 4. the consumer gets the producer's ``kv_transfer_params`` before the
@@ -273,6 +275,27 @@ def test_pd_chat_completion_through_the_proxy(pd):
         (prompt - 1) // VLLM_BLOCK * VLLM_BLOCK
     assert after["with_params"] == before["with_params"] + 1
     assert after["prefill_failures"] == before["prefill_failures"]
+
+
+def test_pd_batch_prompt_through_the_proxy(pd, cold):
+    """A completion with two prompts through the proxy: vLLM answers a batch with its first prompt's
+    kv_transfer_params only, so the proxy prefills one prompt per request and hands the decode
+    instance both entries; each prompt finds its own (no key-mismatch warning), both load every
+    whole block from the pool, token-identical to a single instance."""
+    names = ["corrupt", "mp_new"]               # not sent to these engines before
+    loads = _metrics_when(pd.decode, lambda t: True)("load_tokens")
+    counts = pd.proxy_counts()
+    body = {"model": pd.model, "prompt": [PROMPTS[n] for n in names], "max_tokens": 12, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    res = post_json(pd.proxy + "/v1/completions", body, REQUEST_TIMEOUT_S)
+    loaded = sum(_loadable(n) for n in names)
+    consumer = _metrics_when(pd.decode, lambda t: t("load_tokens") >= loads + loaded)
+
+    assert [c["token_ids"] for c in sorted(res["choices"], key=lambda c: c["index"])] == [cold[n] for n in names]
+    after = pd.proxy_counts()
+    assert after["with_params"] == counts["with_params"] + 1 and after["prefill_failures"] == counts["prefill_failures"]
+    assert consumer("load_tokens") == loads + loaded     # both prompts' whole blocks came from the pool
+    assert "cannot key alike" not in pd.consumer_log.read_text()
 
 
 def test_pd_example_runs_against_the_engines(pd):
