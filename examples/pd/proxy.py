@@ -157,8 +157,12 @@ class _Handler(BaseHTTPRequestHandler):
         if prompts is None:
             params = self._prefill(prefill, body, headers)
         else:
+            def one(i: int):   # a client's X-Request-Id gets the prompt's index: ids stay unique in vLLM
+                hdrs = {k: f"{v}-{i}" if k.lower() == "x-request-id" else v for k, v in headers.items()}
+                return self._prefill(prefill, dict(body, prompt=prompts[i]), hdrs)
+
             with ThreadPoolExecutor(min(len(prompts), _PREFILL_THREADS)) as ex:
-                got = list(ex.map(lambda p: self._prefill(prefill, dict(body, prompt=p), headers), prompts))
+                got = list(ex.map(one, range(len(prompts))))
             entries = [g["kvfabric"] for g in got if isinstance(g, dict) and isinstance(g.get("kvfabric"), dict)]
             params = {"kvfabric": {"batch": entries}} if entries else None
         dbody = dict(body)

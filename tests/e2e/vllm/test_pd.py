@@ -287,7 +287,11 @@ def test_pd_batch_prompt_through_the_proxy(pd, cold):
     counts = pd.proxy_counts()
     body = {"model": pd.model, "prompt": [PROMPTS[n] for n in names], "max_tokens": 12, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True}
-    res = post_json(pd.proxy + "/v1/completions", body, REQUEST_TIMEOUT_S)
+    # with a client's X-Request-Id, which the proxy makes unique per prefill (vLLM keys requests by it)
+    req = urllib.request.Request(pd.proxy + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": "pd-batch"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        res = json.loads(r.read())
     loaded = sum(_loadable(n) for n in names)
     consumer = _metrics_when(pd.decode, lambda t: t("load_tokens") >= loads + loaded)
 
