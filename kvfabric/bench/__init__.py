@@ -7,8 +7,16 @@ wrappers around them.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, from ``/proc/PID/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def write_json(path: str | Path, report: Any, *, indent: int = 2) -> Path:

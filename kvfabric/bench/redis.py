@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from . import proc_cpu_s
 from ._servers import free_port
 
 BINARIES = ("redis-server", "redis-benchmark")
@@ -44,12 +45,6 @@ def unavailable() -> str | None:
         return (f"{' and '.join(missing)} not found on PATH (install the distribution's redis-server and "
                 f"redis-tools packages to compare against Redis)")
     return None
-
-
-def _proc_cpu_s(pid: int) -> float:
-    from .transport_native import _proc_cpu_s as cpu
-
-    return cpu(pid)
 
 
 class RedisServer:
@@ -110,9 +105,9 @@ class RedisServer:
         rop = "set" if op == "put" else "get"
         probe_rps, _, _ = self._bench(rop, 20)
         n = int(min(1_000_000, max(20, probe_rps * duration)))
-        cpu0 = _proc_cpu_s(self.popen.pid)
+        cpu0 = proc_cpu_s(self.popen.pid)
         rps, p50, p99 = self._bench(rop, n)
-        cpu = _proc_cpu_s(self.popen.pid) - cpu0
+        cpu = proc_cpu_s(self.popen.pid) - cpu0
         moved = n * self.size
         p50_us = (p50 * 1e6) if p50 is not None else 1e6 / rps
         return rps * self.size / 1e9, p50_us, None if p99 is None else p99 * 1e6, cpu / (moved / 1e9)

@@ -78,7 +78,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import write_json
+from . import proc_cpu_s, write_json
 from .. import protocol
 from ..config import ClientConfig, parse_size
 
@@ -114,12 +114,6 @@ class Row:
     floor_us: float | None = None
     samples: list[float] = field(default_factory=list)
     ratio: dict[str, float] = field(default_factory=dict)
-
-
-def _proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Path:
@@ -167,7 +161,7 @@ class _Path:
         get = protocol.GetRequest(keys=self.get_keys)
         lat = []
         moved = 0
-        cpu0 = _proc_cpu_s(self.server.pid)
+        cpu0 = proc_cpu_s(self.server.pid)
         t0 = time.perf_counter()
         end = t0 + duration
         prep = 0.0  # time spent making fresh keys and their checksums: not the transport's
@@ -191,7 +185,7 @@ class _Path:
         secs = time.perf_counter() - t0 - prep
         lat.sort()
         p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-        return secs, moved, _proc_cpu_s(self.server.pid) - cpu0, statistics.median(lat), p99
+        return secs, moved, proc_cpu_s(self.server.pid) - cpu0, statistics.median(lat), p99
 
     def close(self) -> None:
         try:

@@ -1,18 +1,13 @@
-"""benchmarks/get_cpu.py on small objects: a table, JSON with every row, both CPU columns measured."""
+"""``kvfabric bench get_cpu`` on small objects: a table, JSON with every row, both CPU columns measured."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from kvfabric.bench import get_cpu as bench
 
 
 def test_get_cpu_quick_writes_table_and_json(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("get_cpu", ROOT / "benchmarks" / "get_cpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "get_cpu.json"
     assert bench.main(["--size", "1MiB", "--objects", "2", "--rounds", "3", "--repeat", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
