@@ -182,10 +182,7 @@ class _Routing:
         cluster is smaller; none when it is empty). Pure routing: no request is sent."""
         keys = self._keys(keys)
         view = self._view
-        if not view.ids:
-            return [[] for _ in keys]
-        return [[view.ids[p] for p in row]
-                for row in sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))]
+        return [[view.ids[p] for p in row] for row in self._positions(keys, view)]
 
     def unreachable(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: True when every server that owns it now is marked down (a request or connect to
@@ -194,18 +191,19 @@ class _Routing:
         bookkeeping: no request is sent (a caller deciding whether waiting for a key can pay off)."""
         keys = self._keys(keys)
         view = self._view
-        if not view.ids:
-            return [True] * len(keys)
         down = [bool(s.down_until) for s in view.shards]
-        return [all(down[p] for p in row)
-                for row in sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))]
+        return [all(down[p] for p in row) for row in self._positions(keys, view)]  # no owners: True
+
+    def _positions(self, keys: Sequence[bytes], view: _View) -> list[list[int]]:
+        """Owners of each key as positions in ``view`` (``view.ids[p]``), best first; none in an empty view."""
+        if not view.ids:
+            return [[] for _ in keys]
+        return sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))
 
     def _owners(self, keys: list[bytes], view: _View | None = None) -> list[list[int]]:
         """Owners of each key as ``shard.index`` values, routed over ``view``'s server ids (default: the current)."""
         view = self._view if view is None else view
-        if not view.ids:
-            return [[] for _ in keys]
-        table = sharding.owner_table(keys, view.ids, min(self.config.replicas, len(view.ids)))
+        table = self._positions(keys, view)
         if view.identity:
             return table
         index = view.index
