@@ -111,7 +111,6 @@ class _Req:
     load: LoadSpec | None = None     # planned by update_state_after_alloc, sent next meta
     loading: bool = False            # an async load was planned and has not reported back
     expect_chunks: int = 0           # PD: leading chunks the producer reported in the pool (0: none)
-    no_load: bool = False            # vLLM discards any load for it (prompt logprobs): looked up for saves only
     pd_deadline: float = 0.0         # PD: monotonic time the wait for them ends (0.0: not waiting)
     saves_sent: bool = False         # a SaveSpec of this request went to the workers
     stats: dict[str, int] = field(default_factory=dict)
@@ -156,8 +155,8 @@ class SchedulerSide:
         salt = getattr(request, "cache_salt", None)
         keys = [self._hasher.prefix_keys(request_namespace(ns, salt), tokens[: n_chunks * self.cfg.chunk_tokens])
                 for ns in self.namespaces]
-        st = _Req(prompt_len=len(tokens), keys=keys, no_load=_skips_prefix_cache(request))
-        if self.cfg.load and request.kv_transfer_params and not st.no_load:
+        st = _Req(prompt_len=len(tokens), keys=keys)
+        if self.cfg.load and request.kv_transfer_params and not _skips_prefix_cache(request):
             st.expect_chunks = self._expected_chunks(request.kv_transfer_params, keys[0])
         self._reqs[request.request_id] = st
         return st
@@ -292,7 +291,8 @@ class SchedulerSide:
             return 0, False
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
-        loadable = self.cfg.load and not st.no_load and n_load * chunk > num_computed_tokens
+        # a request vLLM reads no cached prefix for (prompt logprobs) is looked up for saves only
+        loadable = self.cfg.load and not _skips_prefix_cache(request) and n_load * chunk > num_computed_tokens
         # Looked up even when nothing is loadable: saves must know what the pool holds.
         started = self._start_lookup(st, getattr(request, "num_preemptions", 0), lease=loadable)
         if not loadable:
