@@ -1,4 +1,4 @@
-"""``kvfabric bench get_cpu``: large GETs through ``kvfabric.Client``, throughput and the CPU each side spends, against the C socket.
+"""``kvfabric bench get_cpu``: large GETs through ``kvfabric.Client``, throughput and each side's CPU against the C socket.
 
 ::
 
