@@ -11,7 +11,8 @@ no patch to LMCache needed::
 
 Modules: :mod:`.config` (URL and option parsing), :mod:`.keymap`
 (CacheEngineKey -> kvfabric key), :mod:`.value` (stored object format),
-:mod:`.connector` (the RemoteConnector), :mod:`.adapter` (the
+:mod:`.connector` (the RemoteConnector), :mod:`.memguard` (no access to
+LMCache's memory after its teardown frees it), :mod:`.adapter` (the
 ConnectorAdapter LMCache loads), :mod:`.scratch` (staging buffers),
 :mod:`.l2_adapter` (the L2 adapter of LMCache's multiprocess server, loaded
 separately as ``kvfabric_lmcache.l2_adapter``), :mod:`.cpu_kv` (a CPU

@@ -22,8 +22,13 @@ Batched forms are offered, and LMCache uses them:
   shape; an object in the older unpadded format is fetched whole and copied.
 * ``batched_put``: one ``Client.put`` of header+bytes per chunk, staged in
   reused buffers; the copy into them happens on the loop before the put is
-  queued (LMCache frees its allocator at teardown before closing this
-  backend, so nothing may read its memory objects later).
+  queued for an I/O thread.
+
+LMCache frees its allocator's arena at teardown before it closes this
+backend, whatever the reference counts say: every touch of its memory (the
+put's copy, the get's allocation and receive) runs under a
+:class:`~.memguard.MemoryGuard`, which makes the free wait for the touches in
+progress and turns later ones into counted drops and misses.
 
 Failures degrade to misses: a dead, slow or refusing shard is a miss inside
 the client already; a ``KVFabricError`` that still escapes (a closed client),
@@ -54,6 +59,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from . import value
 from .config import PluginSettings
 from .keymap import KeyMapper
+from .memguard import MemoryGuard
 from .scratch import ScratchPool
 from .stats import track as track_counters
 
@@ -103,6 +109,7 @@ class KVFabricConnector(RemoteConnector):
         self.settings = settings
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
+        self._memory = MemoryGuard.of(local_cpu_backend)
         self._io = ThreadPoolExecutor(max_workers=settings.io_threads, thread_name_prefix="kvfabric-lmcache")
         # One staging buffer holds a full chunk plus the largest header.
         buf = self.full_chunk_size_bytes + value.MAX_HEADER_BYTES
@@ -263,6 +270,14 @@ class KVFabricConnector(RemoteConnector):
         return out
 
     def _get_batch(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """:meth:`_fetch_into` while LMCache's memory is there (else all misses), counted."""
+        with self._memory.use() as live:
+            out = self._fetch_into(keys) if live else [None] * len(keys)
+        hits = sum(o is not None for o in out)
+        self._count(gets=len(keys), get_hits=hits, get_misses=len(keys) - hits)
+        return out
+
+    def _fetch_into(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
         """Fetch on an I/O thread straight into new full-chunk memory objects (no staging copy).
 
         Each key gets a full-chunk object allocated before the GET; the object's
@@ -300,8 +315,6 @@ class KVFabricConnector(RemoteConnector):
             else:
                 for j, i in enumerate(want):
                     out[i] = self._land(ks[j], heads[j], objs[i], sizes[j])
-        hits = sum(o is not None for o in out)
-        self._count(gets=len(keys), get_hits=hits, get_misses=len(keys) - hits)
         return out
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
@@ -370,16 +383,18 @@ class KVFabricConnector(RemoteConnector):
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         """Store the chunks. The bytes are copied out of LMCache's memory objects here, on the
-        loop, before the put waits for an I/O thread: LMCache's teardown frees its allocator
-        (``LocalCPUBackend.close``) before it closes this backend, whatever the reference
-        counts say, so a queued put that still read the memory objects could read freed memory
-        (seen: a segfault at engine destroy with puts queued behind connects to a dead pool)."""
+        loop, under the memory guard, before the put waits for an I/O thread; a put that runs
+        after LMCache began freeing its arena (teardown) is dropped and counted, never read."""
         keys, objs = list(keys), list(memory_objs)
         if len(keys) != len(objs):
             raise ValueError(f"{len(keys)} keys but {len(objs)} memory objects")
         if not keys:
             return
-        bufs, values = self._encode(objs)
+        with self._memory.use() as live:
+            if not live:  # LMCache is freeing its memory (teardown): nothing left to copy from
+                self._count(puts=len(keys), puts_dropped=len(keys))
+                return
+            bufs, values = self._encode(objs)
         try:
             fut = asyncio.get_running_loop().run_in_executor(self._io, lambda: self._send(keys, values, bufs))
         except BaseException:  # not queued (connector closed): _send will not give the buffers back

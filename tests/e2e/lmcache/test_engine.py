@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 
 import msgpack
 
@@ -146,20 +147,81 @@ def test_pool_never_reachable_engine_still_runs(engines) -> None:
 
 
 def test_destroy_with_puts_queued_behind_a_dead_pool_reads_no_freed_memory(engines) -> None:
-    # LMCache's destroy frees its allocator (LocalCPUBackend.close) before it closes the remote
-    # backend; puts still queued behind connects to a dead pool must not read the memory objects
-    # then (they did once: a segfault in encode_into). The chunk bytes are copied on submission.
+    # LMCache's destroy frees its allocator's arena (LocalCPUBackend.close) before it closes the
+    # remote backend, whatever the reference counts say. Puts it queued on its event loop just
+    # before must not read the memory objects then: they did twice (a segfault in encode_into,
+    # first from an I/O thread, then from the loop while the main thread was in free_pinned_ptr).
+    # Here the loop is held until the arena is freed, so every put coroutine is still queued:
+    # without the memory guard each one would copy from freed memory.
     silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
     url = f"kvfabric://127.0.0.1:{silent.getsockname()[1]}?timeout_s=0.5&connect_timeout_s=0.3&io_threads=1"
     name, e = engines(engine_config(url))
     conn = kvfabric_connector(e)
+    allocator = e.storage_manager.local_cpu_backend.memory_allocator
+    guarded_close, freed, release = allocator.close, threading.Event(), threading.Event()
+
+    def close_and_tell() -> None:
+        guarded_close()
+        freed.set()
+
+    allocator.close = close_and_tell
+    conn.loop.call_soon_threadsafe(release.wait, 120)  # holds LMCache's event loop
     for seed in range(6):
         tokens, kv = prompt(seed=40 + seed)
         e.store(tokens, kv=kv)
-    LMCacheEngineBuilder.destroy(name)  # with puts still queued
-    silent.close()
+    destroy = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(name,))
+    destroy.start()
+    try:
+        assert freed.wait(120), "LMCache did not free its arena"
+    finally:
+        release.set()
+        destroy.join(120)
+        silent.close()
+    assert not destroy.is_alive()
     counts = conn.counts()
     assert counts["puts"] == counts["puts_dropped"] == 6 * -(-TOKENS // CHUNK), counts  # every chunk settled
+
+
+def test_a_get_receiving_when_lmcache_frees_its_memory_holds_the_free_back(pool, engines) -> None:
+    # The other side of the guard: a get still receiving into LMCache's memory objects on an
+    # I/O thread when teardown starts. The free waits for it; a get after that is a miss that
+    # allocates nothing.
+    tokens, kv = prompt(seed=11)
+    _, e = pool_engine(engines, pool)
+    store_and_wait(e, tokens, kv)
+    conn = kvfabric_connector(e)
+    allocator = e.storage_manager.local_cpu_backend.memory_allocator
+    guarded_close, freed = allocator.close, threading.Event()
+    allocator.close = lambda: (guarded_close(), freed.set())
+    keys = chunk_keys(e, tokens)
+    in_get, go_on = threading.Event(), threading.Event()
+    fetch_into = conn._fetch_into
+
+    def slow_fetch(ks):
+        in_get.set()
+        go_on.wait(120)
+        return fetch_into(ks)
+
+    conn._fetch_into = slow_fetch
+    got: list = []
+    getter = threading.Thread(target=lambda: got.append(conn._get_batch(keys)))
+    getter.start()
+    assert in_get.wait(120)
+    closer = threading.Thread(target=allocator.close)
+    closer.start()
+    closer.join(1.0)
+    assert not freed.is_set()  # the free waits for the get in progress
+    go_on.set()
+    getter.join(120)
+    closer.join(120)
+    assert freed.is_set()
+    assert all(o is not None for o in got[0])  # that get landed before the memory went
+    for o in got[0]:
+        o.ref_count_down()
+    before = conn.counts()
+    assert conn._get_batch(keys) == [None] * len(keys)  # after the free: a miss, nothing allocated
+    after = conn.counts()
+    assert (after["get_misses"] - before["get_misses"], after["alloc_failures"]) == (len(keys), before["alloc_failures"])
 
 
 @pytest.mark.parametrize("garbage_bytes", [1000, 600_000])  # fits the receive buffer / larger than a chunk
