@@ -43,14 +43,13 @@ from typing import Any
 from ..server.eviction import POLICIES
 from . import ragtrace
 from .replay import (
-    CHUNK_DEFINITION,
     KEY_MODES,
     LLAMA31_8B_BYTES_PER_TOKEN,
-    PREFIX_DEFINITION,
     add_common_arguments,
     exit_on_sigterm,
     options_from_args,
 )
+from .replay_report import CHUNK_DEFINITION, PREFIX_DEFINITION
 from .sweep import _floats, plot_or_explain, print_report, print_sweep, sweep_trace
 from .traces import Trace, TraceError, load_trace, write_trace
 

@@ -39,9 +39,9 @@ from .replay import (
     add_common_arguments,
     exit_on_sigterm,
     options_from_args,
-    print_report,
     run_replay,
 )
+from .replay_report import print_report
 from ._tiers import ssd_geometry
 from .simulate import default_servers, gap_closed, shard_capacity, simulate
 from .traces import Trace, TraceError, load_trace

@@ -140,7 +140,7 @@ def test_replay_refuses_dead_and_malformed_servers(capsys):
 
 def test_rag_dataset_prints_prefix_and_chunk_levels_side_by_side(tmp_path, capsys):
     from kvfabric.bench.rag import main as rag_main
-    from kvfabric.bench.replay import CHUNK_DEFINITION, PREFIX_DEFINITION
+    from kvfabric.bench.replay_report import CHUNK_DEFINITION, PREFIX_DEFINITION
 
     rc = rag_main(["--dataset", "musique", "--limit", "60", "--capacity", "0.5", "--capacities", "0.1,0.5",
                    "--policies", "lru", "--no-progress", "--out-dir", str(tmp_path)])
@@ -160,7 +160,7 @@ def test_rag_dataset_prints_prefix_and_chunk_levels_side_by_side(tmp_path, capsy
 
 
 def test_sharding_spread_is_reported_for_multi_shard_replays(capsys):
-    from kvfabric.bench.replay import print_report
+    from kvfabric.bench.replay_report import print_report
 
     trace = load_trace("mooncake-synthetic", limit=150)
     rep = run_replay(trace, ReplayOptions(shards=2, capacity=0.1, policies=["lru"], progress=False, spread=3))
