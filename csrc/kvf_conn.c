@@ -24,11 +24,11 @@
 #define KVF_IOV_CHUNK 512
 
 static __thread int64_t tl_deadline_ns;
-static __thread int tl_timeo_set;
 /* The last socket timeout armed on this thread (arm): which fd and option,
- * for which deadline, when. A receive loop of many slices re-arms only when
- * the last arming is over KVF_REARM_NS old, so a call can overrun the
- * deadline by at most that much (instead of one setsockopt per slice). */
+ * for which deadline (0: cleared, the call has none), when. A receive loop of
+ * many slices re-arms only when the last arming is over KVF_REARM_NS old, so
+ * a call can overrun the deadline by at most that much (instead of one
+ * setsockopt per slice). */
 static __thread struct { int fd, opt; int64_t deadline, at; } tl_armed = {-1, 0, 0, 0};
 #define KVF_REARM_NS 2000000LL
 
@@ -49,11 +49,18 @@ static int64_t now_ns(void)
 static int arm(int fd, int opt)
 {
     if (tl_deadline_ns == 0) {
-        if (tl_timeo_set) {
+        /* No deadline: block. The fd may still carry a timeout an earlier call
+         * armed, on this thread or another (pooled connections move between
+         * threads): cleared once per call and fd. */
+        if (tl_armed.fd != fd || tl_armed.deadline != 0) {
             struct timeval tv = {0, 0};
-            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-            tl_timeo_set = 0;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) ||
+                setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv))
+                return -errno;
+            tl_armed.fd = fd;
+            tl_armed.opt = 0;
+            tl_armed.deadline = 0;
+            tl_armed.at = 0;
         }
         return 0;
     }
@@ -65,7 +72,6 @@ static int arm(int fd, int opt)
     if (left < 1000000) left = 1000000;
     struct timeval tv = {(time_t)(left / 1000000000LL), (suseconds_t)((left % 1000000000LL) / 1000)};
     if (setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv)) return -errno;
-    tl_timeo_set = 1;
     tl_armed.fd = fd;
     tl_armed.opt = opt;
     tl_armed.deadline = tl_deadline_ns;
