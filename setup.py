@@ -34,6 +34,7 @@ SOURCES = [
     "csrc/kvf_conn.c",
     "csrc/kvf_rxhash.c",
     "csrc/kvf_store.c",
+    "csrc/kvf_pages.c",
     "csrc/kvf_shared.c",
     "csrc/kvf_shm.c",
     "csrc/kvf_uring.c",

@@ -1,19 +1,12 @@
-/* kvf_store.c: arena, page allocator, index and event ring (see kvf_store.h).
- *
- * Allocator (segregated fit, boundary tags): free runs of pages are kept in
- * 32 bins by floor(log2(npages)), as doubly linked lists threaded through
- * per-page arrays. run_len[start] holds a free run's length at its first page
- * and run_start[end] its first page at its last page (NONE elsewhere), so a
- * freed run merges with free neighbours in O(1). An allocation of n pages
- * scans a few runs of n's own bin for a fit, else takes the head of any larger
- * bin (all fit) and splits it. Every object wastes < 1 page; with one object
- * size (the KV-cache case) freed slots are reused exactly.
+/* kvf_store.c: arena, index and event ring (see kvf_store.h); the arena's
+ * pages are handed out by kvf_pages.c (segregated fit, boundary tags).
  *
  * Index: chained hash table of entry indices; entries live in a growable
  * array and are recycled through a free list.
  */
 #define _GNU_SOURCE
 #include "kvf_store.h"
+#include "kvf_pages.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -27,8 +20,6 @@
 #include "third_party/xxhash/xxhash.h"
 
 #define NONE 0xffffffffu
-#define NBINS 32
-#define BIN_SCAN 16
 
 enum { E_FREE = 0, E_LIVE = 1, E_DEAD = 2 };
 
@@ -48,9 +39,7 @@ struct kvf_store {
     int memfd;
     uint8_t *base;
     uint64_t capacity;
-    uint32_t npages, free_pages;
-    uint32_t *run_len, *run_start, *fnext, *fprev;
-    uint32_t bins[NBINS];
+    struct kvf_pages pages;
     struct entry *ents;
     uint32_t nents, ents_cap, ent_free;
     uint32_t *buckets;
@@ -72,72 +61,9 @@ int64_t kvf_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static inline int bin_of(uint32_t n) { return 31 - __builtin_clz(n); }
-
-/* ---------------------------------------------------------------- allocator */
-
-static void add_free(struct kvf_store *st, uint32_t start, uint32_t n)
-{
-    int b = bin_of(n);
-    st->run_len[start] = n;
-    st->run_start[start + n - 1] = start;
-    st->fprev[start] = NONE;
-    st->fnext[start] = st->bins[b];
-    if (st->bins[b] != NONE) st->fprev[st->bins[b]] = start;
-    st->bins[b] = start;
-    st->free_pages += n;
-}
-
-static void remove_free(struct kvf_store *st, uint32_t start)
-{
-    uint32_t n = st->run_len[start];
-    int b = bin_of(n);
-    if (st->fprev[start] != NONE) st->fnext[st->fprev[start]] = st->fnext[start];
-    else st->bins[b] = st->fnext[start];
-    if (st->fnext[start] != NONE) st->fprev[st->fnext[start]] = st->fprev[start];
-    st->run_len[start] = 0;
-    st->run_start[start + n - 1] = NONE;
-    st->free_pages -= n;
-}
-
-static uint32_t alloc_pages(struct kvf_store *st, uint32_t n)
-{
-    int b = bin_of(n);
-    uint32_t found = NONE;
-    int k = 0;
-    for (uint32_t s = st->bins[b]; s != NONE && k < BIN_SCAN; s = st->fnext[s], k++) {
-        if (st->run_len[s] >= n) { found = s; break; }
-    }
-    for (int bb = b + 1; found == NONE && bb < NBINS; bb++)
-        if (st->bins[bb] != NONE) found = st->bins[bb];
-    if (found == NONE) return NONE;
-    uint32_t len = st->run_len[found];
-    remove_free(st, found);
-    if (len > n) add_free(st, found + n, len - n);
-    return found;
-}
-
-static void free_pages(struct kvf_store *st, uint32_t start, uint32_t n)
-{
-    if (start > 0 && st->run_start[start - 1] != NONE) {
-        uint32_t ls = st->run_start[start - 1];
-        uint32_t ln = st->run_len[ls];
-        remove_free(st, ls);
-        start = ls;
-        n += ln;
-    }
-    uint32_t end = start + n;
-    if (end < st->npages && st->run_len[end]) {
-        uint32_t rn = st->run_len[end];
-        remove_free(st, end);
-        n += rn;
-    }
-    add_free(st, start, n);
-}
+/* ---------------------------------------------------------------- index */
 
 static inline uint32_t pages_for(uint64_t size) { return size ? (uint32_t)((size + KVF_PAGE - 1) / KVF_PAGE) : 1; }
-
-/* ---------------------------------------------------------------- index */
 
 static inline uint32_t bucket(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
@@ -203,7 +129,7 @@ static void unlink_entry(struct kvf_store *st, uint32_t id)
 static void release_entry(struct kvf_store *st, uint32_t id)
 {
     struct entry *e = &st->ents[id];
-    free_pages(st, (uint32_t)(e->off / KVF_PAGE), pages_for(e->size));
+    kvf_pages_free(&st->pages, (uint32_t)(e->off / KVF_PAGE), pages_for(e->size));
     e->state = E_FREE;
     e->next = st->ent_free;
     st->ent_free = id;
@@ -252,8 +178,7 @@ int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring
     if (!st) return -ENOMEM;
     st->memfd = -1;
     int rc = -ENOMEM;
-    st->npages = (uint32_t)(capacity / KVF_PAGE);
-    st->capacity = (uint64_t)st->npages * KVF_PAGE;
+    st->capacity = (capacity / KVF_PAGE) * KVF_PAGE;
     /* Sealed against shrink and grow once sized: shm clients get this fd, and a
      * client's ftruncate(fd, 0) would otherwise SIGBUS the server on its next
      * access. F_SEAL_SEAL: nobody can lift or add seals afterwards. (Writes stay
@@ -264,21 +189,15 @@ int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring
     if (fcntl(st->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) { rc = -errno; goto fail; }
     st->base = mmap(NULL, st->capacity, PROT_READ | PROT_WRITE, MAP_SHARED, st->memfd, 0);
     if (st->base == MAP_FAILED) { st->base = NULL; rc = -errno; goto fail; }
+    if ((rc = kvf_pages_init(&st->pages, (uint32_t)(capacity / KVF_PAGE)))) goto fail;
     rc = -ENOMEM;
-    st->run_len = calloc(st->npages, sizeof(uint32_t));
-    st->run_start = malloc(st->npages * sizeof(uint32_t));
-    st->fnext = malloc(st->npages * sizeof(uint32_t));
-    st->fprev = malloc(st->npages * sizeof(uint32_t));
     st->nbuckets = 1024;
     st->buckets = malloc(st->nbuckets * sizeof(uint32_t));
     st->ring_cap = event_ring;
     st->ring = malloc(sizeof(struct kvf_event) * event_ring);
-    if (!st->run_len || !st->run_start || !st->fnext || !st->fprev || !st->buckets || !st->ring) goto fail;
-    memset(st->run_start, 0xff, st->npages * sizeof(uint32_t));
+    if (!st->buckets || !st->ring) goto fail;
     memset(st->buckets, 0xff, st->nbuckets * sizeof(uint32_t));
-    for (int b = 0; b < NBINS; b++) st->bins[b] = NONE;
     st->ent_free = NONE;
-    add_free(st, 0, st->npages);
     pthread_mutex_init(&st->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -298,7 +217,7 @@ void kvf_store_free(struct kvf_store *st)
     if (!st) return;
     if (st->base) munmap(st->base, st->capacity);
     if (st->memfd >= 0) close(st->memfd);
-    free(st->run_len); free(st->run_start); free(st->fnext); free(st->fprev);
+    kvf_pages_destroy(&st->pages);
     free(st->buckets); free(st->ents); free(st->ring);
     free(st);
 }
@@ -326,8 +245,8 @@ int kvf_store_reserve(struct kvf_store *st, uint64_t size, uint64_t *off)
     if (size > st->capacity) return -EFBIG;
     uint32_t n = pages_for(size);
     pthread_mutex_lock(&st->mu);
-    uint32_t p = alloc_pages(st, n);
-    if (p != NONE && (uint64_t)st->free_pages * KVF_PAGE < st->low_bytes && !st->low_signaled) {
+    uint32_t p = kvf_pages_alloc(&st->pages, n);
+    if (p != NONE && (uint64_t)st->pages.free * KVF_PAGE < st->low_bytes && !st->low_signaled) {
         st->low_signaled = 1;
         pthread_cond_signal(&st->cv);
     }
@@ -340,7 +259,7 @@ int kvf_store_reserve(struct kvf_store *st, uint64_t size, uint64_t *off)
 void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size)
 {
     pthread_mutex_lock(&st->mu);
-    free_pages(st, (uint32_t)(off / KVF_PAGE), pages_for(size));
+    kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
     pthread_mutex_unlock(&st->mu);
 }
 
@@ -350,14 +269,14 @@ int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, ui
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     pthread_mutex_lock(&st->mu);
     if (find(st, key, klen) != NONE) {
-        free_pages(st, (uint32_t)(off / KVF_PAGE), pages_for(size));
+        kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
         pthread_mutex_unlock(&st->mu);
         return 1;
     }
     if (st->objects >= st->nbuckets && grow_buckets(st)) { /* keep chains long rather than fail */ }
     uint32_t id = new_entry(st);
     if (id == NONE) {
-        free_pages(st, (uint32_t)(off / KVF_PAGE), pages_for(size));
+        kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
         pthread_mutex_unlock(&st->mu);
         return -ENOMEM;
     }
@@ -523,7 +442,7 @@ void kvf_store_stats(struct kvf_store *st, struct kvf_store_stats *s)
     s->objects = st->objects;
     s->bytes_used = st->bytes_used;
     s->capacity = st->capacity;
-    s->free_bytes = (uint64_t)st->free_pages * KVF_PAGE;
+    s->free_bytes = (uint64_t)st->pages.free * KVF_PAGE;
     s->evictions = st->evictions;
     s->checksum_failures = st->checksum_failures;
     s->events_dropped = st->events_dropped;
@@ -565,7 +484,7 @@ void kvf_store_set_low(struct kvf_store *st, uint64_t bytes)
 uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms, uint64_t *free_bytes, uint64_t *dropped)
 {
     pthread_mutex_lock(&st->mu);
-    int low = (uint64_t)st->free_pages * KVF_PAGE < st->low_bytes;
+    int low = (uint64_t)st->pages.free * KVF_PAGE < st->low_bytes;
     if (st->want_bytes == 0 && !low && st->ring_len * 2 < st->ring_cap && timeout_ms > 0) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -575,7 +494,7 @@ uint64_t kvf_store_wait(struct kvf_store *st, int timeout_ms, uint64_t *free_byt
         pthread_cond_timedwait(&st->cv, &st->mu, &ts);
     }
     uint64_t w = st->want_bytes;
-    *free_bytes = (uint64_t)st->free_pages * KVF_PAGE;
+    *free_bytes = (uint64_t)st->pages.free * KVF_PAGE;
     *dropped = st->events_dropped;
     if (*free_bytes >= st->low_bytes) st->low_signaled = 0; /* re-arm */
     pthread_mutex_unlock(&st->mu);
@@ -605,21 +524,11 @@ uint64_t kvf_store_round(struct kvf_store *st, int *exhausted)
 int kvf_store_check(struct kvf_store *st)
 {
     pthread_mutex_lock(&st->mu);
-    uint64_t total = 0;
-    int bad = 0;
-    for (int b = 0; b < NBINS; b++) {
-        for (uint32_t s = st->bins[b]; s != NONE; s = st->fnext[s]) {
-            uint32_t n = st->run_len[s];
-            if (n == 0 || bin_of(n) != b || st->run_start[s + n - 1] != s) bad = 1;
-            if (s + n < st->npages && st->run_len[s + n]) bad = 1; /* unmerged neighbour */
-            total += n;
-        }
-    }
-    if (total != st->free_pages) bad = 1;
+    int bad = kvf_pages_check(&st->pages) != 0;
     uint64_t used = 0;
     for (uint32_t i = 0; i < st->nents; i++)
         if (st->ents[i].state != E_FREE) used += pages_for(st->ents[i].size);
-    if (used > (uint64_t)st->npages - st->free_pages) bad = 1;
+    if (used > (uint64_t)st->pages.npages - st->pages.free) bad = 1;
     pthread_mutex_unlock(&st->mu);
     return bad ? -EFAULT : 0;
 }
