@@ -143,12 +143,6 @@ static int parse_uint(struct meta m, const char *name, uint64_t *v, int required
 
 /* ---------------------------------------------------------------- simple ops */
 
-#define BEGIN(cap, nseg)                                  \
-    struct reply *rp = kvf_reply_new(c, (cap), (nseg));    \
-    if (!rp) { reject(c, KVF_E_INTERNAL, "out of memory"); return; } \
-    struct kvf_mw w;                                      \
-    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
-
 /* Whether the al bytes at a are the token, in time that depends only on the
  * token's length (not on where a guess first differs, nor on al). */
 static int token_equal(const char *a, uint32_t al, const char *token)
@@ -190,7 +184,7 @@ static void op_hello(struct conn *c, struct meta m)
         }
     }
     s->ctr.by_transport[c->transport]++;
-    BEGIN(s->cfg.hello_len, 0);
+    KVF_REPLY_BEGIN(s->cfg.hello_len, 0);
     kvf_mw_raw(&w, s->cfg.hello_meta, s->cfg.hello_len);
     kvf_reply_finish(c, rp, KVF_OP_HELLO, KVF_FLAG_REPLY, w.len, 0);
     kvf_conn_next_request(c);
@@ -227,7 +221,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
             reject(c, KVF_E_BUSY, "server busy: queued replies over their budget");
             return;
         }
-        BEGIN(32 + (size_t)n * 20, n);
+        KVF_REPLY_BEGIN(32 + (size_t)n * 20, n);
         uint32_t found = 0;
         uint64_t payload = 0;
         for (uint32_t i = 0; i < n; i++) {
@@ -270,7 +264,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
         for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
         kvf_reply_finish(c, rp, KVF_OP_GET, KVF_FLAG_REPLY, w.len, payload);
     } else if (op == KVF_OP_EXISTS) {
-        BEGIN(32 + (size_t)n, 0);
+        KVF_REPLY_BEGIN(32 + (size_t)n, 0);
         kvf_mw_map(&w, 1);
         kvf_mw_cstr(&w, "present");
         kvf_mw_array(&w, n);
@@ -285,7 +279,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
         int64_t until = lease_ms ? kvf_now_ms() + (int64_t)lease_ms : 0;
         uint32_t count = 0;
         while (count < n && kvf_store_lookup(s->st, b->keys[count], b->klens[count], until)) count++;
-        BEGIN(32, 0);
+        KVF_REPLY_BEGIN(32, 0);
         kvf_mw_map(&w, 1);
         kvf_mw_cstr(&w, "count");
         kvf_mw_uint(&w, count);
@@ -298,7 +292,7 @@ static void op_keys(struct conn *c, struct meta m, int op)
             if (s->tier) kvf_tier_shared_delete(s->tier, b->keys[i], b->klens[i]); /* and the shared file, if any */
             del += (uint32_t)d;
         }
-        BEGIN(32, 0);
+        KVF_REPLY_BEGIN(32, 0);
         kvf_mw_map(&w, 1);
         kvf_mw_cstr(&w, "deleted");
         kvf_mw_uint(&w, del);
@@ -437,7 +431,7 @@ static int reserve_one(struct conn *c, struct batch *b, uint32_t i)
 
 static void put_reply(struct conn *c, struct batch *b, int op, int with_offsets)
 {
-    BEGIN(48 + (size_t)b->n * 10, 0);
+    KVF_REPLY_BEGIN(48 + (size_t)b->n * 10, 0);
     kvf_mw_map(&w, with_offsets ? 3 : 1);
     if (with_offsets) {
         kvf_mw_cstr(&w, "res");
@@ -536,7 +530,7 @@ void kvf_ops_request(struct conn *c)
     switch (op) {
     case KVF_OP_HELLO: op_hello(c, m); break;
     case KVF_OP_PING: {
-        BEGIN(8, 0);
+        KVF_REPLY_BEGIN(8, 0);
         kvf_mw_map(&w, 0);
         kvf_reply_finish(c, rp, KVF_OP_PING, KVF_FLAG_REPLY, w.len, 0);
         kvf_conn_next_request(c);

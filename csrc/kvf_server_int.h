@@ -219,8 +219,6 @@ void kvf_wake_waiters(struct kvf_server *s);      /* a budget was freed: resume 
 /* kvf_send.c */
 /* Append the service-time histograms to a STATS map: 2 * KVF_LAT_OPS pairs,
  * lat_<op>_us_buckets (array of KVF_LAT_BUCKETS counts) and lat_<op>_us_sum. */
-/* STATS: queue the reply (kvf_stats.c), then the next request. */
-void kvf_op_stats(struct conn *c);
 void kvf_lat_write(struct kvf_mw *w, const struct kvf_server_counters *ctr);
 struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);
 void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
@@ -237,6 +235,9 @@ void kvf_conn_sent(struct conn *c, int res);
  * the pages; frees r if nothing else is pending. No return. */
 void kvf_reply_zc_notif(struct kvf_server *s, struct reply *r, int res);
 
+/* kvf_stats.c */
+void kvf_op_stats(struct conn *c);             /* STATS: queue the reply, then the next request */
+
 /* kvf_ops.c */
 void kvf_ops_request(struct conn *c);          /* header + meta are in */
 void kvf_ops_batch_step(struct conn *c);       /* continue a PUT/RESERVE */
@@ -244,8 +245,15 @@ void kvf_ops_object_done(struct conn *c);      /* a PUT object landed in its slo
 void kvf_ops_staged(struct conn *c);           /* a PUT object's first bytes are in c->stage */
 void kvf_ops_conn_gone(struct conn *c);        /* free leases and reservations */
 void kvf_batch_free(struct batch *b);
-/* helpers shared with kvf_shm.c: parse_* return 0 or a wire error code (KVF_E_*) */
+/* helpers shared with kvf_shm.c and kvf_stats.c: parse_* return 0 or a wire error code (KVF_E_*) */
 void kvf_ops_reject(struct conn *c, int code, const char *msg);
+/* In a handler of conn c: a reply rp with meta_cap cap and nseg payload segments, and a msgpack
+ * writer w over its metadata; out of memory: rejected with KVF_E_INTERNAL and the handler returns. */
+#define KVF_REPLY_BEGIN(cap, nseg)                                              \
+    struct reply *rp = kvf_reply_new(c, (cap), (nseg));                         \
+    if (!rp) { kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }   \
+    struct kvf_mw w;                                                            \
+    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
 int kvf_ops_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf); /* 0, -EBUSY, -ENOMEM */
 int kvf_ops_parse_keys(struct conn *c, const uint8_t *meta, size_t len, struct batch *b, uint32_t *n);
 int kvf_ops_parse_uints(const uint8_t *meta, size_t len, const char *name, uint64_t *out, uint32_t n);

@@ -162,16 +162,10 @@ int kvf_shm_peer_refused(struct kvf_server *s, int fd)
 
 /* ---------------------------------------------------------------- handlers */
 
-#define BEGIN(cap, nseg)                                                        \
-    struct reply *rp = kvf_reply_new(c, (cap), (nseg));                         \
-    if (!rp) { kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }   \
-    struct kvf_mw w;                                                            \
-    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
-
 static void op_attach(struct conn *c)
 {
     struct kvf_server *s = c->srv;
-    BEGIN(64, 0);
+    KVF_REPLY_BEGIN(64, 0);
     kvf_mw_map(&w, 1);
     kvf_mw_cstr(&w, "capacity");
     kvf_mw_uint(&w, kvf_store_capacity(s->st));
@@ -207,7 +201,7 @@ static void op_lease(struct conn *c, const uint8_t *m, size_t mn)
     l->n = 0;
     l->until_ms = kvf_now_ms() + lease_cap_ms(s);
     c->nleases++;
-    BEGIN(48 + (size_t)n * 30, 0);
+    KVF_REPLY_BEGIN(48 + (size_t)n * 30, 0);
     struct batch *b = &c->b;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t id;

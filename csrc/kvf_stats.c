@@ -21,14 +21,7 @@ void kvf_op_stats(struct conn *c)
     kvf_store_stats(s->st, &ss);
     int ssd = s->tier && kvf_tier_has_ssd(s->tier); /* ssd_* only with --ssd-path (a tier may run a shared tier alone) */
     size_t cap = 2048 + 2048 /* service-time histograms */ + s->cfg.stats_extra_len + (ssd ? 1024 : 0) + 40 * kvf_shared_stats_pairs(s->cfg.shared);
-    struct reply *rp = kvf_reply_new(c, cap, 0);
-    if (!rp) {
-        kvf_reply_error(c, KVF_E_INTERNAL, "out of memory");
-        kvf_conn_next_request(c);
-        return;
-    }
-    struct kvf_mw w;
-    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, cap);
+    KVF_REPLY_BEGIN(cap, 0);
     uint32_t nerr = 0;
     for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
     /* protocol/stats.py STATS_KEYS + the optional ones (lat_* always, ssd_* with a tier, shared_* with a shared tier) */
@@ -86,12 +79,7 @@ void kvf_op_stats(struct conn *c)
     if (ssd) kvf_tier_stats_mw(s->tier, &w);
     kvf_shared_stats_write(s->cfg.shared, &w); /* shared_*: only with a shared tier */
     kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);
-    if (w.overflow) {
-        kvf_reply_drop(c, rp);
-        kvf_reply_error(c, KVF_E_INTERNAL, "stats too large");
-        kvf_conn_next_request(c);
-        return;
-    }
+    if (w.overflow) { kvf_reply_drop(c, rp); kvf_ops_reject(c, KVF_E_INTERNAL, "stats too large"); return; }
     kvf_reply_finish(c, rp, KVF_OP_STATS, KVF_FLAG_REPLY, w.len, 0);
     kvf_conn_next_request(c);
 }
