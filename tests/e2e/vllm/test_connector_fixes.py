@@ -44,8 +44,8 @@ def test_cache_salt_isolation_no_resend_of_local_hits_and_logs_in_vllm_output(ru
     assert r["cached"][0] == 0 and c0["save_chunks"] == SAVED
     # 2: a local hit (vLLM's own cache), and nothing re-sent to the pool
     assert r["cached"][1] >= PROMPT_TOKENS - CHUNK, r["cached"]
-    assert delta(c1, c0, "lookups") == 1                  # looked up to learn what the pool holds
-    assert delta(c1, c0, "save_known_chunks") == SAVED
+    assert delta(c1, c0, "lookups") == 1, (c0, c1)        # looked up to learn what the pool holds
+    assert delta(c1, c0, "save_known_chunks") == SAVED, (c0, c1)
     assert delta(c1, c0, "save_jobs") == 0 and delta(c1, c0, "save_chunks") == 0, (c0, c1)
     # 3: another tenant's salt: nothing from the unsalted entries, its own saved
     assert r["cached"][2] == 0, r["cached"]
