@@ -31,9 +31,9 @@ PYEOF
 if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   echo "ci-lmcache: building $VENV ($TORCH_PIN, $LMCACHE_PIN)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  with_progress "ci-lmcache: pip install $TORCH_PIN" "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
-  with_progress "ci-lmcache: pip install $LMCACHE_PIN" "$VENV/bin/python" -m pip install -q "$LMCACHE_PIN" "$TORCH_PIN"
-  "$VENV/bin/python" -m pip install -q pytest pytest-timeout
+  with_progress "ci-lmcache: pip install $TORCH_PIN" pip_quiet "$VENV/bin/python" install -q "$TORCH_PIN"
+  with_progress "ci-lmcache: pip install $LMCACHE_PIN" pip_quiet "$VENV/bin/python" install -q "$LMCACHE_PIN" "$TORCH_PIN"
+  pip_quiet "$VENV/bin/python" install -q pytest pytest-timeout
   have_engine || { echo "ci-lmcache: $VENV does not hold $LMCACHE_PIN + $TORCH_PIN"; exit 1; }
 fi
 

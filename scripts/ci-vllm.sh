@@ -36,9 +36,9 @@ PYEOF
 if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   echo "ci-vllm: building $VENV ($VLLM_PIN)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  with_progress "ci-vllm: pip install $VLLM_PIN (~5 min)" "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  "$VENV/bin/python" -m pip install -q pytest pytest-timeout
+  with_progress "ci-vllm: pip install $VLLM_PIN (~5 min on a quiet machine, 12 at load 20)" pip_quiet "$VENV/bin/python" install -q "$VLLM_PIN"
+  pip_quiet "$VENV/bin/python" uninstall -q -y torchvision torchaudio torchcodec || true
+  pip_quiet "$VENV/bin/python" install -q pytest pytest-timeout
   have_engine || { echo "ci-vllm: $VENV does not hold a working $VLLM_PIN"; exit 1; }
 fi
 

@@ -9,9 +9,9 @@
 checkout_on_path() {
   local venv=$1 site
   "$venv/bin/python" -c "import xxhash, msgpack, numpy, prometheus_client" 2>/dev/null \
-    || "$venv/bin/python" -m pip install -q xxhash msgpack numpy prometheus-client || return 1
+    || pip_quiet "$venv/bin/python" install -q xxhash msgpack numpy prometheus-client || return 1
   if "$venv/bin/python" -m pip show -q kvfabric >/dev/null 2>&1; then
-    "$venv/bin/python" -m pip uninstall -q -y kvfabric
+    pip_quiet "$venv/bin/python" uninstall -q -y kvfabric
   fi
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   printf '%s\n%s\n' "$(pwd)" "$(pwd)/connectors" >"$site/kvfabric-checkout.pth"
@@ -21,6 +21,6 @@ native_built() {
   local venv=$1
   "$venv/bin/python" -c "import kvfabric._native" 2>/dev/null && return 0
   echo "$(basename "$venv"): building the native extension in place"
-  "$venv/bin/python" -m pip install -q setuptools && KVFABRIC_NATIVE_REQUIRED=1 "$venv/bin/python" setup.py -q build_ext --inplace \
+  pip_quiet "$venv/bin/python" install -q setuptools && KVFABRIC_NATIVE_REQUIRED=1 "$venv/bin/python" setup.py -q build_ext --inplace \
     && "$venv/bin/python" -c "import kvfabric._native" || { echo "native extension does not build or import"; return 1; }
 }

@@ -13,3 +13,13 @@ with_progress() {
   done
   wait "$pid"
 }
+# pip_quiet PYTHON ARGS...: PYTHON -m pip ARGS, without the "Location 'file:///...' is ignored:
+# it is neither a file nor a directory" line that pip prints for every package when its
+# configuration names local index folders that lack it (this workplace's machines do: one
+# line per package and folder, ~300 in a full run); every other line is kept. Returns pip's status.
+pip_quiet() {
+  local py=$1
+  shift
+  "$py" -m pip "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+  return "${PIPESTATUS[0]}"
+}
