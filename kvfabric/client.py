@@ -24,7 +24,7 @@ puts counted drops) for that call, the shard is marked down, and a background
 thread reconnects it with exponential backoff (``reconnect_backoff_s`` doubling
 up to ``reconnect_backoff_max_s``). While a shard is down, calls skip it at
 once instead of waiting. None of this raises out of ``put``, ``get_into``,
-``get``, ``exists``, ``lookup``, ``delete`` or ``stats``.
+``get``, ``exists``, ``lookup``, ``delete``, ``stats`` or ``ping``.
 
 What does raise: programming errors (``TypeError``/``ValueError``: keys that
 are not 1..64 bytes, a buffer that is read-only, not contiguous or too small
@@ -501,6 +501,30 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         client["transports"] = sorted({s.transport for s in self._shards if s.transport})
         client["registered_buffers"] = self._registration.stats()
         return {"client": client, "servers": {s.address: servers[s.address] for s in shards}}
+
+    def ping(self, *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """One PING to every server, in parallel, on a pooled connection: ``{address: {"rtt_s", "server_id",
+        "server", "version", "transport"}}`` (``server``: the name and version its HELLO reported, ``version``:
+        its wire protocol, ``rtt_s``: the PING's round trip alone, the connect and HELLO not counted). A
+        server that cannot answer appears as ``{"error": "..."}`` (the shard's last error), as in :meth:`stats`."""
+        self._check_open()
+        deadline = self._deadline(timeout_s)
+        answers: dict[str, dict[str, Any]] = {}
+        shards = self._shards
+
+        def job_for(shard: _Shard):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                t0 = time.perf_counter()
+                conn.request(protocol.PingRequest(), deadline=deadline)
+                rtt = time.perf_counter() - t0
+                self._counters.add(requests=1)
+                answers[shard.address] = {"rtt_s": rtt, "server_id": conn.hello.server_id, "server": conn.hello.server,
+                                          "version": conn.hello.version, "transport": conn.name}
+            return job
+
+        ok = self._fan_out([(s, job_for(s)) for s in shards], deadline)
+        return {s.address: answers[s.address] if good else {"error": s.last_error or "unreachable"}
+                for s, good in zip(shards, ok)}
 
     @property
     def transports(self) -> dict[str, str | None]:
