@@ -67,34 +67,89 @@ _LOAD_MODES = {"async": {}, "sync": {"load_async": False},
                "layerwise": {"load_async": False, "load_layerwise": True}}
 
 
+class TraceTargetMissing(RuntimeError):
+    """A function the trace wraps is gone (renamed or moved by a refactor): the message names it."""
+
+
 class _Trace:
     """Where a pool hit's time goes (on unless ``--no-trace``), measured by wrapping the connector's methods in
     this (single) engine process. Per timed request: the pool lookup, the load (bytes, transport,
     checksum time), the engine steps between the load's end and the forward that reads it, and
-    that forward. Class-level wrappers, so nothing in the connector changes."""
+    that forward. Class-level wrappers, so nothing in the connector changes.
+
+    Every target is looked up by :meth:`_patch`, which raises :class:`TraceTargetMissing` naming it when a
+    refactor moved it (the engine process then fails at start with that line, never a trace that quietly
+    measures nothing); ``tests/integration/test_bench_smoke.py`` checks the kvfabric targets without vLLM
+    and ``tests/e2e/vllm/test_bench_smoke.py`` the whole trace."""
+
+    #: (module, attribute) of kvfabric's own function the trace times: the client's checksum of an object
+    #: received into a buffer (``kvfabric._reads``; on the native transport the C receive loop hashes
+    #: instead and this is called only for the objects it could not).
+    CHECKSUM = ("kvfabric._reads", "_object_checksum")
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str, dict]] = []
         self.checksum_s = 0.0
+        self._undo: list[tuple[object, str, object]] = []
+        self._on_gc = None
 
     def reset(self) -> None:
         self.events, self.checksum_s = [], 0.0
 
-    def install(self) -> None:
-        import kvfabric.client as kc
-        from kvfabric_vllm import connector, scheduler, worker
+    def _patch(self, owner: object, name: str, make) -> None:
+        """Replace ``owner.name`` by ``make(original)``; :class:`TraceTargetMissing` if it is not there."""
+        orig = getattr(owner, name, None)
+        if not callable(orig):
+            where = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+            raise TraceTargetMissing(
+                f"vllm_ttft trace: {where}.{name} not found (renamed or moved?): update _Trace in "
+                f"kvfabric/bench/vllm_ttft.py to its new place, or run with --no-trace")
+        self._undo.append((owner, name, owner.__dict__.get(name) if isinstance(owner, type) else orig))
+        setattr(owner, name, make(orig))
+
+    def remove(self) -> None:
+        """Put every wrapped function back (the reverse order of :meth:`_patch`) and stop timing gc."""
+        import gc
+
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        while self._undo:
+            owner, name, orig = self._undo.pop()
+            if orig is None:
+                delattr(owner, name)   # it was inherited: drop the override
+            else:
+                setattr(owner, name, orig)
+
+    def install_client(self) -> None:
+        """Time kvfabric's client-side checksums (``checksum_s``); needs no engine."""
+        import importlib
 
         tr = self
 
-        def wrap(cls, name, on_exit):
-            orig = getattr(cls, name)
-
-            def inner(self_, *a, **kw):
+        def timed(orig):
+            def ck(*a):
                 t0 = time.perf_counter()
-                out = orig(self_, *a, **kw)
-                on_exit(self_, t0, time.perf_counter(), a, out)
-                return out
-            setattr(cls, name, inner)
+                try:
+                    return orig(*a)
+                finally:
+                    tr.checksum_s += time.perf_counter() - t0
+            return ck
+
+        module, name = self.CHECKSUM
+        self._patch(importlib.import_module(module), name, timed)
+
+    def install(self) -> None:
+        from kvfabric_vllm import connector, scheduler, worker
+
+        def wrap(cls, name, on_exit):
+            def make(orig):
+                def inner(self_, *a, **kw):
+                    t0 = time.perf_counter()
+                    out = orig(self_, *a, **kw)
+                    on_exit(self_, t0, time.perf_counter(), a, out)
+                    return out
+                return inner
+            self._patch(cls, name, make)
 
         def ev(name, **info):
             def rec(self_, t0, t1, a, out):
@@ -117,15 +172,7 @@ class _Trace:
         for hook in ("start_load_kv", "wait_for_save", "get_finished", "save_kv_layer", "wait_for_layer_load",
                      "get_block_ids_with_load_errors"):
             wrap(connector.KVFabricConnector, hook, ev("hook"))
-        orig_ck = kc._object_checksum
-
-        def ck(*a):
-            t0 = time.perf_counter()
-            try:
-                return orig_ck(*a)
-            finally:
-                tr.checksum_s += time.perf_counter() - t0
-        kc._object_checksum = ck
+        self.install_client()
         import gc
 
         gc_t0: list[float] = []
@@ -135,6 +182,7 @@ class _Trace:
                 gc_t0[:] = [time.perf_counter()]
             elif gc_t0:
                 self.events.append((gc_t0[0], "gc", {"t1": time.perf_counter(), "gen": info["generation"]}))
+        self._on_gc = on_gc
         gc.callbacks.append(on_gc)
 
     def summary(self, t_start: float, t_end: float) -> dict:
