@@ -1,0 +1,113 @@
+"""``kvfabric bench shared_tier``: the shared-filesystem tier (``serve --shared-path``); two servers share a directory.
+
+For each object size: PUT N objects to server A (batches of 10, one TCP connection) with and without
+``--shared-path`` (what the write-through costs a PUT: a copy on the loop thread), the tier thread's mean
+write per object (``shared_write_us_total / shared_writes``, fsync never and always), then GET them all from
+server B, which never saw them (read from DIR, verified, promoted into B's arena) and again (from B's DRAM).
+Prints a table and writes the rows as JSON (``--json``, default bench-results/shared_tier.json). A
+benchmark, not a test: figures depend on the filesystem and on the machine's load.
+
+    python benchmarks/shared_tier.py --dir /mnt/juicefs/kvf-bench --sizes 256KiB,1MiB --count 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+from .. import protocol as p
+from ..config import parse_size
+from ..testing.poll import wait_for
+from ..testing.servers import start_server
+from ..transport import tcp
+from . import write_json
+
+
+def _stats(address: str) -> dict:
+    with tcp.connect(address, timeout_s=60) as c:
+        return c.request(p.StatsRequest()).msg.stats
+
+
+def _put_all(address: str, keys: list[bytes], vals: list[bytes]) -> float:
+    t0 = time.perf_counter()
+    with tcp.connect(address, timeout_s=60) as c:
+        for i in range(0, len(keys), 10):
+            ks, vs = keys[i:i + 10], vals[i:i + 10]
+            st = c.request(p.PutRequest(ks, [len(v) for v in vs], [p.checksum(k, v) for k, v in zip(ks, vs)]), vs)
+            assert all(s == p.PutStatus.STORED for s in st.msg.status)
+    return time.perf_counter() - t0
+
+
+def _get_all(address: str, keys: list[bytes], size: int) -> float:
+    t0 = time.perf_counter()
+    with tcp.connect(address, timeout_s=60) as c:
+        for i in range(0, len(keys), 10):
+            r = c.request(p.GetRequest(keys[i:i + 10]))
+            assert all(s == size for s in r.msg.sizes), r.msg.sizes
+    return time.perf_counter() - t0
+
+
+def run(base: str, size: int, count: int, fsync: str) -> dict:
+    capacity = str(max(64 << 20, 4 * size * count))
+    keys = [b"bench-%d-%d" % (size, i) for i in range(count)]
+    vals = [random.randbytes(size) for _ in keys]
+    plain = start_server(capacity=capacity)
+    try:
+        put_plain = _put_all(plain.address, keys, vals)
+    finally:
+        plain.kill()
+    d = tempfile.mkdtemp(prefix="kvf-shared-bench-", dir=base)
+    a = start_server(capacity=capacity, extra_args=["--shared-path", d, "--shared-fsync", fsync])
+    b = start_server(capacity=capacity, extra_args=["--shared-path", d])
+    try:
+        put_shared = _put_all(a.address, keys, vals)
+        if not wait_for(lambda: _stats(a.address)["shared_writes"] + _stats(a.address)["shared_write_drops"] >= count,
+                        600):
+            raise RuntimeError(f"writes did not finish: {_stats(a.address)}")
+        sa = _stats(a.address)
+        get_shared = _get_all(b.address, keys, size)
+        get_dram = _get_all(b.address, keys, size)
+        sb = _stats(b.address)
+    finally:
+        a.kill()
+        b.kill()
+        shutil.rmtree(d, ignore_errors=True)
+    mb = count * size / 1e6
+    return {
+        "size": size, "count": count, "fsync": fsync,
+        "put_mb_s_no_shared": mb / put_plain, "put_mb_s_shared": mb / put_shared,
+        "shared_write_us": sa["shared_write_us_total"] / max(1, sa["shared_writes"]),
+        "shared_write_drops": sa["shared_write_drops"],
+        "shared_read_us": sb["shared_read_us_total"] / max(1, sb["shared_reads"]),
+        "get_mb_s_from_shared": mb / get_shared, "get_mb_s_from_dram": mb / get_dram,
+        "shared_hits": sb["shared_hits"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench shared_tier", description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the shared directory is made (default: the temp dir)")
+    ap.add_argument("--sizes", default="256KiB,1MiB", help="object sizes, comma-separated (default 256KiB,1MiB)")
+    ap.add_argument("--count", type=int, default=100, help="objects per size (default 100)")
+    ap.add_argument("--fsync", default="never,always", help="--shared-fsync modes to run (default never,always)")
+    ap.add_argument("--json", default="bench-results/shared_tier.json", help="write the rows here")
+    args = ap.parse_args(argv)
+    rows = [run(args.dir, parse_size(s), args.count, f) for s in args.sizes.split(",") for f in args.fsync.split(",")]
+    print(f"{'size':>8} {'fsync':>6} {'PUT MB/s':>9} {'(no tier)':>9} {'write us':>9} {'drops':>5} "
+          f"{'read us':>8} {'GET MB/s shared':>15} {'(DRAM)':>7}")
+    for r in rows:
+        print(f"{r['size'] >> 10:>6}Ki {r['fsync']:>6} {r['put_mb_s_shared']:9.0f} {r['put_mb_s_no_shared']:9.0f} "
+              f"{r['shared_write_us']:9.0f} {r['shared_write_drops']:5d} {r['shared_read_us']:8.0f} "
+              f"{r['get_mb_s_from_shared']:15.0f} {r['get_mb_s_from_dram']:7.0f}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; directory under {args.dir}")
+    write_json(args.json, rows, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
