@@ -20,9 +20,17 @@ it starts ``--shards`` (2) local pool servers per eviction policy with a
 capacity of ``--capacity`` (10%) of the trace's unique prefix blocks, replays
 the trace and prints the three levels (exists / loaded / useful), and
 simulates every policy offline over the capacities 1-50% (the Mooncake
-figures' grid) with Belady and infinite for that key mode. Last it prints
-prefix and chunk levels side by side, each with its one-line definition, and
-writes ``rag.json`` and ``rag.png`` to ``--out-dir``.
+figures' grid) with Belady and infinite for that key mode. Every rate it
+prints is token-weighted (share of prompt tokens). Then it prints the prefix
+level by capacity, with the chunk level beside it when the chunk key mode ran
+(else one line saying how to get it), each with its one-line definition; last
+the headline (the measured prefix level of lru at ``--capacity``, with Belady
+and infinite), what the workload is (share of follow-up turns and the points
+of reuse they carry, measured on the trace; the generator's templates and
+documents) and, for the generator, the real RAG workload's figures beside it
+(MuSiQue's reuse computed from the bundled trace, its measured rate quoted
+with the command that measured it). It writes ``rag.json`` and ``rag.png``
+to ``--out-dir``.
 
 Under two minutes on two shared cores for ``--dataset musique`` (and for the
 generator's defaults). ``--spread`` (default 4 with ``--dataset``, else 0)
@@ -49,8 +57,8 @@ from .replay import (
     exit_on_sigterm,
     options_from_args,
 )
-from .replay_report import CHUNK_DEFINITION, PREFIX_DEFINITION
-from .sweep import _floats, plot_or_explain, print_report, print_sweep, sweep_trace
+from .replay_report import CHUNK_DEFINITION, PREFIX_DEFINITION, print_report
+from .sweep import _floats, plot_or_explain, sweep_trace
 from .traces import Trace, TraceError, load_trace, write_trace
 
 DATASETS = {"musique": "musique-b{}"}
@@ -87,19 +95,33 @@ def load_dataset(name: str, block_tokens: int | None) -> Trace:
     return load_trace(DATASETS[name].format(bt))
 
 
+CHUNK_HOWTO = ("chunk levels not computed (prefix key mode only, the generator's default): add --key-mode both "
+               "for a second replay with chunk keys (minutes here), or run --dataset musique (both modes by default)")
+
+
 def print_side_by_side(results: dict[str, dict[str, Any]], out=None) -> None:
-    """Per capacity and policy: prefix-only pool, then prefix+chunk pool (prefix | chunk), token rates; bounds."""
+    """Per capacity and policy: prefix-only pool, then prefix+chunk pool (prefix | chunk), token rates; bounds.
+
+    Without the chunk key mode the two chunk columns are left out and one
+    line (:data:`CHUNK_HOWTO`) says how to get them.
+    """
     out = out or sys.stdout
     pre, ch = results.get("prefix"), results.get("chunk")
     base = pre or ch
     if base is None or not base["points"]:
         return
     pols = list(base["points"][0]["sim"])
-    print(f"\n{base['trace']}: prefix and chunk levels side by side, token hit rates, {base['shards']} shard(s); "
-          f"R = measured on real servers, else simulated", file=out)
-    print(f"  {PREFIX_DEFINITION}\n  {CHUNK_DEFINITION}", file=out)
-    print(f"{'capacity':>8} {'policy':>11} {'prefix-only pool':>17} {'prefix+chunk pool: prefix':>26} {'chunk':>8}",
-          file=out)
+    if ch:
+        print(f"\n{base['trace']}: prefix and chunk levels side by side, token hit rates, {base['shards']} shard(s); "
+              f"R = measured on real servers, else simulated", file=out)
+        print(f"  {PREFIX_DEFINITION}\n  {CHUNK_DEFINITION}", file=out)
+        print(f"{'capacity':>8} {'policy':>11} {'prefix-only pool':>17} {'prefix+chunk pool: prefix':>26} "
+              f"{'chunk':>8}", file=out)
+    else:
+        print(f"\n{base['trace']}: prefix level (exists) by capacity, token hit rates, {base['shards']} shard(s); "
+              f"R = measured on real servers, else simulated", file=out)
+        print(f"  {PREFIX_DEFINITION}", file=out)
+        print(f"{'capacity':>8} {'policy':>11} {'prefix':>17}", file=out)
     for k, row in enumerate(base["points"]):
         prow = pre["points"][k] if pre else None
         crow = ch["points"][k] if ch else None
@@ -115,22 +137,90 @@ def print_side_by_side(results: dict[str, dict[str, Any]], out=None) -> None:
             return f"{r['sim'][pol][key]:.1%} "
 
         for pol in pols:
-            print(f"{row['capacity_fraction']:>8.0%} {pol:>11} {cell(prow, pol, 'prefix'):>17} "
-                  f"{cell(crow, pol, 'prefix'):>26} {cell(crow, pol, 'chunk'):>8}", file=out)
+            line = f"{row['capacity_fraction']:>8.0%} {pol:>11} {cell(prow, pol, 'prefix'):>17}"
+            if ch:
+                line += f" {cell(crow, pol, 'prefix'):>26} {cell(crow, pol, 'chunk'):>8}"
+            print(line, file=out)
         bp = f"{prow['belady_tokens']:.1%} " if prow else "-"
         ip = f"{prow['infinite_tokens']:.1%} " if prow else "-"
         cm = crow.get("chunk_mode") if crow else None
         for name, p_only in (("belady", bp), ("infinite", ip)):
-            c_pre = f"{cm[name]['prefix_token_hit_rate']:.1%} " if cm else "-"
-            c_ch = f"{cm[name]['chunk_token_hit_rate']:.1%} " if cm else "-"
-            print(f"{'':>8} {name:>11} {p_only:>17} {c_pre:>26} {c_ch:>8}", file=out)
+            line = f"{'':>8} {name:>11} {p_only:>17}"
+            if ch:
+                c_pre = f"{cm[name]['prefix_token_hit_rate']:.1%} " if cm else "-"
+                c_ch = f"{cm[name]['chunk_token_hit_rate']:.1%} " if cm else "-"
+                line += f" {c_pre:>26} {c_ch:>8}"
+            print(line, file=out)
     if ch:
         print("belady in the prefix+chunk pool is MIN over both key streams: a reference, not a proven bound on the "
               "chunk level", file=out)
+    else:
+        print(CHUNK_HOWTO, file=out)
+
+
+#: the bundled real workload the synthetic headline is put beside, and the command that measured it
+REAL_RAG = ("musique", 16)
+REAL_RAG_COMMAND = "kvfabric bench rag --dataset musique --block-tokens 16"
+#: quoted, not computed here: LRU at 10% through real servers, from REAL_RAG_COMMAND (docs/img/rag-musique-b16.txt)
+REAL_RAG_MEASURED_LRU_10 = 0.013
+
+
+def real_rag_reference() -> list[str]:
+    """Lines on the real RAG workload: its reuse computed now from the bundled trace, its measured rate quoted."""
+    from .belady import infinite_chunks
+
+    try:
+        tr = load_dataset(*REAL_RAG)
+    except TraceError as e:  # a checkout without data/: say so instead of a figure
+        return [f"real RAG for comparison: not available ({e})"]
+    sh = ragtrace.workload_shares(tr)
+    _, chunk = infinite_chunks(tr)
+    return [f"real RAG for comparison: MuSiQue, {sh.requests} questions x 10 retrieved passages (data/rag/musique, "
+            f"{tr.block_tokens}-token blocks), {sh.followup_share:.0%} follow-up turns: prefix reuse at infinite "
+            f"capacity {sh.reuse_tokens:.1%} of prompt tokens, passages seen before at another position "
+            f"{chunk.token_hit_rate:.1%} (chunk keys + blending); computed now from the bundled trace",
+            f"  measured through real servers, LRU at 10%: prefix {REAL_RAG_MEASURED_LRU_10:.1%} (quoted from "
+            f"`{REAL_RAG_COMMAND}`, docs/img/rag-musique-b16.txt)"]
+
+
+def headline(results: dict[str, dict[str, Any]], capacity: float) -> str | None:
+    """One line: the measured prefix level of lru (else the first policy) at ``capacity``, with the bounds."""
+    res = results.get("prefix")
+    if not res:
+        return None
+    row = next((p for p in res["points"] if abs(p["capacity_fraction"] - capacity) < 1e-12), None)
+    if row is None or not row["real"]:
+        return None
+    pol = "lru" if "lru" in row["real"] else next(iter(row["real"]))
+    lv = row["real"][pol]["levels"]
+    return (f"headline: {res['trace']}, {pol} at {capacity:.0%} capacity, {res['shards']} shard(s), measured: prefix "
+            f"hit {lv['exists']['token_hit_rate']:.1%} of prompt tokens (exists; loaded "
+            f"{lv['loaded']['token_hit_rate']:.1%}, useful {lv['useful']['token_hit_rate']:.1%}); Belady "
+            f"{row['belady_tokens']:.1%}, infinite {row['infinite_tokens']:.1%} (all token-weighted)")
+
+
+def same_curves(ys: dict[str, list[float]], tol: float = 0.05) -> dict[str, str]:
+    """Policies whose curve equals an earlier one's at every point (within ``tol`` points): {later: earlier}."""
+    out: dict[str, str] = {}
+    names = list(ys)
+    for j, later in enumerate(names):
+        for earlier in names[:j]:
+            if earlier not in out and all(abs(x - y) <= tol for x, y in zip(ys[later], ys[earlier])):
+                out[later] = earlier
+                break
+    return out
 
 
 def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str) -> None:
-    """Token hit rate vs capacity: prefix level (prefix-only pool) and chunk level (prefix+chunk pool)."""
+    """Token hit rate vs capacity: prefix level (prefix-only pool) and chunk level (prefix+chunk pool).
+
+    Laid out by matplotlib's constrained layout with the titles wrapped to
+    the figure's width, so no text is clipped; every policy has its own
+    colour, line style and marker, and a policy whose curve equals an
+    earlier one's says so in the legend (lru and tail-lru often coincide).
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,7 +228,8 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
 
     panels = [(m, results[m]) for m in KEY_MODES if m in results]
     # One y scale for both panels, from 0, so the prefix level is read against the chunk level.
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.4), squeeze=False, sharey=True)
+    width = 6.4 * len(panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 5.8), squeeze=False, sharey=True, layout="constrained")
     for ax, (mode, res) in zip(axes[0], panels):
         pts = res["points"]
         xs = [p["capacity_fraction"] * 100 for p in pts]
@@ -154,12 +245,16 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
             ax.plot(xs, [p["sim"][next(iter(p["sim"]))]["token_hit_rate"] * 100 for p in pts], "-", color="0.6",
                     label=f"prefix level in this pool ({next(iter(pts[0]['sim']))})")
         pols = list(pts[0]["sim"]) if pts else []
+        ys = {pol: [p["sim"][pol][level] * 100 for p in pts] for pol in pols}
+        same = same_curves(ys)
         for i, pol in enumerate(pols):
-            # Each policy its own colour, line style and marker, so equal curves (lru and tail-lru often
-            # coincide) stay visible: the later one is drawn thinner on top of the earlier one.
+            # Own colour, line style and marker (filled, then hollow, alternating); the later of equal curves
+            # is drawn thinner on top of the earlier one, so both stay visible.
             ls, mk = POLICY_STYLES[i % len(POLICY_STYLES)]
-            ax.plot(xs, [p["sim"][pol][level] * 100 for p in pts], linestyle=ls, marker=mk, markersize=4,
-                    linewidth=2.4 - 1.6 * i / max(1, len(pols) - 1), color=f"C{i}", label=pol, zorder=2 + i)
+            label = pol + (f" (= {same[pol]} within 0.05 points)" if pol in same else "")
+            ax.plot(xs, ys[pol], linestyle=ls, marker=mk, markersize=7 - 2 * (i % 2),
+                    markerfacecolor=f"C{i}" if i % 2 == 0 else "white", markeredgecolor=f"C{i}",
+                    linewidth=3.2 - 2.2 * i / max(1, len(pols) - 1), color=f"C{i}", label=label, zorder=2 + i)
             rx, ry = [], []
             # measured points side by side (a small x offset per policy), not on top of each other
             shift = 1.0 + 0.04 * (i - (len(pols) - 1) / 2)
@@ -171,7 +266,7 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
                         rx.append(p["capacity_fraction"] * 100 * shift)
                         ry.append(lv["exists"]["token_hit_rate"] * 100)
             if rx:
-                ax.plot(rx, ry, linestyle="none", marker=mk, color=f"C{i}", markersize=8, markerfacecolor="none",
+                ax.plot(rx, ry, linestyle="none", marker=mk, color=f"C{i}", markersize=9, markerfacecolor="none",
                         markeredgewidth=1.5, label=f"{pol} measured", zorder=10 + i)
         ax.set_xscale("log")
         ax.set_xticks(xs)
@@ -187,13 +282,14 @@ def plot_modes(results: dict[str, dict[str, Any]], path: str | Path, title: str)
         ax.tick_params(labelleft=True)
         ax.grid(True, which="both", alpha=0.3)
         # Below the panel: inside, it always covers some curve.
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     top = max(max(line.get_ydata(), default=0) for ax in axes[0] for line in ax.get_lines())
     axes[0][0].set_ylim(0, max(1.0, top * 1.08))  # shared: both panels from 0, one scale
-    fig.suptitle(title + "\nlines: offline simulation of the server's policies; hollow markers: measured on real "
-                 "servers (exists level)",
-                 fontsize=9)
-    fig.tight_layout()
+    # ~0.075 inch per character at 9 pt: wrap every line of the title to the figure's width
+    chars = int(width / 0.075)
+    note = ("lines: offline simulation of the server's policies; hollow markers: measured on real servers "
+            "(exists level); token-weighted")
+    fig.suptitle("\n".join(textwrap.fill(t, chars) for t in (title, note)), fontsize=9)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -258,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (bundled dataset {args.dataset})"
     print(f"{trace.name}: {len(trace)} requests, {trace.total_blocks} block accesses, {trace.unique_blocks} unique "
           f"blocks of {trace.block_tokens} tokens, {trace.unique_chunk_blocks} unique chunk blocks{where}")
-    print("hit-rate levels (per request, token-weighted in the tables):")
+    shares = ragtrace.workload_shares(trace)
+    print(f"workload: {shares.line()}")
+    if cfg is not None:
+        print(f"  {ragtrace.describe(cfg)}")
+    print("hit-rate levels (per request; every rate below is token-weighted: % of prompt tokens):")
     for line in level_definitions(opts[modes[0]]):
         print("  " + line)
     results: dict[str, dict[str, Any]] = {}
@@ -274,20 +374,30 @@ def main(argv: list[str] | None = None) -> int:
     for m, res in results.items():
         for rep in res["replays"]:
             print(f"\n== key mode {m} ==")
-            print_report(rep)
-        if m == "prefix":
-            print_sweep(res)
+            print_report(rep, weighting="token")
     print_side_by_side(results)
     print("levels:")
     for line in level_definitions(opts[modes[0]]):
         print("  " + line)
-    doc: dict[str, Any] = {"modes": results, "dataset": args.dataset}
+    head = headline(results, args.capacity)
+    print()
+    if head:
+        print(head)
+    print(f"  workload: {shares.line()}")
+    if cfg is not None:
+        print(f"  {ragtrace.describe(cfg)}")
+    if args.dataset != REAL_RAG[0]:
+        for line in real_rag_reference():
+            print("  " + line)
+    doc: dict[str, Any] = {"modes": results, "dataset": args.dataset, "workload": asdict(shares)}
     if cfg is not None:
         doc["generator"] = asdict(cfg)
     # The single-mode view older readers of rag.json expect (points, replays, ...) is the prefix mode's.
     doc.update(results.get("prefix", {}))
     (out / "rag.json").write_text(json.dumps(doc, indent=1, default=str))
-    title = f"kvfabric bench rag{' --dataset ' + args.dataset if args.dataset else ''}, {opts[modes[0]].shards} shard(s)"
+    title = (f"kvfabric bench rag{' --dataset ' + args.dataset if args.dataset else ''}, "
+             f"{opts[modes[0]].shards} shard(s): {shares.followup_share:.0%} follow-up turns, carrying "
+             f"{shares.followup_reuse_tokens * 100:.1f} of the {shares.reuse_tokens * 100:.1f} points of prefix reuse")
     try:
         plot_modes(results, out / "rag.png", title)
     except ImportError:

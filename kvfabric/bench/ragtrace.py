@@ -41,6 +41,11 @@ one tenant and template of 47 tokens, top-10 passages of ~624 tokens
 uniform pick over 4000 documents, which repeats 16.3% of the retrieved
 passages over 150 questions as MuSiQue does (explicit flags override it).
 Bad parameters raise ``ValueError`` (exit status 2 from the command line).
+
+:func:`workload_shares` measures a trace (generated or not) for what its
+prefix hit rate is made of: the share of requests that are follow-up turns
+and how many points of the infinite-capacity prefix reuse they carry;
+:func:`describe` names the generator's parameters in one line.
 """
 
 from __future__ import annotations
@@ -241,6 +246,70 @@ def generate(cfg: RagConfig) -> Trace:
             heapq.heappush(events, (t + rng.expovariate(1.0 / cfg.followup_delay_s), seq, sess, turn + 1, nxt, tenant))
             seq += 1
     return Trace(out, cfg.block_tokens, f"rag-seed{cfg.seed}")
+
+
+@dataclass(frozen=True)
+class WorkloadShares:
+    """What a trace's prefix reuse is made of; rates are shares of all prompt tokens (or requests)."""
+
+    requests: int
+    conversations: int
+    #: requests after the first of their conversation (a request without a session is its own conversation)
+    followups: int
+    tenants: int
+    #: prefix token hit rate with unbounded capacity (every block seen before is held)
+    reuse_tokens: float
+    #: the part of ``reuse_tokens`` that falls in follow-up turns (points of all prompt tokens)
+    followup_reuse_tokens: float
+
+    @property
+    def followup_share(self) -> float:
+        return self.followups / self.requests if self.requests else 0.0
+
+    def line(self) -> str:
+        """One line: follow-up share and the points of reuse they carry."""
+        first = self.reuse_tokens - self.followup_reuse_tokens
+        return (f"{self.requests} requests in {self.conversations} conversations, {self.tenants} tenant(s): "
+                f"{self.followup_share:.1%} are follow-up turns; of the {self.reuse_tokens:.1%} prefix reuse at "
+                f"infinite capacity (token-weighted) {self.followup_reuse_tokens * 100:.1f} points are in follow-up "
+                f"turns, {first * 100:.1f} in first turns (shared templates and documents)")
+
+
+def workload_shares(trace: Trace) -> WorkloadShares:
+    """Measure ``trace``: follow-up turns (by tenant and session) and their part of the infinite prefix reuse."""
+    seen_blocks: set[int] = set()
+    seen_sessions: set[tuple[str, str]] = set()
+    followups = hit = hit_followup = total = 0
+    tenants: set[str] = set()
+    bt = trace.block_tokens
+    for i, r in enumerate(trace.requests):
+        tenants.add(r.tenant)
+        conv = (r.tenant, r.session) if r.session else ("", f"#{i}")
+        later = conv in seen_sessions
+        seen_sessions.add(conv)
+        followups += later
+        run = 0
+        for h in r.hash_ids:
+            if h not in seen_blocks:
+                break
+            run += 1
+        tokens = sum(r.block_tokens(j, bt) for j in range(run))
+        hit += tokens
+        hit_followup += tokens if later else 0
+        total += sum(r.block_tokens(j, bt) for j in range(len(r.hash_ids)))
+        seen_blocks.update(r.hash_ids)
+    n = len(trace.requests)
+    return WorkloadShares(requests=n, conversations=n - followups, followups=followups, tenants=len(tenants),
+                          reuse_tokens=hit / total if total else 0.0,
+                          followup_reuse_tokens=hit_followup / total if total else 0.0)
+
+
+def describe(cfg: RagConfig) -> str:
+    """The generator's parameters that set the reuse, in one line."""
+    return (f"generator: {cfg.tenants} tenant(s) x {cfg.templates} system template(s) of ~{cfg.template_tokens} "
+            f"tokens, {cfg.docs} documents (~{cfg.doc_tokens_mean:g} tokens), top-{cfg.top_k} retrieval with "
+            f"Zipf({cfg.zipf:g}) popularity, follow-up probability {cfg.followup_prob:g} up to {cfg.max_turns} "
+            f"turns, seed {cfg.seed}")
 
 
 def add_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) -> None:

@@ -491,7 +491,7 @@ def add_common_arguments(p: argparse.ArgumentParser, block_tokens: bool = True) 
     p.add_argument("--timeout-s", type=float, default=30.0, help="LOOKUP/PUT timeout (default 30)")
     p.add_argument("--timed", action="store_true", help="follow the trace's timestamps (default: as fast as possible)")
     p.add_argument("--speedup", type=float, default=1.0, help="with --timed, replay this many times faster")
-    p.add_argument("--salt", type=int, default=None, help="key salt (default 0; random with --servers)")
+    p.add_argument("--salt", type=int, default=None, help="key salt (default 0)")
     p.add_argument("--no-check-sim", action="store_true", help="skip the offline simulator cross-check")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--key-mode", choices=(*KEY_MODES, "both"), default=None,
@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="policy of the local servers (repeatable; default lru and prefix-lfu)")
     p.add_argument("--capacity", "--dram-capacity", dest="capacity", type=float, default=0.1,
                    help="pool (DRAM) capacity as a fraction of unique blocks (default 0.1)")
-    p.add_argument("--servers", default=None, help="replay against these running servers (host:port,...)")
+    p.add_argument("--servers", default=None,
+                   help="replay against these running servers (host:port,...), with a random key salt unless --salt")
     p.add_argument("--json", default=None, help="write the report here (default bench-results/replay-<trace>.json)")
     add_common_arguments(p)
     args = p.parse_args(argv)

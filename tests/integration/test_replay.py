@@ -66,7 +66,14 @@ def test_rag_main_job_small(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "exists" in out and "belady" in out
+    # one weighting: tokens; the workload beside the headline; the real RAG figure; no empty chunk columns
+    assert "block-level" not in out and "(prefix hits, token-weighted)" in out, out
+    assert "headline: rag-seed0, lru at 20% capacity" in out and "are follow-up turns" in out, out
+    assert "2 tenant(s) x 3 system template(s)" in out and "real RAG for comparison: MuSiQue" in out, out
+    from kvfabric.bench.rag import CHUNK_HOWTO
+    assert CHUNK_HOWTO in out and "prefix+chunk pool" not in out, out
     result = json.loads((tmp_path / "rag.json").read_text())
+    assert result["workload"]["requests"] == 200 and 0 < result["workload"]["followups"] < 200, result["workload"]
     (rep,) = result["replays"]
     assert [r["policy"] for r in rep["runs"]] == ["lru", "tail-lru"]
     assert all(r["sim"]["requests_differing"] == 0 for r in rep["runs"])

@@ -107,3 +107,41 @@ def test_musique_preset_and_flags_override_it(capsys):
     pre, ch = infinite_chunks(t)
     # Calibrated on the bundled MuSiQue traces: ~1% prefix reuse, ~16% of tokens reusable as chunks.
     assert pre.token_hit_rate < 0.03 and 0.12 < ch.token_hit_rate < 0.2
+
+
+def test_workload_shares_count_followups_and_their_reuse_by_hand():
+    from kvfabric.bench.ragtrace import workload_shares
+    from kvfabric.bench.traces import Request, Trace
+
+    bt = 4
+    reqs = [
+        Request(0.0, 8, 1, [1, 2], "t0", "s0"),        # first turn: nothing seen
+        Request(1.0, 12, 1, [1, 2, 3], "t0", "s0"),    # follow-up: 2 blocks (8 tokens) reused
+        Request(2.0, 6, 1, [1, 9], "t0", "s1"),        # first turn of another session: 1 block (4 tokens)
+        Request(3.0, 4, 1, [1], "t0", ""),              # no session: its own conversation, 4 tokens
+    ]
+    sh = workload_shares(Trace(reqs, bt, "hand"))
+    total = 8 + 12 + 6 + 4
+    assert (sh.requests, sh.conversations, sh.followups, sh.tenants) == (4, 3, 1, 1), sh
+    assert sh.followup_share == 0.25, sh
+    assert sh.reuse_tokens == pytest.approx((8 + 4 + 4) / total), sh
+    assert sh.followup_reuse_tokens == pytest.approx(8 / total), sh
+    line = sh.line()
+    assert "25.0% are follow-up turns" in line and "26.7 points are in follow-up turns" in line, line
+
+
+def test_default_workload_is_followup_heavy_and_described_from_its_parameters():
+    from kvfabric.bench.ragtrace import describe, workload_shares
+
+    cfg = RagConfig(requests=600, seed=0)
+    sh = workload_shares(generate(cfg))
+    assert sh.tenants == cfg.tenants and sh.requests == 600, sh
+    # follow-ups happen with followup_prob per turn: between none and all of them is all we pin
+    assert 0.1 < sh.followup_share < 0.5, sh
+    assert 0 < sh.followup_reuse_tokens < sh.reuse_tokens <= 1, sh
+    none = workload_shares(generate(RagConfig(requests=300, seed=0, followup_prob=0.0)))
+    assert none.followups == 0 and none.followup_reuse_tokens == 0, none
+    text = describe(cfg)
+    for part in ("2 tenant(s) x 3 system template(s) of ~600 tokens", "3000 documents", "top-4", "Zipf(1)",
+                 "follow-up probability 0.35"):
+        assert part in text, text
