@@ -11,9 +11,11 @@ list, so auth works as for an engine) and prints one row per member:
 answering: dead but its lease not yet expired, or a network problem), or
 ``id mismatch: ...`` (the process at that address reports another server
 id). ``lease_s`` is the time left on the member's etcd lease. ``--json``
-prints members and STATS as one JSON document instead. Exit status: 0 when
-etcd answered (even with no members), 1 when it did not, 2 for bad
-arguments.
+prints members and STATS as one JSON document instead. ``--etcd`` and
+``--cluster`` default to ``KVFABRIC_ETCD`` and ``KVFABRIC_CLUSTER``; the
+token and timeout options are every tool's (``kvfabric/tools/connect.py``).
+Errors are one line (``kvfabric cluster ls: ...``). Exit status: 0 when etcd
+answered (even with no members), 1 when it did not, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from ..client import Client
 from ..config import ClientConfig
-from ..errors import ConfigError
+from ..errors import RemoteError
 from ..membership import Member
 from ..membership.etcd import EtcdClient, EtcdError
 from ..membership.registry import check_cluster_name, decode_member, member_prefix
+from .connect import FAILED, USAGE, ToolError, add_options, client_config, describe, quiet_logs, run
 from .stats import format_table, hit_rate, human_bytes
 
 COLUMNS = ("server_id", "address", "state", "lease_s", "capacity", "objects", "used", "hit%", "conns", "version", "host")
@@ -53,14 +56,20 @@ def read_members(etcd: EtcdClient, cluster: str) -> list[tuple[Member, int]]:
     return sorted(out, key=lambda x: x[0].server_id)
 
 
-def member_stats(members: Sequence[Member], auth_token: str | None, timeout_s: float) -> dict[str, dict[str, Any]]:
-    """STATS of each member's address (``{"error": ...}`` where it did not answer)."""
+def member_stats(members: Sequence[Member], cfg: ClientConfig) -> dict[str, dict[str, Any]]:
+    """STATS of each member's address over tcp (``{"error": what happened}`` where it did not answer or
+    refused the token: every member is asked, whichever of them refuse)."""
     addresses = list(dict.fromkeys(m.address for m in members))
     if not addresses:
         return {}
-    cfg = ClientConfig(transport="tcp", timeout_s=timeout_s, connect_timeout_s=timeout_s, auth_token=auth_token)
-    with Client(addresses, config=cfg) as client:
-        return client.stats()["servers"]
+    cfg = cfg.with_(servers=tuple(addresses), etcd="", transport="tcp", replicas=1)
+    try:
+        client = Client(config=cfg, allow_rejects=True)
+    except RemoteError as e:  # every member refused this client: each gets that answer
+        return {a: {"error": describe(e, cfg.timeout_s)} for a in addresses}
+    with client:
+        servers = client.stats(timeout_s=cfg.timeout_s)["servers"]
+    return {a: {"error": describe(st["error"], cfg.timeout_s)} if "error" in st else st for a, st in servers.items()}
 
 
 def rows(members: Sequence[tuple[Member, int]], stats: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -84,38 +93,43 @@ def rows(members: Sequence[tuple[Member, int]], stats: dict[str, dict[str, Any]]
     return out
 
 
-def ls_main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+def ls_main(argv: Sequence[str], out: TextIO = sys.stdout, environ: Mapping[str, str] | None = None) -> int:
     """``kvfabric cluster ls``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="kvfabric cluster ls", description=__doc__.split("\n\n")[0])
-    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint(s), http://HOST:PORT[,...]")
-    p.add_argument("--cluster", default="default", help="cluster name (default 'default')")
-    p.add_argument("--auth-token", default=None, help="token for servers started with --auth-token")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd and each server (default 5)")
+    p = argparse.ArgumentParser(prog="kvfabric cluster ls", description=__doc__.split("\n\n")[0],
+                                epilog="Exit status: 0 etcd answered, 1 it did not, 2 bad arguments.")
+    p.add_argument("--etcd", default=None, metavar="URL",
+                   help="etcd endpoint(s), http://HOST:PORT[,...] (default: $KVFABRIC_ETCD)")
+    p.add_argument("--cluster", default=None, help="cluster name (default: $KVFABRIC_CLUSTER, else 'default')")
     p.add_argument("--json", action="store_true", help="print members and their STATS as JSON")
+    add_options(p, transport=False)
     args = p.parse_args(list(argv))
+    quiet_logs(args.verbose)
+    return run("kvfabric cluster ls", lambda: _ls(args, out, environ))
+
+
+def _ls(args: argparse.Namespace, out: TextIO, environ: Mapping[str, str] | None) -> int:
+    cfg = client_config(args, transport="tcp", environ=environ)
+    etcd_url = args.etcd or cfg.etcd
+    cluster = args.cluster or cfg.cluster
+    if not etcd_url:
+        raise ToolError("no etcd: give --etcd URL or set KVFABRIC_ETCD", USAGE)
     try:
-        check_cluster_name(args.cluster)
-        etcd = EtcdClient(args.etcd, timeout_s=args.timeout)
+        check_cluster_name(cluster)
+        etcd = EtcdClient(etcd_url, timeout_s=cfg.timeout_s)
     except (ValueError, EtcdError) as e:
-        print(f"kvfabric cluster ls: {e}", file=sys.stderr)
-        return 2
+        raise ToolError(str(e), USAGE) from None
     try:
-        members = read_members(etcd, args.cluster)
+        members = read_members(etcd, cluster)
     except EtcdError as e:
-        print(f"kvfabric cluster ls: {e}", file=sys.stderr)
-        return 1
-    try:
-        stats = member_stats([m for m, _ in members], args.auth_token, args.timeout)
-    except ConfigError as e:
-        print(f"kvfabric cluster ls: {e}", file=sys.stderr)
-        return 2
+        raise ToolError(str(e), FAILED) from None
+    stats = member_stats([m for m, _ in members], cfg)
     if args.json:
-        doc = {"cluster": args.cluster, "members": [
+        doc = {"cluster": cluster, "members": [
             {"server_id": m.server_id, "address": m.address, "addresses": dict(m.addresses), "capacity": m.capacity,
              "lease_ttl_s": ttl, "info": dict(m.info), "stats": stats.get(m.address)} for m, ttl in members]}
         print(json.dumps(doc, indent=2, sort_keys=True), file=out)
         return 0
-    print(f"cluster {args.cluster}: {len(members)} member(s) in {EtcdClient(args.etcd).url}", file=out)
+    print(f"cluster {cluster}: {len(members)} member(s) in {etcd.url}", file=out)
     if members:
         print(format_table(COLUMNS, rows(members, stats)), file=out)
         for m, _ in members:

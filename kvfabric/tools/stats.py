@@ -7,8 +7,13 @@ and out, connections, evictions, checksum failures, errors; ``--json`` prints
 the whole answer instead. ``top`` does the same every ``--interval`` seconds
 and shows rates between two samples (GB/s in and out, hits/s, and the GET
 service-time p99 as the bound of its log2 bucket), until Ctrl-C or
-``--count`` refreshes. A server that does not answer is a row that says why;
-the exit status is 1 when none answered, 2 for bad arguments, else 0.
+``--count`` refreshes. With no address, the servers of ``KVFABRIC_SERVERS``.
+Options and environment as every tool (``kvfabric/tools/connect.py``:
+``--token``/``--token-file``/``$KVFABRIC_AUTH_TOKEN``, ``--timeout``); always
+over tcp. A server that does not answer (or refuses the token) is a row that
+says why; when none answers, one line per server on stderr
+(``kvfabric stats: 127.0.0.1:7070: authentication failed (wrong or missing
+--token)``) and exit status 1; 2 for bad arguments, else 0.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from typing import Any, TextIO
 
 from ..client import Client
 from ..config import ClientConfig
-from ..errors import ConfigError
 from ..metrics import LAT_BOUNDS_US, lat_quantile
+from .connect import FAILED, ToolError, add_options, addresses, client_config, describe, open_client, quiet_logs, run
 
 COLUMNS = ("server", "objects", "used", "capacity", "hit%", "in", "out", "conns", "evict", "csum_fail", "errors")
 RATE_COLUMNS = ("server", "objects", "used", "hit%", "GB/s in", "GB/s out", "hits/s", "conns", "errors",
@@ -118,10 +123,10 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _parser(prog: str, top: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("servers", nargs="+", help="pool servers, HOST:PORT")
-    p.add_argument("--auth-token", default=None, help="token for servers started with --auth-token")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                epilog="Exit status: 0 a server answered, 1 none did, 2 bad arguments.")
+    p.add_argument("servers", nargs="*", metavar="HOST:PORT", help="pool servers (default: $KVFABRIC_SERVERS)")
+    add_options(p, transport=False)
     if top:
         p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
         p.add_argument("--count", type=int, default=0, help="refreshes before exiting (default 0: until Ctrl-C)")
@@ -130,48 +135,64 @@ def _parser(prog: str, top: bool) -> argparse.ArgumentParser:
     return p
 
 
-def _client(args: argparse.Namespace) -> Client:
+def _config(args: argparse.Namespace, environ: Mapping[str, str] | None) -> ClientConfig:
     # tcp: any server answers it, and a watcher should not map an arena or register buffers
-    cfg = ClientConfig(transport="tcp", timeout_s=args.timeout, connect_timeout_s=args.timeout,
-                       auth_token=args.auth_token)
-    return Client(args.servers, config=cfg)
+    servers = addresses(args.servers)
+    # replicas=1: STATS asks every server whatever KVFABRIC_REPLICAS says, even a single one
+    return client_config(args, servers, transport="tcp", environ=environ).with_(replicas=1)
 
 
-def stats_main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+def _sample(client: Client, cfg: ClientConfig) -> dict[str, Any]:
+    """One STATS of every server; an error entry says what happened in words (``describe``)."""
+    servers = client.stats(timeout_s=cfg.timeout_s)["servers"]
+    return {a: {"error": describe(st["error"], cfg.timeout_s)} if "error" in st else st for a, st in servers.items()}
+
+
+def _none_answered(servers: Mapping[str, Mapping[str, Any]]) -> ToolError:
+    return ToolError([f"{a}: {st['error']}" for a, st in servers.items()], FAILED)
+
+
+def stats_main(argv: Sequence[str], out: TextIO = sys.stdout, environ: Mapping[str, str] | None = None) -> int:
     """``kvfabric stats``; returns the exit status."""
     args = _parser("kvfabric stats", top=False).parse_args(list(argv))
-    try:
-        client = _client(args)
-    except (ConfigError, ValueError) as e:
-        print(f"kvfabric stats: {e}", file=sys.stderr)
-        return 2
-    with client:
-        servers = client.stats(timeout_s=args.timeout)["servers"]
+    quiet_logs(args.verbose)
+    return run("kvfabric stats", lambda: _stats(args, out, environ))
+
+
+def _stats(args: argparse.Namespace, out: TextIO, environ: Mapping[str, str] | None) -> int:
+    cfg = _config(args, environ)
+    with open_client(cfg) as client:
+        servers = _sample(client, cfg)
+    if not any("error" not in st for st in servers.values()):
+        raise _none_answered(servers)
     if args.json:
         print(json.dumps(servers, indent=2, sort_keys=True, default=str), file=out)
     else:
         print(format_table(COLUMNS, stats_rows(servers)), file=out)
-    return 0 if any("error" not in st for st in servers.values()) else 1
+    return 0
 
 
-def top_main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+def top_main(argv: Sequence[str], out: TextIO = sys.stdout, environ: Mapping[str, str] | None = None) -> int:
     """``kvfabric top``; returns the exit status (0 after Ctrl-C or --count refreshes)."""
     args = _parser("kvfabric top", top=True).parse_args(list(argv))
+    quiet_logs(args.verbose)
     if args.interval <= 0:
         print("kvfabric top: --interval must be > 0", file=sys.stderr)
         return 2
-    try:
-        client = _client(args)
-    except (ConfigError, ValueError) as e:
-        print(f"kvfabric top: {e}", file=sys.stderr)
-        return 2
+    return run("kvfabric top", lambda: _top(args, out, environ))
+
+
+def _top(args: argparse.Namespace, out: TextIO, environ: Mapping[str, str] | None) -> int:
+    cfg = _config(args, environ)
     shown = 0
-    with client:
-        before, t0 = client.stats(timeout_s=args.timeout)["servers"], time.monotonic()
+    with open_client(cfg) as client:
+        before, t0 = _sample(client, cfg), time.monotonic()
+        if not any("error" not in st for st in before.values()):
+            raise _none_answered(before)
         try:
             while not args.count or shown < args.count:
                 time.sleep(args.interval)
-                after, t1 = client.stats(timeout_s=args.timeout)["servers"], time.monotonic()
+                after, t1 = _sample(client, cfg), time.monotonic()
                 if out.isatty():
                     out.write("\x1b[H\x1b[2J")
                 stamp = time.strftime("%H:%M:%S")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -23,7 +24,8 @@ def test_stats_table_and_json_for_live_and_dead_servers():
         assert lines[0].split()[:3] == ["server", "objects", "used"]
         rows = {line.split()[0]: line.split() for line in lines[1:]}
         assert sum(int(rows[a][1]) for a in pool.addresses) == 8
-        assert "unreachable" in " ".join(rows["127.0.0.1:1"])
+        refused = "unreachable: connection refused (is a server listening there?)"
+        assert " ".join(rows["127.0.0.1:1"][1:]) == refused, lines
         out = io.StringIO()
         assert stats_main([pool.addresses[0], "--json"], out=out) == 0
         st = json.loads(out.getvalue())[pool.addresses[0]]
@@ -57,5 +59,30 @@ def test_rate_rows_are_differences_over_time():
 def test_version_and_usage_from_the_command():
     out = subprocess.run([sys.executable, "-m", "kvfabric", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("kvfabric ") and "wire protocol" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "kvfabric", "stats"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "usage" in out.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
+    out = subprocess.run([sys.executable, "-m", "kvfabric", "stats"], capture_output=True, text=True, timeout=60,
+                         env=env)
+    # no address and no KVFABRIC_SERVERS: a usage error that says how to give one
+    assert out.returncode == 2 and "KVFABRIC_SERVERS" in out.stderr and "Traceback" not in out.stderr, out
+    out = subprocess.run([sys.executable, "-m", "kvfabric", "stats", "--bogus"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2 and "usage" in out.stderr, out
+
+
+def test_stats_and_top_default_to_kvfabric_servers():
+    with start_pool(2, capacity="16MiB") as pool:
+        env = {"KVFABRIC_SERVERS": ",".join(pool.addresses), "KVFABRIC_TIMEOUT_S": "30"}
+        out = io.StringIO()
+        assert stats_main([], out=out, environ=env) == 0, out.getvalue()
+        rows = [line.split()[0] for line in out.getvalue().splitlines()[1:]]
+        assert rows == pool.addresses, out.getvalue()
+        out = io.StringIO()
+        assert top_main(["--count", "1", "--interval", "0.1"], out=out, environ=env) == 0, out.getvalue()
+        assert all(a in out.getvalue() for a in pool.addresses), out.getvalue()
+
+
+def test_stats_one_line_per_server_on_stderr_when_none_answers(capsys):
+    assert stats_main(["127.0.0.1:1,127.0.0.2:1", "--timeout", "30"], out=io.StringIO(), environ={}) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["kvfabric stats: 127.0.0.1:1: connection refused (is a server listening there?)",
+                   "kvfabric stats: 127.0.0.2:1: connection refused (is a server listening there?)"], err
