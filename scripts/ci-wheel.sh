@@ -76,7 +76,12 @@ check "a virtualenv with the build package" build_tools || finish
 build_dists() {
   "$WORK/build-venv/bin/python" -m build -o "$WORK/dist" "$SRC" >"$WORK/build.log" 2>&1
   local rc=$?
-  [ "$rc" -eq 0 ] || { tail -n 80 "$WORK/build.log"; return "$rc"; }
+  if [ "$rc" -ne 0 ]; then   # the compiler's own error lines first: the traceback after them says little
+    grep -E "error:|^ERROR" "$WORK/build.log" | head -n 20
+    echo "... the end of the build output:"
+    tail -n 30 "$WORK/build.log"
+    return "$rc"
+  fi
   ls "$WORK"/dist/kvfabric-*.tar.gz "$WORK"/dist/kvfabric-*.whl
 }
 check "python -m build makes an sdist and a wheel (from the sdist)" \
