@@ -1,4 +1,9 @@
-"""The ``kvfabric`` command: ``serve``, ``stats``, ``top``, ``cluster ls``, ``bench <name>``, ``--version``.
+"""The ``kvfabric`` command: ``serve``, ``stats``, ``top``, ``cluster ls``, ``ping``, ``exists``, ``get``,
+``put``, ``del``, ``bench <name>``, ``--version``.
+
+Each command's module is imported only when it runs (``serve``:
+``kvfabric/server/main.py``; ``stats``/``top``: ``kvfabric/tools/stats.py``;
+``cluster``: ``tools/cluster.py``; ``ping`` ... ``del``: ``tools/admin.py``).
 
 ``bench <name>`` imports ``kvfabric.bench.<name>`` lazily and calls its
 ``main(argv)`` with the remaining arguments, so a new benchmark is added by
@@ -16,12 +21,24 @@ USAGE = """usage: kvfabric <command> [args...]
 
 commands:
   serve [options]        run a pool server (kvfabric serve --help)
-  stats HOST:PORT...     one table of every server's STATS (--json for all of it)
-  top HOST:PORT...       the same, refreshed every second, with GB/s and hits/s
-  cluster ls --etcd URL [--cluster NAME]
+  stats [ADDR...]        one table of every server's STATS (--json for all of it)
+  top [ADDR...]          the same, refreshed every second, with GB/s and hits/s
+  cluster ls [--etcd URL] [--cluster NAME]
                          members registered in etcd, their state and stats (--json)
+  ping [ADDR...]         round trip, server id, version and transport of each server
+  exists [ADDR] KEY...   is each key held (--size: and its size, by fetching it)
+  get [ADDR] KEY         the value to stdout (-o FILE: to a file)
+  put [ADDR] KEY         store stdin (-i FILE: a file) under KEY; never overwrites
+  del [ADDR] KEY...      delete keys
   bench <name> [args]    run a benchmark (kvfabric bench --help lists them)
   --version              print the version
+
+ADDR: HOST:PORT[,HOST:PORT...], default $KVFABRIC_SERVERS (the client's
+variables apply: KVFABRIC_AUTH_TOKEN, KVFABRIC_TIMEOUT_S, ...). KEY: hex,
+1..64 bytes. Options of every client tool: --token, --token-file, --timeout,
+-v (COMMAND --help). Errors are one line on stderr. Exit status: 0 done,
+1 runtime failure (auth refused, connection refused, timeout), 2 bad
+arguments, 3 key not found (get, exists).
 """
 
 
@@ -70,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools import cluster
 
         return cluster.main(rest)
+    if command in ("ping", "exists", "get", "put", "del"):
+        from .tools import admin
+
+        return admin.main(command, rest)
     if command == "serve":
         from .server.main import main as serve_main
 
