@@ -7,13 +7,17 @@ Each command's module is imported only when it runs (``serve``:
 
 ``bench <name>`` imports ``kvfabric.bench.<name>`` lazily and calls its
 ``main(argv)`` with the remaining arguments, so a new benchmark is added by
-dropping a module into ``kvfabric/bench/``; nothing here changes. An unknown
-name is an error that lists the benchmark modules found.
+dropping a module into ``kvfabric/bench/``; nothing here changes. ``bench
+--help`` lists each with the first line of its module docstring, read from
+the source (``ast``) without importing it. An unknown name is an error that
+lists the benchmark modules found.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import pkgutil
 import sys
 
@@ -51,11 +55,54 @@ def bench_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
 
 
+def bench_summary(name: str) -> str:
+    """The first line of ``kvfabric.bench.<name>``'s module docstring, parsed from its source without
+    importing the module (its imports can be heavy: numpy, an engine); "" when it has none."""
+    try:
+        spec = importlib.util.find_spec(f"kvfabric.bench.{name}")
+        if spec is None or spec.origin is None:
+            return ""
+        with open(spec.origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read(), spec.origin))
+    except (OSError, SyntaxError, ImportError, ValueError):
+        return ""
+    return summary_line(doc or "", f"kvfabric bench {name}")
+
+
+def summary_line(doc: str, command: str, width: int = 100) -> str:
+    """A docstring's first paragraph as one line of at most ``width`` characters (cut at a word, "..."),
+    without a leading ``command``: label or reST backquotes."""
+    text = " ".join(doc.strip().split("\n\n")[0].split()).replace("``", "")
+    for label in (command, command.replace("_", "-")):
+        if text.startswith(label):
+            rest = text[len(label):].lstrip()
+            if rest.startswith(":"):
+                text = rest[1:].lstrip()
+                break
+            if rest.split(" ", 1)[0].isupper() and ":" in rest:  # "kvfabric bench replay TRACE: ..."
+                text = rest.split(":", 1)[1].lstrip()
+                break
+    text = text[:1].upper() + text[1:]
+    if len(text) > width:
+        text = text[: width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+    return text
+
+
+def bench_help(found: list[str]) -> str:
+    """``kvfabric bench --help``: one line per benchmark, its name and what it does."""
+    if not found:
+        return "usage: kvfabric bench <name> [args...]\nbenchmarks: (none installed)\n"
+    width = max(len(n) for n in found)
+    lines = [f"  {n.ljust(width)}  {bench_summary(n)}".rstrip() for n in found]
+    return ("usage: kvfabric bench <name> [args...]   (kvfabric bench <name> --help: its options)\n\nbenchmarks:\n"
+            + "\n".join(lines) + "\n")
+
+
 def _bench(argv: list[str]) -> int:
     found = bench_modules()
     listing = ", ".join(found) if found else "(none installed)"
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: kvfabric bench <name> [args...]\nbenchmarks: {listing}")
+        print(bench_help(found), end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name = argv[0]
     if name not in found:
