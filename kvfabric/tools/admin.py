@@ -40,6 +40,7 @@ Exit status: 0 done, 1 a server failed (one line each on stderr, e.g.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -209,7 +210,8 @@ def _get(client: Client, cfg: ClientConfig, key: bytes, output: str | None, stdo
         sink.write(value)
         sink.flush()
     except BrokenPipeError:  # `kvfabric get ... | head -c 10`: the reader has what it wanted
-        return OK
+        if stdout is None:  # the process's stdout: point it at /dev/null, or exit's flush fails again (status 120)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return OK
 
 

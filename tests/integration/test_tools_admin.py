@@ -216,3 +216,14 @@ def test_cluster_ls_names_a_member_that_refuses_the_token(etcd):  # noqa: F811
         assert b"m0: authentication failed (wrong or missing --token)" in p.stdout, show(p)
         assert s.alive
     one_line_error(kv("cluster", "ls", "--etcd", "http://127.0.0.1:1"), 1, "kvfabric cluster ls:", "etcd unreachable")
+
+
+def test_get_into_a_pipe_that_closes_early_exits_0(srv, token_file):
+    key = "ab" * 16
+    p = kv("put", srv.address, key, "--token-file", token_file, "--timeout", T, stdin=b"z" * (4 << 20))
+    assert p.returncode == 0, show(p)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
+    cmd = (f"{sys.executable} -m kvfabric get {srv.address} {key} --token-file {token_file} --timeout {T}"
+           " | head -c 3")
+    p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, env=base, timeout=120)
+    assert p.returncode == 0 and p.stdout == b"zzz" and p.stderr == b"", p
