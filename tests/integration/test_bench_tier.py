@@ -64,9 +64,9 @@ def test_bench_tier_refuses_a_server_without_a_tier(tmp_path, capsys):
 @pytest.mark.skipif(tier_unsupported() is not None, reason=str(tier_unsupported()))
 def test_bench_tier_quick_measures_real_servers(tmp_path):
     out = tmp_path / "tier.json"
-    tier.main(["--quick", "--dir", str(tmp_path), "--json", str(out)])  # targets are timing: not asserted
+    rc = tier.main(["--quick", "--dir", str(tmp_path), "--json", str(out)])  # targets are timing: not asserted
     rep = json.loads(out.read_text())
-    assert rep["errors"] == {}
+    assert rep["errors"] == {} and rc == 0, rep["errors"]
     assert rep["get"]["ssd_after_fill"]["ssd_objects"] > 0
     for row in rep["get"]["rows"]:
         s, c = row["server"], row["ceiling"]

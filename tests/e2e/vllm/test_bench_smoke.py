@@ -1,0 +1,71 @@
+"""The vLLM benchmarks (``benchmarks/vllm_ttft.py``, ``benchmarks/pd.py``) run at their smallest on real vLLM.
+
+Smoke runs for ``tests/integration/test_bench_smoke.py``'s ``SMOKED`` table:
+each benchmark is run as the README runs it (``python benchmarks/<name>.py``,
+a subprocess from the repository root) on one pool server, one 300-token
+prompt (two whole 128-token chunks), one repeat, the session's tiny Llama.
+Asserted: exit 0, the JSON's structure, and what the engines report
+deterministically (vLLM's own prefix-cache hit); never a speed, and never
+that a pool load finished inside a time window.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+TOKENS = 300
+LOADABLE = (TOKENS - 1) // 128 * 128   # whole chunks: the last prompt token is always computed
+BENCH_TIMEOUT_S = 900
+
+
+def _run(name: str, args: list[str], out: Path) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                                  f"--- stderr\n{proc.stderr[-6000:]}")
+    assert f"wrote {out}" in proc.stdout, proc.stdout[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_vllm_ttft_smoke(tiny_model, tmp_path):
+    """With the trace on (the default: what broke when client.py was split), every sample carries it."""
+    rep = _run("vllm_ttft", ["--model", tiny_model, "--lengths", str(TOKENS), "--repeats", "1", "--servers-n", "1",
+                             "--capacity", "64MiB"], tmp_path / "vllm_ttft.json")
+    (row,) = rep["rows"]
+    assert row["tokens"] == TOKENS, row
+    for name in ("cold", "cold_with_connector", "pool_hit", "local_hit"):
+        assert row[f"{name}_ms_min"] > 0 and row[f"{name}_ms_median"] > 0, row
+    assert row["local_hit_cached_tokens"] == LOADABLE, row
+    assert 0 <= row["pool_hit_cached_tokens"] <= LOADABLE, row
+    assert row["pool_over_local"] > 0 and row["cold_over_pool"] > 0, row
+    pool, local = rep["pool_engine"], rep["local_engine"]
+    assert pool["counters"]["save_jobs"] > 0, pool["counters"]
+    assert local["counters"] is None, local
+    for eng in (pool, local):
+        (s,) = eng["samples"]
+        t = s["hit_trace"]
+        assert {"total_ms", "checksum_ms", "steps", "forwards", "events", "gc_ms"} <= set(t), t
+        assert t["steps"] >= 1 and t["forwards"] >= 1, t
+    pool_trace = pool["samples"][0]["hit_trace"]
+    assert "lookup_ms" in pool_trace, pool_trace   # the connector's lookup was wrapped and ran
+    if row["pool_hit_cached_tokens"] == LOADABLE:   # the hit loaded from the pool: the load was traced
+        assert pool_trace["load_chunks"] >= 1 and pool_trace["load_bytes"] > 0 and pool_trace["transport"], pool_trace
+
+
+def test_pd_smoke(tiny_model, tmp_path):
+    rep = _run("pd", ["--model", tiny_model, "--lengths", str(TOKENS), "--repeats", "1", "--servers-n", "1",
+                      "--capacity", "64MiB"], tmp_path / "pd.json")
+    (row,) = rep["rows"]
+    assert row["tokens"] == TOKENS, row
+    for name in ("prefill", "local_hit", "pd"):
+        assert row[f"{name}_ms_min"] > 0 and row[f"{name}_ms_median"] > 0, row
+    assert 0 <= row["pd_cached_tokens"] <= LOADABLE and row["local_cached_tokens"] == LOADABLE, row
+    (p,) = rep["producer"]["samples"]
+    assert p["kv_transfer_params"], p   # what the PD proxy hands the consumer
+    assert rep["producer"]["counters"]["save_jobs"] > 0, rep["producer"]["counters"]
+    (c,) = rep["consumer"]["samples"]
+    assert c["pd_s"] > 0 and c["local_s"] > 0, c
