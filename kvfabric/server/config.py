@@ -11,8 +11,9 @@ A setting comes from, lowest precedence first:
 
 Adding a server setting is adding one field here (with ``opt(...)``): its flag, its file key,
 its environment variable and its ``--help`` line follow. Values keep the types the flags have
-always had (sizes as text such as ``"4GiB"``, or a plain number of bytes from a file); checking
-them is ``kvfabric/server/main.py``'s, which exits with status 2 naming the setting.
+always had (sizes as text such as ``"4GiB"``, or a plain number of bytes from a file; parsed by
+``kvfabric/server/sizes.py``); checking them is ``kvfabric/server/main.py``'s, which exits with
+status 2 naming the setting.
 ``kvfabric serve --print-config`` prints the effective settings as TOML (the token masked).
 """
 
@@ -76,7 +77,8 @@ class ServerConfig:
                     why="loopback: a pool holds prompt contents; listening on a network is a decision")
     port: int = opt(7070, "TCP port; 0 picks a free one", type=int, group="common",
                     why="a fixed, unprivileged port so clients can be configured without discovery")
-    capacity: str = opt("4GiB", "arena size, e.g. 4GiB, 512MiB", group="common", kind="size",
+    capacity: str = opt("4GiB", "arena size: 4GiB, 512MiB, 4GB (decimal) or bytes; a bare 4G is refused as "
+                        "ambiguous", group="common", kind="size",
                         why="preallocated at start: large enough to hold a few long prompts of an 8B "
                             "model (128 KiB/token: 4 GiB = 32k tokens), small enough for a laptop")
     policy: str = opt("lru", "eviction policy", group="common",
@@ -97,8 +99,11 @@ class ServerConfig:
                             group="common", why="see DEFAULT_MAX_LEASE_MS")
     server_id: str | None = opt(None, "id reported in HELLO/STATS (default host:port)", group="common",
                                 why="ownership follows the id; host:port is unique on one network")
-    log_level: str = opt("warning", "log level", choices=("debug", "info", "warning", "error"), group="common",
-                         why="the listening and shutdown lines are printed whatever the level")
+    log_level: str = opt("info", "log level (warning: only what needs attention)",
+                         choices=("debug", "info", "warning", "error"), group="common",
+                         why="info: the start-up lines (capacity, policy, tiers) show what the server took of its "
+                             "options; nothing is logged per request; the listening and shutdown lines are "
+                             "printed whatever the level")
     # ------------------------------------------------------------ kvfabric serve
     transports: str = opt("tcp,native", "comma-separated transports to offer: tcp, native, shm "
                           "(shm only when asked for: an attached same-host client maps the arena)", kind="list",

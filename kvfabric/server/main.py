@@ -54,9 +54,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config import parse_size
 from ..errors import ConfigError, TransportUnavailable
 from .eviction import POLICIES
+from .sizes import format_size, parse_size
 
 # Every default and limit of the server is declared once, with why, in kvfabric/server/config.py.
 from .config import MAX_LEASE_MS, ServerConfig, add_arguments, load
@@ -81,13 +81,23 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, ["common"])
 
 
+def help_epilog() -> str:
+    """The end of ``kvfabric serve --help``: how sizes are written."""
+    lines = ["sizes (--capacity, --*-budget, --ssd-capacity, --ssd-write-queue, --min-rate):",
+              "  bytes (1048576), binary units (4GiB, 512MiB, 64KiB) or decimal units written",
+              "  in full (4GB = 4000000000); a bare 4G is refused as ambiguous."]
+    return "\n".join(lines)
+
+
 def build_parser(prog: str = "kvfabric serve") -> argparse.ArgumentParser:
     """The ``kvfabric serve`` flags: one per :class:`ServerConfig` field, plus ``--config FILE.toml``
     and ``--print-config``. A flag not given leaves no attribute (:func:`parse_config` fills it from
     the file, the environment or the default)."""
     p = argparse.ArgumentParser(
-        prog=prog, description="Run a kvfabric pool server (the C io_uring data plane). Settings: flags > "
-        "KVFABRIC_SERVE_<NAME> environment variables > --config file > defaults.")
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a kvfabric pool server (the C io_uring data plane).\nSettings: flags > "
+        "KVFABRIC_SERVE_<NAME> environment variables > --config file > defaults.",
+        epilog=help_epilog())
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="read settings from this TOML file (keys: the flag names with underscores)")
     p.add_argument("--print-config", action="store_true",
@@ -163,10 +173,15 @@ def membership_registration(args: ServerConfig, server_id: str, address: str, tr
 
 
 def _size(name: str, text: str) -> int:
+    """The size option ``name`` given as ``text`` in bytes (kvfabric/server/sizes.py); exits naming both."""
     try:
         return parse_size(text)
     except ConfigError as e:
-        raise SystemExit(f"kvfabric serve: {name}: {e}") from None
+        raise SystemExit(f"kvfabric serve: {name} {text}: {e}") from None
+
+
+#: The page allocator indexes 4 KiB pages with 32 bits (csrc/kvf_store.c): the arena stays below 16 TiB.
+MAX_CAPACITY = ((1 << 32) - 1) * 4096
 
 
 def validate_common(args: ServerConfig | argparse.Namespace) -> tuple[int, str | None, int]:
@@ -177,6 +192,8 @@ def validate_common(args: ServerConfig | argparse.Namespace) -> tuple[int, str |
         raise SystemExit("kvfabric serve: --min-rate must be >= 1 byte/s")
     if capacity < 4096:
         raise SystemExit("kvfabric serve: --capacity must be at least 4KiB")
+    if capacity >= MAX_CAPACITY:
+        raise SystemExit(f"kvfabric serve: --capacity {format_size(capacity)}: must be below 16TiB")
     if args.policy not in POLICIES:
         raise SystemExit(f"kvfabric serve: unknown --policy {args.policy!r}; known: {', '.join(sorted(POLICIES))}")
     if not 0 <= args.port < 65536:

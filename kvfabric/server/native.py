@@ -52,6 +52,7 @@ from .. import __version__, protocol
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
+from .sizes import format_size
 from .config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -372,8 +373,8 @@ class NativeServer:
         elif self.shared_path is not None:  # the tier thread alone runs the shared tier's I/O
             self._srv.tier_open([], 0, write_queue=int(ssd_write_queue), promote_max=int(ssd_promote_max or 0))
         if self.shared_path is not None:
-            log.warning("shared tier: %s (fsync %s); committed PUTs are written through", self.shared_path,
-                        shared_fsync)
+            log.info("shared tier: %s (fsync %s); committed PUTs are written through", self.shared_path,
+                     shared_fsync)
         self.capacity = capacity
         self._low = int(capacity * low_watermark)
         self._high = int(capacity * high_watermark)
@@ -402,8 +403,8 @@ class NativeServer:
         except OSError as e:
             self._close_sockets()
             raise ConfigError(f"SSD tier: {e.strerror or e}") from e
-        log.warning("SSD tier: %s, %d bytes, admit %s; %d objects found", ",".join(paths), capacity, admit,
-                    self._srv.tier_stats()["ssd_objects"])
+        log.info("SSD tier: %s, %s (%d bytes), admit %s; %d objects found", ",".join(paths), format_size(capacity),
+                 capacity, admit, self._srv.tier_stats()["ssd_objects"])
 
     @property
     def address(self) -> str:
@@ -432,10 +433,10 @@ class NativeServer:
         t.start()
         self._threads.append(t)
         st = self._srv.stats()
-        log.warning(
-            "native server %s: capacity %d, policy %s, transports %s, send_zc %s, fixed buffers %s",
-            self.server_id, self.capacity, self.policy.name, ",".join(self.transports), st["zerocopy"],
-            st["fixed_buffers"],
+        log.info(
+            "native server %s: capacity %s (%d bytes), policy %s, transports %s, send_zc %s, fixed buffers %s",
+            self.server_id, format_size(self.capacity), self.capacity, self.policy.name, ",".join(self.transports),
+            st["zerocopy"], st["fixed_buffers"],
         )
         return self
 

@@ -1,0 +1,75 @@
+"""``kvfabric serve`` as an operator meets it: start-up lines, sizes.
+
+Real server processes (``kvfabric.testing.start_server`` waits for the listening line); nothing here
+measures time. A server that should not start is run to its exit with its whole stderr in the
+assertion message.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvfabric import Client, ClientConfig
+from kvfabric.testing import start_server
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_SERVE_")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvfabric", "serve", *args], capture_output=True, text=True,
+                          env=full, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def _stats(address: str) -> dict:
+    with Client([address], config=ClientConfig(transport="tcp", timeout_s=60, connect_timeout_s=60)) as c:
+        return c.stats()["servers"][address]
+
+
+def test_a_normal_start_logs_at_info_and_shows_the_capacity_in_its_unit():
+    with start_server("64MB", timeout_s=120) as srv:
+        st = _stats(srv.address)
+        log = srv.stderr_text()
+    assert st["capacity"] == 64_000_000, st
+    assert f"INFO kvfabric.server.native: native server {srv.address}: capacity 64MB (64000000 bytes)" in log, log
+    # a real warning (a low open-files hard limit on this host) may stay; nothing else is WARNING
+    warnings = [ln for ln in log.splitlines() if " WARNING " in ln and "open-files" not in ln]
+    assert not warnings, log
+
+
+def test_log_level_warning_quiets_the_start_up_lines():
+    with start_server("16MiB", extra_args=["--log-level", "warning"], timeout_s=120) as srv:
+        assert srv.address.startswith("127.0.0.1:")  # the listening line is printed whatever the level
+        log = srv.stderr_text()
+    assert "native server" not in log, log
+
+
+@pytest.mark.parametrize("args, env, line", [
+    (["--capacity", "4G"], {}, "--capacity 4G: did you mean 4GiB (4294967296 bytes) or 4GB (4000000000)?"),
+    (["--capacity", "4g"], {}, "--capacity 4g: did you mean 4GiB (4294967296 bytes) or 4GB (4000000000)?"),
+    ([], {"KVFABRIC_SERVE_CAPACITY": "8G"}, "--capacity 8G: did you mean 8GiB (8589934592 bytes) or 8GB"),
+    (["--min-rate", "1M"], {}, "--min-rate 1M: did you mean 1MiB (1048576 bytes) or 1MB (1000000)?"),
+    (["--reply-budget", "32M"], {}, "--reply-budget 32M: did you mean 32MiB"),
+    (["--reply-budget-conn", "1M"], {}, "--reply-budget-conn 1M: did you mean 1MiB"),
+    (["--request-budget", "32M"], {}, "--request-budget 32M: did you mean 32MiB"),
+    (["--reserve-budget", "16M"], {}, "--reserve-budget 16M: did you mean 16MiB"),
+    (["--ssd-path", "/nonexistent", "--ssd-capacity", "1G"], {}, "--ssd-capacity 1G: did you mean 1GiB"),
+    (["--ssd-path", "/nonexistent", "--ssd-capacity", "1GiB", "--ssd-write-queue", "64M"], {},
+     "--ssd-write-queue 64M: did you mean 64MiB"),
+    (["--capacity", "17TiB"], {}, "--capacity 17TiB: must be below 16TiB"),
+])
+def test_every_size_option_refuses_an_ambiguous_unit_with_a_hint(args, env, line):
+    r = serve(*args, "--print-config", env=env)
+    assert r.returncode == 2 and r.stderr.startswith(f"kvfabric serve: {line}"), (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_a_decimal_unit_from_a_config_file_is_taken_as_written(tmp_path):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('capacity = "4GB"\nreply_budget = 1048576\n')
+    r = serve("--config", str(cfg), "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert 'capacity = "4GB"' in r.stdout and 'reply_budget = "1048576"' in r.stdout, r.stdout
