@@ -81,7 +81,7 @@ class ServerConfig:
                         "ambiguous", group="common", kind="size",
                         why="preallocated at start: large enough to hold a few long prompts of an 8B "
                             "model (128 KiB/token: 4 GiB = 32k tokens), small enough for a laptop")
-    policy: str = opt("lru", "eviction policy", group="common",
+    policy: str = opt("lru", "eviction policy (listed below)", group="common",
                       why="LRU is the policy every engine's own prefix cache uses; the others are opt-in")
     auth_token: str | None = opt(None, "require this token in HELLO (must not be empty)", group="common",
                                  why="off on loopback; set it whenever --host is not loopback")

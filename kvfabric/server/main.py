@@ -82,8 +82,11 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def help_epilog() -> str:
-    """The end of ``kvfabric serve --help``: how sizes are written."""
-    lines = ["sizes (--capacity, --*-budget, --ssd-capacity, --ssd-write-queue, --min-rate):",
+    """The end of ``kvfabric serve --help``: the eviction policies, one line each, and how sizes are written."""
+    width = max(len(name) for name in POLICIES)
+    lines = ["eviction policies (--policy):"]
+    lines += [f"  {name:<{width}}  {cls.summary}" for name, cls in POLICIES.items()]
+    lines += ["", "sizes (--capacity, --*-budget, --ssd-capacity, --ssd-write-queue, --min-rate):",
               "  bytes (1048576), binary units (4GiB, 512MiB, 64KiB) or decimal units written",
               "  in full (4GB = 4000000000); a bare 4G is refused as ambiguous."]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``kvfabric serve`` as an operator meets it: start-up lines, sizes.
+"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, --help.
 
 Real server processes (``kvfabric.testing.start_server`` waits for the listening line); nothing here
 measures time. A server that should not start is run to its exit with its whole stderr in the
@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kvfabric import Client, ClientConfig
+from kvfabric.server.eviction import POLICIES
 from kvfabric.testing import start_server
 
 
@@ -73,3 +74,10 @@ def test_a_decimal_unit_from_a_config_file_is_taken_as_written(tmp_path):
     r = serve("--config", str(cfg), "--print-config")
     assert r.returncode == 0, r.stderr
     assert 'capacity = "4GB"' in r.stdout and 'reply_budget = "1048576"' in r.stdout, r.stdout
+
+
+def test_help_lists_the_eviction_policies_with_a_line_each():
+    r = serve("--help")
+    assert r.returncode == 0, r.stderr
+    for name, cls in POLICIES.items():
+        assert any(ln.split()[:1] == [name] and cls.summary in ln for ln in r.stdout.splitlines()), r.stdout

@@ -1,10 +1,12 @@
-"""``kvfabric serve``'s size parser, without starting a server."""
+"""``kvfabric serve``'s size parser and its --help text, without starting a server."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvfabric.errors import ConfigError
+from kvfabric.server.eviction import POLICIES
+from kvfabric.server.main import help_epilog
 from kvfabric.server.sizes import approx_size, format_size, parse_size
 
 
@@ -56,3 +58,10 @@ def test_approx_size():
     assert approx_size(int(22.8 * (1 << 30))) == "22.8GiB"
     assert approx_size(232 << 20) == "232.0MiB"
     assert approx_size(10) == "10 bytes"
+
+
+def test_help_lists_every_policy_with_a_line():
+    text = help_epilog()
+    for name, cls in POLICIES.items():
+        line = next(ln for ln in text.splitlines() if ln.split()[:1] == [name])
+        assert cls.summary in line and len(line) <= 80, line

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 
 class EvictionPolicy(ABC):
     name: ClassVar[str]
+    #: One line for ``kvfabric serve --help``: what the policy evicts first.
+    summary: ClassVar[str]
 
     @abstractmethod
     def on_insert(self, key: bytes, size: int, parent: bytes | None = None) -> None: ...

@@ -15,6 +15,7 @@ from .base import EvictionPolicy
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    summary = "least recently used first, as engines' own prefix caches (default)"
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()

@@ -39,6 +39,7 @@ from .base import EvictionPolicy, pop_unpinned_leaf
 
 class PrefixLFUPolicy(EvictionPolicy):
     name = "prefix-lfu"
+    summary = "LFU with aging and a frequency history, chain tails first"
 
     def __init__(self, history_factor: float = 8.0, min_history: int = 1024) -> None:
         if not history_factor >= 0:

@@ -36,6 +36,7 @@ _MAX_FREQ = 3
 
 class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
+    summary = "S3-FIFO: blocks used once leave fast through a small FIFO"
 
     def __init__(self, small_fraction: float = 0.1) -> None:
         if not 0.0 < small_fraction < 1.0:

@@ -32,6 +32,7 @@ from .base import EvictionPolicy, pop_unpinned_leaf
 
 class TailLRUPolicy(EvictionPolicy):
     name = "tail-lru"
+    summary = "LRU among blocks nothing builds on: a chain goes tail first"
 
     def __init__(self) -> None:
         self._tick = 0
