@@ -351,7 +351,7 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)
 
-    from .native import NativeServer, native_unavailable_reason
+    from .native import ListenError, NativeServer, listen_error, native_unavailable_reason
 
     why = native_unavailable_reason()
     if why is not None:
@@ -366,6 +366,9 @@ def main(argv: list[str]) -> int:
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
             shared_path=args.shared_path, shared_fsync=args.shared_fsync,
         )
+    except ListenError as e:
+        print(f"kvfabric serve: {e}", file=sys.stderr)
+        return 2
     except (TransportUnavailable, ConfigError, OSError) as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)
         return 2
@@ -389,6 +392,8 @@ def main(argv: list[str]) -> int:
             metrics = MetricsServer(server.stats, args.metrics_host, args.metrics_port)
         except (ImportError, OSError) as e:
             server.stop()
+            if isinstance(e, OSError):
+                e = listen_error(args.metrics_host, args.metrics_port, e)
             print(f"kvfabric serve: --metrics-port: {e}", file=sys.stderr)
             return 2
         print(f"kvfabric serve: metrics on {metrics.url}", file=sys.stderr, flush=True)

@@ -217,13 +217,32 @@ def check_shared_path(path: str) -> str:
     return full
 
 
+class ListenError(OSError):
+    """The TCP port cannot be bound: ``str()`` is one line naming it, ``cannot listen on
+    127.0.0.1:7070: address already in use`` (``errno`` is the bind's)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def listen_error(host: str, port: int, e: OSError) -> ListenError:
+    """The :class:`ListenError` for a bind of (host, port) that failed with ``e``."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    why = e.strerror or str(e)
+    return ListenError(e.errno, f"cannot listen on {where}: {why[:1].lower()}{why[1:]}")
+
+
 def _bound_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), SO_REUSEADDR, not listening yet (the C loop listens)."""
+    """A TCP socket bound to (host, port), SO_REUSEADDR, not listening yet (the C loop listens).
+    :class:`ListenError` when it cannot be bound (taken, not ours to bind, no such address)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise listen_error(host, port, e) from e
     except BaseException:
         sock.close()
         raise
@@ -256,8 +275,7 @@ class NativeServer:
     large request buffers answer BUSY over ``request_budget``, and PUT slots reserved but not yet
     received wait over ``reserve_budget`` (default: a quarter of the capacity); see
     docs/notes/server.md for the bound they give. Raises ``TransportUnavailable`` when the extension or
-    io_uring is unavailable, ``ConfigError`` for bad options, ``OSError``
-    when the port cannot be bound.
+    io_uring is unavailable, ``ConfigError`` for bad options, :class:`ListenError` (an ``OSError``) when the port cannot be bound.
     """
 
     def __init__(

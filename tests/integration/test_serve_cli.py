@@ -1,4 +1,4 @@
-"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, --help.
+"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, bind errors, --help.
 
 Real server processes (``kvfabric.testing.start_server`` waits for the listening line); nothing here
 measures time. A server that should not start is run to its exit with its whole stderr in the
@@ -8,6 +8,7 @@ assertion message.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -74,6 +75,17 @@ def test_a_decimal_unit_from_a_config_file_is_taken_as_written(tmp_path):
     r = serve("--config", str(cfg), "--print-config")
     assert r.returncode == 0, r.stderr
     assert 'capacity = "4GB"' in r.stdout and 'reply_budget = "1048576"' in r.stdout, r.stdout
+
+
+def test_a_port_in_use_is_one_line_naming_it_and_exit_2():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = serve("--port", str(port), "--capacity", "16MiB")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr == f"kvfabric serve: cannot listen on 127.0.0.1:{port}: address already in use\n", r.stderr
+    assert r.stdout == "", r.stdout
 
 
 def test_help_lists_the_eviction_policies_with_a_line_each():
