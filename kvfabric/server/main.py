@@ -351,12 +351,18 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)
 
+    from .memory import available_memory, dram_needs, over_memory_warning
     from .native import ListenError, NativeServer, listen_error, native_unavailable_reason
 
     why = native_unavailable_reason()
     if why is not None:
         print(f"kvfabric serve: {BUILD_HINT.format(why=f' ({why})')}", file=sys.stderr)
         return 2
+    needs = dram_needs(capacity, reply_budget=budgets["reply_budget"], request_budget=budgets["request_budget"],
+                       tier_write_queue=tier.get("ssd_write_queue", 0))
+    too_big = over_memory_warning(capacity, needs, available_memory())
+    if too_big:
+        log.warning("%s", too_big)
     try:
         server = NativeServer(
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
@@ -364,7 +370,7 @@ def main(argv: list[str]) -> int:
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
             max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
-            shared_path=args.shared_path, shared_fsync=args.shared_fsync,
+            shared_path=args.shared_path, shared_fsync=args.shared_fsync, prefault=too_big is None,
         )
     except ListenError as e:
         print(f"kvfabric serve: {e}", file=sys.stderr)

@@ -274,7 +274,9 @@ class NativeServer:
     connection's reading over ``reply_budget_conn`` bytes (its own) or ``reply_budget`` (all),
     large request buffers answer BUSY over ``request_budget``, and PUT slots reserved but not yet
     received wait over ``reserve_budget`` (default: a quarter of the capacity); see
-    docs/notes/server.md for the bound they give. Raises ``TransportUnavailable`` when the extension or
+    docs/notes/server.md for the bound they give. ``prefault`` (default on): fault the arena in, in
+    the background, once the server answers (off when the arena does not fit in free memory:
+    :mod:`kvfabric.server.memory`). Raises ``TransportUnavailable`` when the extension or
     io_uring is unavailable, ``ConfigError`` for bad options, :class:`ListenError` (an ``OSError``) when the port cannot be bound.
     """
 
@@ -313,6 +315,7 @@ class NativeServer:
         ssd_promote_max: int | None = None,
         shared_path: str | None = None,
         shared_fsync: str = "never",
+        prefault: bool = True,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -394,6 +397,7 @@ class NativeServer:
             log.info("shared tier: %s (fsync %s); committed PUTs are written through", self.shared_path,
                      shared_fsync)
         self.capacity = capacity
+        self._prefault = prefault
         self._low = int(capacity * low_watermark)
         self._high = int(capacity * high_watermark)
         self._stop = threading.Event()
@@ -447,9 +451,10 @@ class NativeServer:
                 self.stop()
                 raise TransportUnavailable(f"the io_uring loop did not start: {err}")
             time.sleep(0.001)
-        t = threading.Thread(target=self._populate, name="kvf-populate", daemon=True)
-        t.start()
-        self._threads.append(t)
+        if self._prefault:
+            t = threading.Thread(target=self._populate, name="kvf-populate", daemon=True)
+            t.start()
+            self._threads.append(t)
         st = self._srv.stats()
         log.info(
             "native server %s: capacity %s (%d bytes), policy %s, transports %s, send_zc %s, fixed buffers %s",

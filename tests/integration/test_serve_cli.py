@@ -1,4 +1,4 @@
-"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, bind errors, --help.
+"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, bind errors, memory, --help.
 
 Real server processes (``kvfabric.testing.start_server`` waits for the listening line); nothing here
 measures time. A server that should not start is run to its exit with its whole stderr in the
@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from kvfabric import Client, ClientConfig
+from kvfabric.server import memory
 from kvfabric.server.eviction import POLICIES
 from kvfabric.testing import start_server
 
@@ -93,3 +94,19 @@ def test_help_lists_the_eviction_policies_with_a_line_each():
     assert r.returncode == 0, r.stderr
     for name, cls in POLICIES.items():
         assert any(ln.split()[:1] == [name] and cls.summary in ln for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_a_capacity_above_available_memory_warns_and_starts_without_faulting_the_arena_in():
+    avail = memory.available_memory()
+    if avail is None:
+        pytest.skip("no MemAvailable or cgroup limit to read here")
+    if avail[0] > 256 << 30:
+        pytest.skip(f"{avail[0]} bytes available: a server above that would map a page map of GiBs")
+    gib = -(-avail[0] * 5 // 4 // (1 << 30))  # 25% over, in whole GiB: memory freed meanwhile cannot make it fit
+    with start_server(f"{gib}GiB", timeout_s=120) as srv:
+        st = _stats(srv.address)
+        rss = srv.rss_bytes()
+        log = srv.stderr_text()
+    assert st["capacity"] == gib << 30, st
+    assert f"WARNING kvfabric.server: --capacity {gib}GiB plus" in log and "not faulted in ahead of use" in log, log
+    assert rss < (gib << 30) // 4, (rss, log)  # the sparse arena was not populated

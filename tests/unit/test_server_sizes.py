@@ -1,10 +1,11 @@
-"""``kvfabric serve``'s size parser and its --help text, without starting a server."""
+"""``kvfabric serve``'s size parser, its memory check and its --help text, without starting a server."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvfabric.errors import ConfigError
+from kvfabric.server import memory
 from kvfabric.server.eviction import POLICIES
 from kvfabric.server.main import help_epilog
 from kvfabric.server.sizes import approx_size, format_size, parse_size
@@ -58,6 +59,49 @@ def test_approx_size():
     assert approx_size(int(22.8 * (1 << 30))) == "22.8GiB"
     assert approx_size(232 << 20) == "232.0MiB"
     assert approx_size(10) == "10 bytes"
+
+
+def test_dram_needs_counts_arena_page_map_fixed_part_budgets_and_tier_queue():
+    cap = 4 << 30
+    assert memory.dram_needs(cap, reply_budget=32 << 20, request_budget=32 << 20) == (
+        cap + cap // 256 + memory.FIXED_BYTES + (64 << 20))
+    assert memory.dram_needs(cap, reply_budget=1, request_budget=1, tier_write_queue=64 << 20) == (
+        cap + cap // 256 + memory.FIXED_BYTES + 2 + (64 << 20))
+
+
+def test_the_memory_warning_fires_only_above_what_is_available():
+    cap = 1 << 40
+    needs = memory.dram_needs(cap, reply_budget=32 << 20, request_budget=32 << 20)
+    text = memory.over_memory_warning(cap, needs, (24 << 30, "MemAvailable in /proc/meminfo"))
+    assert text is not None
+    assert "--capacity 1TiB" in text and "24.0GiB available here (MemAvailable in /proc/meminfo)" in text, text
+    assert "not faulted in ahead of use" in text and "Lower --capacity" in text, text
+    assert memory.over_memory_warning(cap, needs, (needs, "x")) is None
+    assert memory.over_memory_warning(cap, needs, None) is None  # unknown: no guess
+
+
+def test_meminfo_and_cgroup_limits_are_read_from_their_files(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683584 kB\nMemFree: 1 kB\nMemAvailable:   23872440 kB\n")
+    assert memory._meminfo_available(str(meminfo)) == 23872440 * 1024
+    assert memory._meminfo_available(str(tmp_path / "none")) is None
+
+    root = tmp_path / "cg"
+    (root / "pod" / "c1").mkdir(parents=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/pod/c1\n")
+    assert memory._cgroup_limit(str(proc), str(root)) is None  # no memory.max: no limit
+    (root / "pod" / "c1" / "memory.max").write_text("max\n")
+    assert memory._cgroup_limit(str(proc), str(root)) is None
+    (root / "pod" / "c1" / "memory.max").write_text("8589934592\n")
+    assert memory._cgroup_limit(str(proc), str(root)) == 8 << 30
+    # cgroup v1, the host's path absent inside the container: the mount's root holds its limit
+    proc.write_text("4:memory:/docker/abc\n1:cpu:/docker/abc\n")
+    (root / "memory").mkdir()
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert memory._cgroup_limit(str(proc), str(root)) is None  # v1's "unlimited"
+    (root / "memory" / "memory.limit_in_bytes").write_text("4294967296\n")
+    assert memory._cgroup_limit(str(proc), str(root)) == 4 << 30
 
 
 def test_help_lists_every_policy_with_a_line():
