@@ -25,7 +25,9 @@ unix socket whose path is in the HELLO reply (``shm_socket``): by default
 ``shm-<port>.sock`` in a private directory (:func:`default_shm_dir`, 0700),
 the socket 0600 (``shm_group``: 0660 / 0750 for that group); C checks every
 peer with SO_PEERCRED (the server's uid, plus ``shm_allow_uids`` /
-``shm_allow_gids``). The socket is removed on shutdown. See
+``shm_allow_gids``). The socket is removed on shutdown; a server killed with
+SIGKILL leaves it, and the next shm server using the default directory removes
+it (:func:`sweep_stale_sockets`: only sockets of ours nobody listens on). See
 :mod:`kvfabric.transport.shm` and docs/notes/security.md.
 
 Failure: a missing extension or an io_uring that cannot be set up makes
@@ -36,9 +38,11 @@ with what to install (:func:`native_unavailable_reason`).
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -148,6 +152,89 @@ def _private_dir(path: str, gid: int | None) -> None:
         os.chown(path, -1, gid)
 
 
+def _probe_refused(path: str) -> bool:
+    """True when nobody listens on the unix socket ``path``: connect() fails with ECONNREFUSED (the
+    socket file of a process that died, or was SIGKILLed, without unlinking it). A live socket, a
+    full backlog (a timeout) or any other error is False: only a refusal proves it is dead."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+class _DirLock:
+    """An exclusive flock on a directory, held while a server binds and listens on its socket there
+    and while stale sockets are swept from it: a socket bound but not yet listening also refuses
+    connections, so a sweep must not see one. Best effort: a directory that cannot be opened is not
+    locked (only the default directory is swept, and it is always ours)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> _DirLock:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.fd = -1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the flock
+            self.fd = -1
+
+
+#: The socket names :class:`NativeServer` gives its shm sockets in the default directory.
+_SHM_NAME = re.compile(r"^shm-\d{1,5}\.sock$")
+#: At most this many entries of the default directory are looked at per start-up (a limit on the work).
+SWEEP_MAX_ENTRIES = 65536
+
+
+def sweep_stale_sockets(directory: str) -> int:
+    """Remove the stale shm sockets of servers that died in ``directory`` (the default one, private
+    to us); returns how many were removed.
+
+    A file is removed only when all of these hold: its name is ``shm-<port>.sock``, it is a socket
+    (lstat: a symlink is never followed), it belongs to our uid, nobody listens on it (connect()
+    is refused, :func:`_probe_refused`) and it is still the same inode just before the unlink.
+    Runs under the directory's lock (:class:`_DirLock`), which every server of ours holds from bind
+    to listen, so a server starting beside this one is never mistaken for a dead one. Errors
+    (a file gone meanwhile, a directory that cannot be read) skip the file, never fail the start.
+    """
+    removed = 0
+    uid = os.geteuid()
+    with _DirLock(directory):
+        try:
+            with os.scandir(directory) as it:
+                names = [e.name for _, e in zip(range(SWEEP_MAX_ENTRIES), it) if _SHM_NAME.match(e.name)]
+        except OSError:
+            return 0
+        for name in names:
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid or not _probe_refused(path):
+                    continue
+                if os.lstat(path).st_ino != st.st_ino:
+                    continue
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                continue
+    return removed
+
+
 def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
     """Bind and listen on the filesystem unix socket ``path`` (0600; 0660 for group ``gid``).
 
@@ -156,38 +243,32 @@ def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
     """
     if len(os.fsencode(path)) >= 108:
         raise ConfigError(f"shm socket path is too long for a unix socket (max 107 bytes): {path}")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-            raise ConfigError(f"{path} exists and is not a socket of ours; not replacing it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with _DirLock(os.path.dirname(path)):
         try:
-            probe.settimeout(1)
-            probe.connect(path)
-        except OSError:  # nobody listens: a server that died
-            os.unlink(path)
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
         else:
-            raise ConfigError(f"another server is listening on {path}; give --shm-socket")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        # bind() creates it by the umask; until chmod the SO_PEERCRED check still stands
-        os.chmod(path, 0o660 if gid is not None else 0o600)
-        if gid is not None:
-            os.chown(path, -1, gid)
-        sock.listen(256)
-        return sock, os.lstat(path).st_ino
-    except PermissionError as e:
-        sock.close()
-        raise ConfigError(f"cannot set up the shm socket {path}: {e}") from e
-    except BaseException:
-        sock.close()
-        raise
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+                raise ConfigError(f"{path} exists and is not a socket of ours; not replacing it")
+            if not _probe_refused(path):
+                raise ConfigError(f"another server is listening on {path}; give --shm-socket")
+            os.unlink(path)  # nobody listens: a server that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            # bind() creates it by the umask; until chmod the SO_PEERCRED check still stands
+            os.chmod(path, 0o660 if gid is not None else 0o600)
+            if gid is not None:
+                os.chown(path, -1, gid)
+            sock.listen(256)
+            return sock, os.lstat(path).st_ino
+        except PermissionError as e:
+            sock.close()
+            raise ConfigError(f"cannot set up the shm socket {path}: {e}") from e
+        except BaseException:
+            sock.close()
+            raise
 
 
 #: ``--shared-fsync``: the C tier's fsync mode (kvf_shared.h KVF_SHARED_FSYNC_*).
@@ -276,8 +357,10 @@ class NativeServer:
     received wait over ``reserve_budget`` (default: a quarter of the capacity); see
     docs/notes/server.md for the bound they give. ``prefault`` (default on): fault the arena in, in
     the background, once the server answers (off when the arena does not fit in free memory:
-    :mod:`kvfabric.server.memory`). Raises ``TransportUnavailable`` when the extension or
-    io_uring is unavailable, ``ConfigError`` for bad options, :class:`ListenError` (an ``OSError``) when the port cannot be bound.
+    :mod:`kvfabric.server.memory`). With ``shm`` and no ``shm_socket``, stale sockets of dead
+    servers are swept from the default directory first (:func:`sweep_stale_sockets`). Raises
+    ``TransportUnavailable`` when the extension or io_uring is unavailable, ``ConfigError`` for bad
+    options, :class:`ListenError` (an ``OSError``) when the port cannot be bound.
     """
 
     def __init__(
@@ -353,8 +436,12 @@ class NativeServer:
                 if gid is not None:
                     allow_gids.append(gid)
                 if shm_socket is None:
-                    _private_dir(default_shm_dir(), gid)
-                    shm_socket = os.path.join(default_shm_dir(), f"shm-{self.port}.sock")
+                    shm_dir = default_shm_dir()
+                    _private_dir(shm_dir, gid)
+                    swept = sweep_stale_sockets(shm_dir)
+                    if swept:
+                        log.info("shm: removed %d stale socket(s) of servers that died from %s", swept, shm_dir)
+                    shm_socket = os.path.join(shm_dir, f"shm-{self.port}.sock")
                 self._unix, self._unix_ino = _bind_shm_socket(os.path.abspath(shm_socket), gid)
             except BaseException:
                 self._tcp.close()

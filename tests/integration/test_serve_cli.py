@@ -1,4 +1,4 @@
-"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, bind errors, memory, --help.
+"""``kvfabric serve`` as an operator meets it: start-up lines, sizes, bind errors, memory, --help, stale sockets.
 
 Real server processes (``kvfabric.testing.start_server`` waits for the listening line); nothing here
 measures time. A server that should not start is run to its exit with its whole stderr in the
@@ -17,6 +17,7 @@ import pytest
 from kvfabric import Client, ClientConfig
 from kvfabric.server import memory
 from kvfabric.server.eviction import POLICIES
+from kvfabric.server.native import default_shm_dir
 from kvfabric.testing import start_server
 
 
@@ -110,3 +111,40 @@ def test_a_capacity_above_available_memory_warns_and_starts_without_faulting_the
     assert st["capacity"] == gib << 30, st
     assert f"WARNING kvfabric.server: --capacity {gib}GiB plus" in log and "not faulted in ahead of use" in log, log
     assert rss < (gib << 30) // 4, (rss, log)  # the sparse arena was not populated
+
+
+def _bound_unix(path: str, listen: bool) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    if listen:
+        s.listen()
+    return s
+
+
+def test_a_shm_server_sweeps_stale_sockets_of_dead_servers_from_the_default_directory(tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))  # a default directory of this test's own
+    shm_dir = runtime / "kvfabric"
+    shm_dir.mkdir(mode=0o700)
+    stale = _bound_unix(str(shm_dir / "shm-1.sock"), listen=False)
+    stale.close()  # a server SIGKILLed: the file stays, nobody listens
+    live = _bound_unix(str(shm_dir / "shm-2.sock"), listen=True)
+    outside = _bound_unix(str(tmp_path / "outside.sock"), listen=False)
+    outside.close()
+    (shm_dir / "shm-3.sock").symlink_to(tmp_path / "outside.sock")  # never followed
+    (shm_dir / "shm-4.sock").write_text("not a socket")
+    other = _bound_unix(str(shm_dir / "other.sock"), listen=False)  # not a name of ours
+    other.close()
+    try:
+        with start_server("16MiB", extra_args=["--transports", "tcp,native,shm"], env=env, timeout_s=120) as srv:
+            left = sorted(os.listdir(shm_dir))
+            log = srv.stderr_text()
+            assert _stats(srv.address)["transports"] == ["shm", "native", "tcp"]
+    finally:
+        live.close()
+    assert left == sorted(["shm-2.sock", "shm-3.sock", "shm-4.sock", "other.sock", f"shm-{srv.port}.sock"]), (
+        left, log)
+    assert (tmp_path / "outside.sock").exists(), log
+    assert f"removed 1 stale socket(s) of servers that died from {shm_dir}" in log, log
+    assert default_shm_dir() != str(shm_dir)  # the test never swept the real default directory
