@@ -44,4 +44,6 @@ checkout_on_path "$VENV" || exit 1
 [ "$VENV_ONLY" = 1 ] && { echo "ci-lmcache: $VENV ready"; exit 0; }
 native_built "$VENV" || exit 1
 
-exec timeout 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e/lmcache "$@"
+# A bound on the whole part, far above its time at load 20 (~1 min quiet, ~4 at load 5-9
+# beside a CPU hog); SIGINT, so pytest still prints what ran, failed and took long.
+exec timeout -s INT -k 120 1800 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e/lmcache "$@"
