@@ -9,7 +9,6 @@ values raise :class:`~kvfabric.errors.ConfigError` naming the setting.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from .errors import ConfigError
 from .keys import KeyAlgorithm
 from .membership.registry import check_cluster_name
+from .sizes import parse_size
 
 TRANSPORTS = ("auto", "tcp", "native", "shm")
 
@@ -36,25 +36,6 @@ ENV_VARS: dict[str, str] = {
     "KVFABRIC_CLUSTER": "cluster",
     "KVFABRIC_HANDOFF_S": "handoff_s",
 }
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
-               "m": 1000**2, "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
-               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
-               "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """``"4GiB"`` -> 4294967296, ``"512MB"`` -> 512000000, ``1024`` -> 1024. ConfigError otherwise."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"size must be >= 0, got {text}")
-        return text
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(f"cannot parse size {text!r} (examples: 4GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
 
 def parse_servers(value: str | Sequence[str]) -> tuple[str, ...]:
     """``"h1:7070,h2:7071"`` or a list of ``host:port`` -> validated tuple (order kept)."""

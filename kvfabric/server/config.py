@@ -12,7 +12,7 @@ A setting comes from, lowest precedence first:
 Adding a server setting is adding one field here (with ``opt(...)``): its flag, its file key,
 its environment variable and its ``--help`` line follow. Values keep the types the flags have
 always had (sizes as text such as ``"4GiB"``, or a plain number of bytes from a file; parsed by
-``kvfabric/server/sizes.py``); checking them is ``kvfabric/server/main.py``'s, which exits with
+``kvfabric/sizes.py``); checking them is ``kvfabric/server/main.py``'s, which exits with
 status 2 naming the setting.
 ``kvfabric serve --print-config`` prints the effective settings as TOML (the token masked).
 """

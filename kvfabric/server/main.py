@@ -56,7 +56,7 @@ from typing import Any
 
 from ..errors import ConfigError, TransportUnavailable
 from .eviction import POLICIES
-from .sizes import format_size, parse_size
+from ..sizes import format_size, parse_size
 
 # Every default and limit of the server is declared once, with why, in kvfabric/server/config.py.
 from .config import MAX_LEASE_MS, ServerConfig, add_arguments, load
@@ -176,7 +176,7 @@ def membership_registration(args: ServerConfig, server_id: str, address: str, tr
 
 
 def _size(name: str, text: str) -> int:
-    """The size option ``name`` given as ``text`` in bytes (kvfabric/server/sizes.py); exits naming both."""
+    """The size option ``name`` given as ``text`` in bytes (kvfabric/sizes.py); exits naming both."""
     try:
         return parse_size(text)
     except ConfigError as e:

@@ -22,7 +22,7 @@ worth of capacity per GiB free), and the server is never refused: when the total
 
 from __future__ import annotations
 
-from .sizes import approx_size, format_size
+from ..sizes import approx_size, format_size
 
 #: Interpreter, io_uring rings, the event ring and the index's first buckets (docs/notes/server.md).
 FIXED_BYTES = 48 << 20

@@ -56,7 +56,7 @@ from .. import __version__, protocol
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
-from .sizes import format_size
+from ..sizes import format_size
 from .config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,

@@ -15,6 +15,9 @@ def test_sizes():
     for bad in ("", "4XB", "-1", "GiB", "1 2"):
         with pytest.raises(ConfigError):
             parse_size(bad)
+    # the client's settings and the benchmarks read sizes as the server does: 4G is refused, not 4e9
+    with pytest.raises(ConfigError, match="did you mean 4GiB"):
+        parse_size("4G")
 
 
 def test_servers():

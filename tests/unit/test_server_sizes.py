@@ -8,7 +8,7 @@ from kvfabric.errors import ConfigError
 from kvfabric.server import memory
 from kvfabric.server.eviction import POLICIES
 from kvfabric.server.main import help_epilog
-from kvfabric.server.sizes import approx_size, format_size, parse_size
+from kvfabric.sizes import approx_size, format_size, parse_size
 
 
 @pytest.mark.parametrize("text, n", [

@@ -1,7 +1,9 @@
-"""Byte sizes of ``kvfabric serve`` options: ``4GiB``, ``4GB`` or ``4294967296``, never a guess.
+"""Byte sizes, as people write them: ``4GiB``, ``4GB`` or ``4294967296``, never a guess.
 
-Every size option of the server (``--capacity``, ``--min-rate``, the ``--*-budget`` options,
-``--ssd-capacity``, ``--ssd-write-queue``) is parsed here, by :func:`parse_size`:
+Every size kvfabric reads is parsed here, by :func:`parse_size` (re-exported as
+``kvfabric.parse_size``): the server's size options (``--capacity``, ``--min-rate``, the
+``--*-budget`` options, ``--ssd-capacity``, ``--ssd-write-queue``), client settings and the
+benchmarks' size flags:
 
 * a plain number is bytes: ``4096``, ``4096B``;
 * a binary unit is a power of 1024: ``KiB``, ``MiB``, ``GiB``, ``TiB`` (any case, ``Ki``/``Gi``
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 _BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DECIMAL = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
