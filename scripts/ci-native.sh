@@ -16,6 +16,7 @@
 # status says whether any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/progress.sh
 ROOT=$(pwd)
 PY=${KVFABRIC_PY:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || { echo "ci-native: no dev virtualenv at $PY (run scripts/test-all first)"; exit 1; }
@@ -25,6 +26,10 @@ run_step() { # name, command...: run it, remember a failure, go on
   local name=$1; shift
   "$@" || failed+=("$name")
 }
+
+# setup.py runs here outside pip's isolated build, on the venv's own setuptools: pyproject.toml's
+# SPDX license string needs setuptools >= 77 (an older one stops at "project.license must be valid")
+pip_quiet "$PY" install -q 'setuptools>=77' || { echo "ci-native: cannot install setuptools>=77"; exit 1; }
 
 echo "== native: regular build (-Werror) + tests/native"
 CFLAGS="-Werror" "$PY" setup.py -q build_ext --inplace

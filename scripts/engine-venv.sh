@@ -21,6 +21,6 @@ native_built() {
   local venv=$1
   "$venv/bin/python" -c "import kvfabric._native" 2>/dev/null && return 0
   echo "$(basename "$venv"): building the native extension in place"
-  pip_quiet "$venv/bin/python" install -q setuptools && KVFABRIC_NATIVE_REQUIRED=1 "$venv/bin/python" setup.py -q build_ext --inplace \
+  pip_quiet "$venv/bin/python" install -q 'setuptools>=77' && KVFABRIC_NATIVE_REQUIRED=1 "$venv/bin/python" setup.py -q build_ext --inplace \
     && "$venv/bin/python" -c "import kvfabric._native" || { echo "native extension does not build or import"; return 1; }
 }

@@ -203,7 +203,7 @@ def run_cli(*args, timeout=30):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--capacity", "banana"], "cannot parse size"),
+        (["--capacity", "banana"], "--capacity banana: not a size"),
         (["--capacity", "100"], "at least 4KiB"),
         (["--policy", "nope"], "unknown --policy"),
         (["--port", "70000"], "--port"),
