@@ -16,10 +16,13 @@ with_progress() {
 # pip_quiet PYTHON ARGS...: PYTHON -m pip ARGS, without the "Location 'file:///...' is ignored:
 # it is neither a file nor a directory" line that pip prints for every package when its
 # configuration names local index folders that lack it (this workplace's machines do: one
-# line per package and folder, ~300 in a full run); every other line is kept. Returns pip's status.
+# line per package and folder, ~300 in a full run); every other line is kept. Returns pip's status,
+# also under `set -euo pipefail` (the ci-*.sh scripts): a quiet pip that prints nothing must not
+# read as a failure, which grep's "no line selected" status would be under pipefail (that killed
+# the engines' virtualenv builds without a word).
 pip_quiet() {
   local py=$1
   shift
-  "$py" -m pip "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+  "$py" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }
