@@ -20,37 +20,16 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [
-    "csrc/kvf_module.c",
-    "csrc/kvf_py_client.c",
-    "csrc/kvf_py_server.c",
-    "csrc/kvf_py_shm.c",
-    "csrc/kvf_py_bench.c",
-    "csrc/kvf_mpack.c",
-    "csrc/kvf_conn.c",
-    "csrc/kvf_rxhash.c",
-    "csrc/kvf_store.c",
-    "csrc/kvf_pages.c",
-    "csrc/kvf_shared.c",
-    "csrc/kvf_shm.c",
-    "csrc/kvf_uring.c",
-    "csrc/kvf_server.c",
-    "csrc/kvf_send.c",
-    "csrc/kvf_limits.c",
-    "csrc/kvf_ops.c",
-    "csrc/kvf_stats.c",
-    "csrc/kvf_tier.c",
-    "csrc/kvf_tier_io.c",
-    "csrc/kvf_tier_ops.c",
-    "csrc/kvf_bench.c",
-    "csrc/kvf_hash.c",
-    "csrc/kvf_route.c",
-    "csrc/kvf_py_route.c",
-]
+HERE = Path(__file__).resolve().parent
+
+# Every C file of csrc/ (scripts/c-layers.py checks that they form layers; its
+# layers, top first: kvf_module.c, the bindings, the server loop ... the store).
+SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))
 DEFINES = []
 if platform.machine() in ("x86_64", "AMD64"):
     # run-time SSE2/AVX2/AVX-512 selection for the object checksum (vendored xxHash)

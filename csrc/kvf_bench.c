@@ -1,7 +1,7 @@
 /* kvf_bench.c: the memcpy, raw-socket and O_DIRECT read ceilings (see kvf_bench.h). */
 #define _GNU_SOURCE
 #include "kvf_bench.h"
-#include "kvf_conn.h"
+#include "kvf_client.h"
 #include "kvf_uring.h"
 
 #include <arpa/inet.h>

@@ -1,61 +1,18 @@
-/* kvf_limits.c: the native server's timeouts and memory budgets (see kvf_server.h).
+/* kvf_limits.c: the native server's timeouts and budget wake-ups (see kvf_server.h).
  *
- * Runs on the loop thread. Per-connection buffers beyond the keep sizes are
- * given back after each request; queued replies are held to the
- * per-connection and server-wide reply budgets; the 500 ms sweep drops peers
- * that stall mid-frame, trickle under the min-rate bound, sit idle past the
- * idle timeout or do not authenticate in time, and trims the heap; a freed
- * budget wakes the connections waiting on it.
+ * Runs on the loop thread, called by the loop only. The 500 ms sweep drops
+ * peers that stall mid-frame, trickle under the min-rate bound, sit idle past
+ * the idle timeout or do not authenticate in time, and trims the heap; a freed
+ * budget wakes the connections waiting on it. The budgets themselves (buffers
+ * given back after each request, replies held to the per-connection and
+ * server-wide reply budgets, the reserve budget) are kept by the connection,
+ * kvf_server_conn.c.
  */
 #define _GNU_SOURCE
 #include "kvf_server_int.h"
 
 #include <malloc.h>
 #include <stdlib.h>
-
-/* Give back what the request just done needed beyond the per-connection keep
- * sizes (a large metadata buffer, large batch arrays, the drain buffer). */
-void kvf_conn_shrink(struct conn *c)
-{
-    struct kvf_server *s = c->srv;
-    if (c->meta_cap > KVF_META_KEEP) {
-        s->ctr.request_bytes -= c->meta_mem;
-        s->freed_since_trim += c->meta_cap;
-        free(c->meta);
-        c->meta = NULL;
-        c->meta_cap = 0;
-        c->meta_mem = 0;
-    }
-    if (c->b.cap > KVF_BATCH_KEEP) {
-        s->freed_since_trim += c->b.mem;
-        kvf_batch_free(&c->b);
-    }
-    if (!c->resv_open && c->resv.cap > KVF_BATCH_KEEP) {
-        s->freed_since_trim += c->resv.mem;
-        kvf_batch_free(&c->resv);
-    }
-    free(c->scratch);
-    c->scratch = NULL;
-    free(c->stage);
-    c->stage = NULL;
-}
-
-/* Whether c must wait for its replies to go out before reading another request. */
-int kvf_conn_replies_over_budget(struct conn *c)
-{
-    struct kvf_server *s = c->srv;
-    if (c->nreplies >= s->cfg.max_in_flight) return 1;
-    if (c->nreplies && c->reply_mem > s->cfg.reply_conn_budget) return 1;
-    /* Over the server-wide budget, connections with replies queued wait; one
-     * with none may read its next request (a large GET reply is then
-     * answered BUSY in op_keys), so fresh and well-behaved peers are never
-     * held up by others that do not read. */
-    if (c->nreplies && s->ctr.reply_bytes > s->cfg.reply_budget) {
-        s->wake_blocked = 1; /* woken by the loop once replies were freed */
-        return 1;
-    }
-    return 0;
-}
 
 /* Every 500 ms: drop peers that stall mid-frame (a trickled header
  * included) or stop reading their replies (a slow reader or writer would
@@ -117,15 +74,8 @@ void kvf_wake_waiters(struct kvf_server *s)
         } else if (resv && c->rs == RS_RESV_WAIT) {
             if (c->rx_deadline_ms) c->rx_deadline_ms += now - c->park_ms; /* the wait was ours */
             c->progress_ms = now;
-            kvf_ops_batch_step(c);
+            kvf_batch_step(c);
         }
     }
 }
 
-void kvf_conn_unreserved(struct conn *c)
-{
-    if (!c->reserved) return;
-    c->srv->ctr.reserved_bytes -= c->reserved;
-    c->reserved = 0;
-    if (c->srv->resv_waiting) c->srv->wake_resv = 1;
-}

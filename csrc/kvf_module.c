@@ -2,103 +2,31 @@
  *
  * The bindings parse arguments, release the GIL around every call into the C
  * data plane, and turn a negative errno into a kvfabric.errors exception in one
- * place (raise_errno, here). Nothing in them decides policy: routing, retries,
+ * place (raise_errno, kvf_py_common.c). Nothing in them decides policy: routing, retries,
  * eviction, configuration and logging stay in Python.
  *
- * This file: module init and its method table, raise_errno, the buffer-list
- * helpers (bufset_*, declared in kvf_module_int.h) and the wire test hooks
- * (header layout, constants, checksum, sizes parser). The rest, by owner:
+ * This file, the top of the bindings: module init and its method table, and
+ * the wire test hooks (header layout, constants, checksum, sizes parser). The
+ * rest, by owner:
  *   kvf_py_client.c  request/send_frame/recv_frame, ConnRing (native client)
  *   kvf_py_server.c  the Server type (io_uring server + C store)
  *   kvf_py_shm.c     copy_out/copy_in, shm_get/shm_put (same-host client)
  *   kvf_py_bench.c   memcpy_ceiling/socket_ceiling
  *   kvf_py_route.c   route_owners/route_groups (batch rendezvous routing)
+ *   kvf_py_common.c  raise_errno and bufset_*, which all of them call
  */
 #include "kvf_module_int.h"
 
 #include <errno.h>
 #include <string.h>
 
-#include "kvf_conn.h"
+#include "kvf_client.h"
 #include "kvf_mpack.h"
 #include "kvf_protocol.h"
 
 #include "kvf_hash.h"
-
-static PyObject *ErrTransport, *ErrClosed, *ErrDeadline, *ErrProtocol, *ErrNative, *ErrorCodeEnum;
-
-/* The single errno -> exception mapping. `what` names the operation. */
-PyObject *raise_errno(int rc, int wire_err, const char *what)
-{
-    int e = -rc;
-    switch (e) {
-    case ECONNRESET:
-    case EPIPE:
-    case ENOTCONN:
-    case ESHUTDOWN:
-        return PyErr_Format(ErrClosed, "%s: the peer closed the connection", what);
-    case EAGAIN:
-    case ETIMEDOUT:
-        return PyErr_Format(ErrDeadline, "%s: timed out", what);
-    case EPROTO: {
-        PyObject *code = PyObject_CallFunction(ErrorCodeEnum, "i", wire_err ? wire_err : KVF_E_MALFORMED);
-        if (!code) return NULL;
-        PyObject *exc = PyObject_CallFunction(ErrProtocol, "Os", code, what);
-        Py_DECREF(code);
-        if (exc) { PyErr_SetObject(ErrProtocol, exc); Py_DECREF(exc); }
-        return NULL;
-    }
-    case ENOMEM:
-        return PyErr_NoMemory();
-    case EINVAL:
-        return PyErr_Format(PyExc_ValueError, "%s: invalid argument", what);
-    default: {
-        PyObject *exc = PyObject_CallFunction(ErrNative, "is", e, strerror(e));
-        if (exc) {
-            PyObject *msg = PyUnicode_FromFormat("%s: %s", what, strerror(e));
-            if (msg) { PyObject_SetAttrString(exc, "what", msg); Py_DECREF(msg); }
-            PyErr_SetObject(ErrNative, exc);
-            Py_DECREF(exc);
-        }
-        return NULL;
-    }
-    }
-}
-
-/* ------------------------------------------------------------------ buffers */
-
-
-void bufset_release(struct bufset *b)
-{
-    for (Py_ssize_t i = 0; i < b->n; i++) PyBuffer_Release(&b->views[i]);
-    PyMem_Free(b->views);
-    b->views = NULL;
-    b->n = 0;
-}
-
-/* Get contiguous byte views of every item of `seq` (writable if asked). */
-int bufset_get(struct bufset *b, PyObject *seq, int writable, const char *what)
-{
-    b->views = NULL;
-    b->n = 0;
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (!fast) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    b->views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
-    if (!b->views) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &b->views[i],
-                               writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS)) {
-            PyErr_Format(PyExc_ValueError, "%s[%zd] must be a %scontiguous buffer", what, i, writable ? "writable " : "");
-            bufset_release(b);
-            Py_DECREF(fast);
-            return -1;
-        }
-        b->n = i + 1;
-    }
-    Py_DECREF(fast);
-    return 0;
-}
+#include "kvf_server.h"
+#include "kvf_store.h"
 
 /* ------------------------------------------------------------------ test hooks */
 
@@ -149,10 +77,43 @@ static PyObject *py_layout(PyObject *self, PyObject *noargs)
         "VERSION", KVF_VERSION, "FLAG_REPLY", KVF_FLAG_REPLY, "FLAG_ERROR", KVF_FLAG_ERROR, "MAGIC", KVF_MAGIC);
 }
 
+/* What Python mirrors beyond the enums (tests/native/test_layout.py compares
+ * each with its Python twin): the wire version, the errors after which a
+ * connection closes, the service-time histograms' shape, the arena's page. */
+static int add_mirrors(PyObject *d)
+{
+    PyObject *fatal = PyList_New(0), *ops = PyTuple_New(KVF_LAT_OPS), *v;
+    if (!fatal || !ops) goto fail;
+    for (int code = 0; code < 256; code++) {
+        if (!kvf_err_is_fatal(code)) continue;
+        if (!(v = PyLong_FromLong(code)) || PyList_Append(fatal, v)) { Py_XDECREF(v); goto fail; }
+        Py_DECREF(v);
+    }
+    for (int k = 0; k < KVF_LAT_OPS; k++) {
+        if (!(v = PyUnicode_FromString(kvf_lat_names[k]))) goto fail;
+        PyTuple_SET_ITEM(ops, k, v);
+    }
+    if (PyDict_SetItemString(d, "fatal_errors", fatal) || PyDict_SetItemString(d, "lat_ops", ops)) goto fail;
+    Py_DECREF(fatal);
+    Py_DECREF(ops);
+    struct { const char *name; long long v; } ints[] = {
+        {"version", KVF_VERSION}, {"lat_buckets", KVF_LAT_BUCKETS}, {"page_bytes", KVF_PAGE},
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        if (!(v = PyLong_FromLongLong(ints[i].v)) || PyDict_SetItemString(d, ints[i].name, v)) { Py_XDECREF(v); return -1; }
+        Py_DECREF(v);
+    }
+    return 0;
+fail:
+    Py_XDECREF(fatal);
+    Py_XDECREF(ops);
+    return -1;
+}
+
 static PyObject *py_constants(PyObject *self, PyObject *noargs)
 {
     (void)self; (void)noargs;
-    return Py_BuildValue(
+    PyObject *d = Py_BuildValue(
         "{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
         "s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
         "s:{s:i,s:i,s:i,s:i,s:i},"
@@ -172,6 +133,8 @@ static PyObject *py_constants(PyObject *self, PyObject *noargs)
         "max_object_bytes", (unsigned long long)KVF_MAX_OBJECT_BYTES, "max_in_flight", KVF_MAX_IN_FLIGHT,
         "shm_ops", "ATTACH", KVF_OP_SHM_ATTACH, "LEASE", KVF_OP_SHM_LEASE, "RELEASE", KVF_OP_SHM_RELEASE,
         "RESERVE", KVF_OP_SHM_RESERVE, "COMMIT", KVF_OP_SHM_COMMIT, "max_lease_ms", KVF_MAX_LEASE_MS);
+    if (d && add_mirrors(d)) Py_CLEAR(d);
+    return d;
 }
 
 PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: plain xxh3_64 as the C data plane computes it (the key's seed)");
@@ -244,7 +207,7 @@ static PyMethodDef methods[] = {
     {"pack_header", py_pack_header, METH_VARARGS, pack_header_doc},
     {"check_header", py_check_header, METH_VARARGS, check_header_doc},
     {"layout", py_layout, METH_NOARGS, "the C header layout: {field: (offset, size)} and constants"},
-    {"constants", py_constants, METH_NOARGS, "opcodes, error codes, put statuses and limits as C sees them"},
+    {"constants", py_constants, METH_NOARGS, "opcodes, error codes, put statuses, limits and the other constants Python mirrors, as C sees them"},
     {"xxh3_64", py_xxh3, METH_O, xxh3_doc},
     {"obj_checksum", py_obj_checksum, METH_VARARGS, obj_checksum_doc},
     {"parse_sizes", py_parse_sizes, METH_VARARGS, parse_sizes_doc},
@@ -259,16 +222,7 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    PyObject *errors = PyImport_ImportModule("kvfabric.errors");
-    if (!errors) return NULL;
-    ErrTransport = PyObject_GetAttrString(errors, "TransportError");
-    ErrClosed = PyObject_GetAttrString(errors, "ConnectionClosed");
-    ErrDeadline = PyObject_GetAttrString(errors, "DeadlineExceeded");
-    ErrProtocol = PyObject_GetAttrString(errors, "ProtocolError");
-    ErrNative = PyObject_GetAttrString(errors, "NativeError");
-    ErrorCodeEnum = PyObject_GetAttrString(errors, "ErrorCode");
-    Py_DECREF(errors);
-    if (!ErrTransport || !ErrClosed || !ErrDeadline || !ErrProtocol || !ErrNative || !ErrorCodeEnum) return NULL;
+    if (kvf_py_errors_init()) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddFunctions(m, kvf_py_client_methods) || PyModule_AddFunctions(m, kvf_py_shm_methods) ||

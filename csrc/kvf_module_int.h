@@ -1,5 +1,6 @@
 /* kvf_module_int.h: what the binding files of kvfabric._native share
- * (kvf_module.c defines it). Not part of the extension's interface. */
+ * (kvf_py_common.c defines the helpers; kvf_module.c adds the types and
+ * method tables below). Not part of the extension's interface. */
 #ifndef KVF_MODULE_INT_H
 #define KVF_MODULE_INT_H
 
@@ -10,6 +11,8 @@
  * with the exception set. `wire_err` is the kvf error code for -EPROTO (0:
  * MALFORMED), `what` names the operation. */
 PyObject *raise_errno(int rc, int wire_err, const char *what);
+/* Loads the exception classes raise_errno uses (module init): 0, or -1 with an exception set. */
+int kvf_py_errors_init(void);
 
 /* Contiguous byte views of every item of a sequence. */
 struct bufset {

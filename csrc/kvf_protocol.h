@@ -1,4 +1,4 @@
-/* kvf_protocol.h: the C mirror of kvfabric/protocol/ (wire version 1).
+/* kvf_protocol.h: the C mirror of kvfabric/protocol/ (wire version KVF_VERSION, below).
  *
  * A frame is a 32-byte little-endian header, meta_len bytes of msgpack
  * metadata (a map), then payload_len raw payload bytes. This header only

@@ -1,9 +1,9 @@
-/* kvf_py_client.c: bindings of the native client (kvf_conn.c): request(), send_frame(),
+/* kvf_py_client.c: bindings of the native client (kvf_client.c): request(), send_frame(),
  * recv_frame() and ConnRing (caller buffers registered as io_uring fixed buffers).
  * Arguments are parsed and the GIL released here; errors go through raise_errno. */
 #include "kvf_module_int.h"
 
-#include "kvf_conn.h"
+#include "kvf_client.h"
 #include "kvf_mpack.h"
 #include "kvf_protocol.h"
 

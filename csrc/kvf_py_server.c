@@ -403,7 +403,8 @@ PyDoc_STRVAR(tier_open_doc,
 "tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0)\n"
 "Open the SSD tier (one file per directory in paths; capacity bytes in all), rebuild its index from\n"
 "the files and attach it: evicted objects are written behind, GET/LOOKUP read missing keys back.\n"
-"admit: 0 all, 1 only objects read at least once. promote_max: bytes one request may promote\n"
+"admit: 0 all, 1 only objects read at least once. promote_max: bytes of arena slots (whole 4 KiB\n"
+"pages per object) one request may promote "
 "(0: capacity of the arena / 4). Before run(). Raises OSError(errno, reason) when a path is missing\n"
 "or unwritable, O_DIRECT is unsupported (EINVAL), the space cannot be preallocated (ENOSPC).\n"
 "paths may be empty (no SSD tier: the tier thread alone, for the shared tier of shared_path).");

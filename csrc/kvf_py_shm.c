@@ -1,9 +1,9 @@
 /* kvf_py_shm.c: bindings of the same-host (shm) client: copy_out()/copy_in() between
  * the mapped arena and caller buffers, shm_get()/shm_put() (one call into C per
- * operation, GIL released; kvf_conn.c does the frames). */
+ * operation, GIL released; kvf_client.c does the frames). */
 #include "kvf_module_int.h"
 
-#include "kvf_conn.h"
+#include "kvf_client.h"
 #include "kvf_hash.h"
 #include "kvf_mpack.h"
 #include "kvf_protocol.h"

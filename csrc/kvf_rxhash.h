@@ -1,5 +1,5 @@
 /* kvf_rxhash.h: object checksums computed while a GET reply's objects land
- * (kvf_recv_objects in kvf_conn.c, the native client's receive path).
+ * (kvf_recv_objects in kvf_client.c, the native client's receive path).
  *
  * A cursor walks the objects' buffers in stream order: after each receive
  * call the bytes it wrote are fed in (kvf_rxhash_feed), while they are still

@@ -1,10 +1,14 @@
 /* kvf_server.c: the io_uring event loop of the native server (see kvf_server.h).
  *
- * Owns the server object (new/run/stop/free), the listeners and accept, the
- * connection lifetime (close, destroy), the receive path (header, metadata,
- * objects, drain), CQE dispatch, the drain on stop and the retry of PUTs
- * parked waiting for space. Timeouts and memory budgets are kvf_limits.c. The reply send path is kvf_send.c, the
- * request handlers kvf_ops.c.
+ * The top of the server's request path (the layers are listed in
+ * kvf_server_int.h): owns the server object (new/run/stop/free), the
+ * listeners and accept, the connection's destruction, CQE dispatch and what a
+ * finished receive leads to (header checks, then the dispatcher kvf_ops.c, a
+ * PUT object's next step in kvf_put.c, a drain's end), the drain on stop, the
+ * retry of requests parked waiting for space and the second pass of requests
+ * whose keys were read from a tier. Timeouts and budget wake-ups are
+ * kvf_limits.c; posting receives, closing and the per-connection budgets
+ * kvf_server_conn.c; the reply send path kvf_send.c.
  *
  * user_data of every SQE is a pointer with a tag in its low 3 bits:
  *   T_ACCEPT   &srv->tag_tcp / &srv->tag_unix  (listener)
@@ -32,16 +36,6 @@
 
 #include "kvf_hash.h"
 
-struct io_uring_sqe *kvf_sqe_get(struct kvf_server *s)
-{
-    struct io_uring_sqe *q = kvf_ring_sqe(&s->ring);
-    if (!q) {
-        kvf_ring_submit_wait(&s->ring, 0, 0);
-        q = kvf_ring_sqe(&s->ring);
-    }
-    return q; /* NULL only if the kernel consumed nothing: callers treat it as -EBUSY */
-}
-
 /* ---------------------------------------------------------------- listeners */
 
 static void arm_accept(struct kvf_server *s, int fd, uint64_t *tag)
@@ -66,21 +60,6 @@ static void arm_efd(struct kvf_server *s)
 }
 
 /* ---------------------------------------------------------------- conns */
-
-/* The min_rate bound of a frame or reply of `bytes` starting at `now` (as the
- * Python server: stall timeout + size / min_rate); 0 when there is none. */
-int64_t kvf_rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes)
-{
-    if (!s->cfg.min_rate || !s->cfg.stall_ms) return 0;
-    return now + (int64_t)s->cfg.stall_ms + (int64_t)((double)bytes * 1000.0 / (double)s->cfg.min_rate) + 1;
-}
-
-void kvf_conn_close(struct conn *c)
-{
-    if (c->closing) return;
-    c->closing = 1;
-    shutdown(c->fd, SHUT_RDWR); /* completes any recv/send in flight */
-}
 
 static void conn_destroy(struct conn *c)
 {
@@ -118,108 +97,6 @@ static void conn_destroy(struct conn *c)
 static void conn_check(struct conn *c)
 {
     if (c->closing && c->refs == 0) conn_destroy(c);
-}
-
-void kvf_conn_check(struct conn *c) { conn_check(c); }
-
-static void post_recv(struct conn *c)
-{
-    struct io_uring_sqe *q = kvf_sqe_get(c->srv);
-    if (!q) { kvf_conn_close(c); return; }
-    uint64_t n = c->want - c->got;
-    if (n > (1u << 30)) n = 1u << 30;
-    if (c->rs == RS_OBJ && n > KVF_OBJ_CHUNK) n = KVF_OBJ_CHUNK;
-    q->opcode = IORING_OP_RECV;
-    q->fd = c->fd;
-    q->addr = (uint64_t)(uintptr_t)(c->rbuf + c->got);
-    q->len = (uint32_t)n;
-    /* A header is read without MSG_WAITALL, so that each byte of a trickled
-     * one completes (and counts as a frame in progress for the stall and
-     * min_rate checks); the rest of a frame has a known length: WAITALL. */
-    q->msg_flags = c->rs == RS_HDR ? 0 : MSG_WAITALL;
-    q->user_data = KVF_TAG(c, T_RECV);
-    c->refs++;
-    c->recv_posted = 1;
-}
-
-void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage)
-{
-    if (stage == RS_OBJ) {
-        if (!c->xxh && !(c->xxh = kvf_hash_new())) { kvf_conn_close(c); return; }
-        /* RS_OBJ receives object b.cur of the PUT batch (kvf_ops_batch_step):
-         * its checksum is seeded from its key (kvf_hash.h) */
-        kvf_hash_reset_key(c->xxh, c->b.keys[c->b.cur], c->b.klens[c->b.cur]);
-    }
-    c->rs = stage;
-    c->rbuf = buf;
-    c->want = n;
-    c->got = 0;
-    post_recv(c);
-}
-
-void kvf_conn_drain(struct conn *c, uint64_t n)
-{
-    if (!c->scratch && !(c->scratch = malloc(1 << 16))) { kvf_conn_close(c); return; }
-    c->drain_left = n;
-    kvf_conn_recv_into(c, c->scratch, n < (1 << 16) ? n : (1 << 16), RS_DRAIN);
-}
-
-/* Ready for the next header, unless too many replies (or bytes of them) are
- * queued, or the server is stopping (then close once the replies are out). */
-void kvf_conn_next_request(struct conn *c)
-{
-    c->batch_op = 0;
-    c->rx_deadline_ms = 0;
-    kvf_conn_shrink(c);
-    if (c->closing) return;
-    if (c->srv->stop) c->close_after_send = 1;
-    if (c->close_after_send) {
-        c->rs = RS_STOP;
-        if (!c->q_head) kvf_conn_close(c);
-        return;
-    }
-    if (kvf_conn_replies_over_budget(c)) {
-        if (c->rs != RS_BLOCKED && c->nreplies < c->srv->cfg.max_in_flight) c->srv->ctr.reply_waits++;
-        c->rs = RS_BLOCKED;
-        return;
-    }
-    kvf_conn_recv_into(c, &c->hdr, KVF_HEADER_SIZE, RS_HDR);
-}
-
-void kvf_conn_stage(struct conn *c, uint32_t n)
-{
-    if (!c->stage && !(c->stage = malloc(KVF_PUT_GATE))) { kvf_conn_close(c); return; }
-    kvf_conn_recv_into(c, c->stage, n, RS_GATE);
-}
-
-void kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t staged)
-{
-    if (!c->xxh && !(c->xxh = kvf_hash_new())) { kvf_conn_close(c); return; }
-    /* object b.cur of the PUT batch: its checksum is seeded from its key (kvf_hash.h) */
-    kvf_hash_reset_key(c->xxh, c->b.keys[c->b.cur], c->b.klens[c->b.cur]);
-    if (staged) {
-        memcpy(slot, c->stage, staged);
-        kvf_hash_update(c->xxh, slot, staged);
-    }
-    c->rs = RS_OBJ;
-    c->rbuf = slot;
-    c->want = size;
-    c->got = staged;
-    if (c->got == c->want) kvf_ops_object_done(c);
-    else post_recv(c);
-}
-
-uint64_t kvf_conn_obj_digest(struct conn *c) { return kvf_hash_digest(c->xxh); }
-
-void kvf_conn_park(struct conn *c, uint64_t bytes)
-{
-    struct kvf_server *s = c->srv;
-    c->rs = RS_PARKED;
-    c->parked = 1;
-    c->park_ms = kvf_now_ms();
-    c->park_next = s->parked;
-    s->parked = c;
-    kvf_store_want_space(s->st, bytes);
 }
 
 static void on_header(struct conn *c)
@@ -278,12 +155,12 @@ static void on_recv(struct conn *c, int res)
     if (c->rs == RS_OBJ) kvf_hash_update(c->xxh, c->rbuf + c->got, (size_t)res);
     c->got += (uint64_t)res;
     if (c->rs != RS_DRAIN) c->srv->ctr.bytes_in += (uint64_t)res;
-    if (c->got < c->want) { post_recv(c); return; }
+    if (c->got < c->want) { kvf_conn_recv_more(c); return; }
     switch (c->rs) {
     case RS_HDR: on_header(c); break;
     case RS_META: kvf_ops_request(c); break;
-    case RS_OBJ: kvf_ops_object_done(c); break;
-    case RS_GATE: kvf_ops_staged(c); break;
+    case RS_OBJ: kvf_put_object_done(c); break;
+    case RS_GATE: kvf_put_staged(c); break;
     case RS_DRAIN:
         c->srv->ctr.bytes_in += c->want;
         c->drain_left -= c->want;
@@ -291,7 +168,7 @@ static void on_recv(struct conn *c, int res)
             kvf_conn_recv_into(c, c->scratch, c->drain_left < (1 << 16) ? c->drain_left : (1 << 16), RS_DRAIN);
         } else if (c->batch_op) {
             c->b.cur++;
-            kvf_ops_batch_step(c);
+            kvf_batch_step(c);
         } else { /* the request was rejected; its payload is consumed, answer now */
             kvf_reply_error(c, c->pend_code, c->pend_msg);
             kvf_conn_next_request(c);
@@ -367,6 +244,24 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
 
 /* ---------------------------------------------------------------- loop */
 
+/* A request parked on a tier's reads has them (promoted into DRAM): run it
+ * again, from its metadata still in c->meta; it now finds the promoted keys. */
+static void rerun(struct conn *c)
+{
+    if (!c->closing) kvf_ops_request(c);
+    kvf_tier_rerun_done(c);
+}
+
+static void tier_reap(struct kvf_server *s)
+{
+    for (struct conn *c = kvf_tier_reap(s), *n; c; c = n) {
+        n = c->tier_next;
+        c->tier_next = NULL;
+        rerun(c);
+        conn_check(c);
+    }
+}
+
 static void retry_parked(struct kvf_server *s)
 {
     int exhausted;
@@ -383,8 +278,8 @@ static void retry_parked(struct kvf_server *s)
         if (c->closing) { conn_check(c); continue; }
         if (c->rx_deadline_ms) c->rx_deadline_ms += kvf_now_ms() - c->park_ms; /* the wait was ours */
         c->progress_ms = kvf_now_ms(); /* nor is it a stall of the peer */
-        if (c->treq) kvf_tier_step(c); /* a promotion from a tier waited for space */
-        else kvf_ops_batch_step(c);
+        if (!c->treq) kvf_batch_step(c);
+        else if (kvf_tier_step(c)) rerun(c); /* a promotion from a tier waited for space */
     }
 }
 
@@ -545,7 +440,7 @@ int kvf_server_run(struct kvf_server *s)
             kvf_ring_cqe_seen(&s->ring);
             dispatch(s, &copy);
         }
-        if (s->tier) kvf_tier_reap(s);
+        if (s->tier) tier_reap(s);
         if (s->parked) retry_parked(s);
         if (s->wake_blocked || s->wake_resv) kvf_wake_waiters(s);
         int64_t now = kvf_now_ms();
@@ -563,12 +458,6 @@ void kvf_server_stop(struct kvf_server *s)
     s->stop = 1;
     uint64_t one = 1;
     if (write(s->efd, &one, sizeof one) < 0) { /* the 1 s wait timeout sees s->stop anyway */ }
-}
-
-void kvf_server_wake(struct kvf_server *s)
-{
-    uint64_t one = 1;
-    if (write(s->efd, &one, sizeof one) < 0) { /* counter saturated: a wake is pending anyway */ }
 }
 
 void kvf_server_counters(struct kvf_server *s, struct kvf_server_counters *c) { *c = s->ctr; }

@@ -1,6 +1,21 @@
-/* kvf_server_int.h: state shared by the loop (kvf_server.c), the reply send
- * path (kvf_send.c) and the request handlers (kvf_ops.c). Not part of the
- * extension's interface. */
+/* kvf_server_int.h: state shared by the files of the native server's request
+ * path. Not part of the extension's interface. They are layers, calls going
+ * down only (scripts/c-layers.py checks it in CI), top first:
+ *
+ *   kvf_server.c       the io_uring loop: accept, CQE dispatch, receive
+ *                      completions, connection lifetime, parked retries
+ *   kvf_limits.c       timeouts (the 500 ms sweep) and budget wake-ups
+ *   kvf_ops.c          the dispatcher; HELLO, PING, GET, EXISTS, LOOKUP, DELETE
+ *   kvf_shm.c, kvf_stats.c, kvf_tier_ops.c
+ *                      shm requests; STATS; requests parked on a tier's reads
+ *   kvf_put.c          the PUT pipeline (and the shm RESERVE's slots)
+ *   kvf_request.c      metadata parsing, rejects, status replies
+ *   kvf_send.c         replies: queue, send, zero-copy, verify while sending
+ *   kvf_server_conn.c  the connection: receives, close, park, buffers, budgets
+ *
+ * A lower layer hands work back by its return value or by state the loop
+ * reads (a finished tier request is on kvf_tier_reap's list), never by a call
+ * up. The declarations below follow the same order. */
 #ifndef KVF_SERVER_INT_H
 #define KVF_SERVER_INT_H
 
@@ -150,6 +165,7 @@ struct conn {
     /* tiers (kvf_tier_ops.c) */
     struct kvf_tier_req *treq;     /* reads in flight for the parked request, or NULL */
     int tier_pass;                 /* the request is being re-dispatched: never to a tier again */
+    struct conn *tier_next;        /* kvf_tier_reap's list of requests to dispatch again */
 };
 
 struct kvf_server {
@@ -184,39 +200,73 @@ static inline int64_t kvf_now_us(void)
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-/* kvf_server.c */
-/* A free SQE (submits pending ones first when the ring is full); NULL if none
- * could be freed: callers close the connection (treat it as -EBUSY). */
-struct io_uring_sqe *kvf_sqe_get(struct kvf_server *s);
-/* min_rate bound of a frame or reply of `bytes` starting at `now`: an absolute
- * time in ms, or 0 when there is none. */
-int64_t kvf_rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes);
-/* Start closing c (shutdown completes its SQEs; destroyed once none is left);
- * no return, idempotent. */
-void kvf_conn_close(struct conn *c);
-void kvf_conn_drain(struct conn *c, uint64_t n);
-void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
-void kvf_conn_next_request(struct conn *c);
-void kvf_conn_park(struct conn *c, uint64_t bytes);
-/* Destroy c if it is closing and no SQE or tier job points at it. No return. */
-void kvf_conn_check(struct conn *c);
-/* Receive the first n (<= KVF_PUT_GATE) bytes of the current PUT object into
- * c->stage (RS_GATE; kvf_ops_staged runs when they are in). No return. */
-void kvf_conn_stage(struct conn *c, uint32_t n);
-/* Receive a PUT object of `size` bytes into its slot, the first `staged` of
- * them already in c->stage (copied and hashed here). No return. */
-void kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t staged);
-/* A PUT slot of c is received (or given up): return its bytes to the reserve budget. */
-void kvf_conn_unreserved(struct conn *c);
-uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
+/* A request's metadata: what the handlers parse. */
+struct kvf_meta {
+    const uint8_t *p;
+    size_t n;
+};
 
-/* kvf_limits.c */
-void kvf_conn_shrink(struct conn *c);             /* free buffers over the keep sizes (request done) */
-int kvf_conn_replies_over_budget(struct conn *c); /* 1: c waits for its replies before its next request */
+/* ---- kvf_server.c, kvf_limits.c: the loop (kvf_server.h is its interface) */
 void kvf_sweep(struct kvf_server *s, int64_t now); /* timeouts (every 500 ms) and heap trim */
 void kvf_wake_waiters(struct kvf_server *s);      /* a budget was freed: resume who waits on it */
 
-/* kvf_send.c */
+/* ---- kvf_ops.c: the dispatcher */
+void kvf_ops_request(struct conn *c);          /* header + meta are in */
+void kvf_ops_conn_gone(struct conn *c);        /* free leases, reservations, tier reads */
+
+/* ---- kvf_shm.c */
+void kvf_shm_op(struct conn *c, const uint8_t *meta, size_t len, int op); /* SHM_* on the unix socket */
+void kvf_shm_conn_gone(struct conn *c);  /* release leases, free the reservation */
+/* Loop thread, every ~500 ms: drop leases past max_lease_ms and reservations past the stall timeout. */
+void kvf_shm_sweep(struct kvf_server *s, int64_t now);
+/* A unix peer just accepted on fd: 0 allowed (same uid as the server, or in the
+ * configured uid / gid lists, SO_PEERCRED); 1 refused: an AUTH_FAILED frame was
+ * sent, fd is closed and counted (shm_refused). */
+int kvf_shm_peer_refused(struct kvf_server *s, int fd);
+
+/* ---- kvf_stats.c */
+void kvf_op_stats(struct conn *c);             /* STATS: queue the reply, then the next request */
+
+/* ---- kvf_tier_ops.c */
+/* GET/LOOKUP/DELETE keys missing DRAM but on a tier: park c and read them (1),
+ * or 0 (serve now: nothing to read, or read already). */
+int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n);
+/* Parked for space: reserve and post the rest. 1: every read is back, the
+ * request is to be dispatched again (then kvf_tier_rerun_done); 0: waiting. */
+int kvf_tier_step(struct conn *c);
+/* Read jobs came back: promote. Returns the connections whose requests are
+ * finished, linked by tier_next: each not closing is to be dispatched again
+ * (kvf_ops_request, then kvf_tier_rerun_done); each may be destroyable. */
+struct conn *kvf_tier_reap(struct kvf_server *s);
+void kvf_tier_rerun_done(struct conn *c); /* the second pass is done: free the request's reads */
+void kvf_tier_conn_gone(struct conn *c);
+
+/* ---- kvf_put.c: the PUT pipeline */
+void kvf_op_put(struct conn *c, struct kvf_meta m);
+void kvf_batch_step(struct conn *c);           /* continue a PUT/RESERVE */
+void kvf_put_object_done(struct conn *c);      /* a PUT object landed in its slot */
+void kvf_put_staged(struct conn *c);           /* a PUT object's first bytes are in c->stage */
+
+/* ---- kvf_request.c: what the handlers share; parse_* return 0 or a wire error code (KVF_E_*) */
+/* Answer code: at once (and close, for the codes after which the stream cannot
+ * be trusted), or once the request's payload is consumed. No return. */
+void kvf_reject(struct conn *c, int code, const char *msg);
+/* In a handler of conn c: a reply rp with meta_cap cap and nseg payload segments, and a msgpack
+ * writer w over its metadata; out of memory: rejected with KVF_E_INTERNAL and the handler returns. */
+#define KVF_REPLY_BEGIN(cap, nseg)                                              \
+    struct reply *rp = kvf_reply_new(c, (cap), (nseg));                         \
+    if (!rp) { kvf_reject(c, KVF_E_INTERNAL, "out of memory"); return; }       \
+    struct kvf_mw w;                                                            \
+    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
+/* keys -> b->keys/klens (b sized to them; BUSY when over the request budget) */
+int kvf_parse_keys(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t *n);
+const char *kvf_keys_error(int e);             /* the message of kvf_parse_keys's code */
+int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n);
+int kvf_parse_uint(struct kvf_meta m, const char *name, uint64_t *v, int required);
+/* {"status": [...]} (with_offsets: + "res" and "offsets", the shm RESERVE's) */
+void kvf_put_reply(struct conn *c, struct batch *b, int op, int with_offsets);
+
+/* ---- kvf_send.c: replies */
 /* Append the service-time histograms to a STATS map: 2 * KVF_LAT_OPS pairs,
  * lat_<op>_us_buckets (array of KVF_LAT_BUCKETS counts) and lat_<op>_us_sum. */
 void kvf_lat_write(struct kvf_mw *w, const struct kvf_server_counters *ctr);
@@ -235,46 +285,38 @@ void kvf_conn_sent(struct conn *c, int res);
  * the pages; frees r if nothing else is pending. No return. */
 void kvf_reply_zc_notif(struct kvf_server *s, struct reply *r, int res);
 
-/* kvf_stats.c */
-void kvf_op_stats(struct conn *c);             /* STATS: queue the reply, then the next request */
-
-/* kvf_ops.c */
-void kvf_ops_request(struct conn *c);          /* header + meta are in */
-void kvf_ops_batch_step(struct conn *c);       /* continue a PUT/RESERVE */
-void kvf_ops_object_done(struct conn *c);      /* a PUT object landed in its slot */
-void kvf_ops_staged(struct conn *c);           /* a PUT object's first bytes are in c->stage */
-void kvf_ops_conn_gone(struct conn *c);        /* free leases and reservations */
+/* ---- kvf_server_conn.c: the connection, the bottom of the request path */
+/* A free SQE (submits pending ones first when the ring is full); NULL if none
+ * could be freed: callers close the connection (treat it as -EBUSY). */
+struct io_uring_sqe *kvf_sqe_get(struct kvf_server *s);
+/* min_rate bound of a frame or reply of `bytes` starting at `now`: an absolute
+ * time in ms, or 0 when there is none. */
+int64_t kvf_rate_deadline(const struct kvf_server *s, int64_t now, uint64_t bytes);
+/* Start closing c (shutdown completes its SQEs; destroyed by the loop once
+ * none is left); no return, idempotent. */
+void kvf_conn_close(struct conn *c);
+void kvf_conn_drain(struct conn *c, uint64_t n);
+void kvf_conn_recv_into(struct conn *c, void *buf, uint64_t n, enum rs stage);
+void kvf_conn_recv_more(struct conn *c); /* post the rest of the current receive (c->want - c->got) */
+/* Ready for the next header (or blocked on the reply budgets, or closing). */
+void kvf_conn_next_request(struct conn *c);
+void kvf_conn_park(struct conn *c, uint64_t bytes);
+/* Receive the first n (<= KVF_PUT_GATE) bytes of the current PUT object into
+ * c->stage (RS_GATE; the loop calls kvf_put_staged when they are in). No return. */
+void kvf_conn_stage(struct conn *c, uint32_t n);
+/* Receive a PUT object of `size` bytes into its slot, the first `staged` of
+ * them already in c->stage (copied and hashed here). 1: the object is whole
+ * already; 0: a receive is posted (kvf_put_object_done when it is in) or the
+ * connection is closing. */
+int kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t staged);
+/* A PUT slot of c is received (or given up): return its bytes to the reserve budget. */
+void kvf_conn_unreserved(struct conn *c);
+uint64_t kvf_conn_obj_digest(struct conn *c); /* checksum of the object just received */
+void kvf_conn_shrink(struct conn *c);             /* free buffers over the keep sizes (request done) */
+int kvf_conn_replies_over_budget(struct conn *c); /* 1: c waits for its replies before its next request */
+/* Arrays for cap entries (and a key buffer when keybuf) sized to the request;
+ * over KVF_BATCH_KEEP entries charged to the request budget: 0, -EBUSY, -ENOMEM. */
+int kvf_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf);
 void kvf_batch_free(struct batch *b);
-/* helpers shared with kvf_shm.c and kvf_stats.c: parse_* return 0 or a wire error code (KVF_E_*) */
-void kvf_ops_reject(struct conn *c, int code, const char *msg);
-/* In a handler of conn c: a reply rp with meta_cap cap and nseg payload segments, and a msgpack
- * writer w over its metadata; out of memory: rejected with KVF_E_INTERNAL and the handler returns. */
-#define KVF_REPLY_BEGIN(cap, nseg)                                              \
-    struct reply *rp = kvf_reply_new(c, (cap), (nseg));                         \
-    if (!rp) { kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }   \
-    struct kvf_mw w;                                                            \
-    kvf_mw_init(&w, rp->head + KVF_HEADER_SIZE, (cap))
-int kvf_ops_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf); /* 0, -EBUSY, -ENOMEM */
-int kvf_ops_parse_keys(struct conn *c, const uint8_t *meta, size_t len, struct batch *b, uint32_t *n);
-int kvf_ops_parse_uints(const uint8_t *meta, size_t len, const char *name, uint64_t *out, uint32_t n);
-int kvf_ops_parse_uint(const uint8_t *meta, size_t len, const char *name, uint64_t *v, int required);
-void kvf_ops_put_reply(struct conn *c, struct batch *b, int op); /* {"status": [...]} */
-
-/* kvf_tier_ops.c */
-/* GET/LOOKUP keys missing DRAM but on a tier: park c and read them (1), or 0 (serve now). */
-int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n);
-void kvf_tier_step(struct conn *c);      /* parked for space: reserve and post the rest */
-void kvf_tier_reap(struct kvf_server *s); /* read jobs came back: promote and re-dispatch */
-void kvf_tier_conn_gone(struct conn *c);
-
-/* kvf_shm.c */
-void kvf_shm_op(struct conn *c, const uint8_t *meta, size_t len, int op); /* SHM_* on the unix socket */
-void kvf_shm_conn_gone(struct conn *c);  /* release leases, free the reservation */
-/* Loop thread, every ~500 ms: drop leases past max_lease_ms and reservations past the stall timeout. */
-void kvf_shm_sweep(struct kvf_server *s, int64_t now);
-/* A unix peer just accepted on fd: 0 allowed (same uid as the server, or in the
- * configured uid / gid lists, SO_PEERCRED); 1 refused: an AUTH_FAILED frame was
- * sent, fd is closed and counted (shm_refused). */
-int kvf_shm_peer_refused(struct kvf_server *s, int fd);
 
 #endif

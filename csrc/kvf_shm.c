@@ -177,7 +177,7 @@ static void op_attach(struct conn *c)
 static void op_release(struct conn *c, const uint8_t *m, size_t mn)
 {
     uint64_t id;
-    if (kvf_ops_parse_uint(m, mn, "lease", &id, 1)) { kvf_ops_reject(c, KVF_E_MALFORMED, "missing field 'lease'"); return; }
+    if (kvf_parse_uint((struct kvf_meta){m, mn}, "lease", &id, 1)) { kvf_reject(c, KVF_E_MALFORMED, "missing field 'lease'"); return; }
     for (uint32_t i = 0; i < c->nleases; i++)
         if (c->leases[i].id == id) { lease_drop(c, i); break; } /* an expired lease is already gone */
     kvf_conn_next_request(c); /* no reply: the client does not wait for it */
@@ -187,16 +187,16 @@ static void op_lease(struct conn *c, const uint8_t *m, size_t mn)
 {
     struct kvf_server *s = c->srv;
     uint32_t n;
-    int e = kvf_ops_parse_keys(c, m, mn, &c->b, &n);
-    if (e) { kvf_ops_reject(c, e, "bad keys"); return; }
-    if (c->nleases >= s->cfg.max_in_flight) { kvf_ops_reject(c, KVF_E_BUSY, "too many open leases"); return; }
+    int e = kvf_parse_keys(c, (struct kvf_meta){m, mn}, &c->b, &n);
+    if (e) { kvf_reject(c, e, "bad keys"); return; }
+    if (c->nleases >= s->cfg.max_in_flight) { kvf_reject(c, KVF_E_BUSY, "too many open leases"); return; }
     if (!c->leases && !(c->leases = calloc(s->cfg.max_in_flight, sizeof(struct lease)))) {
-        kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory");
+        kvf_reject(c, KVF_E_INTERNAL, "out of memory");
         return;
     }
     struct lease *l = &c->leases[c->nleases];
     l->entries = malloc(sizeof(uint32_t) * (n ? n : 1));
-    if (!l->entries) { kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }
+    if (!l->entries) { kvf_reject(c, KVF_E_INTERNAL, "out of memory"); return; }
     l->id = ++c->next_lease;
     l->n = 0;
     l->until_ms = kvf_now_ms() + lease_cap_ms(s);
@@ -256,24 +256,24 @@ static void op_reserve(struct conn *c, const uint8_t *m, size_t mn)
 {
     struct kvf_server *s = c->srv;
     resv_abort(c); /* one open reservation per connection */
-    if (kvf_ops_batch_alloc(c, &c->resv, 1, 1)) { /* a key buffer; parse_keys sizes it to the keys */ kvf_ops_reject(c, KVF_E_INTERNAL, "out of memory"); return; }
+    if (kvf_batch_alloc(c, &c->resv, 1, 1)) { /* a key buffer; parse_keys sizes it to the keys */ kvf_reject(c, KVF_E_INTERNAL, "out of memory"); return; }
     struct batch *b = &c->resv;
     uint32_t n;
-    int e = kvf_ops_parse_keys(c, m, mn, b, &n);
-    if (e) { kvf_ops_reject(c, e, "bad keys"); return; }
-    if (kvf_ops_parse_uints(m, mn, "sizes", b->sizes, n)) {
-        kvf_ops_reject(c, KVF_E_MALFORMED, "sizes must be as long as keys");
+    int e = kvf_parse_keys(c, (struct kvf_meta){m, mn}, b, &n);
+    if (e) { kvf_reject(c, e, "bad keys"); return; }
+    if (kvf_parse_uints((struct kvf_meta){m, mn}, "sizes", b->sizes, n)) {
+        kvf_reject(c, KVF_E_MALFORMED, "sizes must be as long as keys");
         return;
     }
     e = reserve_parents(c, m, mn, n);
     if (e) {
-        kvf_ops_reject(c, e, e == KVF_E_BAD_KEY ? "parents must be keys or nil" : e == KVF_E_INTERNAL
+        kvf_reject(c, e, e == KVF_E_BAD_KEY ? "parents must be keys or nil" : e == KVF_E_INTERNAL
                                  ? "out of memory" : "parents must be a list as long as keys");
         return;
     }
     for (uint32_t i = 0; i < n; i++) {
         if (b->sizes[i] > s->cfg.max_object) {
-            kvf_ops_reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit");
+            kvf_reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit");
             return;
         }
         memcpy(b->keybuf + (size_t)i * KVF_KEY_MAX, b->keys[i], b->klens[i]);
@@ -286,7 +286,7 @@ static void op_reserve(struct conn *c, const uint8_t *m, size_t mn)
     c->resv_id++;
     c->resv_until_ms = 0;
     c->batch_op = KVF_OP_SHM_RESERVE;
-    kvf_ops_batch_step(c); /* replies (offsets) and sets resv_open once every slot is handed out */
+    kvf_batch_step(c); /* replies (offsets) and sets resv_open once every slot is handed out */
 }
 
 static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
@@ -294,19 +294,19 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
     struct kvf_server *s = c->srv;
     uint64_t id;
     struct batch *b = &c->resv;
-    if (kvf_ops_parse_uint(m, mn, "res", &id, 1)) { kvf_ops_reject(c, KVF_E_MALFORMED, "missing field 'res'"); return; }
+    if (kvf_parse_uint((struct kvf_meta){m, mn}, "res", &id, 1)) { kvf_reject(c, KVF_E_MALFORMED, "missing field 'res'"); return; }
     if (!c->resv_open && id && id == c->resv_expired) {
-        kvf_ops_reject(c, KVF_E_MALFORMED, "reservation expired (not committed within the stall timeout): "
+        kvf_reject(c, KVF_E_MALFORMED, "reservation expired (not committed within the stall timeout): "
                                            "its slots were freed; PUT again");
         return;
     }
     if (!c->resv_open || id != c->resv_id) {
-        kvf_ops_reject(c, KVF_E_MALFORMED, "no open reservation with that id");
+        kvf_reject(c, KVF_E_MALFORMED, "no open reservation with that id");
         return;
     }
     uint64_t *cs; /* scratch for the sent checksums */
-    if (kvf_ops_batch_alloc(c, &c->b, b->n, 0) || kvf_ops_parse_uints(m, mn, "checksums", (cs = c->b.csums), b->n)) {
-        kvf_ops_reject(c, KVF_E_MALFORMED, "checksums must be as long as the reservation");
+    if (kvf_batch_alloc(c, &c->b, b->n, 0) || kvf_parse_uints((struct kvf_meta){m, mn}, "checksums", (cs = c->b.csums), b->n)) {
+        kvf_reject(c, KVF_E_MALFORMED, "checksums must be as long as the reservation");
         return;
     }
     for (uint32_t i = 0; i < b->n; i++) {
@@ -327,14 +327,14 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
     }
     c->resv_open = 0;
     c->resv_until_ms = 0;
-    kvf_ops_put_reply(c, b, KVF_OP_SHM_COMMIT);
+    kvf_put_reply(c, b, KVF_OP_SHM_COMMIT, 0);
     kvf_conn_next_request(c);
 }
 
 void kvf_shm_op(struct conn *c, const uint8_t *meta, size_t len, int op)
 {
     if (!c->is_unix) {
-        kvf_ops_reject(c, KVF_E_UNKNOWN_OPCODE, "shm operations need a same-host (unix socket) connection");
+        kvf_reject(c, KVF_E_UNKNOWN_OPCODE, "shm operations need a same-host (unix socket) connection");
         return;
     }
     switch (op) {

@@ -79,7 +79,7 @@ void kvf_op_stats(struct conn *c)
     if (ssd) kvf_tier_stats_mw(s->tier, &w);
     kvf_shared_stats_write(s->cfg.shared, &w); /* shared_*: only with a shared tier */
     kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);
-    if (w.overflow) { kvf_reply_drop(c, rp); kvf_ops_reject(c, KVF_E_INTERNAL, "stats too large"); return; }
+    if (w.overflow) { kvf_reply_drop(c, rp); kvf_reject(c, KVF_E_INTERNAL, "stats too large"); return; }
     kvf_reply_finish(c, rp, KVF_OP_STATS, KVF_FLAG_REPLY, w.len, 0);
     kvf_conn_next_request(c);
 }

@@ -1,11 +1,7 @@
-/* kvf_tier.c: the SSD tier's index, on-disk format, open and rebuild (see
- * kvf_tier.h for the interface and kvf_tier_int.h for the format).
- *
- * Index: a chained hash table of entries (key -> log position, seq, size,
- * checksum), entries recycled through a free list, all under t->mu. An entry
- * is PENDING from the moment an evicted object is staged until its record is
- * written (a lookup treats it as absent; a second eviction of the key is
- * skipped), then LIVE.
+/* kvf_tier.c: the SSD tier's open, rebuild and loop-side interface (see
+ * kvf_tier.h for the interface and kvf_tier_int.h for the format); above the
+ * tier thread (kvf_tier_io.c), which is above the index and record format
+ * (kvf_tier_index.c).
  *
  * Rebuild (kvf_tier_open, before the tier thread and the server run): every
  * segment is read in 1 MiB steps; a block holding a valid record header is
@@ -35,131 +31,6 @@
 #define SEG_MIN (1ull << 20)
 #define SEG_MAX (64ull << 20)
 #define SCAN_BUF (1u << 20)
-
-/* ---------------------------------------------------------------- index */
-
-static inline uint32_t ibucket(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
-{
-    return (uint32_t)kvf_xxh3_64(key, klen) & (t->nbuckets - 1);
-}
-
-uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
-{
-    for (uint32_t i = t->buckets[ibucket(t, key, klen)]; i != TIER_NONE; i = t->ents[i].next)
-        if (t->ents[i].klen == klen && memcmp(t->ents[i].key, key, klen) == 0) return i;
-    return TIER_NONE;
-}
-
-static void grow_buckets(struct kvf_tier *t)
-{
-    uint32_t nb = t->nbuckets * 2;
-    uint32_t *b = malloc(sizeof(uint32_t) * nb);
-    if (!b) return; /* longer chains rather than a failure */
-    memset(b, 0xff, sizeof(uint32_t) * nb);
-    free(t->buckets);
-    t->buckets = b;
-    t->nbuckets = nb;
-    for (uint32_t i = 0; i < t->nents; i++) {
-        if (t->ents[i].state == TE_FREE) continue;
-        uint32_t h = ibucket(t, t->ents[i].key, t->ents[i].klen);
-        t->ents[i].next = b[h];
-        b[h] = i;
-    }
-}
-
-uint32_t kvf_tier_iadd(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
-{
-    uint32_t i;
-    if (t->ent_free != TIER_NONE) {
-        i = t->ent_free;
-        t->ent_free = t->ents[i].next;
-    } else {
-        if (t->nents == t->ents_cap) {
-            uint32_t cap = t->ents_cap ? t->ents_cap * 2 : 1024;
-            struct tent *e = realloc(t->ents, sizeof *e * cap);
-            if (!e) return TIER_NONE;
-            t->ents = e;
-            t->ents_cap = cap;
-        }
-        i = t->nents++;
-    }
-    if (t->nents > t->nbuckets) grow_buckets(t);
-    struct tent *e = &t->ents[i];
-    memset(e, 0, sizeof *e);
-    memcpy(e->key, key, klen);
-    e->klen = (uint8_t)klen;
-    e->state = TE_PENDING;
-    uint32_t h = ibucket(t, key, klen);
-    e->next = t->buckets[h];
-    t->buckets[h] = i;
-    return i;
-}
-
-void kvf_tier_iremove(struct kvf_tier *t, uint32_t i)
-{
-    struct tent *e = &t->ents[i];
-    uint32_t *pp = &t->buckets[ibucket(t, e->key, e->klen)];
-    while (*pp != i) pp = &t->ents[*pp].next;
-    *pp = e->next;
-    if (e->state == TE_LIVE) {
-        t->st.objects--;
-        t->st.bytes -= e->size;
-    }
-    e->state = TE_FREE;
-    e->next = t->ent_free;
-    t->ent_free = i;
-}
-
-void kvf_tier_drop_segment(struct kvf_tier *t, uint64_t g)
-{
-    uint64_t lo = g * t->seg_size, hi = lo + t->seg_size;
-    for (uint32_t i = 0; i < t->nents; i++) {
-        struct tent *e = &t->ents[i];
-        if ((e->state == TE_LIVE || e->state == TE_TOMB) && e->loc >= lo && e->loc < hi) kvf_tier_iremove(t, i);
-    }
-}
-
-/* ---------------------------------------------------------------- format */
-
-void kvf_tier_where(struct kvf_tier *t, uint64_t loc, int *fd, uint64_t *off)
-{
-    uint64_t g = loc / t->seg_size;
-    *fd = t->fds[g % t->nfiles];
-    *off = KVF_TIER_BLOCK + (g / t->nfiles) * t->seg_size + loc % t->seg_size;
-}
-
-static uint64_t rec_hash(const struct tier_rec *h, uint64_t file_id)
-{
-    return kvf_obj_hash(&file_id, sizeof file_id, h, offsetof(struct tier_rec, hdr_csum));
-}
-
-void kvf_tier_rec_fill(struct kvf_tier *t, uint64_t loc, struct tier_rec *h, const uint8_t *key, uint32_t klen,
-                       uint64_t size, uint64_t csum, uint64_t seq, uint32_t flags)
-{
-    uint64_t fid = t->file_id[(loc / t->seg_size) % t->nfiles];
-    memset(h, 0, sizeof *h);
-    memcpy(h->magic, TIER_MAGIC_REC, 8);
-    h->version = KVF_TIER_FORMAT_VERSION;
-    h->flags = flags;
-    h->file_id = fid;
-    h->seq = seq;
-    h->size = size;
-    h->csum = csum;
-    h->klen = klen;
-    memcpy(h->key, key, klen);
-    h->hdr_csum = rec_hash(h, fid);
-}
-
-int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)
-{
-    uint64_t fid = t->file_id[(loc / t->seg_size) % t->nfiles];
-    if (memcmp(h->magic, TIER_MAGIC_REC, 8) || h->version != KVF_TIER_FORMAT_VERSION || h->file_id != fid ||
-        h->klen == 0 || h->klen > KVF_KEY_MAX || rec_hash(h, fid) != h->hdr_csum)
-        return -EBADMSG;
-    if ((h->flags & TIER_F_TOMB) ? h->size != 0 : tier_rec_len(h->size) > t->seg_size - loc % t->seg_size)
-        return -EBADMSG;
-    return 0;
-}
 
 static uint64_t super_hash(const struct tier_super *s) { return kvf_xxh3_64(s, offsetof(struct tier_super, csum)); }
 

@@ -108,7 +108,7 @@ struct kvf_tier_cfg {
     uint64_t capacity;        /* SSD bytes in all, split evenly over the paths; the files never exceed it */
     uint64_t write_queue;     /* bytes of staging buffers for write-behind (full: counted drop) */
     int admit;                /* enum kvf_tier_admit */
-    uint64_t promote_max;     /* bytes one request may promote from the tiers (over: misses) */
+    uint64_t promote_max;     /* bytes of arena slots (whole pages per object) one request may promote (over: misses) */
 };
 
 /* Every counter is kept as it changes: kvf_tier_stats is O(1). */

@@ -1,6 +1,7 @@
-/* kvf_tier_int.h: the tier object and the on-disk format, shared by
- * kvf_tier.c (index, format, rebuild, open) and kvf_tier_io.c (thread,
- * queue, io_uring). Not part of the tier's interface (kvf_tier.h).
+/* kvf_tier_int.h: the tier object and the on-disk format, shared by its three
+ * layers, top first: kvf_tier.c (open, rebuild, the loop-side interface),
+ * kvf_tier_io.c (thread, queue, io_uring) and kvf_tier_index.c (index, record
+ * format). Not part of the tier's interface (kvf_tier.h).
  *
  * On-disk format, version 1 (docs/notes/tier.md). Every integer little-endian
  * (the hosts this builds for). One file per path, DIR/kvfabric-tier.v1:
@@ -114,7 +115,7 @@ struct kvf_tier {
 static inline uint64_t tier_round(uint64_t n) { return (n + KVF_TIER_BLOCK - 1) & ~(uint64_t)(KVF_TIER_BLOCK - 1); }
 static inline uint64_t tier_rec_len(uint64_t size) { return KVF_TIER_BLOCK + tier_round(size); }
 
-/* kvf_tier.c, index: under t->mu */
+/* kvf_tier_index.c (the bottom of the tier: calls neither file below), under t->mu */
 uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 uint32_t kvf_tier_iadd(struct kvf_tier *t, const uint8_t *key, uint32_t klen); /* TIER_NONE: out of memory */
 void kvf_tier_iremove(struct kvf_tier *t, uint32_t i);

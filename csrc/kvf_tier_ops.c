@@ -13,8 +13,8 @@
  * on the tier too), failed ones give their slot back, and the same request
  * is dispatched again with c->tier_pass set: it now finds the promoted keys
  * in DRAM, and whatever is still missing is a miss (a second pass never goes
- * to a tier). One request promotes at most promote_max bytes; keys beyond
- * that are misses. LOOKUP promotes only the leading run it counts (a
+ * to a tier). One request promotes at most promote_max bytes of arena slots
+ * (each object rounded up to whole KVF_PAGE pages); keys beyond that are misses. LOOKUP promotes only the leading run it counts (a
  * prefetch, so the GET that follows is a DRAM hit). EXISTS answers from the
  * index without reading (kvf_ops.c).
  *
@@ -39,6 +39,7 @@ struct kvf_tier_req {
     uint64_t park_round;
     int lookup_stop;              /* a LOOKUP's shared read missed (jobs' stop points here) */
     uint64_t park_ns, posted_ns, reap_ns; /* stage trace (KVFABRIC_TIER_TRACE) */
+    uint64_t fin_ns;                      /* promotion done, second pass next (trace) */
     uint32_t space_parks;                 /* times it parked for the control thread's eviction */
     uint8_t *state;               /* J_* per job */
     struct kvf_tier_job *jobs[];  /* n */
@@ -139,15 +140,27 @@ static int shared_slots(struct conn *c, struct kvf_tier_req *r)
     return 0;
 }
 
-/* Every job is back: promote, count, re-dispatch (unless the connection is closing). */
-static void finish(struct conn *c)
+/* The request is done with its reads: trace it, release its jobs, forget it. */
+static void req_done(struct conn *c)
+{
+    struct kvf_tier_req *r = c->treq;
+    if (trace_fp && !c->closing) trace_req(r, r->n ? r->jobs[0]->op : 0, r->fin_ns, now_ns());
+    for (uint32_t i = 0; i < r->n; i++) kvf_tier_job_release(c->srv->tier, r->jobs[i]);
+    req_free(r);
+    c->treq = NULL;
+    c->tier_pass = 0;
+}
+
+/* Every job is back: promote and count. 1: the request is to run again (the
+ * loop dispatches it, then calls kvf_tier_rerun_done) or, on a closing
+ * connection, is gone; 0: parked for space (kvf_tier_step calls this again). */
+static int finish(struct conn *c)
 {
     struct kvf_server *s = c->srv;
     struct kvf_tier_req *r = c->treq;
     uint64_t hits = 0, misses = 0, prom = 0;
-    if (!c->closing && s->tier && shared_slots(c, r)) return;
+    if (!c->closing && s->tier && shared_slots(c, r)) return 0;
     if (trace_fp && !r->reap_ns) r->reap_ns = now_ns(); /* finished without any job posted */
-    int op = r->n ? r->jobs[0]->op : 0;
     for (uint32_t i = 0; i < r->n; i++) {
         struct kvf_tier_job *j = r->jobs[i];
         if (j->op == KVF_JOB_SSD_TOMB) continue; /* a DELETE's, on disk (or counted) */
@@ -163,23 +176,27 @@ static void finish(struct conn *c)
             if (j->dst) kvf_store_unreserve(s->st, j->slot_off, j->size);
             if (ssd) misses++;
         }
+        j->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
     }
     if (s->tier) kvf_tier_count(s->tier, hits, misses, prom);
-    c->treq = NULL;
-    if (!c->closing) {
-        uint64_t fin_ns = trace_fp ? now_ns() : 0;
-        c->tier_pass = 1;
-        c->rs = RS_META;
-        kvf_ops_request(c); /* the same request again, its metadata still in c->meta */
-        c->tier_pass = 0;
-        if (trace_fp) trace_req(r, op, fin_ns, now_ns());
+    if (c->closing) {
+        req_done(c);
+        return 1;
     }
-    for (uint32_t i = 0; i < r->n; i++) kvf_tier_job_release(s->tier, r->jobs[i]);
-    req_free(r);
+    if (trace_fp) r->fin_ns = now_ns();
+    c->tier_pass = 1; /* the second pass never goes to a tier */
+    c->rs = RS_META;  /* the same request again, its metadata still in c->meta */
+    return 1;
 }
 
-/* Reserve slots and post the jobs not posted yet; park for space when the arena is full. */
-void kvf_tier_step(struct conn *c)
+void kvf_tier_rerun_done(struct conn *c)
+{
+    if (c->treq) req_done(c);
+}
+
+/* Reserve slots and post the jobs not posted yet; park for space when the
+ * arena is full. 1 when every job is back already (finish's value), else 0. */
+int kvf_tier_step(struct conn *c)
 {
     struct kvf_server *s = c->srv;
     struct kvf_tier_req *r = c->treq;
@@ -202,7 +219,7 @@ void kvf_tier_step(struct conn *c)
                     for (uint32_t k = r->posted; k < r->n; k++)
                         if (r->jobs[k]->op == KVF_JOB_SSD_READ) want += (r->jobs[k]->size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
                     kvf_conn_park(c, want); /* retry_parked calls kvf_tier_step again */
-                    return;
+                    return 0;
                 }
                 /* everything evictable is pinned: the rest are misses */
                 for (; r->posted < r->n; r->posted++) {
@@ -231,7 +248,7 @@ void kvf_tier_step(struct conn *c)
     }
     if (post) kvf_tier_post(s->tier, post);
     if (trace_fp) r->posted_ns = now_ns();
-    if (r->done == r->n) finish(c);
+    return r->done == r->n ? finish(c) : 0;
 }
 
 static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t cnt);
@@ -274,7 +291,11 @@ int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
         if (kvf_store_exists(s->st, b->keys[i], b->klens[i])) continue;
         uint64_t loc, seq, size, csum;
         int on_ssd = kvf_tier_find(t, b->keys[i], b->klens[i], &loc, &seq, &size, &csum);
-        if (on_ssd && bytes + size > budget) on_ssd = -1; /* over this request's promotion cap: a miss */
+        /* the cap counts arena slots: an object takes whole pages, however small (the replay's
+         * simulator caps a request at a quarter of the slots; counting bytes let 1 KiB blocks
+         * promote 4x as many) */
+        uint64_t slots = (size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
+        if (on_ssd && bytes + slots > budget) on_ssd = -1; /* over this request's promotion cap: a miss */
         if (on_ssd <= 0 && !(shared && on_ssd == 0)) {
             if (op == KVF_OP_GET) misses++;
             if (op == KVF_OP_LOOKUP) break; /* the leading run ends here */
@@ -290,7 +311,7 @@ int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
             j->seq = seq;
             j->size = size;
             j->csum = csum;
-            bytes += size;
+            bytes += slots;
         }
         if (tail) tail->next = j; else head = j;
         tail = j;
@@ -326,12 +347,16 @@ static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t
     }
     c->treq = r;
     if (trace_fp) r->park_ns = now_ns();
-    kvf_tier_step(c);
+    if (kvf_tier_step(c)) { /* nothing to wait for (no slot, nothing posted): serve it now */
+        kvf_tier_rerun_done(c);
+        return 0;
+    }
     return 1;
 }
 
-void kvf_tier_reap(struct kvf_server *s)
+struct conn *kvf_tier_reap(struct kvf_server *s)
 {
+    struct conn *ready = NULL;
     struct kvf_tier_job *d = kvf_tier_take_done(s->tier);
     while (d) {
         struct kvf_tier_job *j = d;
@@ -345,10 +370,10 @@ void kvf_tier_reap(struct kvf_server *s)
         c->refs--;
         if (r->done == r->n) {
             if (trace_fp) r->reap_ns = now_ns();
-            finish(c);
+            if (finish(c)) { c->tier_next = ready; ready = c; }
         }
-        kvf_conn_check(c);
     }
+    return ready;
 }
 
 /* The connection is being destroyed (no job of it in flight: each holds a ref). */

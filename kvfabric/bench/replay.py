@@ -362,6 +362,30 @@ def sharding_spread(trace: Trace, policy: str, per_shard: int, opt: ReplayOption
     return out
 
 
+#: A replay whose servers and simulator disagree (leading run of blocks, request by request) on more than
+#: this fraction of requests fails (`kvfabric bench replay` exits 1, printing the first SIM_SHOWN of them):
+#: the simulator models the servers' capacity, policy, tiers and promotion cap, so more than noise means one
+#: of them is wrong, and the figures with it.
+SIM_TOLERANCE = 0.01
+SIM_SHOWN = 5
+
+
+def sim_disagreements(report: dict[str, Any]) -> list[str]:
+    """One line per run of report whose simulator cross-check is over SIM_TOLERANCE, with its first requests."""
+    lines = []
+    for run in report["runs"]:
+        sim = run.get("sim")
+        if not sim or not sim.get("requests"):
+            continue
+        if sim["requests_differing"] > SIM_TOLERANCE * sim["requests"]:
+            first = ", ".join(f"#{d['request']} sim {d['sim_run']} servers {d['servers_run']}"
+                              for d in sim["first_differing"])
+            lines.append(f"{run.get('label', run['policy'])}: the servers and the simulator disagree on "
+                         f"{sim['requests_differing']} of {sim['requests']} requests (over {SIM_TOLERANCE:.0%}; "
+                         f"leading blocks hit, first: {first})")
+    return lines
+
+
 def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
     """Replay ``trace`` once per policy (own servers) or once against ``opt.servers``; adds bound and gap.
 
@@ -429,6 +453,9 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
                 with pool:
                     out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {label}")
                     addresses = pool.addresses
+                    dead = pool.deaths()
+                    if dead:  # the figures would be a dead server's misses, not the policy's
+                        raise RuntimeError(f"a pool server died during the {label} replay: " + "\n".join(dead))
             out.update(policy=pol, label=label, admit=admit if ssd_per else None, shards=opt.shards,
                        blocks_per_shard=per_shard)
             if opt.check_sim:
@@ -437,8 +464,11 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
                                ssd_blocks_per_shard=tier, admit=admit if tier else "all", ssd_segment_blocks=ssd_seg,
                                ssd_read_us=ssd_us,
                                prefill_tokens_per_s=opt.prefill_tokens_per_s)
-                diff = sum(1 for a, b in zip(sim.hits.runs, out["exists_runs"]) if a != b)
-                out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": diff}
+                differing = [(i, a, b) for i, (a, b) in enumerate(zip(sim.hits.runs, out["exists_runs"])) if a != b]
+                out["sim"] = {"block_hit_rate": sim.hits.block_hit_rate, "requests_differing": len(differing),
+                              "requests": len(out["exists_runs"]),
+                              "first_differing": [{"request": i, "sim_run": a, "servers_run": b}
+                                                  for i, a, b in differing[:SIM_SHOWN]]}
                 if sim.tiers is not None:
                     out["sim"].update(tiers=sim.tiers.as_dict(), tier_counters=sim.tier_counters)
                 if sim.chunk_hits is not None:
@@ -562,7 +592,10 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
-    return 0
+    bad = sim_disagreements(report)
+    for line in bad:
+        print(f"kvfabric bench replay: {line}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

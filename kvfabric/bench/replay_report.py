@@ -58,7 +58,8 @@ def print_report(report: dict[str, Any], out=None, weighting: str = "both") -> N
             g = None if lru is None or tiered else gap_closed(
                 r["levels"]["exists"][rate], lru["levels"]["exists"][rate], report["belady"][rate])
         sim = r.get("sim")
-        simtxt = "-" if sim is None else ("ok" if sim["requests_differing"] == 0 else f"{sim['requests_differing']}d")
+        simtxt = "-" if sim is None else ("ok" if sim["requests_differing"] == 0 else
+                                          f"{sim['requests_differing']}/{sim.get('requests', '?')}d")
         gb = (r["bytes"]["get_bytes"] + r["bytes"]["put_bytes"]) / 1e9
         print(f"{r.get('label', r['policy']):>11} {lv(r['levels']['exists']):>{w}} {lv(r['levels']['loaded']):>{w}} "
               f"{lv(r['levels']['useful']):>{w}} {'-' if g is None else f'{round(g, 2) + 0.0:.0%}':>5} {ms(r['latency']['lookup']):>15} "

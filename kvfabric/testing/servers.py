@@ -154,6 +154,15 @@ class ServerPool(list):
         for s in self:
             s.stop()
 
+    def deaths(self, tail_lines: int = 30) -> list[str]:
+        """One line (plus the tail of its log) per server that exited on its own: a crash, say."""
+        out = []
+        for s in self:
+            if not s.alive:
+                log = "\n".join(s.stderr_text().splitlines()[-tail_lines:])
+                out.append(f"{s.address} exited with status {s.popen.returncode}; its log ends:\n{log}")
+        return out
+
     def __enter__(self) -> ServerPool:
         return self
 

@@ -1,7 +1,7 @@
 """The ``native`` transport: the same wire as ``tcp``, with the byte moving done in C.
 
 Each :meth:`NativeConnection.request` is one call into ``kvfabric._native``
-(csrc/kvf_conn.c) with the GIL released: the header, metadata and payload
+(csrc/kvf_client.c) with the GIL released: the header, metadata and payload
 parts go out in one gathered ``sendmsg`` (PUT objects are sent straight from
 the caller's buffers), and a GET reply's objects are received with
 ``recvmsg`` straight into the caller's buffers, object ``i`` into

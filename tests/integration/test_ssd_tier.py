@@ -289,6 +289,50 @@ def test_one_request_promotes_at_most_a_quarter_of_the_arena(tier_dir):
 
 
 
+@pytest.mark.parametrize("size, pages", [(1024, 1), (6000, 2)])
+def test_the_promotion_cap_counts_arena_slots_not_bytes(tier_dir, size, pages):
+    """Objects smaller than their slots: one request still promotes at most a quarter of the arena's
+    slots (1 MiB of a 4 MiB arena = 256 pages), each object counting its whole pages, as the replay's
+    simulator caps it (counting bytes let 1 KiB objects promote 1024, four times the model's 256)."""
+    keys = [b"slot%05d" % i for i in range(2 * 1024 // pages + 300)]
+    with start_server("4MiB", extra_args=tier_args(tier_dir)) as srv, tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys, size)
+        st = settled(c)
+        on_tier = keys[:st["evictions"]]
+        cap = (1 << 20) // (pages * 4096)
+        assert len(on_tier) > cap + 10, (len(on_tier), cap, st)
+        batch = on_tier[:cap + 10]
+        r = c.request(p.GetRequest(batch))
+        got = [s for s in r.msg.sizes if s >= 0]
+        assert r.msg.sizes == [size] * cap + [-1] * 10, (got[:3], len(got), cap)
+        assert bytes(r.payload) == b"".join(value(k, size) for k in batch[:cap])
+        after = stats(c)
+        assert after["ssd_promotions"] - st["ssd_promotions"] == cap, (after["ssd_promotions"], st["ssd_promotions"])
+
+
+def test_the_index_grows_past_its_first_buckets_and_finds_every_key(tier_dir):
+    """Over 1024 objects on the tier: the index's buckets double (at the same moment its entry array
+    does) and every key stays findable and removable. MALLOC_PERTURB_ makes glibc fill fresh memory
+    with a nonzero byte, so an entry read before it is initialised never looks free by luck: the
+    index used to link such an entry under a garbage hash, which lost other keys (EXISTS false for a
+    key on the tier) and crashed the server (a GP fault in kvf_tier_iremove) when one was removed."""
+    keys = [b"grow%05d" % i for i in range(1024 + 1400)]
+    env = dict(os.environ, MALLOC_PERTURB_="165")
+    with start_server("4MiB", extra_args=tier_args(tier_dir), env=env) as srv, \
+            tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys, 1024)
+        st = settled(c)
+        on_tier = keys[:st["evictions"]]
+        assert st["ssd_objects"] == len(on_tier) > 1100, st
+        present = c.request(p.ExistsRequest(on_tier)).msg.present
+        lost = [k for k, here in zip(on_tier, present) if not here]
+        assert not lost, f"{len(lost)} of {len(on_tier)} keys on the tier not found, first {lost[:3]}"
+        deleted = c.request(p.DeleteRequest(keys)).msg.deleted
+        assert deleted == len(keys), (deleted, len(keys))
+        assert srv.alive and c.request(p.PingRequest()).msg is not None, srv.stderr_text()[-2000:]
+        assert stats(c)["ssd_objects"] == 0
+
+
 def test_multi_key_gets_during_write_behind_are_exact_and_traced(tier_dir):
     """4-key GETs from the tier while new PUTs keep the write-behind queue busy (a read posted during a
     write batch is submitted at once) on a full arena (each GET parks once for 4 slots): exact bytes,

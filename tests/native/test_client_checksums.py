@@ -1,7 +1,7 @@
 """GET checksums computed in C while the objects land (``request(..., checksums=True)``).
 
 The native connection hashes each object slice by slice as its bytes arrive
-(``kvf_recv_objects`` with keys, csrc/kvf_conn.c) instead of a second pass
+(``kvf_recv_objects`` with keys, csrc/kvf_client.c) instead of a second pass
 over the buffers. Against the Python and the native server: the digests
 equal ``protocol.checksum`` and the reply's checksums for every object and
 split (objects larger than a slice, several objects in one recvmsg, scatter

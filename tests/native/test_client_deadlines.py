@@ -1,4 +1,4 @@
-"""The native client's socket timeouts (``arm`` in csrc/kvf_conn.c) follow each call's deadline.
+"""The native client's socket timeouts (``arm`` in csrc/kvf_client.c) follow each call's deadline.
 
 A call with a deadline arms SO_RCVTIMEO/SO_SNDTIMEO on the connection's fd; a
 later call without one must block, whichever thread makes it (pooled

@@ -104,7 +104,7 @@ def test_c_server_answers_the_shm_conversation_with_the_golden_bytes(server):
 
 
 def test_c_shm_client_sends_the_golden_frames():
-    """The one-call C client (kvf_conn.c kvf_shm_get / kvf_shm_put) builds RELEASE and COMMIT itself:
+    """The one-call C client (kvf_client.c kvf_shm_get / kvf_shm_put) builds RELEASE and COMMIT itself:
     replayed against the golden replies, every frame it sends is the golden request byte for byte."""
     cases = {c["name"]: c for c in GOLDEN["shm_cases"]}
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -37,6 +37,21 @@ def test_constants_match():
     assert c["max_lease_ms"] == p.MAX_LEASE_MS
 
 
+def test_mirrored_constants_match_both_ways():
+    """Each constant Python keeps a copy of, against C's (a change on either side fails here)."""
+    from kvfabric import metrics
+    from kvfabric.errors import FATAL_CODES
+    from kvfabric.testing.reference import arena
+
+    c = native.constants()
+    assert c["version"] == p.VERSION, (c["version"], p.VERSION)
+    assert set(c["fatal_errors"]) == {int(e) for e in FATAL_CODES}, (
+        sorted(ErrorCode(x).name for x in c["fatal_errors"]), sorted(e.name for e in FATAL_CODES))
+    assert c["lat_buckets"] == metrics.LAT_BUCKETS, (c["lat_buckets"], metrics.LAT_BUCKETS)
+    assert c["lat_ops"] == metrics.LAT_OPS, (c["lat_ops"], metrics.LAT_OPS)
+    assert c["page_bytes"] == arena.PAGE_SIZE, (c["page_bytes"], arena.PAGE_SIZE)
+
+
 @pytest.mark.parametrize(
     "fields",
     [(1, 0, 0, 0, 0), (6, 0, 2**64 - 1, 125, 3), (5, 1, 77, 2**32 - 1, 2**63), (8, 3, 123456789, 0, 1 << 30)],

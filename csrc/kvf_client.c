@@ -1,4 +1,4 @@
-/* kvf_conn.c: native client I/O for one connection (see kvf_conn.h).
+/* kvf_client.c: native client I/O for one connection (see kvf_client.h).
  *
  * GET payloads are received with recvmsg() into an iovec that points at the
  * caller's buffers, so object bytes go from the socket straight into the
@@ -8,7 +8,7 @@
  * receive hashes each slice as it lands (kvf_rxhash.c).
  */
 #define _GNU_SOURCE
-#include "kvf_conn.h"
+#include "kvf_client.h"
 #include "kvf_mpack.h"
 #include "kvf_rxhash.h"
 

@@ -1,4 +1,4 @@
-/* kvf_conn.h: the native client side of one connection: blocking syscalls
+/* kvf_client.h: the native client side of one connection: blocking syscalls
  * on a connected stream socket (TCP or unix), called with the GIL released.
  *
  * Every function returns 0 or -errno:
@@ -10,8 +10,8 @@
  *                payload was drained, so the connection stays usable
  *   other        as reported by the kernel
  */
-#ifndef KVF_CONN_H
-#define KVF_CONN_H
+#ifndef KVF_CLIENT_H
+#define KVF_CLIENT_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,0 +1,153 @@
+/* kvf_tier_index.c: the SSD tier's index and record format, the bottom of the
+ * tier: called by the tier thread (kvf_tier_io.c) and by open, rebuild and the
+ * loop-side interface (kvf_tier.c); calls neither.
+ *
+ * Index: a chained hash table of entries (key -> log position, seq, size,
+ * checksum), entries recycled through a free list, all under t->mu. An entry
+ * is PENDING from the moment an evicted object is staged until its record is
+ * written (a lookup treats it as absent; a second eviction of the key is
+ * skipped), then LIVE.
+ */
+#define _GNU_SOURCE
+#include "kvf_tier_int.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvf_hash.h"
+
+/* ---------------------------------------------------------------- index */
+
+static inline uint32_t ibucket(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    return (uint32_t)kvf_xxh3_64(key, klen) & (t->nbuckets - 1);
+}
+
+uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    for (uint32_t i = t->buckets[ibucket(t, key, klen)]; i != TIER_NONE; i = t->ents[i].next)
+        if (t->ents[i].klen == klen && memcmp(t->ents[i].key, key, klen) == 0) return i;
+    return TIER_NONE;
+}
+
+/* Twice the buckets, every entry not free relinked into them: 1, or 0 when out
+ * of memory (the old buckets stay: longer chains rather than a failure). */
+static int grow_buckets(struct kvf_tier *t)
+{
+    uint32_t nb = t->nbuckets * 2;
+    uint32_t *b = malloc(sizeof(uint32_t) * nb);
+    if (!b) return 0;
+    memset(b, 0xff, sizeof(uint32_t) * nb);
+    free(t->buckets);
+    t->buckets = b;
+    t->nbuckets = nb;
+    for (uint32_t i = 0; i < t->nents; i++) {
+        if (t->ents[i].state == TE_FREE) continue;
+        uint32_t h = ibucket(t, t->ents[i].key, t->ents[i].klen);
+        t->ents[i].next = b[h];
+        b[h] = i;
+    }
+    return 1;
+}
+
+uint32_t kvf_tier_iadd(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
+{
+    uint32_t i;
+    if (t->ent_free != TIER_NONE) {
+        i = t->ent_free;
+        t->ent_free = t->ents[i].next;
+    } else {
+        if (t->nents == t->ents_cap) {
+            uint32_t cap = t->ents_cap ? t->ents_cap * 2 : 1024;
+            struct tent *e = realloc(t->ents, sizeof *e * cap);
+            if (!e) return TIER_NONE;
+            t->ents = e;
+            t->ents_cap = cap;
+        }
+        i = t->nents++;
+    }
+    /* The entry is whole before the buckets may grow: a fresh one (past the old
+     * nents) is uninitialised memory, and grow_buckets links every entry that
+     * is not TE_FREE. It used to grow first: a fresh entry whose garbage read
+     * as in use was linked under a garbage hash, then linked again under its
+     * key, cutting that other chain (later misses, and a remove that walked off
+     * the chain's end: the servers' GP fault in kvf_tier_iremove). */
+    struct tent *e = &t->ents[i];
+    memset(e, 0, sizeof *e);
+    memcpy(e->key, key, klen);
+    e->klen = (uint8_t)klen;
+    e->state = TE_PENDING;
+    if (t->nents > t->nbuckets && grow_buckets(t)) return i; /* e linked with the rest */
+    uint32_t h = ibucket(t, key, klen);
+    e->next = t->buckets[h];
+    t->buckets[h] = i;
+    return i;
+}
+
+void kvf_tier_iremove(struct kvf_tier *t, uint32_t i)
+{
+    struct tent *e = &t->ents[i];
+    uint32_t *pp = &t->buckets[ibucket(t, e->key, e->klen)];
+    while (*pp != i) pp = &t->ents[*pp].next;
+    *pp = e->next;
+    if (e->state == TE_LIVE) {
+        t->st.objects--;
+        t->st.bytes -= e->size;
+    }
+    e->state = TE_FREE;
+    e->next = t->ent_free;
+    t->ent_free = i;
+}
+
+void kvf_tier_drop_segment(struct kvf_tier *t, uint64_t g)
+{
+    uint64_t lo = g * t->seg_size, hi = lo + t->seg_size;
+    for (uint32_t i = 0; i < t->nents; i++) {
+        struct tent *e = &t->ents[i];
+        if ((e->state == TE_LIVE || e->state == TE_TOMB) && e->loc >= lo && e->loc < hi) kvf_tier_iremove(t, i);
+    }
+}
+
+/* ---------------------------------------------------------------- format */
+
+void kvf_tier_where(struct kvf_tier *t, uint64_t loc, int *fd, uint64_t *off)
+{
+    uint64_t g = loc / t->seg_size;
+    *fd = t->fds[g % t->nfiles];
+    *off = KVF_TIER_BLOCK + (g / t->nfiles) * t->seg_size + loc % t->seg_size;
+}
+
+static uint64_t rec_hash(const struct tier_rec *h, uint64_t file_id)
+{
+    return kvf_obj_hash(&file_id, sizeof file_id, h, offsetof(struct tier_rec, hdr_csum));
+}
+
+void kvf_tier_rec_fill(struct kvf_tier *t, uint64_t loc, struct tier_rec *h, const uint8_t *key, uint32_t klen,
+                       uint64_t size, uint64_t csum, uint64_t seq, uint32_t flags)
+{
+    uint64_t fid = t->file_id[(loc / t->seg_size) % t->nfiles];
+    memset(h, 0, sizeof *h);
+    memcpy(h->magic, TIER_MAGIC_REC, 8);
+    h->version = KVF_TIER_FORMAT_VERSION;
+    h->flags = flags;
+    h->file_id = fid;
+    h->seq = seq;
+    h->size = size;
+    h->csum = csum;
+    h->klen = klen;
+    memcpy(h->key, key, klen);
+    h->hdr_csum = rec_hash(h, fid);
+}
+
+int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)
+{
+    uint64_t fid = t->file_id[(loc / t->seg_size) % t->nfiles];
+    if (memcmp(h->magic, TIER_MAGIC_REC, 8) || h->version != KVF_TIER_FORMAT_VERSION || h->file_id != fid ||
+        h->klen == 0 || h->klen > KVF_KEY_MAX || rec_hash(h, fid) != h->hdr_csum)
+        return -EBADMSG;
+    if ((h->flags & TIER_F_TOMB) ? h->size != 0 : tier_rec_len(h->size) > t->seg_size - loc % t->seg_size)
+        return -EBADMSG;
+    return 0;
+}
