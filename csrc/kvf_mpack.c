@@ -303,6 +303,28 @@ void kvf_mw_map(struct kvf_mw *w, uint32_t n)
 {
     if (n < 16) put1(w, (uint8_t)(0x80 | n)); else if (n <= 0xffff) putb16(w, 0xde, (uint16_t)n); else putb32(w, 0xdf, n);
 }
+size_t kvf_mw_map_open(struct kvf_mw *w)
+{
+    size_t at = w->len;
+    putb32(w, 0xdf, 0);
+    return at;
+}
+
+void kvf_mw_map_close(struct kvf_mw *w, size_t at)
+{
+    if (w->overflow) return;
+    struct kvf_mr r = {w->buf + at + 5, w->buf + w->len};
+    uint32_t items = 0;
+    while (r.p < r.end) {
+        if (kvf_mr_skip(&r)) { w->overflow = 1; return; } /* not whole values: a writer's bug */
+        items++;
+    }
+    if (items % 2) { w->overflow = 1; return; } /* a key without its value */
+    uint32_t n = items / 2;
+    uint8_t *h = w->buf + at + 1;
+    h[0] = (uint8_t)(n >> 24), h[1] = (uint8_t)(n >> 16), h[2] = (uint8_t)(n >> 8), h[3] = (uint8_t)n;
+}
+
 void kvf_mw_array(struct kvf_mw *w, uint32_t n)
 {
     if (n < 16) put1(w, (uint8_t)(0x90 | n)); else if (n <= 0xffff) putb16(w, 0xdc, (uint16_t)n); else putb32(w, 0xdd, n);

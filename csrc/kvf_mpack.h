@@ -44,6 +44,12 @@ struct kvf_mw {
 
 void kvf_mw_init(struct kvf_mw *w, uint8_t *buf, size_t cap);
 void kvf_mw_map(struct kvf_mw *w, uint32_t n);
+/* A map whose length nobody counts by hand: open writes a map32 header and
+ * returns where; close counts the keys and values written since (each a whole
+ * msgpack value) and fills the header in (overflow set when they are not
+ * pairs of whole values). */
+size_t kvf_mw_map_open(struct kvf_mw *w);
+void kvf_mw_map_close(struct kvf_mw *w, size_t at);
 void kvf_mw_array(struct kvf_mw *w, uint32_t n);
 void kvf_mw_str(struct kvf_mw *w, const char *s, size_t n);
 void kvf_mw_cstr(struct kvf_mw *w, const char *s);

@@ -55,7 +55,7 @@ static void Server_dealloc(ServerObject *self)
 }
 
 PyDoc_STRVAR(Server_doc,
-"Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', stats_extra_pairs=0, auth=None,\n"
+"Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', auth=None,\n"
 "       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
 "       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=(), idle_ms=0,\n"
@@ -99,7 +99,7 @@ static int id_list(PyObject *o, uint32_t **out, uint32_t *n, const char *what)
 
 static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra", "stats_extra_pairs",
+    static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra",
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
                              "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
                              "shm_uids", "shm_gids", "idle_ms", "preauth_ms", "drain_ms", "reply_conn_budget",
@@ -117,12 +117,12 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     unsigned long long max_payload = KVF_MAX_PAYLOAD_BYTES, max_object = KVF_MAX_OBJECT_BYTES;
     cfg.max_in_flight = KVF_MAX_IN_FLIGHT;
     cfg.zerocopy = -1;
-    unsigned int event_ring = 65536, extra_pairs = 0;
+    unsigned int event_ring = 65536;
     unsigned long long min_rate = 0, reply_conn_budget = 0, reply_budget = 0, request_budget = 0, reserve_budget = 0;
     PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSIzIIIIKKIiIIIKOOIIIKKKKzi", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
-                                     &hello, &extra, &extra_pairs, &auth, &cfg.max_conns, &cfg.max_keys,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKzi", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+                                     &hello, &extra, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
                                      &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o, &cfg.idle_ms, &cfg.preauth_ms,
@@ -175,7 +175,6 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     cfg.hello_len = (size_t)PyBytes_GET_SIZE(hello);
     cfg.stats_extra = (const uint8_t *)PyBytes_AS_STRING(extra);
     cfg.stats_extra_len = (size_t)PyBytes_GET_SIZE(extra);
-    cfg.stats_extra_pairs = extra_pairs;
     rc = kvf_server_new(&self->srv, &cfg);
     if (rc) { raise_errno(rc, 0, "starting the io_uring data plane"); return -1; }
     return 0;
@@ -316,87 +315,17 @@ static PyObject *Server_keys(ServerObject *self, PyObject *noargs)
     return out;
 }
 
-/* Add what STATS reports beside the flat counters to d: the error replies by
- * code name (only codes seen) and the service-time histograms (lat_<op>_us_buckets
- * lists, lat_<op>_us_sum). Returns d, or NULL with an exception set (d released). */
-static PyObject *stats_maps(PyObject *d, const struct kvf_server_counters *c)
-{
-    if (!d) return NULL;
-    PyObject *errs = PyDict_New();
-    if (!errs || PyDict_SetItemString(d, "errors", errs)) goto fail;
-    for (int i = 1; i < 16; i++) {
-        if (!c->errors[i] || !kvf_err_names[i] || !kvf_err_names[i][0]) continue;
-        PyObject *v = PyLong_FromUnsignedLongLong(c->errors[i]);
-        if (!v || PyDict_SetItemString(errs, kvf_err_names[i], v)) { Py_XDECREF(v); goto fail; }
-        Py_DECREF(v);
-    }
-    Py_CLEAR(errs);
-    char name[40];
-    for (int k = 0; k < KVF_LAT_OPS; k++) {
-        PyObject *l = PyList_New(KVF_LAT_BUCKETS);
-        if (!l) goto fail;
-        for (int i = 0; i < KVF_LAT_BUCKETS; i++) {
-            PyObject *v = PyLong_FromUnsignedLongLong(c->lat[k][i]);
-            if (!v) { Py_DECREF(l); goto fail; }
-            PyList_SET_ITEM(l, i, v);
-        }
-        snprintf(name, sizeof name, "lat_%s_us_buckets", kvf_lat_names[k]);
-        int rc = PyDict_SetItemString(d, name, l);
-        Py_DECREF(l);
-        if (rc) goto fail;
-        PyObject *v = PyLong_FromUnsignedLongLong(c->lat_sum_us[k]);
-        snprintf(name, sizeof name, "lat_%s_us_sum", kvf_lat_names[k]);
-        if (!v || PyDict_SetItemString(d, name, v)) { Py_XDECREF(v); goto fail; }
-        Py_DECREF(v);
-    }
-    return d;
-fail:
-    Py_XDECREF(errs);
-    Py_DECREF(d);
-    return NULL;
-}
-
-/* The shared_* counters (names as STATS, kvf_shared_stats_write) into d. 0, or -1 with an exception. */
-static int add_shared_stats(PyObject *d, struct kvf_shared *sh)
-{
-    struct kvf_shared_counters c;
-    kvf_shared_counters(sh, &c);
-    PyObject *t = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
-        "shared_hits", c.hits, "shared_misses", c.misses, "shared_reads", c.reads, "shared_read_bytes", c.read_bytes,
-        "shared_writes", c.writes, "shared_write_bytes", c.write_bytes, "shared_write_drops", c.write_drops,
-        "shared_errors", c.errors, "shared_corrupt", c.corrupt, "shared_exists", c.exists,
-        "shared_read_us_total", c.read_us, "shared_write_us_total", c.write_us);
-    int rc = t ? PyDict_Update(d, t) : -1;
-    Py_XDECREF(t);
-    return rc;
-}
-
-static PyObject *Server_stats(ServerObject *self, PyObject *noargs)
+static PyObject *Server_stats_map(ServerObject *self, PyObject *noargs)
 {
     (void)noargs;
     NEED_SRV(self);
-    struct kvf_store_stats ss;
-    struct kvf_server_counters c;
-    kvf_store_stats(self->st, &ss);
-    kvf_server_counters(self->srv, &c);
-    PyObject *d = stats_maps(Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
-        "objects", ss.objects, "bytes_used", ss.bytes_used, "capacity", ss.capacity, "free_bytes", ss.free_bytes,
-        "evictions", ss.evictions, "checksum_failures", ss.checksum_failures, "events_dropped", ss.events_dropped,
-        "pinned", ss.pinned, "hits", c.hits, "misses", c.misses, "puts", c.puts, "bytes_in", c.bytes_in,
-        "bytes_out", c.bytes_out, "connections", c.connections, "connections_total", c.connections_total,
-        "zc_sends", c.zc_sends, "zerocopy", c.zerocopy ? Py_True : Py_False,
-        "fixed_buffers", c.fixed_buffers ? Py_True : Py_False, "tcp", c.by_transport[0],
-        "native", c.by_transport[1], "shm", c.by_transport[2], "connections_refused", c.rejected,
-        "stalled_connections", c.stalled, "slow_connections", c.too_slow, "copy_sends", c.copy_sends, "client_verified_sends", c.client_verified,
-        "checksum_rejects", c.checksum_rejects, "shm_refused", c.shm_refused,
-        "shm_leases_expired", c.shm_leases_expired, "shm_reservations_expired", c.shm_reservations_expired,
-        "idle_timeouts", c.idle_closed, "preauth_timeouts", c.preauth_closed, "reply_budget_waits", c.reply_waits,
-        "reply_budget_busy", c.reply_busy, "request_budget_busy", c.request_busy,
-        "reserve_budget_waits", c.reserve_waits, "reply_bytes", c.reply_bytes, "request_bytes", c.request_bytes,
-        "reserved_bytes", c.reserved_bytes), &c);
-    if (d && self->shared && add_shared_stats(d, self->shared)) Py_CLEAR(d);
-    return d;
+    uint8_t *buf;
+    size_t len;
+    int rc = kvf_server_stats_map(self->srv, &buf, &len);
+    if (rc) return raise_errno(rc, 0, "building the STATS map");
+    PyObject *out = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)len);
+    free(buf);
+    return out;
 }
 
 PyDoc_STRVAR(tier_open_doc,
@@ -463,21 +392,6 @@ static PyObject *Server_tier_close(ServerObject *self, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *Server_tier_stats(ServerObject *self, PyObject *noargs)
-{
-    (void)noargs;
-    NEED_SRV(self);
-    if (!self->tier || !kvf_tier_has_ssd(self->tier)) return PyDict_New(); /* ssd_* only with --ssd-path */
-    struct kvf_tier_stats s;
-    kvf_tier_stats(self->tier, &s);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
-        "ssd_capacity", s.capacity, "ssd_objects", s.objects, "ssd_bytes", s.bytes, "ssd_hits", s.hits,
-        "ssd_misses", s.misses, "ssd_reads", s.reads, "ssd_read_bytes", s.read_bytes, "ssd_writes", s.writes,
-        "ssd_write_bytes", s.write_bytes, "ssd_write_drops", s.write_drops, "ssd_admit_skips", s.admit_skips,
-        "ssd_errors", s.errors, "ssd_corrupt", s.corrupt, "ssd_read_us_total", s.read_us_total,
-        "ssd_write_us_total", s.write_us_total, "ssd_promotions", s.promotions, "ssd_queue_bytes", s.queue_bytes);
-}
-
 static PyObject *Server_populate(ServerObject *self, PyObject *args)
 {
     NEED_SRV(self);
@@ -517,11 +431,11 @@ static PyMethodDef Server_methods[] = {
     {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},
     {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},
     {"keys", (PyCFunction)Server_keys, METH_NOARGS, "[(key, size)] of every indexed object (policy resync)"},
-    {"stats", (PyCFunction)Server_stats, METH_NOARGS, "store and data-plane counters"},
+    {"stats_map", (PyCFunction)Server_stats_map, METH_NOARGS,
+     "the STATS map, msgpack: the bytes a STATS request is answered with (csrc/kvf_stats.c builds both)"},
     {"tier_open", (PyCFunction)(void (*)(void))Server_tier_open, METH_VARARGS | METH_KEYWORDS, tier_open_doc},
     {"tier_close", (PyCFunction)Server_tier_close, METH_NOARGS,
      "detach and close the tier after the loop and the control thread stopped (queued writes finish first)"},
-    {"tier_stats", (PyCFunction)Server_tier_stats, METH_NOARGS, "the ssd_* counters ({} without a tier)"},
     {"check", (PyCFunction)Server_check, METH_NOARGS, "allocator self-check -> bool"},
     {"populate", (PyCFunction)Server_populate, METH_VARARGS,
      "populate(offset, length): fault arena pages in without changing them (GIL released); NativeError"},

@@ -39,7 +39,6 @@ struct kvf_server_cfg {
     size_t hello_len;
     const uint8_t *stats_extra; /* msgpack key/value pairs appended to STATS */
     size_t stats_extra_len;
-    uint32_t stats_extra_pairs;
     int zerocopy; /* -1 auto (probe), 0 never, 1 required (-EOPNOTSUPP if absent) */
     uint32_t max_lease_ms; /* cap on LOOKUP leases (0: the protocol's 3600000) */
     uint32_t stall_ms; /* a peer stalled this long mid-frame (or not reading a reply) is dropped; 0 = never */
@@ -115,6 +114,9 @@ void kvf_server_stop(struct kvf_server *s);
 /* Any thread: wake the loop after an eviction round (kvf_store_space_done). */
 void kvf_server_wake(struct kvf_server *s);
 void kvf_server_counters(struct kvf_server *s, struct kvf_server_counters *c);
+/* The STATS map (msgpack, what a STATS request is answered with) in a malloc'd
+ * buffer the caller frees: 0, -ENOMEM, -ENOSPC. Any thread (kvf_stats.c). */
+int kvf_server_stats_map(struct kvf_server *s, uint8_t **out, size_t *len);
 void kvf_server_free(struct kvf_server *s);
 
 #endif

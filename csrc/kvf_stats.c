@@ -4,29 +4,38 @@
  * optional keys (kvfabric.protocol.stats.STATS_OPTIONAL_KEYS["native"]):
  * send counters, data plane, connections by transport, errors by name, the
  * service-time histograms (lat_*), ssd_* with an SSD tier, shared_* with a
- * shared tier, and the Python front end's extras (stats_extra). Split out of
- * kvf_ops.c (the request handlers), which dispatches STATS here.
+ * shared tier, and the Python front end's extras (stats_extra). Built once,
+ * here: the STATS reply (kvf_op_stats, dispatched by kvf_ops.c) and the
+ * binding's Server.stats_map() (kvfabric/server/native.py's stats(), which
+ * /metrics reads) are the same bytes. The map's length is counted as it is
+ * written (kvf_mw_map_open/close), never by hand.
  */
 #define _GNU_SOURCE
 #include "kvf_server_int.h"
+
+#include <errno.h>
+#include <stdlib.h>
 
 #include "kvf_tier.h"
 
 static const char *const tr_names[3] = {"tcp", "native", "shm"};
 
-void kvf_op_stats(struct conn *c)
+/* A bound on the map's size (what overflows it is answered INTERNAL, never cut). */
+static size_t stats_cap(const struct kvf_server *s)
 {
-    struct kvf_server *s = c->srv;
+    return 2048 + 2048 /* service-time histograms */ + s->cfg.stats_extra_len + 1024 /* ssd_* */ +
+           40 * kvf_shared_stats_pairs(s->cfg.shared);
+}
+
+/* The STATS map into w; 0, or -ENOSPC when it did not fit. Any thread: the
+ * counters are read as they are (each a word; a snapshot only per counter). */
+static int stats_write(struct kvf_server *s, struct kvf_mw *w)
+{
     struct kvf_store_stats ss;
     kvf_store_stats(s->st, &ss);
     int ssd = s->tier && kvf_tier_has_ssd(s->tier); /* ssd_* only with --ssd-path (a tier may run a shared tier alone) */
-    size_t cap = 2048 + 2048 /* service-time histograms */ + s->cfg.stats_extra_len + (ssd ? 1024 : 0) + 40 * kvf_shared_stats_pairs(s->cfg.shared);
-    KVF_REPLY_BEGIN(cap, 0);
-    uint32_t nerr = 0;
-    for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    /* protocol/stats.py STATS_KEYS + the optional ones (lat_* always, ssd_* with a tier, shared_* with a shared tier) */
-    kvf_mw_map(&w, 40 + 2 * KVF_LAT_OPS + s->cfg.stats_extra_pairs + (ssd ? KVF_TIER_NSTATS : 0) + kvf_shared_stats_pairs(s->cfg.shared));
-#define KV(name, v) do { kvf_mw_cstr(&w, name); kvf_mw_uint(&w, (uint64_t)(v)); } while (0)
+    size_t map = kvf_mw_map_open(w);
+#define KV(name, v) do { kvf_mw_cstr(w, name); kvf_mw_uint(w, (uint64_t)(v)); } while (0)
     KV("objects", ss.objects);
     KV("bytes_used", ss.bytes_used);
     KV("capacity", ss.capacity);
@@ -63,23 +72,47 @@ void kvf_op_stats(struct conn *c)
     KV("reply_bytes", s->ctr.reply_bytes);
     KV("request_bytes", s->ctr.request_bytes);
     KV("reserved_bytes", s->ctr.reserved_bytes);
-    kvf_mw_cstr(&w, "uptime_s");
-    kvf_mw_uint(&w, (uint64_t)((kvf_now_ms() - s->start_ms) / 1000));
-    kvf_mw_cstr(&w, "data_plane");
-    kvf_mw_cstr(&w, s->zerocopy ? (s->fixed ? "io_uring+send_zc+fixed" : "io_uring+send_zc") : "io_uring");
-    kvf_mw_cstr(&w, "transports_in_use");
-    kvf_mw_map(&w, 3);
-    for (int i = 0; i < 3; i++) { kvf_mw_cstr(&w, tr_names[i]); kvf_mw_uint(&w, s->ctr.by_transport[i]); }
-    kvf_mw_cstr(&w, "errors");
-    kvf_mw_map(&w, nerr);
-    for (int i = 1; i < 14; i++)
-        if (s->ctr.errors[i]) { kvf_mw_cstr(&w, kvf_err_names[i]); kvf_mw_uint(&w, s->ctr.errors[i]); }
+    KV("uptime_s", (kvf_now_ms() - s->start_ms) / 1000);
 #undef KV
-    kvf_lat_write(&w, &s->ctr);
-    if (ssd) kvf_tier_stats_mw(s->tier, &w);
-    kvf_shared_stats_write(s->cfg.shared, &w); /* shared_*: only with a shared tier */
-    kvf_mw_raw(&w, s->cfg.stats_extra, s->cfg.stats_extra_len);
-    if (w.overflow) { kvf_reply_drop(c, rp); kvf_reject(c, KVF_E_INTERNAL, "stats too large"); return; }
+    kvf_mw_cstr(w, "data_plane");
+    kvf_mw_cstr(w, s->zerocopy ? (s->fixed ? "io_uring+send_zc+fixed" : "io_uring+send_zc") : "io_uring");
+    kvf_mw_cstr(w, "transports_in_use");
+    kvf_mw_map(w, 3);
+    for (int i = 0; i < 3; i++) { kvf_mw_cstr(w, tr_names[i]); kvf_mw_uint(w, s->ctr.by_transport[i]); }
+    uint32_t nerr = 0;
+    for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
+    kvf_mw_cstr(w, "errors");
+    kvf_mw_map(w, nerr);
+    for (int i = 1; i < 14; i++)
+        if (s->ctr.errors[i]) { kvf_mw_cstr(w, kvf_err_names[i]); kvf_mw_uint(w, s->ctr.errors[i]); }
+    kvf_lat_write(w, &s->ctr);
+    if (ssd) kvf_tier_stats_mw(s->tier, w);
+    kvf_shared_stats_write(s->cfg.shared, w); /* shared_*: only with a shared tier */
+    kvf_mw_raw(w, s->cfg.stats_extra, s->cfg.stats_extra_len);
+    kvf_mw_map_close(w, map);
+    return w->overflow ? -ENOSPC : 0;
+}
+
+void kvf_op_stats(struct conn *c)
+{
+    struct kvf_server *s = c->srv;
+    size_t cap = stats_cap(s);
+    KVF_REPLY_BEGIN(cap, 0);
+    if (stats_write(s, &w)) { kvf_reply_drop(c, rp); kvf_reject(c, KVF_E_INTERNAL, "stats too large"); return; }
     kvf_reply_finish(c, rp, KVF_OP_STATS, KVF_FLAG_REPLY, w.len, 0);
     kvf_conn_next_request(c);
+}
+
+int kvf_server_stats_map(struct kvf_server *s, uint8_t **out, size_t *len)
+{
+    size_t cap = stats_cap(s);
+    uint8_t *buf = malloc(cap);
+    if (!buf) return -ENOMEM;
+    struct kvf_mw w;
+    kvf_mw_init(&w, buf, cap);
+    int rc = stats_write(s, &w);
+    if (rc) { free(buf); return rc; }
+    *out = buf;
+    *len = w.len;
+    return 0;
 }

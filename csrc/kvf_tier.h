@@ -116,7 +116,6 @@ struct kvf_tier_stats {
     uint64_t capacity, objects, bytes, hits, misses, reads, read_bytes, writes, write_bytes, write_drops,
         admit_skips, errors, corrupt, read_us_total, write_us_total, promotions, queue_bytes;
 };
-#define KVF_TIER_NSTATS 17u /* STATS keys kvf_tier_stats_mw writes */
 
 struct kvf_tier;
 struct kvf_mw;
@@ -182,7 +181,7 @@ struct kvf_tier *kvf_server_detach_tier(struct kvf_server *s);
 void kvf_tier_count(struct kvf_tier *t, uint64_t hits, uint64_t misses, uint64_t promotions);
 uint64_t kvf_tier_promote_max(struct kvf_tier *t);
 void kvf_tier_stats(struct kvf_tier *t, struct kvf_tier_stats *s);
-/* The KVF_TIER_NSTATS "ssd_*" STATS pairs, msgpack. */
+/* The "ssd_*" STATS pairs, msgpack (inside a map the caller opened). */
 void kvf_tier_stats_mw(struct kvf_tier *t, struct kvf_mw *w);
 
 #endif

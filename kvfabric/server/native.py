@@ -457,7 +457,7 @@ class NativeServer:
         try:
             self._srv = _native.Server(
                 self._tcp.fileno(), self._unix.fileno() if self._unix else -1, capacity,
-                hello_meta=protocol.encode_meta(hello), stats_extra=extra_bytes, stats_extra_pairs=len(extra),
+                hello_meta=protocol.encode_meta(hello), stats_extra=extra_bytes,
                 auth=auth_token, max_conns=max_connections, max_keys=limits.max_keys_per_batch,
                 max_key_bytes=limits.max_key_bytes, max_meta=limits.max_meta_bytes,
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
@@ -513,7 +513,7 @@ class NativeServer:
             self._close_sockets()
             raise ConfigError(f"SSD tier: {e.strerror or e}") from e
         log.info("SSD tier: %s, %s (%d bytes), admit %s; %d objects found", ",".join(paths), format_size(capacity),
-                 capacity, admit, self._srv.tier_stats()["ssd_objects"])
+                 capacity, admit, self.stats()["ssd_objects"])
 
     @property
     def address(self) -> str:
@@ -542,7 +542,7 @@ class NativeServer:
             t = threading.Thread(target=self._populate, name="kvf-populate", daemon=True)
             t.start()
             self._threads.append(t)
-        st = self._srv.stats()
+        st = self.stats()
         log.info(
             "native server %s: capacity %s (%d bytes), policy %s, transports %s, send_zc %s, fixed buffers %s",
             self.server_id, format_size(self.capacity), self.capacity, self.policy.name, ",".join(self.transports),
@@ -578,14 +578,11 @@ class NativeServer:
         self.stop()
 
     def stats(self) -> dict[str, Any]:
-        """Data-plane and store counters (what STATS reports, as a dict)."""
-        out = self._srv.stats()
-        out.update(self._srv.tier_stats())
-        out.update(policy=self.policy.name, transports=list(self.transports), server_id=self.server_id)
-        # the same shape as the wire STATS (csrc/kvf_stats.c kvf_op_stats): connections by transport as one map
-        out["transports_in_use"] = {t: out.pop(t) for t in ("tcp", "native", "shm")}
-        zc, fixed = out["zerocopy"], out["fixed_buffers"]
-        out["data_plane"] = "io_uring+send_zc+fixed" if zc and fixed else "io_uring+send_zc" if zc else "io_uring"
+        """What STATS reports, as a dict: the same map, built by the same C function (csrc/kvf_stats.c), and
+        ``zerocopy`` / ``fixed_buffers`` read off its ``data_plane``."""
+        out = msgpack.unpackb(self._srv.stats_map(), raw=False)
+        out["zerocopy"] = "send_zc" in out["data_plane"]
+        out["fixed_buffers"] = out["data_plane"].endswith("+fixed")
         return out
 
     def _close_sockets(self) -> None:

@@ -77,3 +77,24 @@ def test_both_servers_report_the_stats_schema():
     # the same keys, and the same figures for the same traffic
     for key in ("objects", "bytes_used", "bytes_allocated", "capacity", "free_bytes", "hits", "misses", "puts"):
         assert native[key] == ref[key], (key, native[key], ref[key])
+
+
+def test_the_in_process_stats_are_the_wire_stats(server):
+    """/metrics reads NativeServer.stats(); STATS answers on the wire: one map, built by one C function
+    (csrc/kvf_stats.c), so the two cannot drift. Only zerocopy/fixed_buffers are added in Python (read
+    off data_plane) and uptime_s may tick between the two reads."""
+    with tcp.connect(server.address, timeout_s=30) as c:
+        v = b"y" * 5000
+        c.request(p.PutRequest([b"k"], [5000], [p.checksum(b"k", v)]), [v])
+        c.request(p.GetRequest([b"k", b"missing"]))
+        wire = c.request(p.StatsRequest()).msg.stats
+        local = server.stats()
+    assert set(local) ^ set(wire) == {"zerocopy", "fixed_buffers"}, sorted(set(local) ^ set(wire))
+    assert local["zerocopy"] == ("send_zc" in wire["data_plane"])
+    drift = {k: (wire[k], local[k]) for k in wire if k != "uptime_s" and wire[k] != local[k]}
+    # between the two reads the STATS reply itself was being sent: only the send counters may differ
+    sending = {"bytes_out", "reply_bytes", "copy_sends", "zc_sends", "zc_copied_notifs", "lat_stats_us_buckets",
+               "lat_stats_us_sum"}
+    assert set(drift) <= sending, drift
+    for key in ("objects", "bytes_used", "hits", "misses", "puts", "policy", "server_id", "transports"):
+        assert local[key] == wire[key], key
