@@ -460,8 +460,6 @@ void kvf_server_stop(struct kvf_server *s)
     if (write(s->efd, &one, sizeof one) < 0) { /* the 1 s wait timeout sees s->stop anyway */ }
 }
 
-void kvf_server_counters(struct kvf_server *s, struct kvf_server_counters *c) { *c = s->ctr; }
-
 void kvf_server_free(struct kvf_server *s)
 {
     if (!s) return;

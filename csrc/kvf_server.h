@@ -113,7 +113,6 @@ int kvf_server_run(struct kvf_server *s);
 void kvf_server_stop(struct kvf_server *s);
 /* Any thread: wake the loop after an eviction round (kvf_store_space_done). */
 void kvf_server_wake(struct kvf_server *s);
-void kvf_server_counters(struct kvf_server *s, struct kvf_server_counters *c);
 /* The STATS map (msgpack, what a STATS request is answered with) in a malloc'd
  * buffer the caller frees: 0, -ENOMEM, -ENOSPC. Any thread (kvf_stats.c). */
 int kvf_server_stats_map(struct kvf_server *s, uint8_t **out, size_t *len);

@@ -79,12 +79,11 @@ static int stats_write(struct kvf_server *s, struct kvf_mw *w)
     kvf_mw_cstr(w, "transports_in_use");
     kvf_mw_map(w, 3);
     for (int i = 0; i < 3; i++) { kvf_mw_cstr(w, tr_names[i]); kvf_mw_uint(w, s->ctr.by_transport[i]); }
-    uint32_t nerr = 0;
-    for (int i = 1; i < 14; i++) nerr += s->ctr.errors[i] != 0;
-    kvf_mw_cstr(w, "errors");
-    kvf_mw_map(w, nerr);
+    kvf_mw_cstr(w, "errors"); /* by name, only the codes seen */
+    size_t errs = kvf_mw_map_open(w);
     for (int i = 1; i < 14; i++)
         if (s->ctr.errors[i]) { kvf_mw_cstr(w, kvf_err_names[i]); kvf_mw_uint(w, s->ctr.errors[i]); }
+    kvf_mw_map_close(w, errs);
     kvf_lat_write(w, &s->ctr);
     if (ssd) kvf_tier_stats_mw(s->tier, w);
     kvf_shared_stats_write(s->cfg.shared, w); /* shared_*: only with a shared tier */
