@@ -240,7 +240,7 @@ int kvf_parse_sizes(const uint8_t *meta, size_t meta_len, int64_t *sizes, uint32
 {
     struct kvf_mr r;
     uint32_t count;
-    if (kvf_mr_find(meta, meta_len, "sizes", &r) || kvf_mr_array(&r, &count) || count != n)
+    if (kvf_mr_find(meta, meta_len, KVF_F_SIZES, &r) || kvf_mr_array(&r, &count) || count != n)
         return -EPROTO;
     for (uint32_t i = 0; i < n; i++) {
         if (kvf_mr_int(&r, &sizes[i]) || sizes[i] < -1) return -EPROTO;
@@ -504,11 +504,11 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
     if (h->request_id != rid || h->opcode != KVF_OP_SHM_LEASE || h->payload_len) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
     struct kvf_mr r;
     uint64_t lease;
-    if (kvf_mr_find(*meta, h->meta_len, "lease", &r) || kvf_mr_uint(&r, &lease)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    if (kvf_mr_find(*meta, h->meta_len, KVF_F_LEASE, &r) || kvf_mr_uint(&r, &lease)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
     int64_t *offs = malloc(sizeof(int64_t) * (n ? n : 1)), *sizes = malloc(sizeof(int64_t) * (n ? n : 1));
     if (!offs || !sizes) { free(offs); free(sizes); return -ENOMEM; }
-    rc = find_int_array(*meta, h->meta_len, "offsets", offs, n);
-    if (!rc) rc = find_int_array(*meta, h->meta_len, "sizes", sizes, n);
+    rc = find_int_array(*meta, h->meta_len, KVF_F_OFFSETS, offs, n);
+    if (!rc) rc = find_int_array(*meta, h->meta_len, KVF_F_SIZES, sizes, n);
     for (uint32_t i = 0; !rc && i < n; i++) {
         if (sizes[i] < 0) continue;
         if (offs[i] < 0 || (uint64_t)offs[i] + (uint64_t)sizes[i] > arena_len) rc = -EPROTO;
@@ -524,7 +524,7 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
     struct kvf_mw w;
     kvf_mw_init(&w, rm, sizeof rm);
     kvf_mw_map(&w, 1);
-    kvf_mw_cstr(&w, "lease");
+    kvf_mw_cstr(&w, KVF_F_LEASE);
     kvf_mw_uint(&w, lease);
     int rc2 = kvf_send_frame(fd, KVF_OP_SHM_RELEASE, 0, rid + 1, rm, (uint32_t)w.len, NULL, 0);
     return rc ? rc : rc2;
@@ -543,10 +543,10 @@ int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
     if (h->request_id != rid || h->opcode != KVF_OP_SHM_RESERVE || h->payload_len) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
     struct kvf_mr r;
     uint64_t res;
-    if (kvf_mr_find(*meta, h->meta_len, "res", &r) || kvf_mr_uint(&r, &res)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
+    if (kvf_mr_find(*meta, h->meta_len, KVF_F_RES, &r) || kvf_mr_uint(&r, &res)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
     int64_t *offs = malloc(sizeof(int64_t) * (n ? n : 1));
     if (!offs) return -ENOMEM;
-    rc = find_int_array(*meta, h->meta_len, "offsets", offs, n);
+    rc = find_int_array(*meta, h->meta_len, KVF_F_OFFSETS, offs, n);
     for (uint32_t i = 0; !rc && i < n; i++)
         if (offs[i] >= 0 && (uint64_t)offs[i] + sizes[i] > arena_len) rc = -EPROTO;
     if (rc) { free(offs); *wire_err = KVF_E_MALFORMED; return rc; }
@@ -572,9 +572,9 @@ int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
     struct kvf_mw w;
     kvf_mw_init(&w, cm, cap);
     kvf_mw_map(&w, 2);
-    kvf_mw_cstr(&w, "res");
+    kvf_mw_cstr(&w, KVF_F_RES);
     kvf_mw_uint(&w, res);
-    kvf_mw_cstr(&w, "checksums");
+    kvf_mw_cstr(&w, KVF_F_CHECKSUMS);
     kvf_mw_array(&w, n);
     for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, checksums[i]);
     free(*meta);

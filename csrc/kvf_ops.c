@@ -41,21 +41,21 @@ static void op_hello(struct conn *c, struct kvf_meta m)
     struct kvf_server *s = c->srv;
     struct kvf_mr r;
     int64_t version;
-    if (kvf_mr_find(m.p, m.n, "version", &r) || kvf_mr_int(&r, &version)) {
-        kvf_reject(c, KVF_E_MALFORMED, "missing field 'version'");
+    if (kvf_mr_find(m.p, m.n, KVF_F_VERSION, &r) || kvf_mr_int(&r, &version)) {
+        kvf_reject(c, KVF_E_MALFORMED, "missing field '" KVF_F_VERSION "'");
         return;
     }
     if (version != KVF_VERSION) { kvf_reject(c, KVF_E_BAD_VERSION, KVF_BAD_VERSION_MSG); return; }
     if (s->cfg.auth) {
         const char *a;
         uint32_t al;
-        if (kvf_mr_find(m.p, m.n, "auth", &r) || kvf_mr_str(&r, &a, &al) || !token_equal(a, al, s->cfg.auth)) {
+        if (kvf_mr_find(m.p, m.n, KVF_F_AUTH, &r) || kvf_mr_str(&r, &a, &al) || !token_equal(a, al, s->cfg.auth)) {
             kvf_reject(c, KVF_E_AUTH_FAILED, "authentication failed");
             return;
         }
     }
     c->authed = 1;
-    if (!c->is_unix && kvf_mr_find(m.p, m.n, "transports", &r) == 0) {
+    if (!c->is_unix && kvf_mr_find(m.p, m.n, KVF_F_TRANSPORTS, &r) == 0) {
         uint32_t n;
         if (kvf_mr_array(&r, &n) == 0) {
             for (uint32_t i = 0; i < n && i < 16; i++) {
@@ -80,7 +80,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
     int e = kvf_parse_keys(c, m, &c->b, &n);
     if (e) { kvf_reject(c, e, kvf_keys_error(e)); return; }
     uint64_t lease_ms = 0;
-    if (op == KVF_OP_LOOKUP && (kvf_parse_uint(m, "lease_ms", &lease_ms, 0) || lease_ms > KVF_MAX_LEASE_MS)) {
+    if (op == KVF_OP_LOOKUP && (kvf_parse_uint(m, KVF_F_LEASE_MS, &lease_ms, 0) || lease_ms > KVF_MAX_LEASE_MS)) {
         _Static_assert(KVF_MAX_LEASE_MS == 3600000u, "the message below names the protocol's lease cap");
         kvf_reject(c, KVF_E_MALFORMED, "lease_ms must be in 0..3600000");
         return;
@@ -93,7 +93,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
          * so the objects go out unchecked: one pass over the bytes fewer */
         int trust = 0;
         struct kvf_mr fr;
-        if (!kvf_mr_find(m.p, m.n, "client_verifies", &fr) && kvf_mr_bool(&fr, &trust)) {
+        if (!kvf_mr_find(m.p, m.n, KVF_F_CLIENT_VERIFIES, &fr) && kvf_mr_bool(&fr, &trust)) {
             kvf_reject(c, KVF_E_MALFORMED, "client_verifies must be a bool");
             return;
         }
@@ -139,17 +139,17 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         }
         rp->nseg = found;
         kvf_mw_map(&w, 2);
-        kvf_mw_cstr(&w, "sizes");
+        kvf_mw_cstr(&w, KVF_F_SIZES);
         kvf_mw_array(&w, n);
         for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->sizes[i] : -1);
-        kvf_mw_cstr(&w, "checksums");
+        kvf_mw_cstr(&w, KVF_F_CHECKSUMS);
         kvf_mw_array(&w, n);
         for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
         kvf_reply_finish(c, rp, KVF_OP_GET, KVF_FLAG_REPLY, w.len, payload);
     } else if (op == KVF_OP_EXISTS) {
         KVF_REPLY_BEGIN(32 + (size_t)n, 0);
         kvf_mw_map(&w, 1);
-        kvf_mw_cstr(&w, "present");
+        kvf_mw_cstr(&w, KVF_F_PRESENT);
         kvf_mw_array(&w, n);
         for (uint32_t i = 0; i < n; i++) {
             uint64_t loc, seq, size, csum; /* on the SSD tier counts as held; nothing is read */
@@ -164,7 +164,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         while (count < n && kvf_store_lookup(s->st, b->keys[count], b->klens[count], until)) count++;
         KVF_REPLY_BEGIN(32, 0);
         kvf_mw_map(&w, 1);
-        kvf_mw_cstr(&w, "count");
+        kvf_mw_cstr(&w, KVF_F_COUNT);
         kvf_mw_uint(&w, count);
         kvf_reply_finish(c, rp, KVF_OP_LOOKUP, KVF_FLAG_REPLY, w.len, 0);
     } else { /* DELETE */
@@ -177,7 +177,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         }
         KVF_REPLY_BEGIN(32, 0);
         kvf_mw_map(&w, 1);
-        kvf_mw_cstr(&w, "deleted");
+        kvf_mw_cstr(&w, KVF_F_DELETED);
         kvf_mw_uint(&w, del);
         kvf_reply_finish(c, rp, KVF_OP_DELETE, KVF_FLAG_REPLY, w.len, 0);
     }

@@ -85,6 +85,30 @@ enum kvf_put_status {
 /* Cap on a LOOKUP / shm lease, ms (kvfabric.protocol.MAX_LEASE_MS). */
 #define KVF_MAX_LEASE_MS 3600000u
 
+/* Metadata field names C reads or writes (kvfabric.protocol.META_FIELDS owns
+ * them; tests/unit/test_meta_fields.py checks every one is spelled as there and
+ * that no C file names a field with a bare string). STATS keys are another
+ * schema: kvf_stats.c (kvfabric.protocol.stats). */
+#define KVF_F_AUTH "auth"
+#define KVF_F_CAPACITY "capacity"
+#define KVF_F_CHECKSUMS "checksums"
+#define KVF_F_CLIENT_VERIFIES "client_verifies"
+#define KVF_F_CODE "code"
+#define KVF_F_COUNT "count"
+#define KVF_F_DELETED "deleted"
+#define KVF_F_KEYS "keys"
+#define KVF_F_LEASE "lease"
+#define KVF_F_LEASE_MS "lease_ms"
+#define KVF_F_MESSAGE "message"
+#define KVF_F_OFFSETS "offsets"
+#define KVF_F_PARENTS "parents"
+#define KVF_F_PRESENT "present"
+#define KVF_F_RES "res"
+#define KVF_F_SIZES "sizes"
+#define KVF_F_STATUS "status"
+#define KVF_F_TRANSPORTS "transports"
+#define KVF_F_VERSION "version"
+
 struct kvf_header {
     char magic[4];
     uint16_t version;

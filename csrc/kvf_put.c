@@ -30,13 +30,13 @@ void kvf_op_put(struct conn *c, struct kvf_meta m)
     uint32_t n;
     int e = kvf_parse_keys(c, m, b, &n);
     if (e) { kvf_reject(c, e, kvf_keys_error(e)); return; }
-    if (kvf_parse_uints(m, "sizes", b->sizes, n) || kvf_parse_uints(m, "checksums", b->csums, n)) {
+    if (kvf_parse_uints(m, KVF_F_SIZES, b->sizes, n) || kvf_parse_uints(m, KVF_F_CHECKSUMS, b->csums, n)) {
         kvf_reject(c, KVF_E_MALFORMED, "sizes and checksums must be lists of ints as long as keys");
         return;
     }
     struct kvf_mr r;
     for (uint32_t i = 0; i < n; i++) b->parents[i] = NULL, b->plens[i] = 0;
-    if (kvf_mr_find(m.p, m.n, "parents", &r) == 0 && !kvf_mr_is_nil(&r)) {
+    if (kvf_mr_find(m.p, m.n, KVF_F_PARENTS, &r) == 0 && !kvf_mr_is_nil(&r)) {
         uint32_t cnt;
         if (kvf_mr_array(&r, &cnt) || cnt != n) { kvf_reject(c, KVF_E_MALFORMED, "parents must be a list as long as keys"); return; }
         for (uint32_t i = 0; i < n; i++) {

@@ -36,7 +36,7 @@ int kvf_parse_keys(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t 
 {
     struct kvf_mr r;
     uint32_t cnt;
-    if (kvf_mr_find(m.p, m.n, "keys", &r) || kvf_mr_array(&r, &cnt)) return KVF_E_MALFORMED;
+    if (kvf_mr_find(m.p, m.n, KVF_F_KEYS, &r) || kvf_mr_array(&r, &cnt)) return KVF_E_MALFORMED;
     if (cnt > c->srv->cfg.max_keys) return KVF_E_TOO_MANY_KEYS;
     int rc = kvf_batch_alloc(c, b, cnt, 0);
     if (rc) return rc == -EBUSY ? KVF_E_BUSY : KVF_E_INTERNAL;
@@ -56,7 +56,7 @@ const char *kvf_keys_error(int e)
 {
     return e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : e == KVF_E_BUSY
            ? "server busy: request buffers over their budget" : e == KVF_E_INTERNAL ? "out of memory"
-           : "missing field 'keys'";
+           : "missing field '" KVF_F_KEYS "'";
 }
 
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n)
@@ -83,14 +83,14 @@ void kvf_put_reply(struct conn *c, struct batch *b, int op, int with_offsets)
     KVF_REPLY_BEGIN(48 + (size_t)b->n * 10, 0);
     kvf_mw_map(&w, with_offsets ? 3 : 1);
     if (with_offsets) {
-        kvf_mw_cstr(&w, "res");
+        kvf_mw_cstr(&w, KVF_F_RES);
         kvf_mw_uint(&w, c->resv_id);
-        kvf_mw_cstr(&w, "offsets");
+        kvf_mw_cstr(&w, KVF_F_OFFSETS);
         kvf_mw_array(&w, b->n);
         for (uint32_t i = 0; i < b->n; i++)
             kvf_mw_int(&w, b->status[i] == KVF_PUT_STORED ? (int64_t)b->offs[i] : -1);
     }
-    kvf_mw_cstr(&w, "status");
+    kvf_mw_cstr(&w, KVF_F_STATUS);
     kvf_mw_array(&w, b->n);
     for (uint32_t i = 0; i < b->n; i++) kvf_mw_uint(&w, b->status[i]);
     kvf_reply_finish(c, rp, (uint8_t)op, KVF_FLAG_REPLY, w.len, 0);

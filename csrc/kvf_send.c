@@ -128,6 +128,16 @@ const char *const kvf_err_names[16] = {
     "META_TOO_LARGE", "LENGTH_MISMATCH", "AUTH_FAILED", "TOO_MANY_IN_FLIGHT", "BUSY", "INTERNAL", "BAD_KEY",
 };
 
+/* An error reply's metadata: {"code": code, "message": msg} (protocol.ErrorReply). */
+static void error_meta(struct kvf_mw *w, int code, const char *msg)
+{
+    kvf_mw_map(w, 2);
+    kvf_mw_cstr(w, KVF_F_CODE);
+    kvf_mw_int(w, code);
+    kvf_mw_cstr(w, KVF_F_MESSAGE);
+    kvf_mw_cstr(w, msg);
+}
+
 void kvf_reply_error(struct conn *c, int code, const char *msg)
 {
     struct kvf_server *s = c->srv;
@@ -137,12 +147,19 @@ void kvf_reply_error(struct conn *c, int code, const char *msg)
     if (!r) { c->closing = 1; return; }
     struct kvf_mw w;
     kvf_mw_init(&w, r->head + KVF_HEADER_SIZE, 64 + strlen(msg));
-    kvf_mw_map(&w, 2);
-    kvf_mw_cstr(&w, "code");
-    kvf_mw_int(&w, code);
-    kvf_mw_cstr(&w, "message");
-    kvf_mw_cstr(&w, msg);
+    error_meta(&w, code, msg);
     kvf_reply_finish(c, r, c->hdr.opcode, KVF_FLAG_REPLY | KVF_FLAG_ERROR, w.len, 0);
+}
+
+size_t kvf_error_frame(uint8_t *frame, size_t cap, int code, const char *msg)
+{
+    if (cap <= KVF_HEADER_SIZE) return 0;
+    struct kvf_mw w;
+    kvf_mw_init(&w, frame + KVF_HEADER_SIZE, cap - KVF_HEADER_SIZE);
+    error_meta(&w, code, msg);
+    if (w.overflow) return 0;
+    kvf_header_pack((struct kvf_header *)frame, 0, KVF_FLAG_REPLY | KVF_FLAG_ERROR, 0, (uint32_t)w.len, 0);
+    return KVF_HEADER_SIZE + w.len;
 }
 
 /* ---------------------------------------------------------------- sending */

@@ -326,21 +326,12 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
     }
 }
 
-/* The frame protocol.encode_error(0, 0, BUSY, "too many connections (max N)")
- * makes: header (opcode 0, request id 0, REPLY|ERROR) + {"code", "message"}. */
+/* The BUSY frame a connection over max_conns gets before it is closed. */
 static void busy_frame_build(struct kvf_server *s)
 {
     char msg[64];
     snprintf(msg, sizeof msg, "too many connections (max %u)", s->cfg.max_conns);
-    struct kvf_mw w;
-    kvf_mw_init(&w, s->busy_frame + KVF_HEADER_SIZE, sizeof s->busy_frame - KVF_HEADER_SIZE);
-    kvf_mw_map(&w, 2);
-    kvf_mw_cstr(&w, "code");
-    kvf_mw_int(&w, KVF_E_BUSY);
-    kvf_mw_cstr(&w, "message");
-    kvf_mw_cstr(&w, msg);
-    kvf_header_pack((struct kvf_header *)s->busy_frame, 0, KVF_FLAG_REPLY | KVF_FLAG_ERROR, 0, (uint32_t)w.len, 0);
-    s->busy_len = KVF_HEADER_SIZE + w.len;
+    s->busy_len = kvf_error_frame(s->busy_frame, sizeof s->busy_frame, KVF_E_BUSY, msg);
 }
 
 int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)

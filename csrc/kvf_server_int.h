@@ -274,6 +274,11 @@ struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg);
 void kvf_reply_finish(struct conn *c, struct reply *r, uint8_t opcode, uint8_t flags, size_t meta_len,
                       uint64_t payload_len);
 void kvf_reply_error(struct conn *c, int code, const char *msg);
+/* A whole error frame (opcode 0, request id 0, REPLY|ERROR; the frame
+ * protocol.encode_error(0, 0, code, msg) makes) into frame[0..cap), for a
+ * peer refused before it has a connection; returns its length, or 0 if it
+ * does not fit. */
+size_t kvf_error_frame(uint8_t *frame, size_t cap, int code, const char *msg);
 void kvf_reply_drop(struct conn *c, struct reply *r); /* never queued */
 /* Free r (releasing its slot pins) once it is done and no zero-copy
  * notification is outstanding; otherwise nothing. No return. */

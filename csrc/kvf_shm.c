@@ -145,17 +145,8 @@ int kvf_shm_peer_refused(struct kvf_server *s, int fd)
     char msg[128];
     snprintf(msg, sizeof msg, "shm peer uid %u gid %u is not allowed (see --shm-allow-uid / --shm-allow-gid)",
              (unsigned)cr.uid, (unsigned)cr.gid);
-    struct kvf_mw w;
-    kvf_mw_init(&w, frame + KVF_HEADER_SIZE, sizeof frame - KVF_HEADER_SIZE);
-    kvf_mw_map(&w, 2);
-    kvf_mw_cstr(&w, "code");
-    kvf_mw_int(&w, KVF_E_AUTH_FAILED);
-    kvf_mw_cstr(&w, "message");
-    kvf_mw_cstr(&w, msg);
-    if (!w.overflow) {
-        kvf_header_pack((struct kvf_header *)frame, 0, KVF_FLAG_REPLY | KVF_FLAG_ERROR, 0, (uint32_t)w.len, 0);
-        if (send(fd, frame, KVF_HEADER_SIZE + w.len, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) { /* plain close */ }
-    }
+    size_t n = kvf_error_frame(frame, sizeof frame, KVF_E_AUTH_FAILED, msg);
+    if (n && send(fd, frame, n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) { /* plain close */ }
     close(fd);
     return 1;
 }
@@ -167,7 +158,7 @@ static void op_attach(struct conn *c)
     struct kvf_server *s = c->srv;
     KVF_REPLY_BEGIN(64, 0);
     kvf_mw_map(&w, 1);
-    kvf_mw_cstr(&w, "capacity");
+    kvf_mw_cstr(&w, KVF_F_CAPACITY);
     kvf_mw_uint(&w, kvf_store_capacity(s->st));
     rp->pass_fd = kvf_store_memfd(s->st);
     kvf_reply_finish(c, rp, KVF_OP_SHM_ATTACH, KVF_FLAG_REPLY, w.len, 0);
@@ -177,7 +168,7 @@ static void op_attach(struct conn *c)
 static void op_release(struct conn *c, const uint8_t *m, size_t mn)
 {
     uint64_t id;
-    if (kvf_parse_uint((struct kvf_meta){m, mn}, "lease", &id, 1)) { kvf_reject(c, KVF_E_MALFORMED, "missing field 'lease'"); return; }
+    if (kvf_parse_uint((struct kvf_meta){m, mn}, KVF_F_LEASE, &id, 1)) { kvf_reject(c, KVF_E_MALFORMED, "missing field '" KVF_F_LEASE "'"); return; }
     for (uint32_t i = 0; i < c->nleases; i++)
         if (c->leases[i].id == id) { lease_drop(c, i); break; } /* an expired lease is already gone */
     kvf_conn_next_request(c); /* no reply: the client does not wait for it */
@@ -210,15 +201,15 @@ static void op_lease(struct conn *c, const uint8_t *m, size_t mn)
         if (b->status[i]) { l->entries[l->n++] = id; s->ctr.hits++; } else s->ctr.misses++;
     }
     kvf_mw_map(&w, 4);
-    kvf_mw_cstr(&w, "lease");
+    kvf_mw_cstr(&w, KVF_F_LEASE);
     kvf_mw_uint(&w, l->id);
-    kvf_mw_cstr(&w, "offsets");
+    kvf_mw_cstr(&w, KVF_F_OFFSETS);
     kvf_mw_array(&w, n);
     for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->offs[i] : -1);
-    kvf_mw_cstr(&w, "sizes");
+    kvf_mw_cstr(&w, KVF_F_SIZES);
     kvf_mw_array(&w, n);
     for (uint32_t i = 0; i < n; i++) kvf_mw_int(&w, b->status[i] ? (int64_t)b->sizes[i] : -1);
-    kvf_mw_cstr(&w, "checksums");
+    kvf_mw_cstr(&w, KVF_F_CHECKSUMS);
     kvf_mw_array(&w, n);
     for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
     kvf_reply_finish(c, rp, KVF_OP_SHM_LEASE, KVF_FLAG_REPLY, w.len, 0);
@@ -234,7 +225,7 @@ static int reserve_parents(struct conn *c, const uint8_t *m, size_t mn, uint32_t
     struct batch *b = &c->resv;
     struct kvf_mr r;
     for (uint32_t i = 0; i < n; i++) b->parents[i] = NULL, b->plens[i] = 0;
-    if (kvf_mr_find(m, mn, "parents", &r) || kvf_mr_is_nil(&r)) return 0;
+    if (kvf_mr_find(m, mn, KVF_F_PARENTS, &r) || kvf_mr_is_nil(&r)) return 0;
     uint32_t cnt;
     if (kvf_mr_array(&r, &cnt) || cnt != n) return KVF_E_MALFORMED;
     if (!c->resv_parents && !(c->resv_parents = malloc((size_t)s->cfg.max_keys * KVF_KEY_MAX)))
@@ -261,7 +252,7 @@ static void op_reserve(struct conn *c, const uint8_t *m, size_t mn)
     uint32_t n;
     int e = kvf_parse_keys(c, (struct kvf_meta){m, mn}, b, &n);
     if (e) { kvf_reject(c, e, "bad keys"); return; }
-    if (kvf_parse_uints((struct kvf_meta){m, mn}, "sizes", b->sizes, n)) {
+    if (kvf_parse_uints((struct kvf_meta){m, mn}, KVF_F_SIZES, b->sizes, n)) {
         kvf_reject(c, KVF_E_MALFORMED, "sizes must be as long as keys");
         return;
     }
@@ -294,7 +285,7 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
     struct kvf_server *s = c->srv;
     uint64_t id;
     struct batch *b = &c->resv;
-    if (kvf_parse_uint((struct kvf_meta){m, mn}, "res", &id, 1)) { kvf_reject(c, KVF_E_MALFORMED, "missing field 'res'"); return; }
+    if (kvf_parse_uint((struct kvf_meta){m, mn}, KVF_F_RES, &id, 1)) { kvf_reject(c, KVF_E_MALFORMED, "missing field '" KVF_F_RES "'"); return; }
     if (!c->resv_open && id && id == c->resv_expired) {
         kvf_reject(c, KVF_E_MALFORMED, "reservation expired (not committed within the stall timeout): "
                                            "its slots were freed; PUT again");
@@ -305,7 +296,7 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
         return;
     }
     uint64_t *cs; /* scratch for the sent checksums */
-    if (kvf_batch_alloc(c, &c->b, b->n, 0) || kvf_parse_uints((struct kvf_meta){m, mn}, "checksums", (cs = c->b.csums), b->n)) {
+    if (kvf_batch_alloc(c, &c->b, b->n, 0) || kvf_parse_uints((struct kvf_meta){m, mn}, KVF_F_CHECKSUMS, (cs = c->b.csums), b->n)) {
         kvf_reject(c, KVF_E_MALFORMED, "checksums must be as long as the reservation");
         return;
     }

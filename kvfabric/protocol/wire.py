@@ -108,8 +108,24 @@ DEFAULT_LIMITS = Limits()
 #: Cap on a LOOKUP (or shm) lease, ms: an hour. A lease pins arena space against eviction, so no
 #: client may hold space longer than this however it asks; one that needs a block longer looks it
 #: up again. The one constant: the client, the decoder, both servers' option checks and the
-#: connectors' configs use it (csrc/kvf_ops.c and csrc/kvf_shm.c mirror it as a literal).
+#: connectors' configs use it (csrc/kvf_protocol.h mirrors it as KVF_MAX_LEASE_MS).
 MAX_LEASE_MS = 3_600_000
+#: Every metadata field name a request or reply carries (STATS keys are :mod:`.stats`'s).
+#: The one list of them: the messages here spell each as written, and the C data plane mirrors
+#: those it reads or writes as ``KVF_F_<NAME>`` in csrc/kvf_protocol.h. tests/unit/test_meta_fields.py
+#: checks both sides against it, and that no C file names a field with a bare string.
+META_FIELDS: frozenset[str] = frozenset((
+    # HELLO and its reply
+    "version", "client", "transports", "auth", "server", "server_id", "limits", "capacity", "shm_socket",
+    # Limits (inside "limits")
+    "max_keys_per_batch", "max_key_bytes", "max_meta_bytes", "max_payload_bytes", "max_object_bytes",
+    "max_in_flight",
+    # requests and replies
+    "keys", "present", "lease_ms", "count", "client_verifies", "sizes", "checksums", "parents", "status",
+    "deleted", "code", "message",
+    # shm arena ops
+    "lease", "offsets", "res",
+))
 # Before a server that requires auth has seen a valid HELLO, a peer may send
 # only a small HELLO: no keys, no payload.
 PRE_AUTH_LIMITS = Limits(
