@@ -25,6 +25,7 @@
 #include "kvf_protocol.h"
 
 #include "kvf_hash.h"
+#include "kvf_mac.h"
 #include "kvf_server.h"
 #include "kvf_store.h"
 
@@ -182,6 +183,30 @@ static PyObject *py_obj_checksum(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+PyDoc_STRVAR(hmac_sha256_doc,
+"hmac_sha256(key, *parts) -> bytes: HMAC-SHA256 of the concatenated parts as the C data plane computes\n"
+"it (kvf_mac.c; hmac.new(key, b''.join(parts), 'sha256').digest()), at most 16 parts.");
+
+static PyObject *py_hmac_sha256(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n < 1 || n > 17) return PyErr_Format(PyExc_TypeError, "hmac_sha256(key, *parts): 0..16 parts");
+    Py_buffer b[17];
+    const void *parts[16];
+    size_t lens[16];
+    Py_ssize_t got = 0;
+    for (; got < n; got++)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, got), &b[got], PyBUF_C_CONTIGUOUS)) break;
+    uint8_t out[KVF_SHA256_BYTES];
+    if (got == n) {
+        for (Py_ssize_t i = 1; i < n; i++) { parts[i - 1] = b[i].buf; lens[i - 1] = (size_t)b[i].len; }
+        kvf_hmac_sha256(b[0].buf, (size_t)b[0].len, (size_t)(n - 1), parts, lens, out);
+    }
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&b[i]);
+    return got == n ? PyBytes_FromStringAndSize((const char *)out, sizeof out) : NULL;
+}
+
 PyDoc_STRVAR(parse_sizes_doc, "parse_sizes(meta, n) -> list[int]: the C reading of a GET reply's sizes");
 
 static PyObject *py_parse_sizes(PyObject *self, PyObject *args)
@@ -211,6 +236,7 @@ static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3, METH_O, xxh3_doc},
     {"obj_checksum", py_obj_checksum, METH_VARARGS, obj_checksum_doc},
     {"parse_sizes", py_parse_sizes, METH_VARARGS, parse_sizes_doc},
+    {"hmac_sha256", py_hmac_sha256, METH_VARARGS, hmac_sha256_doc},
     {NULL, NULL, 0, NULL},
 };
 
