@@ -144,6 +144,14 @@ class ServerConfig:
                                    type=int, why="off unless asked: one more open port is a decision")
     metrics_host: str = opt("127.0.0.1", "address of the metrics endpoint",
                             why="loopback: a Prometheus agent on the host scrapes it")
+    metrics_max_connections: int = opt(8, "metrics requests served at once (one thread each); the next "
+                                       "connection is answered 503 and closed", type=int,
+                                       why="Prometheus scrapes with one connection; 8 leaves room for a few more "
+                                           "scrapers while bounding the endpoint's threads and memory")
+    metrics_timeout: float = opt(10.0, "seconds a metrics request may take to arrive (then the connection is "
+                                 "dropped; idle keep-alive ones too) and each write of its answer may wait",
+                                 type=float, why="Prometheus sends its ~300-byte request at once; a half-sent "
+                                                 "request must not hold a thread for good")
     # ------------------------------------------------------------ SSD tier (docs/notes/tier.md)
     ssd_path: tuple[str, ...] = opt((), "directory of the SSD tier (its file kvfabric-tier.v1 is preallocated "
                                     "there; O_DIRECT required); repeat for several disks (default: no SSD tier)",

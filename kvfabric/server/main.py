@@ -327,6 +327,8 @@ def main(argv: list[str]) -> int:
     low, high = _watermarks(args.evict_watermarks, capacity)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
+    if args.metrics_max_connections < 1 or not args.metrics_timeout > 0:
+        raise SystemExit("kvfabric serve: --metrics-max-connections must be >= 1 and --metrics-timeout > 0")
     shm = shm_options(args, transports)
     tier = tier_options(args)
     if args.shared_fsync == "always" and not args.shared_path:
@@ -359,7 +361,8 @@ def main(argv: list[str]) -> int:
         print(f"kvfabric serve: {BUILD_HINT.format(why=f' ({why})')}", file=sys.stderr)
         return 2
     needs = dram_needs(capacity, reply_budget=budgets["reply_budget"], request_budget=budgets["request_budget"],
-                       tier_write_queue=tier.get("ssd_write_queue", 0))
+                       tier_write_queue=tier.get("ssd_write_queue", 0),
+                       metrics_connections=None if args.metrics_port is None else args.metrics_max_connections)
     too_big = over_memory_warning(capacity, needs, available_memory())
     if too_big:
         log.warning("%s", too_big)
@@ -395,7 +398,8 @@ def main(argv: list[str]) -> int:
         from .metrics import MetricsServer
 
         try:
-            metrics = MetricsServer(server.stats, args.metrics_host, args.metrics_port)
+            metrics = MetricsServer(server.stats, args.metrics_host, args.metrics_port,
+                                    max_connections=args.metrics_max_connections, timeout_s=args.metrics_timeout)
         except (ImportError, OSError) as e:
             server.stop()
             if isinstance(e, OSError):
