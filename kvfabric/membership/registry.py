@@ -175,9 +175,10 @@ class Registration:
     deleted (``hijacks`` counts those).
     """
 
-    #: the key guard logs at most one ERROR per this many seconds (each names what it found; the others
-    #: are counted in the next one), so an attacker rewriting the key in a loop cannot flood the log
-    LOG_EVERY_S = 5.0
+    #: the key guard logs at most LOG_BURST ERRORs (each naming what it found) per LOG_WINDOW_S seconds;
+    #: the others are counted in the next one, so an attacker rewriting the key in a loop cannot flood the log
+    LOG_BURST = 10
+    LOG_WINDOW_S = 60.0
 
     def __init__(self, etcd: EtcdClient, cluster: str, member: Member, ttl_s: int = 10,
                  token: str | None = None) -> None:
@@ -195,7 +196,7 @@ class Registration:
         self._lock = threading.Lock()
         self._mine: list[tuple[bytes, int]] = []  # (value, lease) we put lately, newest last: never foreign
         self._revision = 0  # etcd revision of our latest put: the guard watches from after it
-        self._logged_at = 0.0
+        self._window = (0.0, 0)  # (start of the current log window, ERRORs logged in it)
         self._unlogged = 0
         self._stop = threading.Event()
         self._conn: Any = None  # the guard's watch connection, shut down by stop()
@@ -296,9 +297,13 @@ class Registration:
                 return
             self.hijacks += 1
             now = time.monotonic()
-            loud = now - self._logged_at >= self.LOG_EVERY_S
+            start, logged = self._window
+            if now - start >= self.LOG_WINDOW_S:
+                start, logged = now, 0
+            loud = logged < self.LOG_BURST
+            self._window = (start, logged + loud)
             if loud:
-                self._logged_at, unlogged, self._unlogged = now, self._unlogged, 0
+                unlogged, self._unlogged = self._unlogged, 0
             else:
                 self._unlogged += 1
         if loud:
