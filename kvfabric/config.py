@@ -131,8 +131,6 @@ class ClientConfig:
         for name in ("etcd", "etcd_ca", "etcd_cert", "etcd_key"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
-        if (self.etcd_ca or self.etcd_cert or self.etcd_key) and not self.etcd:
-            raise ConfigError("etcd_ca / etcd_cert / etcd_key need etcd=URL")
         if self.etcd_key and not self.etcd_cert:
             raise ConfigError("etcd_key needs etcd_cert (the client certificate it belongs to)")
         try:

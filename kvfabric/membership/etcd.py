@@ -335,6 +335,8 @@ class EtcdClient:
         conn, resp = self._open(path, body, timeout_s)
         try:
             raw = self._read_body(path, resp)
+        except http.client.IncompleteRead as e:
+            raise EtcdBadAnswer(f"etcd {path}: answer cut short ({len(e.partial)} bytes)") from None
         except (OSError, http.client.HTTPException) as e:
             raise EtcdError(f"etcd {path}: {_one_line(e)}") from None
         finally:

@@ -211,10 +211,9 @@ def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1", *, tls: bool = 
         except BaseException:
             shutil.rmtree(data_dir, ignore_errors=True)
             raise
-        cmd += ["--cert-file", certs["server_cert"], "--key-file", certs["server_key"],
-                "--trusted-ca-file", certs["ca"]]
-        if client_cert_auth:
-            cmd += ["--client-cert-auth"]
+        cmd += ["--cert-file", certs["server_cert"], "--key-file", certs["server_key"]]
+        if client_cert_auth:  # (etcd 3.4 asks every client for a certificate once it has a trusted CA file)
+            cmd += ["--client-cert-auth", "--trusted-ca-file", certs["ca"]]
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     proc = EtcdProcess(popen, url, data_dir, log_path, cmd,
