@@ -8,6 +8,7 @@ peak RSS stays bounded. Nothing waits a fixed time.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import json
 import logging
@@ -65,6 +66,12 @@ class FakeEtcd:
         self.server.server_close()
         self.thread.join(10)
 
+    def __enter__(self) -> FakeEtcd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _send(h: http.server.BaseHTTPRequestHandler, body: bytes, *, length: int | None = None, close: bool = False) -> None:
     h.send_response(200)
@@ -87,10 +94,9 @@ def _kv(key: bytes, value: bytes, mod_revision: object = "3") -> dict:
 
 @pytest.fixture
 def fakes():
-    made = []
-    yield made
-    for f in made:
-        f.close()
+    """``fakes.enter_context(FakeEtcd(...))``: every fake made is closed after the test."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 CLUSTER = "hostile"
@@ -110,8 +116,7 @@ BAD_ANSWERS = {
 
 @pytest.mark.parametrize("case", list(BAD_ANSWERS))
 def test_a_malformed_etcd_answer_is_counted_and_never_raises(case, fakes, caplog):
-    fake = FakeEtcd(BAD_ANSWERS[case])
-    fakes.append(fake)
+    fake = fakes.enter_context(FakeEtcd(BAD_ANSWERS[case]))
     caplog.set_level(logging.WARNING, logger="kvfabric")
     cfg = ClientConfig(timeout_s=5.0, connect_timeout_s=2.0)
     with Client(etcd=fake.url, cluster=CLUSTER, config=cfg) as client:  # must not raise
@@ -144,8 +149,7 @@ def test_a_malformed_watch_message_leaves_the_members_unchanged(fakes, caplog):
             h.wfile.flush()
             h.close_connection = True
 
-        fake = FakeEtcd(lambda h: _send(h, _range([_kv(key, record)])), watch)
-        fakes.append(fake)
+        fake = fakes.enter_context(FakeEtcd(lambda h: _send(h, _range([_kv(key, record)])), watch))
         caplog.set_level(logging.WARNING, logger="kvfabric")
         cfg = ClientConfig(timeout_s=10.0, connect_timeout_s=5.0)
         with Client(etcd=fake.url, cluster=CLUSTER, config=cfg) as client:
@@ -188,13 +192,11 @@ def _probe(fake: FakeEtcd) -> dict:
 
 
 def test_a_256_mib_etcd_answer_is_refused_and_rss_stays_bounded(fakes):
-    empty = FakeEtcd(lambda h: _send(h, _range([])))
-    fakes.append(empty)
+    empty = fakes.enter_context(FakeEtcd(lambda h: _send(h, _range([]))))
     base = _probe(empty)
     assert base["members"] == [] and base["bad"] == 0, base
     for with_length in (True, False):
-        fake = FakeEtcd(_huge(with_length))
-        fakes.append(fake)
+        fake = fakes.enter_context(FakeEtcd(_huge(with_length)))
         got = _probe(fake)
         assert got["members"] == [] and got["bad"] >= 1, (with_length, got)
         # a 16 MiB cap: at most the capped read beyond the baseline (it was +480 MiB before the cap)

@@ -26,7 +26,7 @@ from kvfabric.membership.etcd import EtcdClient
 from kvfabric.membership.registry import encode_member, member_key, read_member
 from kvfabric.testing.etcd import etcd  # noqa: F401  (the fixture)
 from kvfabric.testing.poll import wait_for
-from kvfabric.testing.servers import start_server
+from kvfabric.testing.servers import ServerPool, start_server
 
 WAIT_S = 60.0  # generous: a loaded machine must pass
 TOKEN = "pool-secret-7f3a"
@@ -108,10 +108,8 @@ def recorder():
 
 @pytest.fixture
 def servers():
-    started = []
-    yield started
-    for s in started:
-        s.kill()
+    with ServerPool() as pool:  # stopped after the test, pass or fail
+        yield pool
 
 
 def test_forged_member_entries_get_no_byte_and_real_keys_stay_readable(etcd, servers, recorder, caplog):
