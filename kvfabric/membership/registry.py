@@ -179,6 +179,11 @@ class Registration:
     #: the others are counted in the next one, so an attacker rewriting the key in a loop cannot flood the log
     LOG_BURST = 10
     LOG_WINDOW_S = 60.0
+    #: the first put-back is at once; while the key keeps being taken (within REPEAT_S of the last time)
+    #: each one waits twice as long, up to MAX_DELAY_S: two servers started with one --server-id (an
+    #: operator error) take turns every few seconds instead of rewriting etcd in a hot loop
+    REPEAT_S = 30.0
+    MAX_DELAY_S = 5.0
 
     def __init__(self, etcd: EtcdClient, cluster: str, member: Member, ttl_s: int = 10,
                  token: str | None = None) -> None:
@@ -197,6 +202,8 @@ class Registration:
         self._mine: list[tuple[bytes, int]] = []  # (value, lease) we put lately, newest last: never foreign
         self._revision = 0  # etcd revision of our latest put: the guard watches from after it
         self._window = (0.0, 0)  # (start of the current log window, ERRORs logged in it)
+        self._last_hijack = -1e9  # monotonic time of the last foreign value or delete
+        self._delay = 0.0  # wait before the next put-back (see REPEAT_S)
         self._unlogged = 0
         self._stop = threading.Event()
         self._conn: Any = None  # the guard's watch connection, shut down by stop()
@@ -306,11 +313,16 @@ class Registration:
                 unlogged, self._unlogged = self._unlogged, 0
             else:
                 self._unlogged += 1
+            repeated = now - self._last_hijack < self.REPEAT_S
+            self._delay = min(max(self._delay * 2, 0.05), self.MAX_DELAY_S) if repeated else 0.0
+            self._last_hijack, delay = now, self._delay
         if loud:
             found = "deleted" if ev.kind == "DELETE" else f"overwritten with {ev.value[:200]!r} (lease {ev.lease:x})"
             log.error("kvfabric: our member key %s in etcd %s was %s at mod_revision %d; putting our record back "
                       "under lease %x%s", self.key.decode("utf-8", "replace"), self.etcd.url, found, ev.mod_revision,
                       self.lease, f" ({unlogged} more such changes since the last report)" if unlogged else "")
+        if delay and self._stop.wait(delay):
+            return
         try:
             self._put(self.lease)
         except EtcdError as e:  # a lease that is gone: the keeper registers again; else the next event retries
