@@ -199,10 +199,6 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def _parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
-    return _parse(endpoints)[0]
-
-
 def _parse(endpoints: str) -> tuple[list[tuple[str, str, int]], tuple[str, str] | None]:
     """Endpoints as (scheme, host, port) and the (user, password) given in one of them, if any.
     Errors show the URL with its password masked (:func:`redact_url`)."""
