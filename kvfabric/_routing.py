@@ -1,7 +1,9 @@
 """The ``Client``'s membership and routing (a mixin of ``kvfabric.Client``): the first contact with every
 server, following membership changes (shards kept, added, retired), the routing view keys are hashed
 over (server ids, ``_View``), and key -> owner tables over it. The rules are in ``kvfabric/client.py``'s
-module docstring ("Membership and ownership"); hand-off between views is ``membership/handoff.py``.
+module docstring ("Membership and ownership"); hand-off between views is ``membership/handoff.py``. With a
+membership whose ids are verified (signed etcd records, ``Membership.verifies``), a shard whose HELLO reports
+another id than its record is left out of every view (``_impostor``; counted in ``member_id_mismatches``).
 
 Uses the client's ``config``, ``_membership``, ``_members_lock``, ``_shards``, ``_by_index``, ``_view``,
 ``_previous``, ``_pool``, ``_counters``, ``_reconnector``, ``_registration``, ``_started`` and ``_closed``,

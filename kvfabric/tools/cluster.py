@@ -107,7 +107,7 @@ def ls_main(argv: Sequence[str], out: TextIO = sys.stdout, environ: Mapping[str,
     p = argparse.ArgumentParser(prog="kvfabric cluster ls", description=__doc__.split("\n\n")[0],
                                 epilog="Exit status: 0 etcd answered, 1 it did not, 2 bad arguments.")
     p.add_argument("--etcd", default=None, metavar="URL",
-                   help="etcd endpoint(s), http://HOST:PORT[,...] (default: $KVFABRIC_ETCD)")
+                   help="etcd endpoint(s), https://HOST:PORT or http://HOST:PORT[,...] (default: $KVFABRIC_ETCD)")
     p.add_argument("--cluster", default=None, help="cluster name (default: $KVFABRIC_CLUSTER, else 'default')")
     p.add_argument("--etcd-ca", default=None, metavar="FILE",
                    help="CA file for https:// etcd endpoints (default: $KVFABRIC_ETCD_CA)")
