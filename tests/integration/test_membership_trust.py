@@ -159,6 +159,12 @@ def test_forged_member_entries_get_no_byte_and_real_keys_stay_readable(etcd, ser
         lines = [r.getMessage() for r in caplog.records if f"/members/{sid} " in r.getMessage()]
         assert len(lines) == 1, (sid, lines)
     assert st["member_records_refused"] >= 4  # the overwrite of pool-a (>= 1) + x, y, z
+    # a client that starts now reads the forged entries in its first range read: refused the same way
+    with Client(etcd=etcd.url, cluster=cluster, config=cfg) as late:
+        assert late.stats()["client"]["member_records_refused"] >= 3  # x, y, z (pool-a is real again)
+        assert sorted(late.members) == ["pool-a", "pool-b"], late.members
+        assert late.get(keys) == _values(keys)
+    assert (recorder.connections, bytes(recorder.data)) == (0, b""), recorder
 
 
 def test_a_hijacked_key_is_put_back_and_a_client_routes_back(etcd, servers, recorder, caplog):
