@@ -14,7 +14,8 @@ its environment variable and its ``--help`` line follow. Values keep the types t
 always had (sizes as text such as ``"4GiB"``, or a plain number of bytes from a file; parsed by
 ``kvfabric/sizes.py``); checking them is ``kvfabric/server/main.py``'s, which exits with
 status 2 naming the setting.
-``kvfabric serve --print-config`` prints the effective settings as TOML (the token masked).
+``kvfabric serve --print-config`` prints the effective settings as TOML (the token and an etcd
+password masked).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from ..membership.etcd import redact_url
 from ..protocol.wire import MAX_LEASE_MS
 
 
@@ -176,8 +178,16 @@ class ServerConfig:
                             choices=("always", "never"),
                             why="a torn file is detected and dropped on read; fsync per object costs a disk flush")
     # ------------------------------------------------------------ membership (etcd)
-    etcd: str | None = opt(None, "register in this etcd (http://HOST:PORT, or a comma-separated list) "
-                           "under --cluster", metavar="URL", group="membership", why="static lists need none")
+    etcd: str | None = opt(None, "register in this etcd (https://HOST:PORT or http://HOST:PORT, or a "
+                           "comma-separated list; USER:PASSWORD@ for etcd auth) under --cluster", metavar="URL",
+                           group="membership", why="static lists need none")
+    etcd_ca: str | None = opt(None, "CA file (PEM) that https:// etcd endpoints are verified against (default: "
+                              "the system's trust store)", metavar="FILE", group="membership",
+                              why="production etcd is TLS with its own CA (docs/cluster.md)")
+    etcd_cert: str | None = opt(None, "client certificate (PEM) for an etcd that requires one", metavar="FILE",
+                                group="membership", why="only etcds started with --client-cert-auth need it")
+    etcd_key: str | None = opt(None, "private key of --etcd-cert when it is a separate file", metavar="FILE",
+                               group="membership", why="often in the certificate's own file")
     cluster: str = opt("default", "cluster name to register under", group="membership",
                        why="one cluster per etcd is the common case")
     etcd_ttl: int = opt(10, "etcd lease TTL: a server that dies leaves the cluster this long after",
@@ -188,7 +198,8 @@ class ServerConfig:
                                 group="membership", why="--host is right unless it is a wildcard")
 
     def to_toml(self) -> str:
-        """The settings as a TOML file ``--config`` reads back (None settings left out, token masked)."""
+        """The settings as a TOML file ``--config`` reads back (None settings left out, the token and an
+        etcd password masked)."""
         lines = []
         for f in fields(self):
             v = getattr(self, f.name)
@@ -196,6 +207,8 @@ class ServerConfig:
                 continue
             if f.name == "auth_token":
                 v = "***"
+            elif f.name == "etcd":
+                v = redact_url(v)
             lines.append(f"{f.name} = {_toml_value(v)}")
         return "\n".join(lines) + "\n"
 

@@ -136,10 +136,13 @@ def tier_options(args: ServerConfig) -> dict[str, Any]:
 
 
 def membership_registration(args: ServerConfig, server_id: str, address: str, transports: list[str],
-                            capacity: int) -> Any:
-    """A started :class:`~kvfabric.membership.registry.Registration` for ``--etcd``, or None without it.
-    Exits (status 2) for bad membership options."""
+                            capacity: int, token: str | None = None) -> Any:
+    """A started :class:`~kvfabric.membership.registry.Registration` for ``--etcd``, or None without it;
+    its record is signed with ``token`` (the pool's ``--auth-token``) when there is one. Exits (status 2)
+    for bad membership options."""
     if not args.etcd:
+        if args.etcd_ca or args.etcd_cert or args.etcd_key:
+            raise SystemExit("kvfabric serve: --etcd-ca / --etcd-cert / --etcd-key need --etcd")
         return None
     import os
     import socket
@@ -151,7 +154,8 @@ def membership_registration(args: ServerConfig, server_id: str, address: str, tr
 
     try:
         check_cluster_name(args.cluster)
-        etcd = EtcdClient(args.etcd, timeout_s=max(1.0, min(5.0, args.etcd_ttl / 2)))
+        etcd = EtcdClient(args.etcd, timeout_s=max(1.0, min(5.0, args.etcd_ttl / 2)), ca_file=args.etcd_ca,
+                          cert_file=args.etcd_cert, key_file=args.etcd_key)
     except (ValueError, EtcdError) as e:
         raise SystemExit(f"kvfabric serve: {e}") from None
     if not 1 <= args.etcd_ttl <= 3600:
@@ -170,7 +174,7 @@ def membership_registration(args: ServerConfig, server_id: str, address: str, tr
         info={"transports": transports, "hostname": socket.gethostname(), "pid": os.getpid(),
               "version": __version__, "started_unix": round(time.time(), 3)},
     )
-    reg = Registration(etcd, args.cluster, member, ttl_s=args.etcd_ttl)
+    reg = Registration(etcd, args.cluster, member, ttl_s=args.etcd_ttl, token=token)
     reg.start()
     return reg
 
@@ -408,7 +412,7 @@ def main(argv: list[str]) -> int:
             return 2
         print(f"kvfabric serve: metrics on {metrics.url}", file=sys.stderr, flush=True)
     try:
-        registration = membership_registration(args, server.server_id, server.address, transports, capacity)
+        registration = membership_registration(args, server.server_id, server.address, transports, capacity, token)
     except SystemExit:
         server.stop()
         if metrics is not None:
