@@ -177,6 +177,16 @@ class ServerConfig:
                             "every file is verified when read, so fsync only narrows what a host crash loses)",
                             choices=("always", "never"),
                             why="a torn file is detected and dropped on read; fsync per object costs a disk flush")
+    tier_group: str | None = opt(None, "let this group (name or gid) share the tier directories: files the "
+                                 "server creates there 0640 and directories 0770 of that group (default 0600 / "
+                                 "0700), and a --ssd-path or --shared-path directory of that group may be "
+                                 "group-writable", metavar="GROUP",
+                                 why="the server's uid only unless asked, as --shm-group")
+    tier_dir_insecure_ok: bool = opt(False, "start even when a --ssd-path or --shared-path directory is writable "
+                                     "by group or others, or owned by another uid (anyone who can write it can "
+                                     "plant or remove tier objects)", type=bool,
+                                     why="refused by default, as the shm directory is: such a directory lets "
+                                         "another local user plant objects or redirect the server's writes")
     # ------------------------------------------------------------ membership (etcd)
     etcd: str | None = opt(None, "register in this etcd (https://HOST:PORT or http://HOST:PORT, or a "
                            "comma-separated list; USER:PASSWORD@ for etcd auth) under --cluster", metavar="URL",
@@ -239,7 +249,9 @@ def add_arguments(p: argparse.ArgumentParser, groups: Sequence[str], *, suppress
         kw["default"] = argparse.SUPPRESS if suppress else (list(f.default) if md["kind"] == "multi" else f.default)
         if md["kind"] == "multi":
             kw["action"] = "append"
-        if md["type"] is not str:
+        if md["type"] is bool:  # a switch: given means true
+            kw["action"] = "store_true"
+        elif md["type"] is not str:
             kw["type"] = md["type"]
         if md["choices"]:
             kw["choices"] = list(md["choices"])
@@ -262,7 +274,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if kind == "list" and isinstance(value, list):
             value = ",".join(str(x) for x in value)
         if isinstance(value, str) and source == "env":
-            if typ is int:
+            if typ is bool:
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError("expected 1/0, true/false or yes/no")
+                value = value.lower() in ("1", "true", "yes")
+            elif typ is int:
                 value = int(value)
             elif typ is float:
                 value = float(value)

@@ -337,6 +337,10 @@ def main(argv: list[str]) -> int:
     tier = tier_options(args)
     if args.shared_fsync == "always" and not args.shared_path:
         raise SystemExit("kvfabric serve: --shared-fsync needs --shared-path")
+    given = [f for f, v in (("--tier-group", args.tier_group), ("--tier-dir-insecure-ok", args.tier_dir_insecure_ok))
+             if v]
+    if given and not (args.ssd_path or args.shared_path):
+        raise SystemExit(f"kvfabric serve: {', '.join(given)} need --ssd-path or --shared-path")
     if args.shared_path and not tier:  # one tier thread, one write queue: it bounds the shared tier's copies too
         tier = {"ssd_write_queue": _size("--ssd-write-queue", args.ssd_write_queue)}
         if tier["ssd_write_queue"] < 8192:
@@ -377,7 +381,8 @@ def main(argv: list[str]) -> int:
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
             max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
-            shared_path=args.shared_path, shared_fsync=args.shared_fsync, prefault=too_big is None,
+            shared_path=args.shared_path, shared_fsync=args.shared_fsync, tier_group=args.tier_group,
+            tier_dir_insecure_ok=args.tier_dir_insecure_ok, prefault=too_big is None,
         )
     except ListenError as e:
         print(f"kvfabric serve: {e}", file=sys.stderr)
