@@ -26,6 +26,7 @@ from kvfabric.testing.poll import wait_for
 from kvfabric.testing.servers import start_server
 from test_shm_security import NOBODY, ROOT_ONLY, as_nobody
 from test_tier_shared import WAIT_S, _get, _put, _serve, _serve_fails, _stats, _value
+from test_tier_shared import servers, shared  # noqa: F401  (the fixtures)
 
 TOKEN = "pool-secret-for-the-tier-tests"
 MAC_LABEL = b"kvfabric shared-tier object v2\0"  # csrc/kvf_shared.h KVF_SHARED_MAC_LABEL, its NUL included
@@ -70,21 +71,6 @@ def _key_by_first_level(key: bytes, prefix: bytes, same: bool) -> bytes:
         if (xxhash.xxh3_64_intdigest(k) & 0xff == want) == same and k != key:
             return k
     raise AssertionError("no key found")
-
-
-@pytest.fixture
-def shared(tmp_path):
-    d = tmp_path / "shared"
-    d.mkdir(mode=0o700)
-    return str(d)
-
-
-@pytest.fixture
-def servers():
-    started = []
-    yield started
-    for s in started:
-        s.kill()
 
 
 # ---------------------------------------------------------------- who can read the files
