@@ -250,6 +250,24 @@ def test_a_tier_directory_others_can_write_is_refused_unless_overridden(kind, ho
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_with_a_tier_group_files_are_0640_and_directories_0770_of_that_group(tmp_path, servers):
+    gid = os.getgroups()[0] if os.getgroups() else os.getegid()
+    shared, ssd = tmp_path / "shared", tmp_path / "ssd"
+    for d in (shared, ssd):
+        d.mkdir(mode=0o700)
+    a = start_server(capacity="16MiB", extra_args=["--shared-path", str(shared), "--ssd-path", str(ssd),
+                                                   "--ssd-capacity", "16MiB", "--tier-group", str(gid)])
+    servers.append(a)
+    key = b"group-key"
+    assert _put(a.address, {key: _value(key, 5000)}) == [p.PutStatus.STORED]
+    assert wait_for(lambda: _stats(a.address)["shared_writes"] == 1, WAIT_S), _stats(a.address)
+    path = _path(str(shared), key)
+    got = [(oct(st.st_mode & 0o777), st.st_gid) for st in map(os.stat, (os.path.dirname(os.path.dirname(path)),
+                                                                        os.path.dirname(path), path,
+                                                                        ssd / "kvfabric-tier.v1"))]
+    assert got == [("0o770", gid), ("0o770", gid), ("0o640", gid), ("0o640", gid)], got
+
+
 def test_tier_flags_need_a_tier():
     r = _serve_fails("--tier-dir-insecure-ok")
     assert r.returncode == 2 and "need --ssd-path or --shared-path" in r.stderr, r.stderr
