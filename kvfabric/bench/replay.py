@@ -192,8 +192,35 @@ def _leading(flags: list[bool]) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
+#: How long a tiered replay waits, after one request, for the servers' write-behind to reach SSD.
+SETTLE_TIMEOUT_S = 120.0
+
+
+def _settle_write_behind(client: Any, deadline_s: float = SETTLE_TIMEOUT_S) -> int:
+    """Poll the servers' STATS until none has SSD write-behind queued (``ssd_queue_bytes`` 0); the polls.
+
+    The simulator puts a block evicted from DRAM on SSD at once; a server indexes it there only when
+    its write has completed (until then a LOOKUP does not see it: docs/notes/tier.md). A replay that
+    ran on regardless would count that window, which widens with machine load, as the policy's
+    misses. Raises RuntimeError naming the servers still queued after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    polls, pause = 0, 0.0005
+    while True:
+        servers = client.stats().get("servers", {})
+        polls += 1
+        queued = {a: s.get("ssd_queue_bytes") for a, s in servers.items()
+                  if not isinstance(s, dict) or s.get("ssd_queue_bytes", 0) != 0}
+        if not queued:
+            return polls
+        if time.monotonic() > end:
+            raise RuntimeError(f"the servers' SSD write-behind did not drain within {deadline_s:.0f} s "
+                               f"(ssd_queue_bytes, or the STATS error, by server: {queued})")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
 def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt: ReplayOptions,
-                   desc: str = "replay") -> dict[str, Any]:
+                   desc: str = "replay", settle: bool = False) -> dict[str, Any]:
     """Replay ``trace`` against running servers; returns the three levels, bytes, latencies, throughput.
 
     Two clients: LOOKUP and PUT (what decides the exists level and what the
@@ -206,7 +233,11 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
     Server failures never raise (the clients degrade them to misses); a
     programming error in the client does. With ``opt.key_mode == "chunk"``
     the pool also gets every passage's chunk keys and the chunk level
-    ("reusable with blending") is counted apart (:class:`ChunkCount`).
+    ("reusable with blending") is counted apart (:class:`ChunkCount`). With ``settle`` (servers with
+    an SSD tier), each request's PUTs are followed by a wait until the servers' write-behind has
+    reached SSD (:func:`_settle_write_behind`), so the replay sees what the simulator models; the
+    waits are reported (``settle``) and left out of ``wall_s`` (they fall between requests, outside
+    every latency).
     """
     from ..client import Client  # imported here: the offline commands need no sockets
 
@@ -223,6 +254,7 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
     bt = trace.block_tokens
     deadline_s = opt.deadline_ms / 1000.0
     bar = _progress(len(trace), desc, opt.progress)
+    settled = {"polls": 0, "seconds": 0.0}
     ctl_cfg = ClientConfig(timeout_s=opt.timeout_s, transport="auto")
     data_cfg = ClientConfig(timeout_s=max(opt.timeout_s, deadline_s), transport="auto")
     with Client(list(addresses), config=ctl_cfg) as client, Client(list(addresses), config=data_cfg) as data:
@@ -286,6 +318,10 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
                     moved["puts_dropped"] += res.dropped
                 lat["put"].append(time.perf_counter() - t2)
                 moved["put_bytes"] += len(todo) * block_bytes
+                if settle:
+                    t3 = time.perf_counter()
+                    settled["polls"] += _settle_write_behind(client)
+                    settled["seconds"] += time.perf_counter() - t3
             levels["exists"].add(trace, i, run)
             levels["loaded"].add(trace, i, loaded)
             levels["useful"].add(trace, i, useful)
@@ -294,7 +330,7 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
                 clevels["loaded"].add_blocks(trace, i, cloaded)
                 clevels["useful"].add_blocks(trace, i, cuseful)
             bar.update(1)
-        wall = time.perf_counter() - t_start
+        wall = time.perf_counter() - t_start - settled["seconds"]
         all_stats = client.stats()
         server_stats = all_stats.get("servers", {})
         data_stats = data.stats().get("client", {})
@@ -317,6 +353,8 @@ def replay_against(trace: Trace, addresses: Sequence[str], block_bytes: int, opt
     }
     if any(isinstance(s, dict) and "ssd_capacity" in s for s in server_stats.values()):
         out["ssd"] = tier_stats(server_stats)
+    if settle:
+        out["settle"] = {"stats_polls": settled["polls"], "seconds": settled["seconds"]}
     if chunks:
         out["chunk_levels"] = {k: v.as_dict() for k, v in clevels.items()}
     return out
@@ -451,7 +489,7 @@ def run_replay(trace: Trace, opt: ReplayOptions) -> dict[str, Any]:
                 pool = (start_tiered_pool(opt.shards, per_shard * slot, pol, ssd_dir, ssd_bytes, admit, args) if tier else
                         start_pool(opt.shards, capacity=per_shard * slot, policy=pol, extra_args=list(args)))
                 with pool:
-                    out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {label}")
+                    out = replay_against(trace, pool.addresses, block_bytes, opt, f"replay {label}", settle=bool(tier))
                     addresses = pool.addresses
                     dead = pool.deaths()
                     if dead:  # the figures would be a dead server's misses, not the policy's
