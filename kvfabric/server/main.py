@@ -221,7 +221,18 @@ def validate_common(args: ServerConfig | argparse.Namespace) -> tuple[int, str |
     elif token is not None and not token.strip():
         # An empty token would be one that anyone can send; never read it as "auth off" either.
         raise SystemExit("kvfabric serve: --auth-token must not be empty (omit it to run without authentication)")
+    if token is not None and "\0" in token:  # HMAC pads keys with zero bytes: "t" and "t\0" would be one key
+        raise SystemExit("kvfabric serve: the auth token must not contain a NUL character")
     return capacity, token, min_rate
+
+
+def warn_without_token(token: str | None, etcd: str | None) -> None:
+    """Say once, at WARNING, what running without a pool token means (after logging is set up)."""
+    if token is not None:
+        return
+    log.warning("no --auth-token: any peer that can reach this server's port can read and write every key%s; "
+                "set --auth-token (or --auth-token-file) on every server and client to stop that",
+                " and, with --etcd, any member entry in etcd is trusted" if etcd else "")
 
 
 def _ids(flag: str, text: str) -> list[int]:
@@ -349,6 +360,7 @@ def main(argv: list[str]) -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warn_without_token(token, args.etcd)
     raise_fd_limit(args.max_connections + 64)
 
     from .memory import available_memory, dram_needs, over_memory_warning

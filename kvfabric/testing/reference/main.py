@@ -20,6 +20,7 @@ from ...server.main import (
     exit_2_on_bad_options,
     raise_fd_limit,
     validate_common,
+    warn_without_token,
 )
 from .handlers import Handlers
 from .store import Store
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> int:
     capacity, token, min_rate = validate_common(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    warn_without_token(token, None)
     threading.stack_size(512 * 1024)  # many connection threads; they need little stack
     raise_fd_limit(args.max_connections + 64)
 
