@@ -231,7 +231,7 @@ class _Shard:
                                      hello_timeout_s=max(hello_s, 0.001))
         except AuthError as e:  # it never got a key, a PUT or a lookup; the caller marks the shard down
             self._counters.add(servers_refused=1)
-            log.error("kvfabric: %s; its keys are misses until it proves it (retried in the background)", e.message)
+            log.error("kvfabric: %s; its keys are misses (retried in the background)", e.message)
             raise
         if self.transport is not None and self.transport != conn.name:
             log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)

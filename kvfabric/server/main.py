@@ -360,7 +360,6 @@ def main(argv: list[str]) -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    warn_without_token(token, args.etcd)
     raise_fd_limit(args.max_connections + 64)
 
     from .memory import available_memory, dram_needs, over_memory_warning
@@ -402,6 +401,7 @@ def main(argv: list[str]) -> int:
     except TransportUnavailable as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)
         return 2
+    warn_without_token(token, args.etcd)  # once it serves: a server that did not start opened nothing
     metrics = None
     if args.metrics_port is not None:
         from .metrics import MetricsServer

@@ -44,7 +44,6 @@ def main(argv: list[str]) -> int:
     capacity, token, min_rate = validate_common(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    warn_without_token(token, None)
     threading.stack_size(512 * 1024)  # many connection threads; they need little stack
     raise_fd_limit(args.max_connections + 64)
 
@@ -60,6 +59,7 @@ def main(argv: list[str]) -> int:
         print(f"kvfabric serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     handlers.server_id = args.server_id or f"{host}:{port}"
+    warn_without_token(token, None)
     received: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
