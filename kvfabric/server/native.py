@@ -52,7 +52,7 @@ from typing import Any
 
 import msgpack
 
-from .. import __version__, protocol
+from .. import __version__
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy

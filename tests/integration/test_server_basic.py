@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvfabric import protocol as P
-from kvfabric.errors import AuthError, ErrorCode, RemoteError, TransportError
+from kvfabric.errors import AuthError, ErrorCode, TransportError
 from kvfabric.testing import start_pool, start_server
 from kvfabric.transport.tcp import connect
 
