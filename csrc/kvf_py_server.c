@@ -61,7 +61,7 @@ PyDoc_STRVAR(Server_doc,
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
 "       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=(), idle_ms=0,\n"
 "       preauth_ms=0, drain_ms=0, reply_conn_budget=0, reply_budget=0, request_budget=0, reserve_budget=0,\n"
-"       shared_path=None, shared_fsync=0, server_id='')\n"
+"       shared_path=None, shared_fsync=0, tier_gid=-1, server_id='')\n"
 "The io_uring data plane over a memfd arena of `capacity` bytes. hello_pairs: the HELLO reply's\n"
 "static entries (msgpack key/value pairs, no map header); C adds auth_required and, with auth\n"
 "(the pool token), the connection's nonce and its proof over server_id (kvfabric.protocol.auth). The caller owns the\n"
@@ -71,7 +71,8 @@ PyDoc_STRVAR(Server_doc,
 "shm_uids / shm_gids: peers of the unix socket allowed besides the server's own uid\n"
 "(SO_PEERCRED; a gid matches the peer's effective or any supplementary group).\n"
 "shared_path: the shared-filesystem tier's directory (kvf_shared.h; shared_fsync 1: fdatasync\n"
-"every object before it is linked into place); NativeError when it cannot be used.\n"
+"every object before it is linked into place); NativeError when it cannot be used. With auth, its\n"
+"files carry a MAC keyed by the token (format 2). tier_gid: the tier group (-1 none).\n"
 "Raises ValueError for bad sizes, NativeError when io_uring or the memory is unavailable.");
 
 /* A sequence of at most 64 uids/gids -> a PyMem array (NULL when empty). 0 or -1 with an exception. */
@@ -106,7 +107,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
                              "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
                              "shm_uids", "shm_gids", "idle_ms", "preauth_ms", "drain_ms", "reply_conn_budget",
-                             "reply_budget", "request_budget", "reserve_budget", "shared_path", "shared_fsync",
+                             "reply_budget", "request_budget", "reserve_budget", "shared_path", "shared_fsync", "tier_gid",
                              "server_id", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -114,6 +115,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     PyObject *hello = NULL, *extra = NULL;
     const char *auth = NULL, *shared_path = NULL, *server_id = "";
     int shared_fsync = KVF_SHARED_FSYNC_NEVER;
+    long long tier_gid = -1;
     cfg.max_conns = 1024;
     cfg.max_keys = KVF_MAX_KEYS_PER_BATCH;
     cfg.max_key_bytes = KVF_MAX_KEY_BYTES;
@@ -125,13 +127,13 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     unsigned long long min_rate = 0, reply_conn_budget = 0, reply_budget = 0, request_budget = 0, reserve_budget = 0;
     PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKziz", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKziLz", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
                                      &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o, &cfg.idle_ms, &cfg.preauth_ms,
                                      &cfg.drain_ms, &reply_conn_budget, &reply_budget, &request_budget, &reserve_budget,
-                                     &shared_path, &shared_fsync, &server_id))
+                                     &shared_path, &shared_fsync, &tier_gid, &server_id))
         return -1;
     if (id_list(uids_o, &self->shm_uids, &cfg.n_shm_uids, "shm_uids") ||
         id_list(gids_o, &self->shm_gids, &cfg.n_shm_gids, "shm_gids"))
@@ -158,7 +160,14 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
             PyErr_SetString(PyExc_ValueError, "shared_fsync must be 0 (never) or 1 (always)");
             return -1;
         }
-        rc = kvf_shared_open(&self->shared, shared_path, shared_fsync);
+        /* with a token, every file carries a MAC keyed by it (kvf_shared.h, format 2) */
+        size_t alen = auth ? strlen(auth) : 0;
+        if (alen > KVF_SHARED_KEY_MAX) {
+            PyErr_Format(PyExc_ValueError, "auth token over %u bytes", KVF_SHARED_KEY_MAX);
+            return -1;
+        }
+        struct kvf_shared_cfg sc = {shared_path, shared_fsync, tier_gid, (const uint8_t *)auth, (uint32_t)alen};
+        rc = kvf_shared_open(&self->shared, &sc);
         if (rc) { raise_errno(rc, 0, "opening the shared tier directory"); return -1; }
         cfg.shared = self->shared;
     }
@@ -355,24 +364,28 @@ static PyObject *Server_auth_failures(ServerObject *self, PyObject *noargs)
 }
 
 PyDoc_STRVAR(tier_open_doc,
-"tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0)\n"
+"tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0, gid=-1)\n"
 "Open the SSD tier (one file per directory in paths; capacity bytes in all), rebuild its index from\n"
 "the files and attach it: evicted objects are written behind, GET/LOOKUP read missing keys back.\n"
 "admit: 0 all, 1 only objects read at least once. promote_max: bytes of arena slots (whole 4 KiB\n"
 "pages per object) one request may promote "
 "(0: capacity of the arena / 4). Before run(). Raises OSError(errno, reason) when a path is missing\n"
 "or unwritable, O_DIRECT is unsupported (EINVAL), the space cannot be preallocated (ENOSPC).\n"
-"paths may be empty (no SSD tier: the tier thread alone, for the shared tier of shared_path).");
+"paths may be empty (no SSD tier: the tier thread alone, for the shared tier of shared_path).\n"
+"gid: the tier group (-1 none): a new tier file is 0640 of it, an existing one may be group-readable.\n"
+"A tier file that is a symlink, not a regular file, has other links, belongs to another uid or is\n"
+"open to group or others beyond that is refused (OSError with the reason).");
 
 static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"paths", "capacity", "admit", "write_queue", "promote_max", NULL};
+    static char *kwlist[] = {"paths", "capacity", "admit", "write_queue", "promote_max", "gid", NULL};
     PyObject *paths_o;
     unsigned long long capacity, write_queue = 64ull << 20, promote_max = 0;
     int admit = 0;
+    long long gid = -1;
     NEED_SRV(self);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OK|iKK", kwlist, &paths_o, &capacity, &admit, &write_queue,
-                                     &promote_max))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OK|iKKL", kwlist, &paths_o, &capacity, &admit, &write_queue,
+                                     &promote_max, &gid))
         return NULL;
     if (self->tier || self->running) return PyErr_Format(PyExc_RuntimeError, "tier already open, or running");
     if (admit != KVF_ADMIT_ALL && admit != KVF_ADMIT_HIT) return PyErr_Format(PyExc_ValueError, "admit is 0 or 1");
@@ -388,8 +401,12 @@ static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *
         paths[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
         if (!paths[i]) { Py_DECREF(seq); return NULL; }
     }
+    if (gid < -1 || gid >= (long long)UINT32_MAX) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "gid must be -1 (none) or a group id");
+    }
     struct kvf_tier_cfg cfg = {paths, (uint32_t)n, capacity, write_queue, admit,
-                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4};
+                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4, gid};
     char err[512];
     int rc;
     struct kvf_tier *t = NULL;

@@ -1,14 +1,19 @@
 /* kvf_shared.c: the shared-filesystem tier: write once by key, read and verify by key (see kvf_shared.h).
  *
  * Every path is relative to the directory's fd (openat & co.), so the tier
- * keeps working on the directory it validated even if the path is replaced.
- * A write is: skip if the final name exists; write header + value to an
- * O_EXCL temporary in the final directory; fdatasync (fsync "always"); close
- * (NFS reports write errors there); link it into place without replacing
- * (renameat2 NOREPLACE, else link + unlink, else rename); fsync the directory
- * ("always"). A read is: open the final name, fstat, one preadv of header and
- * value, verify the header (magic, version, lengths, key, header checksum,
- * file length) and then the value's checksum under the key asked for.
+ * keeps working on the directory it validated even if the path is replaced;
+ * each fan-out level is opened on its own (O_NOFOLLOW | O_DIRECTORY, then
+ * fstat: ours, not writable by others), so no symlink below the root is ever
+ * followed (open_leaf). A write is: skip if the final name holds a file of
+ * ours (with a MAC key: one whose MAC is this object's); write header + value
+ * to an O_EXCL temporary in the final directory; fdatasync (fsync "always");
+ * close (NFS reports write errors there); link it into place without
+ * replacing (renameat2 NOREPLACE, else link + unlink, else rename), or rename
+ * it over a file that readers refuse; fsync the directory ("always"). A read
+ * is: open the final name (O_NOFOLLOW | O_NONBLOCK), fstat (a regular file of
+ * ours), one preadv of header and value, verify the header (magic, version,
+ * lengths, key, header checksum, file length), the value's checksum under the
+ * key asked for, then the MAC.
  */
 #define _GNU_SOURCE
 #include "kvf_shared.h"
@@ -26,6 +31,7 @@
 #include <unistd.h>
 
 #include "kvf_hash.h"
+#include "kvf_mac.h"
 #include "kvf_mpack.h"
 #include "kvf_store.h" /* KVF_KEY_MAX */
 
@@ -33,13 +39,18 @@
 #error "the shared tier's file format is little-endian; this file assumes a little-endian host"
 #endif
 
-#define HDR_MAX (KVF_SHARED_HEADER_FIXED + KVF_KEY_MAX)
-/* "xx/yy/" + 2 hex per key byte + ".kvf" / ".<hex>.<16 hex>.<16 hex>.tmp" + NUL */
-#define NAME_MAX_LEN (6 + 1 + 2 * KVF_KEY_MAX + 2 + 16 + 1 + 16 + 5)
+#define HDR_MAX (KVF_SHARED_HEADER_FIXED + KVF_KEY_MAX + KVF_SHARED_MAC_BYTES)
+/* a name inside the leaf directory: 2 hex per key byte + ".kvf" / ".<hex>.<16 hex>.<16 hex>.tmp" + NUL */
+#define NAME_MAX_LEN (1 + 2 * KVF_KEY_MAX + 2 + 16 + 1 + 16 + 5)
 
 struct kvf_shared {
     int dirfd;
     int fsync_mode;
+    uid_t uid, euid;   /* the owner our files get (the probe's), and ours */
+    int64_t gid;       /* the tier group, or -1 */
+    mode_t fmode, dmode; /* of the files and directories we create */
+    uint32_t mac_len;  /* 0: no MAC (version 1 files) */
+    uint8_t mac_key[KVF_SHARED_KEY_MAX];
     int no_noreplace; /* renameat2(RENAME_NOREPLACE) unsupported here: use link() */
     int no_link;      /* link() unsupported too: plain rename */
     uint64_t nonce;   /* random per open: temporaries of servers sharing the directory never collide */
@@ -64,14 +75,14 @@ static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v
 
 /* ---------------------------------------------------------------- names */
 
-/* "xx/yy/" of key into out (6 chars, no NUL). */
-static void fanout(const uint8_t *key, uint32_t klen, char *out)
+/* The fan-out directory names of key: "xx" and "yy" (NUL-terminated). */
+static void fanout(const uint8_t *key, uint32_t klen, char xx[3], char yy[3])
 {
     static const char hx[] = "0123456789abcdef";
     uint64_t h = kvf_xxh3_64(key, klen);
     uint8_t a = (uint8_t)h, b = (uint8_t)(h >> 8);
-    out[0] = hx[a >> 4]; out[1] = hx[a & 15]; out[2] = '/';
-    out[3] = hx[b >> 4]; out[4] = hx[b & 15]; out[5] = '/';
+    xx[0] = hx[a >> 4]; xx[1] = hx[a & 15]; xx[2] = 0;
+    yy[0] = hx[b >> 4]; yy[1] = hx[b & 15]; yy[2] = 0;
 }
 
 static size_t hexkey(const uint8_t *key, uint32_t klen, char *out)
@@ -81,37 +92,128 @@ static size_t hexkey(const uint8_t *key, uint32_t klen, char *out)
     return 2 * (size_t)klen;
 }
 
-/* The final name "xx/yy/<hex>.kvf" relative to the directory. */
+/* The final name "<hex>.kvf" inside the key's leaf directory. */
 static void final_name(const uint8_t *key, uint32_t klen, char *out)
 {
-    fanout(key, klen, out);
-    size_t n = 6 + hexkey(key, klen, out + 6);
+    size_t n = hexkey(key, klen, out);
     memcpy(out + n, ".kvf", 5);
+}
+
+/* ---------------------------------------------------------------- trust */
+
+static int refused(struct kvf_shared *sh)
+{
+    CTR_ADD(sh, refused, 1);
+    return -EPERM;
+}
+
+/* 1 when what st describes may be used: owned by the uid our files get (or ours, or of the tier
+ * group) and not writable by others. */
+static int trusted(const struct kvf_shared *sh, const struct stat *st)
+{
+    int owner = st->st_uid == sh->uid || st->st_uid == sh->euid || (sh->gid >= 0 && st->st_gid == (gid_t)sh->gid);
+    return owner && !(st->st_mode & S_IWOTH);
+}
+
+/* Give a file or directory we just created its exact mode (the umask may have cut it) and the tier
+ * group; 0 or -errno. */
+static int set_mode(const struct kvf_shared *sh, int fd, mode_t mode)
+{
+    if (sh->gid >= 0 && fchown(fd, (uid_t)-1, (gid_t)sh->gid)) return -errno;
+    return fchmod(fd, mode) ? -errno : 0;
+}
+
+/* Open the directory `name` under `at` without following a symlink; with `create`, make it when it
+ * is absent (0700, or 0770 of the tier group). Returns an fd, -ENOENT (absent), -EPERM (refused: a
+ * symlink, not a directory, not ours or writable by others; counted) or -errno. */
+static int open_subdir(struct kvf_shared *sh, int at, const char *name, int create)
+{
+    int made = 0, tried = 0;
+    for (;;) {
+        int fd = openat(at, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd >= 0) {
+            struct stat st;
+            int rc = fstat(fd, &st) ? -errno : 0;
+            if (!rc && !trusted(sh, &st)) rc = refused(sh);
+            if (!rc && made) rc = set_mode(sh, fd, sh->dmode);
+            if (rc) { close(fd); return rc; }
+            return fd;
+        }
+        int e = errno;
+        if (e == ELOOP || e == ENOTDIR) return refused(sh); /* a symlink, or not a directory */
+        if (e != ENOENT || !create || tried) return -e;
+        tried = 1;
+        if (mkdirat(at, name, 0700) == 0) made = 1;
+        else if (errno != EEXIST) return -errno;
+    }
+}
+
+/* The key's leaf directory DIR/xx/yy, each level opened by open_subdir; an fd or -errno as it. */
+static int open_leaf(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, int create)
+{
+    char xx[3], yy[3];
+    fanout(key, klen, xx, yy);
+    int a = open_subdir(sh, sh->dirfd, xx, create);
+    if (a < 0) return a;
+    int b = open_subdir(sh, a, yy, create);
+    close(a);
+    return b;
 }
 
 /* ---------------------------------------------------------------- header */
 
-static size_t header_build(uint8_t *h, const uint8_t *key, uint32_t klen, uint64_t size, uint64_t csum)
+/* Header bytes of a file of key under this tier: 40 + klen, + the MAC with a MAC key. */
+static uint32_t header_len(const struct kvf_shared *sh, uint32_t klen)
 {
+    return KVF_SHARED_HEADER_FIXED + klen + (sh->mac_len ? KVF_SHARED_MAC_BYTES : 0);
+}
+
+/* The file's MAC: HMAC-SHA256(token, label || header bytes [0, 32 + klen) || value). */
+static void file_mac(const struct kvf_shared *sh, const uint8_t *h, uint32_t klen, const uint8_t *val,
+                     uint64_t size, uint8_t out[KVF_SHARED_MAC_BYTES])
+{
+    const void *parts[3] = {KVF_SHARED_MAC_LABEL, h, val};
+    const size_t lens[3] = {sizeof KVF_SHARED_MAC_LABEL, 32 + (size_t)klen, (size_t)size};
+    kvf_hmac_sha256(sh->mac_key, sh->mac_len, size ? 3 : 2, parts, lens, out);
+}
+
+static size_t header_build(const struct kvf_shared *sh, uint8_t *h, const uint8_t *key, uint32_t klen,
+                           const uint8_t *val, uint64_t size, uint64_t csum)
+{
+    uint32_t hlen = header_len(sh, klen);
     memset(h, 0, 32);
     memcpy(h, KVF_SHARED_MAGIC, 4);
-    put16(h + 4, KVF_SHARED_VERSION);
-    put16(h + 6, (uint16_t)(KVF_SHARED_HEADER_FIXED + klen));
+    put16(h + 4, sh->mac_len ? KVF_SHARED_VERSION_MAC : KVF_SHARED_VERSION);
+    put16(h + 6, (uint16_t)hlen);
     h[8] = (uint8_t)klen;
     put64(h + 16, size);
     put64(h + 24, csum);
     memcpy(h + 32, key, klen);
     put64(h + 32 + klen, kvf_xxh3_64(h, 32 + klen));
-    return KVF_SHARED_HEADER_FIXED + klen;
+    if (sh->mac_len) file_mac(sh, h, klen, val, size, h + KVF_SHARED_HEADER_FIXED + klen);
+    return hlen;
 }
 
-/* 0 when h (hlen bytes read) is a valid version-1 header for key whose value
- * is file_size - hlen bytes long (its size and checksum out); -EBADMSG otherwise. */
-static int header_check(const uint8_t *h, const uint8_t *key, uint32_t klen, uint64_t file_size, uint64_t *size,
-                        uint64_t *csum)
+/* 0 when h (header_len bytes read) is a valid header of this tier's version
+ * for key whose value is file_size - hlen bytes long (its size and checksum
+ * out); -EPERM (counted in mac_refused) for a file of the other version
+ * (with a MAC when this tier has no key, or without one when it has);
+ * -EBADMSG otherwise. The MAC itself is checked once the value is read. */
+static int other_version(struct kvf_shared *sh, const uint8_t *h)
 {
-    uint32_t hlen = KVF_SHARED_HEADER_FIXED + klen;
-    if (memcmp(h, KVF_SHARED_MAGIC, 4) || get16(h + 4) != KVF_SHARED_VERSION || get16(h + 6) != hlen ||
+    uint16_t v = get16(h + 4), other = sh->mac_len ? KVF_SHARED_VERSION : KVF_SHARED_VERSION_MAC;
+    if (memcmp(h, KVF_SHARED_MAGIC, 4) || v != other) return 0;
+    CTR_ADD(sh, mac_refused, 1);
+    return -EPERM;
+}
+
+static int header_check(struct kvf_shared *sh, const uint8_t *h, const uint8_t *key, uint32_t klen,
+                        uint64_t file_size, uint64_t *size, uint64_t *csum)
+{
+    uint32_t hlen = header_len(sh, klen);
+    uint16_t want = sh->mac_len ? KVF_SHARED_VERSION_MAC : KVF_SHARED_VERSION;
+    if (other_version(sh, h)) return -EPERM;
+    if (memcmp(h, KVF_SHARED_MAGIC, 4) || get16(h + 4) != want || get16(h + 6) != hlen ||
         h[8] != klen || memcmp(h + 32, key, klen))
         return -EBADMSG;
     for (int i = 9; i < 16; i++)
@@ -125,32 +227,45 @@ static int header_check(const uint8_t *h, const uint8_t *key, uint32_t klen, uin
 
 /* ---------------------------------------------------------------- open */
 
-int kvf_shared_open(struct kvf_shared **out, const char *dir, int fsync_mode)
+int kvf_shared_open(struct kvf_shared **out, const struct kvf_shared_cfg *cfg)
 {
     *out = NULL;
-    if (fsync_mode != KVF_SHARED_FSYNC_NEVER && fsync_mode != KVF_SHARED_FSYNC_ALWAYS) return -EINVAL;
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (cfg->fsync_mode != KVF_SHARED_FSYNC_NEVER && cfg->fsync_mode != KVF_SHARED_FSYNC_ALWAYS) return -EINVAL;
+    if (cfg->gid < -1 || cfg->gid >= (int64_t)UINT32_MAX) return -EINVAL;
+    if (cfg->mac_key && (cfg->mac_key_len == 0 || cfg->mac_key_len > KVF_SHARED_KEY_MAX)) return -EINVAL;
+    int dfd = open(cfg->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) return -errno;
     struct kvf_shared *sh = calloc(1, sizeof *sh);
     if (!sh) { close(dfd); return -ENOMEM; }
     sh->dirfd = dfd;
-    sh->fsync_mode = fsync_mode;
+    sh->fsync_mode = cfg->fsync_mode;
+    sh->gid = cfg->gid;
+    sh->fmode = cfg->gid >= 0 ? 0640 : 0600;
+    sh->dmode = cfg->gid >= 0 ? 0770 : 0700;
+    sh->euid = geteuid();
+    if (cfg->mac_key) {
+        memcpy(sh->mac_key, cfg->mac_key, cfg->mac_key_len);
+        sh->mac_len = cfg->mac_key_len;
+    }
     if (getrandom(&sh->nonce, sizeof sh->nonce, GRND_NONBLOCK) != (ssize_t)sizeof sh->nonce)
         sh->nonce = now_us() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)sh;
-    /* probe: can we create, write and remove a file here? */
+    /* probe: can we create, write and remove a file here? Its owner is the uid our files get. */
     char probe[48];
     snprintf(probe, sizeof probe, ".probe.%016llx.tmp", (unsigned long long)sh->nonce);
-    int fd = openat(dfd, probe, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    int fd = openat(dfd, probe, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     int rc = 0;
     if (fd < 0) {
         rc = -errno;
     } else {
-        if (write(fd, "k", 1) != 1) rc = errno ? -errno : -EIO;
-        if (!rc && fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fdatasync(fd)) rc = -errno;
+        struct stat st;
+        if (fstat(fd, &st)) rc = -errno;
+        else sh->uid = st.st_uid;
+        if (!rc && write(fd, "k", 1) != 1) rc = errno ? -errno : -EIO;
+        if (!rc && cfg->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fdatasync(fd)) rc = -errno;
         if (close(fd) && !rc) rc = -errno;
         if (unlinkat(dfd, probe, 0) && !rc) rc = -errno;
     }
-    if (rc) { close(dfd); free(sh); return rc; }
+    if (rc) { close(dfd); explicit_bzero(sh->mac_key, sizeof sh->mac_key); free(sh); return rc; }
     *out = sh;
     return 0;
 }
@@ -159,19 +274,21 @@ void kvf_shared_close(struct kvf_shared *sh)
 {
     if (!sh) return;
     close(sh->dirfd);
+    explicit_bzero(sh->mac_key, sizeof sh->mac_key);
     free(sh);
 }
 
 /* ---------------------------------------------------------------- read */
 
-/* A file that failed verification: unlink name if it is still the file fd
- * has open (a writer may have put a good one there since), count it. */
-static int drop_corrupt(struct kvf_shared *sh, const char *name, int fd)
+/* A file that failed verification: unlink name (in the leaf directory dfd)
+ * if it is still the file fd has open (a writer may have put a good one
+ * there since), count it. */
+static int drop_corrupt(struct kvf_shared *sh, int dfd, const char *name, int fd)
 {
     struct stat a, b;
-    if (fstat(fd, &a) == 0 && fstatat(sh->dirfd, name, &b, AT_SYMLINK_NOFOLLOW) == 0 && a.st_dev == b.st_dev &&
+    if (fstat(fd, &a) == 0 && fstatat(dfd, name, &b, AT_SYMLINK_NOFOLLOW) == 0 && a.st_dev == b.st_dev &&
         a.st_ino == b.st_ino)
-        unlinkat(sh->dirfd, name, 0);
+        unlinkat(dfd, name, 0);
     CTR_ADD(sh, corrupt, 1);
     return -EBADMSG;
 }
@@ -195,6 +312,23 @@ static int read_full(int fd, struct iovec *iov, int n)
     return 0;
 }
 
+/* Open name in the leaf directory dfd for reading: never following a
+ * symlink, never blocking (a FIFO), and only a regular file of ours (fstat
+ * into *st). An fd, -ENOENT, -EPERM (refused, counted) or -errno. */
+static int open_file(struct kvf_shared *sh, int dfd, const char *name, struct stat *st)
+{
+    int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT) return -ENOENT;
+        if (e == ELOOP || e == ENXIO) return refused(sh); /* a symlink; a socket */
+        return -e;
+    }
+    if (fstat(fd, st)) { int e = errno; close(fd); return -e; }
+    if (!S_ISREG(st->st_mode) || !trusted(sh, st)) { close(fd); return refused(sh); }
+    return fd;
+}
+
 /* Where a read puts the value: dst[0..cap), or a buffer alloc gives once the size is known. */
 struct dest {
     uint8_t *dst;
@@ -203,39 +337,65 @@ struct dest {
     void *arg;
 };
 
-/* Open key's file and read (and check) its header; the value too when it
- * fits in d (or alloc made room for it). 0 with *fdp open; -ENOENT; -EBADMSG
- * (dropped, counted); alloc's -errno; other -errno (counted). */
-static int open_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, char *name, int *fdp,
-                       struct dest *d, uint64_t *size, uint64_t *csum)
-{
-    final_name(key, klen, name);
-    int fd = openat(sh->dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) {
-        int e = errno;
-        if (e == ENOENT || e == ENOTDIR) return -ENOENT;
-        CTR_ADD(sh, errors, 1);
-        return -e;
-    }
-    struct stat st;
-    if (fstat(fd, &st)) { int e = errno; close(fd); CTR_ADD(sh, errors, 1); return -e; }
-    uint32_t hlen = KVF_SHARED_HEADER_FIXED + klen;
+/* The open object of a read: its leaf directory, its name there, the file and its header. */
+struct obj {
+    int dfd, fd;
+    char name[NAME_MAX_LEN];
     uint8_t h[HDR_MAX];
+};
+
+static void obj_close(struct obj *o)
+{
+    if (o->fd >= 0) close(o->fd);
+    if (o->dfd >= 0) close(o->dfd);
+}
+
+/* Open key's file and read (and check) its header; the value too when it
+ * fits in d (or alloc made room for it). 0 with o's fds open (obj_close);
+ * -ENOENT; -EPERM (refused, counted); -EBADMSG (dropped, counted); alloc's
+ * -errno; other -errno (counted). */
+static int open_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, struct obj *o, struct dest *d,
+                       uint64_t *size, uint64_t *csum)
+{
+    o->dfd = o->fd = -1;
+    int rc = open_leaf(sh, key, klen, 0);
+    if (rc < 0) {
+        if (rc == -ENOENT || rc == -EPERM) return rc;
+        CTR_ADD(sh, errors, 1);
+        return rc;
+    }
+    o->dfd = rc;
+    final_name(key, klen, o->name);
+    struct stat st;
+    rc = open_file(sh, o->dfd, o->name, &st);
+    if (rc < 0) {
+        if (rc != -ENOENT && rc != -EPERM) CTR_ADD(sh, errors, 1);
+        return rc;
+    }
+    o->fd = rc;
+    uint32_t hlen = header_len(sh, klen);
     uint64_t file_size = (uint64_t)st.st_size;
-    if (!S_ISREG(st.st_mode) || file_size < hlen) { int rc = drop_corrupt(sh, name, fd); close(fd); return rc; }
+    if (file_size < hlen) {
+        /* too short for a header of ours: a file of the other version (refused) or torn */
+        struct iovec iov = {o->h, 8};
+        rc = file_size >= 8 ? read_full(o->fd, &iov, 1) : -EBADMSG;
+        if (rc == 0 && other_version(sh, o->h)) return -EPERM;
+        if (rc == 0 || rc == -EBADMSG) return drop_corrupt(sh, o->dfd, o->name, o->fd);
+        CTR_ADD(sh, errors, 1);
+        return rc;
+    }
     uint64_t vs = file_size - hlen; /* the value's size if the header agrees (checked below) */
     if (d->alloc && vs) {
-        int rc = d->alloc(d->arg, vs, &d->dst);
-        if (rc) { close(fd); return rc; }
+        rc = d->alloc(d->arg, vs, &d->dst);
+        if (rc) return rc;
         d->cap = vs;
     }
-    struct iovec iov[2] = {{h, hlen}, {d->dst, vs}};
-    int rc = read_full(fd, iov, d->dst && vs && vs <= d->cap ? 2 : 1);
-    if (rc == 0) rc = header_check(h, key, klen, file_size, size, csum);
-    if (rc == -EBADMSG) { drop_corrupt(sh, name, fd); close(fd); return rc; }
-    if (rc) { close(fd); CTR_ADD(sh, errors, 1); return rc; }
-    *fdp = fd;
-    return 0;
+    struct iovec iov[2] = {{o->h, hlen}, {d->dst, vs}};
+    rc = read_full(o->fd, iov, d->dst && vs && vs <= d->cap ? 2 : 1);
+    if (rc == 0) rc = header_check(sh, o->h, key, klen, file_size, size, csum);
+    if (rc == -EBADMSG) return drop_corrupt(sh, o->dfd, o->name, o->fd);
+    if (rc && rc != -EPERM) CTR_ADD(sh, errors, 1);
+    return rc;
 }
 
 static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, struct dest *d, uint64_t *size,
@@ -244,10 +404,9 @@ static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     if (!d->dst && !d->alloc) d->cap = 0;
     uint64_t t0 = now_us();
-    char name[NAME_MAX_LEN];
-    int fd = -1;
+    struct obj o;
     uint64_t sz = 0, cs = 0;
-    int rc = open_object(sh, key, klen, name, &fd, d, &sz, &cs);
+    int rc = open_object(sh, key, klen, &o, d, &sz, &cs);
     if (rc == -ENOENT) {
         CTR_ADD(sh, misses, 1);
     } else if (rc == 0) {
@@ -256,8 +415,14 @@ static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
             rc = -E2BIG;
         } else {
             CTR_ADD(sh, reads, 1);
+            uint8_t mac[KVF_SHARED_MAC_BYTES];
             if (kvf_obj_hash(key, klen, d->dst, sz) != cs) {
-                rc = drop_corrupt(sh, name, fd);
+                rc = drop_corrupt(sh, o.dfd, o.name, o.fd);
+            } else if (sh->mac_len &&
+                       (file_mac(sh, o.h, klen, d->dst, sz, mac),
+                        !kvf_ct_equal(mac, o.h + KVF_SHARED_HEADER_FIXED + klen, KVF_SHARED_MAC_BYTES))) {
+                CTR_ADD(sh, mac_refused, 1); /* written without the token: refused, left for the writer to replace */
+                rc = -EPERM;
             } else {
                 *size = sz;
                 *csum = cs;
@@ -265,10 +430,10 @@ static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
                 CTR_ADD(sh, read_bytes, sz);
             }
         }
-        close(fd);
     } else if (rc == -EBADMSG) {
         CTR_ADD(sh, reads, 1);
     }
+    obj_close(&o);
     CTR_ADD(sh, read_us, now_us() - t0);
     return rc;
 }
@@ -306,30 +471,18 @@ static int write_full(int fd, struct iovec *iov, int n)
     return 0;
 }
 
-/* Create the fan-out directories of name ("xx/yy/..."); 0 or -errno. */
-static int make_dirs(struct kvf_shared *sh, const char *name)
-{
-    char d[6];
-    memcpy(d, name, 2);
-    d[2] = 0;
-    if (mkdirat(sh->dirfd, d, 0755) && errno != EEXIST) return -errno;
-    memcpy(d, name, 5);
-    d[5] = 0;
-    if (mkdirat(sh->dirfd, d, 0755) && errno != EEXIST) return -errno;
-    return 0;
-}
-
-/* Move tmp to name unless name exists. 0 moved, -EEXIST (tmp left for the caller), -errno. */
-static int link_into_place(struct kvf_shared *sh, const char *tmp, const char *name)
+/* Move tmp to name (both in the leaf directory dfd) unless name exists. 0 moved, -EEXIST (tmp left
+ * for the caller), -errno. */
+static int link_into_place(struct kvf_shared *sh, int dfd, const char *tmp, const char *name)
 {
     if (!__atomic_load_n(&sh->no_noreplace, __ATOMIC_RELAXED)) {
-        if (renameat2(sh->dirfd, tmp, sh->dirfd, name, RENAME_NOREPLACE) == 0) return 0;
+        if (renameat2(dfd, tmp, dfd, name, RENAME_NOREPLACE) == 0) return 0;
         if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) return -errno;
         __atomic_store_n(&sh->no_noreplace, 1, __ATOMIC_RELAXED);
     }
     if (!__atomic_load_n(&sh->no_link, __ATOMIC_RELAXED)) {
-        if (linkat(sh->dirfd, tmp, sh->dirfd, name, 0) == 0) {
-            unlinkat(sh->dirfd, tmp, 0);
+        if (linkat(dfd, tmp, dfd, name, 0) == 0) {
+            unlinkat(dfd, tmp, 0);
             return 0;
         }
         if (errno != EPERM && errno != ENOSYS && errno != EOPNOTSUPP) return -errno;
@@ -337,19 +490,16 @@ static int link_into_place(struct kvf_shared *sh, const char *tmp, const char *n
     }
     /* No exclusive link on this filesystem: a concurrent writer of the same key
      * wrote a verified copy of the same object, so replacing it is harmless. */
-    if (faccessat(sh->dirfd, name, F_OK, AT_SYMLINK_NOFOLLOW) == 0) return -EEXIST;
-    return renameat(sh->dirfd, tmp, sh->dirfd, name) ? -errno : 0;
+    if (faccessat(dfd, name, F_OK, AT_SYMLINK_NOFOLLOW) == 0) return -EEXIST;
+    return renameat(dfd, tmp, dfd, name) ? -errno : 0;
 }
 
-/* Remove the temporaries older than KVF_SHARED_TMP_STALE_S in name's
- * directory: what writers that died before their rename left (a live
+/* Remove the temporaries older than KVF_SHARED_TMP_STALE_S in the leaf
+ * directory dfd: what writers that died before their rename left (a live
  * writer's temporary is seconds old). Best effort, no return. */
-static void sweep_dir(struct kvf_shared *sh, const char *name)
+static void sweep_dir(int dfd)
 {
-    char d[6];
-    memcpy(d, name, 5);
-    d[5] = 0;
-    int fd = openat(sh->dirfd, d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = dup(dfd);
     if (fd < 0) return;
     DIR *dp = fdopendir(fd);
     if (!dp) { close(fd); return; }
@@ -366,16 +516,28 @@ static void sweep_dir(struct kvf_shared *sh, const char *name)
     closedir(dp); /* closes fd */
 }
 
-static int sync_dir(struct kvf_shared *sh, const char *name)
+/* What a write finds at the key's name (the leaf directory dfd): 0 nothing, 1 a file of this object
+ * that readers serve (ours; with a MAC key one whose MAC is `mac` and whose length is hlen + size),
+ * 2 something readers refuse (a symlink, a FIFO, another uid's file, another version, a wrong MAC):
+ * to be replaced. Anything it cannot look at counts as 2 as well. */
+static int found_at_name(struct kvf_shared *sh, int dfd, const char *name, uint32_t klen, uint64_t size,
+                         const uint8_t *mac)
 {
-    char d[6];
-    memcpy(d, name, 5);
-    d[5] = 0;
-    int fd = openat(sh->dirfd, d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return -errno;
-    int rc = fsync(fd) ? -errno : 0;
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW)) return errno == ENOENT ? 0 : 2;
+    if (!S_ISREG(st.st_mode) || !trusted(sh, &st)) return 2;
+    if (!sh->mac_len) return 1;
+    uint32_t hlen = header_len(sh, klen);
+    if ((uint64_t)st.st_size != hlen + size) return 2;
+    int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return 2;
+    uint8_t h[HDR_MAX];
+    struct iovec iov = {h, hlen};
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && read_full(fd, &iov, 1) == 0 &&
+             get16(h + 4) == KVF_SHARED_VERSION_MAC &&
+             kvf_ct_equal(h + KVF_SHARED_HEADER_FIXED + klen, mac, KVF_SHARED_MAC_BYTES);
     close(fd);
-    return rc == -EINVAL ? 0 : rc; /* some filesystems cannot sync a directory */
+    return ok ? 1 : 2;
 }
 
 int kvf_shared_write(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, const uint8_t *src, uint64_t size,
@@ -385,44 +547,45 @@ int kvf_shared_write(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, c
     if (kvf_obj_hash(key, klen, src, size) != csum) { CTR_ADD(sh, errors, 1); return -EBADMSG; }
     uint64_t t0 = now_us();
     char name[NAME_MAX_LEN], tmp[NAME_MAX_LEN];
-    final_name(key, klen, name);
-    if (faccessat(sh->dirfd, name, F_OK, AT_SYMLINK_NOFOLLOW) == 0) {
-        CTR_ADD(sh, exists, 1);
-        CTR_ADD(sh, write_us, now_us() - t0);
-        return -EEXIST;
-    }
-    fanout(key, klen, tmp);
-    tmp[6] = '.';
-    size_t n = 7 + hexkey(key, klen, tmp + 7);
-    snprintf(tmp + n, sizeof tmp - n, ".%016llx.%016llx.tmp", (unsigned long long)sh->nonce,
-             (unsigned long long)__atomic_fetch_add(&sh->seq, 1, __ATOMIC_RELAXED));
-    int fd = openat(sh->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0 && errno == ENOENT) {
-        int rc = make_dirs(sh, name);
-        if (rc) errno = -rc;
-        else fd = openat(sh->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    }
-    if (fd < 0) {
-        int e = errno;
-        CTR_ADD(sh, errors, 1);
-        CTR_ADD(sh, write_us, now_us() - t0);
-        return -e;
-    }
     uint8_t h[HDR_MAX];
-    size_t hlen = header_build(h, key, klen, size, csum);
-    struct iovec iov[2] = {{h, hlen}, {(void *)src, size}};
-    int rc = write_full(fd, iov, size ? 2 : 1);
-    if (!rc && sh->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fdatasync(fd)) rc = -errno;
-    if (close(fd) && !rc) rc = -errno; /* NFS reports write errors at close */
-    if (!rc) rc = link_into_place(sh, tmp, name);
+    size_t hlen = header_build(sh, h, key, klen, src, size, csum);
+    final_name(key, klen, name);
+    int dfd = open_leaf(sh, key, klen, 1);
+    int rc = dfd < 0 ? dfd : 0, replace = 0;
+    if (!rc) {
+        replace = found_at_name(sh, dfd, name, klen, size, h + KVF_SHARED_HEADER_FIXED + klen);
+        if (replace == 1) rc = -EEXIST;
+    }
+    int fd = -1;
+    if (!rc) {
+        tmp[0] = '.';
+        size_t n = 1 + hexkey(key, klen, tmp + 1);
+        snprintf(tmp + n, sizeof tmp - n, ".%016llx.%016llx.tmp", (unsigned long long)sh->nonce,
+                 (unsigned long long)__atomic_fetch_add(&sh->seq, 1, __ATOMIC_RELAXED));
+        fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, sh->fmode);
+        if (fd < 0) rc = -errno;
+        else rc = set_mode(sh, fd, sh->fmode); /* whatever the umask */
+    }
+    if (fd >= 0) {
+        struct iovec iov[2] = {{h, hlen}, {(void *)src, size}};
+        if (!rc) rc = write_full(fd, iov, size ? 2 : 1);
+        if (!rc && sh->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fdatasync(fd)) rc = -errno;
+        if (close(fd) && !rc) rc = -errno; /* NFS reports write errors at close */
+        if (!rc) rc = replace ? (renameat(dfd, tmp, dfd, name) ? -errno : 0) : link_into_place(sh, dfd, tmp, name);
+        if (rc) unlinkat(dfd, tmp, 0);
+    }
     if (rc) {
-        unlinkat(sh->dirfd, tmp, 0);
-        if (rc == -EEXIST) CTR_ADD(sh, exists, 1); else CTR_ADD(sh, errors, 1);
+        if (rc == -EEXIST) CTR_ADD(sh, exists, 1);
+        else if (rc != -EPERM) CTR_ADD(sh, errors, 1); /* a refused fan-out directory is counted in refused */
+        if (dfd >= 0) close(dfd);
         CTR_ADD(sh, write_us, now_us() - t0);
         return rc;
     }
-    if (sh->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && sync_dir(sh, name)) CTR_ADD(sh, errors, 1);
-    if (__atomic_fetch_add(&sh->nwritten, 1, __ATOMIC_RELAXED) % KVF_SHARED_SWEEP_EVERY == 0) sweep_dir(sh, name);
+    if (sh->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fsync(dfd) && errno != EINVAL)
+        CTR_ADD(sh, errors, 1); /* EINVAL: some filesystems cannot sync a directory */
+    if (__atomic_fetch_add(&sh->nwritten, 1, __ATOMIC_RELAXED) % KVF_SHARED_SWEEP_EVERY == 0) sweep_dir(dfd);
+    close(dfd);
+    if (replace) CTR_ADD(sh, replaced, 1);
     CTR_ADD(sh, writes, 1);
     CTR_ADD(sh, write_bytes, size);
     CTR_ADD(sh, write_us, now_us() - t0);
@@ -434,11 +597,13 @@ int kvf_shared_delete(struct kvf_shared *sh, const uint8_t *key, uint32_t klen)
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     char name[NAME_MAX_LEN];
     final_name(key, klen, name);
-    if (unlinkat(sh->dirfd, name, 0) == 0) return 1;
-    if (errno == ENOENT || errno == ENOTDIR) return 0;
-    int e = errno;
-    CTR_ADD(sh, errors, 1);
-    return -e;
+    int dfd = open_leaf(sh, key, klen, 0);
+    if (dfd == -ENOENT || dfd == -EPERM) return 0; /* no leaf directory of ours: nothing of ours to remove */
+    if (dfd < 0) { CTR_ADD(sh, errors, 1); return dfd; }
+    int rc = unlinkat(dfd, name, 0) == 0 ? 1 : (errno == ENOENT || errno == ENOTDIR) ? 0 : -errno;
+    close(dfd);
+    if (rc < 0) CTR_ADD(sh, errors, 1);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- counters */
@@ -462,9 +627,10 @@ void kvf_shared_stats_write(struct kvf_shared *sh, struct kvf_mw *w)
     const char *names[KVF_SHARED_STATS_PAIRS] = {
         "shared_hits", "shared_misses", "shared_reads", "shared_read_bytes", "shared_writes", "shared_write_bytes",
         "shared_write_drops", "shared_errors", "shared_corrupt", "shared_exists", "shared_read_us_total",
-        "shared_write_us_total"};
-    const uint64_t v[KVF_SHARED_STATS_PAIRS] = {c.hits, c.misses, c.reads, c.read_bytes, c.writes, c.write_bytes,
-                                                c.write_drops, c.errors, c.corrupt, c.exists, c.read_us, c.write_us};
+        "shared_write_us_total", "shared_refused", "shared_mac_refused", "shared_replaced"};
+    const uint64_t v[KVF_SHARED_STATS_PAIRS] = {c.hits,        c.misses,   c.reads,    c.read_bytes,  c.writes,
+                                                c.write_bytes, c.write_drops, c.errors, c.corrupt,    c.exists,
+                                                c.read_us,     c.write_us, c.refused,  c.mac_refused, c.replaced};
     for (uint32_t i = 0; i < KVF_SHARED_STATS_PAIRS; i++) {
         kvf_mw_cstr(w, names[i]);
         kvf_mw_uint(w, v[i]);

@@ -16,23 +16,41 @@
  * final names, so a temporary left by a crashed writer is never served;
  * writers remove the stale ones as they go (KVF_SHARED_SWEEP_EVERY).
  *
- * File format, version 1 (all little-endian):
+ * Trust (docs/notes/security.md, "shared tier"): every path component below
+ * DIR is opened with openat(O_NOFOLLOW | O_DIRECTORY) (a fan-out directory
+ * that is a symlink, not a directory, not ours or writable by others is
+ * refused), every object with O_NOFOLLOW | O_NONBLOCK (a FIFO never blocks
+ * the tier thread) and fstat'ed: a regular file, owned by the uid our files
+ * get (or of the tier group), not writable by others; anything else is
+ * refused (counted in `refused`, a miss). Created directories are 0700 and
+ * files 0600 (0770 / 0640 and chgrp'ed with a tier group), whatever the umask.
+ *
+ * File format (all little-endian). Version 1 without a MAC key, version 2
+ * with one (the pool's --auth-token):
  *
  *   off  size  field
  *   0    4     magic "KVFS"
- *   4    2     version 1
- *   6    2     header_len = 40 + key_len (the value starts here)
+ *   4    2     version: 1, or 2 (with a MAC)
+ *   6    2     header_len = 40 + key_len (+ 32 in version 2): the value starts here
  *   8    1     key_len (1..64)
  *   9    7     reserved, 0
  *   16   8     value size
  *   24   8     value checksum: kvf_obj_hash(key, value) (protocol v2)
  *   32   k     key
  *   32+k 8     header checksum: xxh3_64 of bytes [0, 32 + key_len)
- *   40+k size  value
+ *   40+k 32    version 2 only: MAC = HMAC-SHA256(token, KVF_SHARED_MAC_LABEL (with its NUL)
+ *              || bytes [0, 32 + key_len) || value)
+ *   hlen size  value
  *
  * A file whose header, key, length or value checksum does not verify (torn
  * by a crash, truncated, corrupted) is dropped (unlinked, if it is still the
  * same file), counted in `corrupt` and reported as -EBADMSG: never served.
+ * With a MAC key, a file that is not version 2 or whose MAC fails (written
+ * by someone without the token) is refused: counted in `mac_refused`, never
+ * served, left in place; without one, a version 2 file is refused the same
+ * way. A write whose key's name holds a file that would be refused replaces
+ * it atomically (temporary + rename over it; counted in `replaced`), so a
+ * file planted before the server's own PUT never blocks its write-through.
  *
  * The functions do plain blocking file I/O (no O_DIRECT: many FUSE
  * filesystems lack it, and every read is verified anyway); they are meant
@@ -50,8 +68,12 @@ struct kvf_mw;
 enum { KVF_SHARED_FSYNC_NEVER = 0, KVF_SHARED_FSYNC_ALWAYS = 1 };
 
 #define KVF_SHARED_MAGIC "KVFS"
-#define KVF_SHARED_VERSION 1
-#define KVF_SHARED_HEADER_FIXED 40u /* header bytes besides the key */
+#define KVF_SHARED_VERSION 1     /* without a MAC key */
+#define KVF_SHARED_VERSION_MAC 2 /* with one: the header carries the file's MAC */
+#define KVF_SHARED_HEADER_FIXED 40u /* header bytes besides the key (and the MAC) */
+#define KVF_SHARED_MAC_BYTES 32u
+#define KVF_SHARED_MAC_LABEL "kvfabric shared-tier object v2" /* the MAC's domain label, NUL included */
+#define KVF_SHARED_KEY_MAX 4096u /* bytes of MAC key (token) accepted */
 /* Every KVF_SHARED_SWEEP_EVERY-th object a server writes (its first one
  * included), the writer also removes the temporaries older than
  * KVF_SHARED_TMP_STALE_S seconds (mtime) in that object's directory. */
@@ -71,22 +93,38 @@ struct kvf_shared_counters {
     uint64_t corrupt;     /* files that failed verification: dropped, never served */
     uint64_t exists;      /* writes skipped: the key's file was already there */
     uint64_t read_us, write_us;
+    uint64_t refused;     /* objects or fan-out directories refused: a symlink, a FIFO or other non-regular
+                             file, not ours (another uid), writable by others; a miss, never opened for data */
+    uint64_t mac_refused; /* files refused for their MAC: none or a wrong one under a token (written without
+                             it), or one when this server has no token; never served */
+    uint64_t replaced;    /* writes that replaced a file readers refuse (atomically: temporary + rename) */
 };
 
 struct kvf_shared;
 
-/* Open the tier on directory `dir` (which must exist) with fsync_mode
- * KVF_SHARED_FSYNC_*. Checks that the directory is writable by creating,
- * writing and removing a probe file in it. 0, or -ENOENT / -ENOTDIR /
- * -EACCES / -EROFS / -ENOSPC / other -errno (nothing is left open),
- * -EINVAL for a bad fsync_mode, -ENOMEM. */
-int kvf_shared_open(struct kvf_shared **out, const char *dir, int fsync_mode);
+struct kvf_shared_cfg {
+    const char *dir;        /* must exist; its owner and mode are checked by the caller (Python, at start-up) */
+    int fsync_mode;         /* KVF_SHARED_FSYNC_* */
+    int64_t gid;            /* the tier group (--tier-group): -1 none; else files 0640 and directories 0770 of
+                               this group, and files of this group are trusted like our own */
+    const uint8_t *mac_key; /* the pool token: files carry a MAC (version 2); NULL: version 1, no MAC */
+    uint32_t mac_key_len;   /* 1..KVF_SHARED_KEY_MAX with mac_key */
+};
+
+/* Open the tier as cfg says. Checks that the directory is writable by
+ * creating, writing and removing a probe file in it (whose owner is the uid
+ * our files get: on a squashing NFS mount not our own). 0, or -ENOENT /
+ * -ENOTDIR / -EACCES / -EROFS / -ENOSPC / other -errno (nothing is left
+ * open), -EINVAL for a bad fsync_mode, gid or MAC key length, -ENOMEM. */
+int kvf_shared_open(struct kvf_shared **out, const struct kvf_shared_cfg *cfg);
 void kvf_shared_close(struct kvf_shared *sh);
 
 /* Read the object stored under key[0..klen) into dst[0..cap).
  * 0: *size bytes written to dst, their checksum in *csum (verified under this key);
  * -ENOENT: no such object (counted as a miss);
  * -EBADMSG: the file is torn or corrupt (dropped and counted; never served);
+ * -EPERM: refused (not a regular file of ours, a fan-out directory that is
+ *         not ours, or its MAC failed; counted in refused / mac_refused);
  * -E2BIG: the object is larger than cap; *size is set to its size (the header
  *         verified; nothing is counted), so a caller may read with cap = 0 to
  *         learn the size, reserve a slot, and read again;
@@ -108,8 +146,11 @@ int kvf_shared_read_alloc(struct kvf_shared *sh, const uint8_t *key, uint32_t kl
                           void *arg, uint64_t *size, uint64_t *csum);
 
 /* Write src[0..size) under key, whose checksum (kvf_obj_hash) is csum, unless
- * the key's file is already there. 0 written; -EEXIST already there (counted
- * in `exists`, nothing written); -EBADMSG csum does not match key + bytes
+ * the key's file is already there (with a MAC key: a file whose header MAC
+ * is the one this object gets). A file there that readers would refuse is
+ * replaced (counted in `replaced` as well as `writes`). 0 written; -EEXIST
+ * already there (counted in `exists`, nothing written); -EPERM a fan-out
+ * directory refused (counted in `refused`); -EBADMSG csum does not match key + bytes
  * (nothing written: the tier never stores bytes that would not verify;
  * counted as an error); -EINVAL bad key length; other -errno: I/O error
  * (-ENOSPC, -EDQUOT, -EIO, ...; counted, the temporary removed). */
@@ -129,7 +170,7 @@ void kvf_shared_counters(struct kvf_shared *sh, struct kvf_shared_counters *out)
 /* STATS: the number of key/value pairs kvf_shared_stats_write appends
  * (0 when sh is NULL: no shared tier configured, no keys), and the pairs
  * themselves ("shared_hits": n, ...; names in kvfabric/protocol/stats.py). */
-#define KVF_SHARED_STATS_PAIRS 12u
+#define KVF_SHARED_STATS_PAIRS 15u
 uint32_t kvf_shared_stats_pairs(const struct kvf_shared *sh);
 void kvf_shared_stats_write(struct kvf_shared *sh, struct kvf_mw *w);
 

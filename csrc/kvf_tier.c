@@ -141,26 +141,66 @@ static int rebuild(struct kvf_tier *t)
 /* Open or create path's file with the geometry asked; a file whose superblock
  * differs (another geometry, version, or none) is re-initialised: a new
  * random file id makes every old record invalid without rewriting it. */
-static int open_file(struct kvf_tier *t, uint32_t idx, const char *dir, uint64_t segs, char *err, size_t errlen)
+/* The tier file fd opened (st its fstat): refuse what another user could have
+ * put there or could read (kvf_tier_open). 0, or -EPERM with the reason in err. */
+static int check_file(const struct stat *st, int64_t gid, const char *dir, const char *path, char *err, size_t errlen)
+{
+    mode_t allowed = 0600 | (gid >= 0 && st->st_gid == (gid_t)gid ? 0060 : 0);
+    if (!S_ISREG(st->st_mode)) ERR("--ssd-path %s: %s is not a regular file; remove it", dir, path);
+    else if (st->st_uid != geteuid())
+        ERR("--ssd-path %s: %s belongs to uid %u, not to this server (uid %u): another user could read or forge "
+            "its records; remove it", dir, path, (unsigned)st->st_uid, (unsigned)geteuid());
+    else if (st->st_nlink != 1)
+        ERR("--ssd-path %s: %s has %lu links: it may be another file too; remove it", dir, path,
+            (unsigned long)st->st_nlink);
+    else if (st->st_mode & 07777 & ~allowed)
+        ERR("--ssd-path %s: %s has mode %03o: group or others may read or write the tier (at most %03o%s); "
+            "remove it or chmod it", dir, path, (unsigned)(st->st_mode & 07777), (unsigned)allowed,
+            gid >= 0 ? " with --tier-group" : "");
+    else return 0;
+    return -EPERM;
+}
+
+static int open_file(struct kvf_tier *t, uint32_t idx, const char *dir, uint64_t segs, int64_t gid, char *err,
+                     size_t errlen)
 {
     struct stat sb;
-    if (stat(dir, &sb) || !S_ISDIR(sb.st_mode)) {
-        ERR("--ssd-path %s: %s", dir, errno == ENOENT || !S_ISDIR(sb.st_mode) ? "no such directory" : strerror(errno));
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) {
+        int e = errno;
+        ERR("--ssd-path %s: %s", dir, e == ENOENT || e == ENOTDIR ? "no such directory" : strerror(e));
         return -ENOENT;
     }
     char path[4096];
     if (snprintf(path, sizeof path, "%s/%s", dir, KVF_TIER_FILE) >= (int)sizeof path) {
+        close(dfd);
         ERR("--ssd-path %s: path too long", dir);
         return -ENAMETOOLONG;
     }
-    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+    /* never through a symlink, never blocking on a FIFO; checked with fstat before any use */
+    int fd = openat(dfd, KVF_TIER_FILE, O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+    int e = errno;
+    close(dfd);
     if (fd < 0) {
-        int e = errno;
-        if (e == EINVAL) ERR("--ssd-path %s: the filesystem does not support O_DIRECT (tmpfs?); the tier needs it", dir);
+        if (e == ELOOP) ERR("--ssd-path %s: %s is a symbolic link; refusing to write through it (remove it)", dir, path);
+        else if (e == EINVAL) ERR("--ssd-path %s: the filesystem does not support O_DIRECT (tmpfs?); the tier needs it", dir);
         else ERR("--ssd-path %s: cannot open %s for writing: %s", dir, path, strerror(e));
         return -e;
     }
     t->fds[idx] = fd;
+    int fl = fcntl(fd, F_GETFL);
+    if (fstat(fd, &sb) || fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK)) { /* io_uring honours O_NONBLOCK */
+        e = errno;
+        ERR("--ssd-path %s: cannot inspect %s: %s", dir, path, strerror(e));
+        return -e;
+    }
+    int rc = check_file(&sb, gid, dir, path, err, errlen);
+    if (rc) return rc;
+    if (gid >= 0 && sb.st_size == 0 && (fchown(fd, (uid_t)-1, (gid_t)gid) || fchmod(fd, 0640))) {
+        e = errno; /* a new file: the tier group's */
+        ERR("--ssd-path %s: cannot give %s to group %lld: %s", dir, path, (long long)gid, strerror(e));
+        return -e;
+    }
     /* one server per tier file: a second one would interleave its records with ours */
     if (flock(fd, LOCK_EX | LOCK_NB)) {
         int e = errno;
@@ -180,7 +220,7 @@ static int open_file(struct kvf_tier *t, uint32_t idx, const char *dir, uint64_t
              sup->version == KVF_TIER_FORMAT_VERSION && sup->csum == super_hash(sup) && sup->file_index == idx &&
              sup->nfiles == t->nfiles && sup->seg_size == t->seg_size && sup->nsegs == segs &&
              fstat(fd, &sb) == 0 && (uint64_t)sb.st_size == size;
-    int rc = 0;
+    rc = 0;
     if (ok) {
         t->file_id[idx] = sup->file_id;
     } else {
@@ -258,7 +298,7 @@ int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *e
         t->capacity = t->nfiles * (KVF_TIER_BLOCK + segs * seg);
         t->st.capacity = t->nsegs * seg;
         for (uint32_t i = 0; i < t->nfiles; i++)
-            if ((rc = open_file(t, i, cfg->paths[i], segs, err, errlen))) goto fail;
+            if ((rc = open_file(t, i, cfg->paths[i], segs, cfg->gid, err, errlen))) goto fail;
         if ((rc = rebuild(t))) { ERR("reading the SSD tier: %s", strerror(-rc)); goto fail; }
     }
     if ((rc = kvf_ring_init(&t->ring, 256))) { ERR("io_uring for the tier: %s", strerror(-rc)); goto fail; }

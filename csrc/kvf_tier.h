@@ -109,6 +109,8 @@ struct kvf_tier_cfg {
     uint64_t write_queue;     /* bytes of staging buffers for write-behind (full: counted drop) */
     int admit;                /* enum kvf_tier_admit */
     uint64_t promote_max;     /* bytes of arena slots (whole pages per object) one request may promote (over: misses) */
+    int64_t gid;              /* the tier group (--tier-group), -1 none: a new tier file is 0640 of this group,
+                                 and an existing one may be readable and writable by it */
 };
 
 /* Every counter is kept as it changes: kvf_tier_stats is O(1). */
@@ -124,7 +126,12 @@ struct kvf_mw;
  * tier thread. On failure returns -errno and writes a one-line reason for the
  * operator into err: a missing or unwritable directory, O_DIRECT unsupported
  * (-EINVAL), a capacity too small for two segments, ENOSPC when the file
- * cannot be preallocated. */
+ * cannot be preallocated; a tier file that is a symlink (-ELOOP: never
+ * written through), not a regular file or hard-linked elsewhere, owned by
+ * another uid, or open to group / others beyond cfg's gid (-EPERM). The
+ * file is opened relative to its directory with O_NOFOLLOW | O_NONBLOCK
+ * (a FIFO never blocks the start) and checked with fstat before anything is
+ * read, fallocated or written. */
 int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *err, size_t errlen);
 /* Stop taking jobs, finish the queued ones (write-behind included), join the
  * thread, close the files. No return. */

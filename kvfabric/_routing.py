@@ -1,7 +1,9 @@
 """The ``Client``'s membership and routing (a mixin of ``kvfabric.Client``): the first contact with every
 server, following membership changes (shards kept, added, retired), the routing view keys are hashed
 over (server ids, ``_View``), and key -> owner tables over it. The rules are in ``kvfabric/client.py``'s
-module docstring ("Membership and ownership"); hand-off between views is ``membership/handoff.py``.
+module docstring ("Membership and ownership"); hand-off between views is ``membership/handoff.py``. With a
+membership whose ids are verified (signed etcd records, ``Membership.verifies``), a shard whose HELLO reports
+another id than its record is left out of every view (``_impostor``; counted in ``member_id_mismatches``).
 
 Uses the client's ``config``, ``_membership``, ``_members_lock``, ``_shards``, ``_by_index``, ``_view``,
 ``_previous``, ``_pool``, ``_counters``, ``_reconnector``, ``_registration``, ``_started`` and ``_closed``,
@@ -125,11 +127,23 @@ class _Routing:
                     return
 
     def _on_identity(self, shard: _Shard) -> None:
-        """A shard's HELLO reported a server id (its first, or a new one): route over it from now on."""
-        if shard.hint != shard.server_id:
+        """A shard's HELLO reported a server id (its first, or a new one): route over it from now on.
+
+        With a membership that verifies ids (signed etcd records), a HELLO id that is not the one the
+        shard's record proved is an impostor or a misconfigured server: it takes no keys at all (left
+        out of the view by ``_rebuild_view``), logged as an error and counted (``member_id_mismatches``)."""
+        if self._impostor(shard):
+            self._counters.add(member_id_mismatches=1)
+            log.error("kvfabric: %s answered HELLO as server %r but its verified member record is %r; not routed "
+                      "to", shard.address, shard.server_id[:64], shard.hint)
+        elif shard.hint != shard.server_id:
             log.info("kvfabric: %s is server %r (routed as %r until its HELLO)", shard.address, shard.server_id, shard.hint)
         with self._members_lock:
             self._rebuild_view()
+
+    def _impostor(self, shard: _Shard) -> bool:
+        """True when ``shard``'s HELLO id differs from the id its verified member record names."""
+        return self._membership.verifies and bool(shard.server_id) and shard.server_id != shard.hint
 
     def _on_state(self, shard: _Shard) -> None:
         """A shard of a dynamic membership was marked down or came back up: route around it meanwhile."""
@@ -147,7 +161,7 @@ class _Routing:
         # (when every shard is down, routing over them all is as good and spares views)
         skip_down = self._membership.dynamic and not all(s.down_until for s in self._shards)
         for s in self._shards:
-            if skip_down and s.down_until:
+            if skip_down and s.down_until or self._impostor(s):
                 continue
             rid = s.route_id
             if rid in ids:

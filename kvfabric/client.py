@@ -144,11 +144,19 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
             config = config.with_(etcd=config.etcd if etcd is None else etcd, cluster=cluster or config.cluster)
         if config.etcd and config.servers:
             raise ConfigError("give a Client servers or etcd=URL, not both")
+        self._counters = _Counters()
         if membership is None:
             if config.etcd:
+                from .membership.etcd import EtcdClient, EtcdError
                 from .membership.watcher import EtcdMembership
 
-                membership = EtcdMembership(config.etcd, config.cluster, timeout_s=config.timeout_s)
+                try:
+                    etcd_client = EtcdClient(config.etcd, timeout_s=config.timeout_s, ca_file=config.etcd_ca,
+                                             cert_file=config.etcd_cert, key_file=config.etcd_key)
+                except EtcdError as e:  # a bad URL or TLS file: configuration, not an etcd outage
+                    raise ConfigError(str(e)) from None
+                membership = EtcdMembership(etcd_client, config.cluster, token=config.auth_token,
+                                            count=self._counters.add)
             elif config.servers:
                 membership = StaticMembership(config.servers)
             else:
@@ -158,7 +166,6 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         self.config = config
         self.namespace = namespace
         self._hasher = KeyHasher(config.key_algorithm, config.key_secret)
-        self._counters = _Counters()
         self._closed = False
         self._reconnector = _Reconnector(lambda: self._closed, join_timeout_s=config.connect_timeout_s + config.timeout_s + 1)
         self._registration = _Registration(self._counters)

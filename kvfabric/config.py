@@ -33,6 +33,9 @@ ENV_VARS: dict[str, str] = {
     "KVFABRIC_MAX_BATCH_KEYS": "max_batch_keys",
     "KVFABRIC_VERIFY_CHECKSUMS": "verify_checksums",
     "KVFABRIC_ETCD": "etcd",
+    "KVFABRIC_ETCD_CA": "etcd_ca",
+    "KVFABRIC_ETCD_CERT": "etcd_cert",
+    "KVFABRIC_ETCD_KEY": "etcd_key",
     "KVFABRIC_CLUSTER": "cluster",
     "KVFABRIC_HANDOFF_S": "handoff_s",
 }
@@ -77,7 +80,12 @@ class ClientConfig:
     ``http://host:port`` URL or a comma-separated list) with ``cluster``, the
     name the servers registered under (``kvfabric serve --etcd URL --cluster
     NAME``); the client then follows that cluster's members as they join and
-    leave. Not both. ``handoff_s``: after a membership change, how long a key
+    leave. Not both. ``https://`` etcd URLs are verified against ``etcd_ca``
+    (a PEM CA file; the system's trust store when empty), and ``etcd_cert``
+    (+ ``etcd_key`` when the key is a separate file) is the client certificate
+    for an etcd that requires one: the production setting (docs/cluster.md).
+    With ``auth_token`` set, only member records signed with it are routed to
+    (``kvfabric/membership/registry.py``). ``handoff_s``: after a membership change, how long a key
     that misses on its new owner is still asked of its previous owner (and
     re-put to the new one on a hit); 0 turns hand-off off
     (``kvfabric/membership/handoff.py``).
@@ -97,6 +105,9 @@ class ClientConfig:
     reconnect_backoff_s: float = 0.2
     reconnect_backoff_max_s: float = 5.0
     etcd: str = ""
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
     cluster: str = "default"
     handoff_s: float = 30.0
 
@@ -117,8 +128,11 @@ class ClientConfig:
         if isinstance(self.handoff_s, bool) or not isinstance(self.handoff_s, (int, float)) \
                 or not 0 <= self.handoff_s <= 3600:
             raise ConfigError(f"handoff_s must be in [0, 3600] seconds (0: no hand-off), got {self.handoff_s!r}")
-        if not isinstance(self.etcd, str):
-            raise ConfigError(f"etcd must be a URL string, got {self.etcd!r}")
+        for name in ("etcd", "etcd_ca", "etcd_cert", "etcd_key"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if self.etcd_key and not self.etcd_cert:
+            raise ConfigError("etcd_key needs etcd_cert (the client certificate it belongs to)")
         try:
             check_cluster_name(self.cluster)
         except ValueError as e:
@@ -160,6 +174,17 @@ class ClientConfig:
 
     def with_(self, **changes: Any) -> ClientConfig:
         return replace(self, **changes)
+
+    def __repr__(self) -> str:
+        """Every setting, with the secrets masked: the token, the key secret and an etcd password."""
+        from .membership.etcd import redact_url
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("auth_token", "key_secret"):
+            if shown[name]:
+                shown[name] = "***"
+        shown["etcd"] = redact_url(self.etcd)
+        return f"ClientConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 _SCALAR_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "str | None": str}

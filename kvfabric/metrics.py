@@ -152,6 +152,12 @@ CLIENT: dict[str, Metric] = _table(
     Metric("handoff_repairs", COUNTER, "of those, keys re-put to their new owner"),
     Metric("read_repairs", COUNTER, "keys re-put to a replica that lacked them"),
     Metric("repairs_dropped", COUNTER, "repairs that did not fit the repair queue"),
+    Metric("member_records_refused", COUNTER, "etcd member records not routed to: malformed, under another id's "
+                                              "key, or (with a token) unsigned, wrongly signed or re-leased"),
+    Metric("member_id_mismatches", COUNTER, "servers whose HELLO reported another id than their verified etcd "
+                                            "record (not routed to)"),
+    Metric("etcd_bad_answers", COUNTER, "etcd answers that were malformed or over the size cap (membership "
+                                        "left unchanged)"),
 )
 
 # ------------------------------------------------------------------ vLLM connector

@@ -82,6 +82,12 @@ class Membership(ABC):
         """True when members can change while a client runs."""
         return False
 
+    @property
+    def verifies(self) -> bool:
+        """True when every member's ``server_id`` was verified (a signed etcd record): a server whose
+        HELLO then reports another id is not routed to (``kvfabric/_routing.py``)."""
+        return False
+
 
 class StaticMembership(Membership):
     """A fixed list of ``host:port`` addresses (validated by the caller); never changes."""

@@ -16,18 +16,31 @@ The members a client is given are never older than etcd's view by more than
 the time an event takes to arrive (a watch), so a server's leave is seen as
 soon as its key is deleted: at once for a ``SIGTERM`` (the server revokes its
 lease), at the lease's expiry for a crash.
+
+Which records are used (``registry.read_member``): with the pool ``token``,
+only records whose proof verifies, stored under their own id's key and lease.
+A record that fails is ignored: the key keeps the member it had before (a
+forged overwrite of a real server's key changes nothing here, and the server
+puts its record back at once), or stays absent. Each refused record is
+counted (``count(member_records_refused=1)``) and logged as a WARNING once per
+key and revision, with the key and why. Without a token records are unsigned
+and every well-formed one is trusted; :meth:`start` logs that once. An etcd
+answer that is malformed or over the size cap (``EtcdBadAnswer``) leaves the
+members as they were: counted (``etcd_bad_answers``), logged once per kind
+of error, and the thread re-reads with backoff. Nothing here raises out of
+:meth:`start` for an etcd problem.
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
-import socket
 import threading
+from collections.abc import Callable
 
 from . import Member, Membership, OnChange
-from .etcd import EtcdClient, EtcdError
-from .registry import decode_member, member_prefix
+from .etcd import EtcdBadAnswer, EtcdClient, EtcdError, shutdown_connection
+from .registry import member_prefix, read_member
 
 __all__ = ["EtcdMembership"]
 
@@ -37,11 +50,20 @@ log = logging.getLogger("kvfabric.membership")
 class EtcdMembership(Membership):
     """Members of ``cluster`` in etcd at ``endpoints`` (one URL or a comma-separated list)."""
 
-    def __init__(self, endpoints: str, cluster: str, *, timeout_s: float = 5.0, idle_s: float = 30.0) -> None:
-        self.etcd = EtcdClient(endpoints, timeout_s=timeout_s)
+    #: (key, mod_revision) of refused records remembered so each is counted and logged once; past this
+    #: many the memory is cleared (a record refused again is then logged again, never more than once a
+    #: revision in a row)
+    MAX_REMEMBERED = 4096
+
+    def __init__(self, endpoints: str | EtcdClient, cluster: str, *, timeout_s: float = 5.0, idle_s: float = 30.0,
+                 token: str | None = None, count: Callable[..., None] | None = None) -> None:
+        self.etcd = endpoints if isinstance(endpoints, EtcdClient) else EtcdClient(endpoints, timeout_s=timeout_s)
         self.cluster = cluster
         self.prefix = member_prefix(cluster)
         self.idle_s = idle_s
+        self._token = token or None
+        self._count = count or (lambda **kw: None)
+        self._refused: set[tuple[bytes, int]] = set()
         self._on_change: OnChange | None = None
         self._by_key: dict[bytes, Member] = {}
         self._delivered: tuple[Member, ...] | None = None
@@ -57,6 +79,10 @@ class EtcdMembership(Membership):
     def dynamic(self) -> bool:
         return True
 
+    @property
+    def verifies(self) -> bool:
+        return self._token is not None
+
     def members(self) -> tuple[Member, ...]:
         with self._lock:
             return self._snapshot()
@@ -66,24 +92,48 @@ class EtcdMembership(Membership):
 
     def start(self, on_change: OnChange) -> None:
         self._on_change = on_change
+        if self._token is None:
+            log.warning("kvfabric: cluster %s in etcd %s is followed without an auth token: member entries are "
+                        "unsigned and any entry is trusted (whoever can write to etcd decides where this client "
+                        "sends keys and reads); set auth_token / KVFABRIC_AUTH_TOKEN to accept signed ones only",
+                        self.cluster, self.etcd.url)
         try:
             self._read_all()
         except EtcdError as e:
-            self.last_error = str(e)
+            self._failed(e)
             log.warning("kvfabric: cannot read cluster %s from etcd %s (%s); starting with no members, retrying",
                         self.cluster, self.etcd.url, e)
         self._publish()
         self._thread.start()
 
+    def _failed(self, e: EtcdError) -> None:
+        if isinstance(e, EtcdBadAnswer):
+            self._count(etcd_bad_answers=1)
+        self.last_error = str(e)
+
+    def _accept(self, key: bytes, value: bytes, mod_revision: int, lease: int) -> Member | None:
+        """The member of a record, or None (counted, and logged once per key and revision) when it is refused."""
+        member, why = read_member(key, value, self._token, lease)
+        if member is None:
+            with self._lock:
+                new = (key, mod_revision) not in self._refused
+                if new:
+                    if len(self._refused) >= self.MAX_REMEMBERED:
+                        self._refused.clear()
+                    self._refused.add((key, mod_revision))
+            if new:
+                self._count(member_records_refused=1)
+                log.warning("kvfabric: ignoring member entry %s (mod_revision %d) in etcd %s: %s; not routed to",
+                            key.decode("utf-8", "replace")[:300], mod_revision, self.etcd.url, why)
+        return member
+
     def _read_all(self) -> None:
         kvs, revision = self.etcd.range_prefix(self.prefix)
-        found = {}
-        for kv in kvs:
-            m = decode_member(kv.value)
-            if m is not None:
-                found[kv.key] = m
+        accepted = {kv.key: self._accept(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in kvs}
         with self._lock:
-            self._by_key = found
+            # a refused record leaves its key as it was: a forged overwrite does not unseat the real member
+            self._by_key = {k: m if m is not None else self._by_key[k] for k, m in accepted.items()
+                            if m is not None or k in self._by_key}
             self.revision = revision
 
     def _publish(self) -> None:
@@ -107,11 +157,7 @@ class EtcdMembership(Membership):
     def _shutdown_conn(self) -> None:
         with self._lock:
             conn = self._conn
-        if conn is not None and conn.sock is not None:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shutdown_connection(conn)
 
     def _loop(self) -> None:
         backoff = 0.1
@@ -125,16 +171,14 @@ class EtcdMembership(Membership):
                 need_read = True
                 for events in self.etcd.watch_prefix(self.prefix, self.revision + 1, self._stop,
                                                      idle_timeout_s=self.idle_s, on_open=self._keep_conn):
+                    accepted = [(ev, None if ev.kind == "DELETE" else
+                                 self._accept(ev.key, ev.value, ev.mod_revision, ev.lease)) for ev in events]
                     with self._lock:
-                        for ev in events:
+                        for ev, m in accepted:
                             if ev.kind == "DELETE":
                                 self._by_key.pop(ev.key, None)
-                            else:
-                                m = decode_member(ev.value)
-                                if m is None:
-                                    self._by_key.pop(ev.key, None)
-                                else:
-                                    self._by_key[ev.key] = m
+                            elif m is not None:
+                                self._by_key[ev.key] = m
                             self.revision = max(self.revision, ev.mod_revision)
                     self._publish()
                     backoff = 0.1
@@ -144,10 +188,16 @@ class EtcdMembership(Membership):
                 quiet = "timed out" in str(e)  # an idle stream: re-read and watch again, nothing is wrong
                 if not quiet:
                     if str(e) != self.last_error:
-                        log.warning("kvfabric: etcd watch of cluster %s: %s; re-reading", self.cluster, e)
-                    self.last_error = str(e)
+                        log.warning("kvfabric: etcd watch of cluster %s: %s; members unchanged, re-reading",
+                                    self.cluster, e)
+                    self._failed(e)
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 2.0)
+            except Exception:  # a bug here must not end the watch: the members stay as they were, loudly
+                log.exception("kvfabric: etcd watch of cluster %s failed; members unchanged, re-reading", self.cluster)
+                need_read = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
 
     def close(self) -> None:
         self._stop.set()

@@ -97,6 +97,11 @@ SHARED_STATS_FIELDS: dict[str, str] = {
     "shared_exists": "shared-tier writes skipped because the key's file was already there",
     "shared_read_us_total": "microseconds spent in shared-tier reads (all: hits, misses, failures)",
     "shared_write_us_total": "microseconds spent in shared-tier writes (all: written, already there, failed)",
+    "shared_refused": "shared-tier objects or fan-out directories refused unread: a symlink, a FIFO or other "
+                      "non-regular file, another uid's, or writable by others (a miss)",
+    "shared_mac_refused": "shared-tier files refused for their MAC: none or a wrong one under --auth-token "
+                          "(written without the token), or one on a server without a token (never served)",
+    "shared_replaced": "shared-tier writes that replaced a file readers refuse (atomically: temporary + rename)",
 }
 
 #: Implementation-specific keys a server may add, by implementation.

@@ -14,7 +14,8 @@ its environment variable and its ``--help`` line follow. Values keep the types t
 always had (sizes as text such as ``"4GiB"``, or a plain number of bytes from a file; parsed by
 ``kvfabric/sizes.py``); checking them is ``kvfabric/server/main.py``'s, which exits with
 status 2 naming the setting.
-``kvfabric serve --print-config`` prints the effective settings as TOML (the token masked).
+``kvfabric serve --print-config`` prints the effective settings as TOML (the token and an etcd
+password masked).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from ..membership.etcd import redact_url
 from ..protocol.wire import MAX_LEASE_MS
 
 
@@ -144,6 +146,14 @@ class ServerConfig:
                                    type=int, why="off unless asked: one more open port is a decision")
     metrics_host: str = opt("127.0.0.1", "address of the metrics endpoint",
                             why="loopback: a Prometheus agent on the host scrapes it")
+    metrics_max_connections: int = opt(8, "metrics requests served at once (one thread each); the next "
+                                       "connection is answered 503 and closed", type=int,
+                                       why="Prometheus scrapes with one connection; 8 leaves room for a few more "
+                                           "scrapers while bounding the endpoint's threads and memory")
+    metrics_timeout: float = opt(10.0, "seconds a metrics request may take to arrive (then the connection is "
+                                 "dropped; idle keep-alive ones too) and each write of its answer may wait",
+                                 type=float, why="Prometheus sends its ~300-byte request at once; a half-sent "
+                                                 "request must not hold a thread for good")
     # ------------------------------------------------------------ SSD tier (docs/notes/tier.md)
     ssd_path: tuple[str, ...] = opt((), "directory of the SSD tier (its file kvfabric-tier.v1 is preallocated "
                                     "there; O_DIRECT required); repeat for several disks (default: no SSD tier)",
@@ -167,9 +177,27 @@ class ServerConfig:
                             "every file is verified when read, so fsync only narrows what a host crash loses)",
                             choices=("always", "never"),
                             why="a torn file is detected and dropped on read; fsync per object costs a disk flush")
+    tier_group: str | None = opt(None, "let this group (name or gid) share the tier directories: files the "
+                                 "server creates there 0640 and directories 0770 of that group (default 0600 / "
+                                 "0700), and a --ssd-path or --shared-path directory of that group may be "
+                                 "group-writable", metavar="GROUP",
+                                 why="the server's uid only unless asked, as --shm-group")
+    tier_dir_insecure_ok: bool = opt(False, "start even when a --ssd-path or --shared-path directory is writable "
+                                     "by group or others, or owned by another uid (anyone who can write it can "
+                                     "plant or remove tier objects)", type=bool,
+                                     why="refused by default, as the shm directory is: such a directory lets "
+                                         "another local user plant objects or redirect the server's writes")
     # ------------------------------------------------------------ membership (etcd)
-    etcd: str | None = opt(None, "register in this etcd (http://HOST:PORT, or a comma-separated list) "
-                           "under --cluster", metavar="URL", group="membership", why="static lists need none")
+    etcd: str | None = opt(None, "register in this etcd (https://HOST:PORT or http://HOST:PORT, or a "
+                           "comma-separated list; USER:PASSWORD@ for etcd auth) under --cluster", metavar="URL",
+                           group="membership", why="static lists need none")
+    etcd_ca: str | None = opt(None, "CA file (PEM) that https:// etcd endpoints are verified against (default: "
+                              "the system's trust store)", metavar="FILE", group="membership",
+                              why="production etcd is TLS with its own CA (docs/cluster.md)")
+    etcd_cert: str | None = opt(None, "client certificate (PEM) for an etcd that requires one", metavar="FILE",
+                                group="membership", why="only etcds started with --client-cert-auth need it")
+    etcd_key: str | None = opt(None, "private key of --etcd-cert when it is a separate file", metavar="FILE",
+                               group="membership", why="often in the certificate's own file")
     cluster: str = opt("default", "cluster name to register under", group="membership",
                        why="one cluster per etcd is the common case")
     etcd_ttl: int = opt(10, "etcd lease TTL: a server that dies leaves the cluster this long after",
@@ -180,7 +208,8 @@ class ServerConfig:
                                 group="membership", why="--host is right unless it is a wildcard")
 
     def to_toml(self) -> str:
-        """The settings as a TOML file ``--config`` reads back (None settings left out, token masked)."""
+        """The settings as a TOML file ``--config`` reads back (None settings left out, the token and an
+        etcd password masked)."""
         lines = []
         for f in fields(self):
             v = getattr(self, f.name)
@@ -188,6 +217,8 @@ class ServerConfig:
                 continue
             if f.name == "auth_token":
                 v = "***"
+            elif f.name == "etcd":
+                v = redact_url(v)
             lines.append(f"{f.name} = {_toml_value(v)}")
         return "\n".join(lines) + "\n"
 
@@ -218,7 +249,9 @@ def add_arguments(p: argparse.ArgumentParser, groups: Sequence[str], *, suppress
         kw["default"] = argparse.SUPPRESS if suppress else (list(f.default) if md["kind"] == "multi" else f.default)
         if md["kind"] == "multi":
             kw["action"] = "append"
-        if md["type"] is not str:
+        if md["type"] is bool:  # a switch: given means true
+            kw["action"] = "store_true"
+        elif md["type"] is not str:
             kw["type"] = md["type"]
         if md["choices"]:
             kw["choices"] = list(md["choices"])
@@ -241,7 +274,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if kind == "list" and isinstance(value, list):
             value = ",".join(str(x) for x in value)
         if isinstance(value, str) and source == "env":
-            if typ is int:
+            if typ is bool:
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError("expected 1/0, true/false or yes/no")
+                value = value.lower() in ("1", "true", "yes")
+            elif typ is int:
                 value = int(value)
             elif typ is float:
                 value = float(value)

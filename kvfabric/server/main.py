@@ -136,10 +136,13 @@ def tier_options(args: ServerConfig) -> dict[str, Any]:
 
 
 def membership_registration(args: ServerConfig, server_id: str, address: str, transports: list[str],
-                            capacity: int) -> Any:
-    """A started :class:`~kvfabric.membership.registry.Registration` for ``--etcd``, or None without it.
-    Exits (status 2) for bad membership options."""
+                            capacity: int, token: str | None = None) -> Any:
+    """A started :class:`~kvfabric.membership.registry.Registration` for ``--etcd``, or None without it;
+    its record is signed with ``token`` (the pool's ``--auth-token``) when there is one. Exits (status 2)
+    for bad membership options."""
     if not args.etcd:
+        if args.etcd_ca or args.etcd_cert or args.etcd_key:
+            raise SystemExit("kvfabric serve: --etcd-ca / --etcd-cert / --etcd-key need --etcd")
         return None
     import os
     import socket
@@ -151,7 +154,8 @@ def membership_registration(args: ServerConfig, server_id: str, address: str, tr
 
     try:
         check_cluster_name(args.cluster)
-        etcd = EtcdClient(args.etcd, timeout_s=max(1.0, min(5.0, args.etcd_ttl / 2)))
+        etcd = EtcdClient(args.etcd, timeout_s=max(1.0, min(5.0, args.etcd_ttl / 2)), ca_file=args.etcd_ca,
+                          cert_file=args.etcd_cert, key_file=args.etcd_key)
     except (ValueError, EtcdError) as e:
         raise SystemExit(f"kvfabric serve: {e}") from None
     if not 1 <= args.etcd_ttl <= 3600:
@@ -170,7 +174,7 @@ def membership_registration(args: ServerConfig, server_id: str, address: str, tr
         info={"transports": transports, "hostname": socket.gethostname(), "pid": os.getpid(),
               "version": __version__, "started_unix": round(time.time(), 3)},
     )
-    reg = Registration(etcd, args.cluster, member, ttl_s=args.etcd_ttl)
+    reg = Registration(etcd, args.cluster, member, ttl_s=args.etcd_ttl, token=token)
     reg.start()
     return reg
 
@@ -338,10 +342,16 @@ def main(argv: list[str]) -> int:
     low, high = _watermarks(args.evict_watermarks, capacity)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise SystemExit("kvfabric serve: --metrics-port must be in 0..65535")
+    if args.metrics_max_connections < 1 or not args.metrics_timeout > 0:
+        raise SystemExit("kvfabric serve: --metrics-max-connections must be >= 1 and --metrics-timeout > 0")
     shm = shm_options(args, transports)
     tier = tier_options(args)
     if args.shared_fsync == "always" and not args.shared_path:
         raise SystemExit("kvfabric serve: --shared-fsync needs --shared-path")
+    given = [f for f, v in (("--tier-group", args.tier_group), ("--tier-dir-insecure-ok", args.tier_dir_insecure_ok))
+             if v]
+    if given and not (args.ssd_path or args.shared_path):
+        raise SystemExit(f"kvfabric serve: {', '.join(given)} need --ssd-path or --shared-path")
     if args.shared_path and not tier:  # one tier thread, one write queue: it bounds the shared tier's copies too
         tier = {"ssd_write_queue": _size("--ssd-write-queue", args.ssd_write_queue)}
         if tier["ssd_write_queue"] < 8192:
@@ -370,7 +380,8 @@ def main(argv: list[str]) -> int:
         print(f"kvfabric serve: {BUILD_HINT.format(why=f' ({why})')}", file=sys.stderr)
         return 2
     needs = dram_needs(capacity, reply_budget=budgets["reply_budget"], request_budget=budgets["request_budget"],
-                       tier_write_queue=tier.get("ssd_write_queue", 0))
+                       tier_write_queue=tier.get("ssd_write_queue", 0),
+                       metrics_connections=None if args.metrics_port is None else args.metrics_max_connections)
     too_big = over_memory_warning(capacity, needs, available_memory())
     if too_big:
         log.warning("%s", too_big)
@@ -381,7 +392,8 @@ def main(argv: list[str]) -> int:
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
             max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
-            shared_path=args.shared_path, shared_fsync=args.shared_fsync, prefault=too_big is None,
+            shared_path=args.shared_path, shared_fsync=args.shared_fsync, tier_group=args.tier_group,
+            tier_dir_insecure_ok=args.tier_dir_insecure_ok, prefault=too_big is None,
         )
     except ListenError as e:
         print(f"kvfabric serve: {e}", file=sys.stderr)
@@ -407,7 +419,8 @@ def main(argv: list[str]) -> int:
         from .metrics import MetricsServer
 
         try:
-            metrics = MetricsServer(server.stats, args.metrics_host, args.metrics_port)
+            metrics = MetricsServer(server.stats, args.metrics_host, args.metrics_port,
+                                    max_connections=args.metrics_max_connections, timeout_s=args.metrics_timeout)
         except (ImportError, OSError) as e:
             server.stop()
             if isinstance(e, OSError):
@@ -416,7 +429,7 @@ def main(argv: list[str]) -> int:
             return 2
         print(f"kvfabric serve: metrics on {metrics.url}", file=sys.stderr, flush=True)
     try:
-        registration = membership_registration(args, server.server_id, server.address, transports, capacity)
+        registration = membership_registration(args, server.server_id, server.address, transports, capacity, token)
     except SystemExit:
         server.stop()
         if metrics is not None:

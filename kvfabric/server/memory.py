@@ -13,6 +13,10 @@ What the server takes in DRAM (docs/notes/server.md has the measured bound):
 * the buffers bounded by ``--reply-budget`` and ``--request-budget``, and with a tier the staging
   queue bounded by ``--ssd-write-queue``; per stored object ~1 KiB and per open connection ~32 KiB
   come on top and are not known at start-up.
+* with ``--metrics-port``, the metrics endpoint (:func:`metrics_bytes`): prometheus_client and the
+  endpoint's serving thread, and per connection it serves at once (``--metrics-max-connections``;
+  later ones are refused, kvfabric/server/httpd.py) a thread's touched stack, a request head of at
+  most 16 KiB and one exposition being built (~15 KiB of text from the STATS map).
 
 So there is nothing that fails for certain at start-up (the page map would need a 4 TiB host's
 worth of capacity per GiB free), and the server is never refused: when the total is more than
@@ -30,10 +34,26 @@ FIXED_BYTES = 48 << 20
 _NO_LIMIT = 1 << 60
 
 
-def dram_needs(capacity: int, *, reply_budget: int, request_budget: int, tier_write_queue: int = 0) -> int:
+#: The metrics endpoint's fixed part: prometheus_client imported and its serving thread (measured
+#: +1.5 MiB; docs/operations.md) ...
+METRICS_FIXED_BYTES = 4 << 20
+#: ... and per connection it serves at once (measured ~40 KiB with a 15 KiB half-sent head; a
+#: scrape's STATS map, metric families and text are a few hundred KiB at most while it is built).
+METRICS_CONN_BYTES = 256 << 10
+
+
+def metrics_bytes(max_connections: int) -> int:
+    """Bytes of DRAM the metrics endpoint holds at most with ``--metrics-max-connections``."""
+    return METRICS_FIXED_BYTES + max_connections * METRICS_CONN_BYTES
+
+
+def dram_needs(capacity: int, *, reply_budget: int, request_budget: int, tier_write_queue: int = 0,
+               metrics_connections: int | None = None) -> int:
     """Bytes of DRAM a server holds at the configured bounds once its arena is full (objects and
-    connections aside): arena + page map + fixed part + budgets + tier staging queue."""
-    return capacity + capacity // 256 + FIXED_BYTES + reply_budget + request_budget + tier_write_queue
+    connections aside): arena + page map + fixed part + budgets + tier staging queue + the metrics
+    endpoint's share (``metrics_connections``: its ``--metrics-max-connections``; None: no endpoint)."""
+    metrics = 0 if metrics_connections is None else metrics_bytes(metrics_connections)
+    return capacity + capacity // 256 + FIXED_BYTES + reply_budget + request_budget + tier_write_queue + metrics
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
@@ -104,4 +124,5 @@ def over_memory_warning(capacity: int, needs: int, available: tuple[int, str] | 
             "Lower --capacity (or the budgets) to fit.")
 
 
-__all__ = ["FIXED_BYTES", "available_memory", "dram_needs", "over_memory_warning"]
+__all__ = ["FIXED_BYTES", "METRICS_CONN_BYTES", "METRICS_FIXED_BYTES", "available_memory", "dram_needs",
+           "metrics_bytes", "over_memory_warning"]

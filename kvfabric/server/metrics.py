@@ -14,21 +14,33 @@ histograms (``lat_<op>_us_buckets`` / ``lat_<op>_us_sum`` in STATS) become one
 histogram family, ``kvfabric_request_seconds{op=get|put|lookup|exists|delete}``
 with ``_bucket`` / ``_sum`` / ``_count``.
 
-The HTTP side is ``prometheus_client`` (imported only when a metrics port is
-asked for, so engines' virtualenvs that run a pool server for tests need not
-install it). It binds loopback unless ``--metrics-host`` says otherwise; the
-metrics carry no keys or values, only counts.
+The exposition is ``prometheus_client``'s (imported only when a metrics port
+is asked for, so engines' virtualenvs that run a pool server for tests need
+not install it); the HTTP server is :mod:`kvfabric.server.httpd`'s bounded one,
+not ``prometheus_client.start_http_server`` (a thread per connection, kept for
+as long as the client likes): at most ``--metrics-max-connections`` scrapes at
+once, one thread each (the next connection is answered 503 and closed by the
+accepting thread), a request head of at most 16 KiB that must arrive within
+``--metrics-timeout`` seconds (half-sent requests are dropped then; so are
+idle keep-alive connections), no request body (a request with one is answered
+413 and closed), and a client that stops reading its answer is dropped after
+the same timeout. So the endpoint's threads are at most 1 + the cap and its
+memory :func:`kvfabric.server.memory.metrics_bytes`. It binds loopback unless
+``--metrics-host`` says otherwise; the metrics carry no keys or values, only
+counts.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..metrics import LAT_KEYS, LAT_OPS, SERVER, SERVER_PROM_NAMES, lat_histogram
 from ..metrics import SERVER_GAUGES as GAUGES
 from ..metrics import SERVER_LABELS as LABELS
+from .httpd import BoundedHandler, BoundedHTTPServer, Limits
 
 log = logging.getLogger("kvfabric.server.metrics")
 
@@ -96,18 +108,60 @@ class StatsCollector:
         yield from families(stats)
 
 
-class MetricsServer:
-    """The ``/metrics`` HTTP endpoint; ``close()`` stops it. Raises ImportError (with what to
-    install) when prometheus_client is missing, OSError when the port cannot be bound."""
+#: Scrapes served at once (Prometheus scrapes one target with one connection; a few more leave room
+#: for a second Prometheus, an agent and a person with curl), and how long a request may take to
+#: arrive; docs/operations.md.
+DEFAULT_MAX_CONNECTIONS = 8
+DEFAULT_TIMEOUT_S = 10.0
+#: A scrape's request line and headers (Prometheus sends ~300 bytes).
+MAX_HEADER_BYTES = 16 << 10
 
-    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]], host: str = "127.0.0.1", port: int = 0) -> None:
+
+def limits(max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S) -> Limits:
+    """The endpoint's limits (ValueError unless both are > 0). It reads no body, so the body limits
+    only have to be valid."""
+    return Limits(max_connections=max_connections, header_timeout_s=timeout_s, body_timeout_s=timeout_s,
+                  max_header_bytes=MAX_HEADER_BYTES, max_body_bytes=1)
+
+
+class _Handler(BoundedHandler):
+    server: _HTTPServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.headers.get("Content-Length", "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
+            self.refuse(413, "the metrics endpoint takes no request body")
+        elif self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.refuse(404, "not found: the metrics are at /metrics")
+        else:
+            encode, ctype = self.server.choose_encoder(self.headers.get("Accept", ""))
+            self.reply(200, encode(self.server.registry), ctype)
+
+
+class _HTTPServer(BoundedHTTPServer):
+    registry: Any
+    choose_encoder: Callable[[str], tuple[Callable[[Any], bytes], str]]
+
+
+class MetricsServer:
+    """The ``/metrics`` HTTP endpoint, served by one thread (plus one per scrape in progress, at most
+    ``max_connections``); ``close()`` stops it. Raises ImportError (with what to install) when
+    prometheus_client is missing, OSError when the port cannot be bound, ValueError for a limit
+    that is not > 0."""
+
+    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]], host: str = "127.0.0.1", port: int = 0, *,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.exposition import choose_encoder
         except ImportError as e:
             raise ImportError(f"--metrics-port needs the prometheus-client package (pip install prometheus-client): {e}") from e
+        lim = limits(max_connections, timeout_s)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(stats_fn))
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = _HTTPServer((host, port), _Handler, lim)
+        self._httpd.registry, self._httpd.choose_encoder = self.registry, choose_encoder
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvfabric-metrics", daemon=True)
+        self._thread.start()
         self.host, self.port = self._httpd.server_address[:2]
 
     @property

@@ -282,12 +282,49 @@ def _bind_shm_socket(path: str, gid: int | None) -> tuple[socket.socket, int]:
 SHARED_FSYNC_MODES = {"never": 0, "always": 1}
 
 
-def check_shared_path(path: str) -> str:
+#: The flag that lets a server start on a tier directory :func:`check_tier_dir` refuses.
+INSECURE_OK_FLAG = "--tier-dir-insecure-ok"
+
+
+def check_tier_dir(flag: str, path: str, gid: int | None, insecure_ok: bool) -> None:
+    """Refuse (ConfigError naming the path, the reason and the flag that overrides it) a tier directory
+    (``--ssd-path`` / ``--shared-path``) that another local user could write: owned by another uid, or
+    writable by others, or by its group unless that group is the tier group ``gid`` (``--tier-group``).
+    The shm directory is checked the same way (:func:`_private_dir`). With ``insecure_ok``
+    (``--tier-dir-insecure-ok``) such a directory is logged as a WARNING and used. A path that does not
+    exist or is not a directory is left to the caller's own message. Below the directory the C tiers
+    check every component as they open it (csrc/kvf_shared.c, kvf_tier.c)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    mode = st.st_mode & 0o7777
+    why = None
+    if st.st_uid != os.geteuid():
+        why = f"belongs to uid {st.st_uid}, not to this server (uid {os.geteuid()}); chown it"
+    elif mode & 0o002:
+        why = f"is writable by others (mode {mode:o}); chmod o-w it (0700)"
+    elif mode & 0o020 and (gid is None or st.st_gid != gid):
+        why = (f"is writable by its group {st.st_gid} (mode {mode:o}), which is not --tier-group; chmod g-w it, "
+               "or name that group with --tier-group")
+    if why is None:
+        return
+    if insecure_ok:
+        log.warning("%s %s %s: started anyway (%s): anyone who can write it can plant or remove tier objects",
+                    flag, path, why.split(";")[0], INSECURE_OK_FLAG)
+        return
+    raise ConfigError(f"{flag} {path} {why}, or give {INSECURE_OK_FLAG} to start anyway: another local user "
+                      "could plant tier objects there or redirect the server's writes")
+
+
+def check_shared_path(path: str, gid: int | None = None, insecure_ok: bool = False) -> str:
     """The absolute path of a usable ``--shared-path`` directory, or ConfigError saying what is wrong.
 
     The directory must exist (it is a mount every server shares; creating it here would hide a missing
-    mount) and this process must be able to create and remove a file in it. The C tier checks the same
-    again when it opens the directory (kvf_shared_open).
+    mount), pass :func:`check_tier_dir`, and this process must be able to create and remove a file in
+    it. The C tier checks the same again when it opens the directory (kvf_shared_open).
     """
     full = os.path.abspath(path)
     if not os.path.exists(full):
@@ -295,9 +332,10 @@ def check_shared_path(path: str) -> str:
                           "server mounts)")
     if not os.path.isdir(full):
         raise ConfigError(f"--shared-path {full}: not a directory")
+    check_tier_dir("--shared-path", full, gid, insecure_ok)
     probe = os.path.join(full, f".probe.{os.getpid()}.{time.monotonic_ns()}.tmp")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
@@ -405,6 +443,8 @@ class NativeServer:
         ssd_promote_max: int | None = None,
         shared_path: str | None = None,
         shared_fsync: str = "never",
+        tier_group: str | int | None = None,
+        tier_dir_insecure_ok: bool = False,
         prefault: bool = True,
     ) -> None:
         if _native is None:
@@ -424,7 +464,11 @@ class NativeServer:
             raise ConfigError(f"unknown transports {sorted(unknown)}")
         if shared_fsync not in SHARED_FSYNC_MODES:
             raise ConfigError(f"shared_fsync must be always|never, got {shared_fsync!r}")
-        self.shared_path = check_shared_path(shared_path) if shared_path is not None else None
+        tier_gid = resolve_group(tier_group) if tier_group is not None else None
+        for d in ssd_paths:
+            check_tier_dir("--ssd-path", os.path.abspath(d), tier_gid, tier_dir_insecure_ok)
+        self.shared_path = (check_shared_path(shared_path, tier_gid, tier_dir_insecure_ok)
+                            if shared_path is not None else None)
         self.policy: EvictionPolicy = make_policy(policy)
         self._sizes: dict[bytes, int] = {}
         self._lock = threading.Lock()
@@ -481,17 +525,22 @@ class NativeServer:
                 request_budget=int(request_budget),
                 reserve_budget=int(reserve_budget if reserve_budget is not None else max(1, capacity // 4)),
                 shared_path=self.shared_path, shared_fsync=SHARED_FSYNC_MODES[shared_fsync],
+                tier_gid=-1 if tier_gid is None else tier_gid,
             )
         except (OSError, KVFabricError) as e:
             self._close_sockets()
             raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
         if ssd_paths:
-            self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max)
+            self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max,
+                            -1 if tier_gid is None else tier_gid)
         elif self.shared_path is not None:  # the tier thread alone runs the shared tier's I/O
             self._srv.tier_open([], 0, write_queue=int(ssd_write_queue), promote_max=int(ssd_promote_max or 0))
         if self.shared_path is not None:
-            log.info("shared tier: %s (fsync %s); committed PUTs are written through", self.shared_path,
-                     shared_fsync)
+            log.info("shared tier: %s (fsync %s); committed PUTs are written through%s", self.shared_path,
+                     shared_fsync, "; files carry a MAC keyed by the token" if auth_token else "")
+            if not auth_token:
+                log.warning("shared tier %s: no --auth-token, so its files carry no MAC: anyone who can write "
+                            "that directory can plant objects this server will serve", self.shared_path)
         self.capacity = capacity
         self._prefault = prefault
         self._low = int(capacity * low_watermark)
@@ -504,12 +553,13 @@ class NativeServer:
         self._drain_timeout_s = drain_timeout_s
 
     def _open_tier(self, paths: Sequence[str], capacity: int, admit: str, write_queue: int,
-                   promote_max: int | None) -> None:
+                   promote_max: int | None, gid: int) -> None:
         """Open the SSD tier (rebuilding its index from the files) and attach it to the data plane.
 
         ConfigError (the server does not start) for bad options, a missing or unwritable directory, a
         filesystem without O_DIRECT (there is no buffered fallback: the tier must not go through the page
-        cache) or too little space to preallocate ``capacity``.
+        cache), too little space to preallocate ``capacity``, or a tier file another user could have
+        planted or could read (a symlink, another uid's, group/other access beyond ``gid``'s).
         """
         if admit not in ("all", "hit"):
             raise ConfigError(f"ssd_admit must be all|hit, got {admit!r}")
@@ -517,7 +567,7 @@ class NativeServer:
             raise ConfigError("ssd_capacity must be > 0 and ssd_write_queue >= 8 KiB")
         try:
             self._srv.tier_open([os.path.abspath(p) for p in paths], int(capacity), admit={"all": 0, "hit": 1}[admit],
-                                write_queue=int(write_queue), promote_max=int(promote_max or 0))
+                                write_queue=int(write_queue), promote_max=int(promote_max or 0), gid=gid)
         except OSError as e:
             self._close_sockets()
             raise ConfigError(f"SSD tier: {e.strerror or e}") from e

@@ -10,6 +10,16 @@ Usage::
         etcd.outage(); etcd.resume()    # an etcd outage: stopped, then back on the same ports and data
         etcd.stop()                     # SIGTERM, wait; the data directory is removed
 
+    with start_etcd(tls=True, client_cert_auth=True) as etcd:
+        etcd.url                        # "https://127.0.0.1:PORT"
+        etcd.ca_file, etcd.client_cert, etcd.client_key   # PEM files made for this etcd
+
+``tls=True`` makes a CA, a server certificate for the host (an IP SAN) and a
+client certificate with ``openssl`` (:func:`make_certificates`) in the data
+directory, and serves clients over ``https://`` only; ``client_cert_auth``
+makes etcd require a client certificate signed by that CA
+(``--client-cert-auth``). Without ``openssl`` on PATH it raises RuntimeError.
+
 ``etcd_binary()`` is the path of ``etcd`` (``$KVFABRIC_ETCD_BIN``, else on
 ``PATH``, else ``/usr/bin/etcd`` as Debian's ``etcd-server`` installs it),
 or None; tests skip with :data:`MISSING_REASON` when it is None
@@ -26,12 +36,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
 
-__all__ = ["EtcdProcess", "MISSING_REASON", "etcd_binary", "start_etcd", "etcd"]
+__all__ = ["EtcdProcess", "MISSING_REASON", "etcd_binary", "make_certificates", "start_etcd", "etcd"]
 
 MISSING_REASON = ("etcd is not installed (Debian/Ubuntu: apt-get install etcd-server; or set KVFABRIC_ETCD_BIN); "
                   "scripts/test-all installs it when run as root")
@@ -63,12 +74,17 @@ def _free_ports(n: int) -> list[int]:
 class EtcdProcess:
     """A running etcd (see the module docstring)."""
 
-    def __init__(self, popen: subprocess.Popen, url: str, data_dir: str, log_path: str, cmd: list[str]) -> None:
+    def __init__(self, popen: subprocess.Popen, url: str, data_dir: str, log_path: str, cmd: list[str],
+                 certs: dict[str, str] | None = None) -> None:
         self.popen = popen
         self.url = url
         self.data_dir = data_dir
         self.log_path = log_path
         self.cmd = cmd
+        certs = certs or {}
+        self.ca_file: str | None = certs.get("ca")
+        self.client_cert: str | None = certs.get("client_cert")
+        self.client_key: str | None = certs.get("client_key")
 
     def outage(self) -> None:
         """SIGTERM and wait, keeping the data directory (an etcd outage; :meth:`resume` ends it)."""
@@ -118,25 +134,67 @@ class EtcdProcess:
             pass
 
 
-def _healthy(url: str) -> bool:
+def _healthy(proc: EtcdProcess) -> bool:
+    ctx = None
+    if proc.ca_file:
+        ctx = ssl.create_default_context(cafile=proc.ca_file)
+        if proc.client_cert:
+            ctx.load_cert_chain(proc.client_cert, proc.client_key)
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+        with urllib.request.urlopen(proc.url + "/health", timeout=2, context=ctx) as r:
             return json.loads(r.read()).get("health") == "true"
     except (OSError, ValueError):
         return False
 
 
-def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1") -> EtcdProcess:
+def make_certificates(directory: str, host: str = "127.0.0.1") -> dict[str, str]:
+    """A test CA, a server certificate for ``host`` (IP or DNS SAN) and a client certificate, all signed by
+    the CA, made with ``openssl`` in ``directory``: ``{"ca", "ca_key", "server_cert", "server_key",
+    "client_cert", "client_key"}`` -> paths. RuntimeError with openssl's output when it fails."""
+    if shutil.which("openssl") is None:
+        raise RuntimeError("openssl is not installed (needed to make test certificates)")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    f = {name: os.path.join(directory, name + ".pem") for name in
+         ("ca", "ca_key", "server_cert", "server_key", "client_cert", "client_key")}
+    san = f"IP:{host}" if host.replace(".", "").isdigit() or ":" in host else f"DNS:{host}"
+
+    def openssl(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stderr[-2000:]}")
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f["ca_key"], "-out", f["ca"],
+            "-days", "2", "-subj", "/CN=kvfabric-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    # the server certificate is a client one too: etcd's own JSON gateway dials etcd's gRPC port with it,
+    # and an etcd with --client-cert-auth refuses that dial otherwise (the gateway answers 503)
+    for who, cn, ext in (("server", host, f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth"),
+                         ("client", "kvfabric-test-client", "extendedKeyUsage=clientAuth")):
+        csr, extfile = os.path.join(directory, who + ".csr"), os.path.join(directory, who + ".ext")
+        with open(extfile, "w") as fh:
+            fh.write(ext + "\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f[f"{who}_key"], "-out", csr,
+                "-subj", f"/CN={cn}")
+        openssl("x509", "-req", "-in", csr, "-CA", f["ca"], "-CAkey", f["ca_key"], "-CAcreateserial",
+                "-out", f[f"{who}_cert"], "-days", "2", "-extfile", extfile)
+    return f
+
+
+def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1", *, tls: bool = False,
+               client_cert_auth: bool = False) -> EtcdProcess:
     """Start etcd on two free ports (client, peer) with a temporary data dir; wait until healthy.
 
     ``host``: the address clients reach it on (default loopback; a network-namespace test passes its
-    bridge address); the peer port stays on loopback."""
+    bridge address); the peer port stays on loopback. ``tls`` / ``client_cert_auth``: see the module
+    docstring."""
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError(MISSING_REASON)
+    if client_cert_auth and not tls:
+        raise ValueError("client_cert_auth needs tls=True")
     client_port, peer_port = _free_ports(2)  # free on loopback; the client port is also free on ``host``
     data_dir = tempfile.mkdtemp(prefix="kvfabric-etcd-")
-    url = f"http://{host}:{client_port}"
+    url = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
     log_path = os.path.join(data_dir, "etcd.log")
     cmd = [
@@ -146,16 +204,29 @@ def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1") -> EtcdProcess:
         "--initial-cluster", f"kvfabric-test={peer}", "--initial-cluster-state", "new",
         "--log-level", "warn",
     ]
+    certs = None
+    if tls:
+        try:
+            certs = make_certificates(os.path.join(data_dir, "tls"), host)
+        except BaseException:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            raise
+        cmd += ["--cert-file", certs["server_cert"], "--key-file", certs["server_key"]]
+        if client_cert_auth:  # (etcd 3.4 asks every client for a certificate once it has a trusted CA file)
+            cmd += ["--client-cert-auth", "--trusted-ca-file", certs["ca"]]
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    proc = EtcdProcess(popen, url, data_dir, log_path, cmd)
+    proc = EtcdProcess(popen, url, data_dir, log_path, cmd,
+                       certs and {"ca": certs["ca"], **({"client_cert": certs["client_cert"],
+                                                         "client_key": certs["client_key"]} if client_cert_auth
+                                                        else {})})
     _wait_healthy(proc, timeout_s)
     return proc
 
 
 def _wait_healthy(proc: EtcdProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while not _healthy(proc.url):
+    while not _healthy(proc):
         if proc.popen.poll() is not None or time.monotonic() > deadline:
             text = proc.log_text()
             proc.stop()

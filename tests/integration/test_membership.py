@@ -293,8 +293,13 @@ def test_serve_membership_options(servers):
     assert bad.returncode == 2 and "cluster name" in bad.stderr
     bad = serve("--host", "0.0.0.0", "--etcd", "http://127.0.0.1:1")
     assert bad.returncode == 2 and "--advertise" in bad.stderr
-    bad = serve("--etcd", "https://127.0.0.1:1")
-    assert bad.returncode == 2 and "TLS" in bad.stderr
+    bad = serve("--etcd", "ftp://root:s3cr@127.0.0.1:1")
+    assert bad.returncode == 2 and "https://" in bad.stderr and "root:***@" in bad.stderr, bad.stderr
+    assert "s3cr" not in bad.stderr + bad.stdout
+    bad = serve("--etcd", "https://127.0.0.1:1", "--etcd-ca", "/nonexistent/ca.pem")
+    assert bad.returncode == 2 and "CA file" in bad.stderr, bad.stderr
+    bad = serve("--etcd-ca", "/nonexistent/ca.pem")
+    assert bad.returncode == 2 and "need --etcd" in bad.stderr, bad.stderr
     bad = serve("--etcd", "http://127.0.0.1:1", "--etcd-ttl", "0")
     assert bad.returncode == 2 and "--etcd-ttl" in bad.stderr
     # an unreachable etcd does not stop a server: it serves and keeps trying to register

@@ -5,6 +5,7 @@ replaced without anyone failing, and no password is shown. Skipped with the reas
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -61,6 +62,11 @@ def test_auth_register_follow_list_and_token_renewal(auth_etcd):
                             capture_output=True, text=True, timeout=60)
         assert ls.returncode == 0, ls.stderr
         assert "3 member(s)" in ls.stdout and "s3cr" not in ls.stdout + ls.stderr
+        assert "root:***@" in ls.stdout.splitlines()[0], ls.stdout
+        js = subprocess.run([sys.executable, "-m", "kvfabric", "cluster", "ls", "--etcd", url, "--cluster", "auth",
+                             "--json"], capture_output=True, text=True, timeout=60)
+        assert js.returncode == 0 and "s3cr" not in js.stdout + js.stderr, js.stderr
+        assert "root:***@" in json.loads(js.stdout)["etcd"], js.stdout
         for s in servers:
             assert s.alive
     finally:

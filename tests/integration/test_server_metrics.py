@@ -9,6 +9,7 @@ import pytest
 
 from kvfabric import Client, ClientConfig
 from kvfabric.testing import start_server, wait_for
+from kvfabric.testing.rawhttp import closed_by_peer, read_answer, thread_count
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
 pytest.importorskip("kvfabric._native", reason="the C extension is not built")
@@ -105,3 +106,128 @@ def test_service_time_histograms_and_error_counters():
     assert not [n for fam in m.values() for (n, _) in fam["samples"] if n.endswith("_total_total")]
     assert m["kvfabric_server_info"]["samples"] and any(
         dict(lb).get("data_plane", "").startswith("io_uring") for (_, lb) in m["kvfabric_server_info"]["samples"])
+
+
+# ---------------------------------------------------------------- the endpoint's limits (issue 22)
+# On main, prometheus_client's server kept a thread per connection for as long as the client liked:
+# 1,000 half-sent requests were 1,004 threads and +24 MiB, outside the server's stated bound.
+
+HALF_SENT = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000   # no blank line: never finished
+
+
+def _metrics_server(*args: str):
+    srv = start_server("16MiB", extra_args=["--metrics-port", "0", *args])
+    url = wait_for(lambda: (re.search(r"metrics on (http://\S+)", srv.stderr_text()) or [None, None])[1])
+    if not url:
+        srv.stop()
+        raise AssertionError(f"no metrics line in the server's log: {srv.stderr_text()[-2000:]}")
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    return srv, url, (host, int(port))
+
+
+def _scrapes(url: str) -> bool:
+    """True when a scrape is served; False while the endpoint still answers 503 (its slots are taken
+    until the handler of a dropped connection has ended, a moment after the client sees the close)."""
+    import urllib.error
+
+    try:
+        return "kvfabric_objects" in scrape(url)
+    except urllib.error.HTTPError as e:
+        if e.code != 503:
+            raise
+        return False
+
+
+def test_metrics_connection_cap_refuses_with_503_and_no_thread():
+    """4 half-sent requests hold the 4 slots; 200 more connections are each answered 503 and closed by
+    the accepting thread: the server's threads grow by the cap only, and its RSS stays inside the stated
+    bound with the endpoint's share (kvfabric.server.memory)."""
+    import socket
+
+    from kvfabric.server import memory
+
+    cap = 4
+    srv, url, addr = _metrics_server("--metrics-max-connections", str(cap), "--metrics-timeout", "600")
+    held = []
+    try:
+        base = thread_count(srv.pid)
+        for _ in range(cap):
+            s = socket.create_connection(addr, timeout=60)
+            s.sendall(HALF_SENT)
+            held.append(s)
+        assert wait_for(lambda: thread_count(srv.pid) >= base + cap, 120), \
+            f"{thread_count(srv.pid)} threads, expected {base} + {cap} for the half-sent requests"
+        most = 0
+        for i in range(200):
+            with socket.create_connection(addr, timeout=60) as s:   # sends nothing: the 503 comes first
+                status = read_answer(s)[0]
+                assert status == 503, f"connection {cap + i + 1} over the cap of {cap}: answered {status}"
+            if i % 20 == 0:
+                most = max(most, thread_count(srv.pid))
+        most = max(most, thread_count(srv.pid))
+        assert most <= base + cap + 1, f"{most} threads for {cap} held + 200 refused connections (base {base})"
+        rss = srv.rss_bytes()
+        bound = (16 << 20) + memory.FIXED_BYTES + (32 << 10) * (cap + 1) + (64 << 20) + memory.metrics_bytes(cap)
+        assert rss <= bound, f"RSS {rss / 2**20:.1f} MiB over the stated bound {bound / 2**20:.1f} MiB"
+    finally:
+        for s in held:
+            s.close()
+    try:
+        # the slots come back once the half-sent requests are gone
+        assert wait_for(lambda: _scrapes(url), 120, 0.5)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("how", ["half-sent", "trickled", "silent"])
+def test_metrics_slow_requests_are_dropped_at_the_timeout(how):
+    """With --metrics-timeout 1, a request that never finishes (sent at once, one byte every 0.2 s, or
+    nothing at all) is dropped, and the slot serves the next scrape."""
+    import socket
+    import time
+
+    srv, url, addr = _metrics_server("--metrics-max-connections", "1", "--metrics-timeout", "1")
+    try:
+        with socket.create_connection(addr, timeout=60) as s:
+            if how == "half-sent":
+                s.sendall(HALF_SENT)
+            stop = time.monotonic() + 120
+            i = 0
+            while not closed_by_peer(s):
+                assert time.monotonic() < stop, f"{how}: still connected after 120 s (--metrics-timeout 1)"
+                if how == "trickled":
+                    try:
+                        s.send(HALF_SENT[i:i + 1])
+                    except OSError:
+                        break
+                    i += 1
+                time.sleep(0.2)
+        assert wait_for(lambda: _scrapes(url), 120, 0.5), f"{how}: no scrape after the drop"
+    finally:
+        srv.stop()
+
+
+def test_metrics_request_with_a_body_or_elsewhere_is_refused():
+    import socket
+
+    srv, url, addr = _metrics_server()
+    try:
+        for request, status in ((b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n", 413),
+                                (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 413),
+                                (b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+                                (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n", 501),
+                                (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n", 431)):
+            with socket.create_connection(addr, timeout=60) as s:
+                s.sendall(request)
+                got = read_answer(s)[0]
+                assert got == status, f"{request[:60]!r}: answered {got}, expected {status}"
+                assert wait_for(lambda: closed_by_peer(s), 60), f"{request[:60]!r}: connection left open"
+        assert "kvfabric_objects" in scrape(url)
+    finally:
+        srv.stop()
+
+
+def test_metrics_limits_must_be_positive():
+    for args in (["--metrics-max-connections", "0"], ["--metrics-timeout", "0"]):
+        with pytest.raises(RuntimeError, match="exited with status 2"):
+            start_server("16MiB", extra_args=["--metrics-port", "0", *args], timeout_s=60)

@@ -496,6 +496,61 @@ def test_stats_schema_has_the_ssd_keys_only_with_a_tier(tier_dir):
 
 
 
+# ---------------------------------------------------------------- a tier file someone else put there (issue 22)
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def victim(tier_dir) -> Iterator[str]:
+    """A root-only file outside the tier directory that a planted tier file points at."""
+    d = tempfile.mkdtemp(prefix="kvf-victim-", dir=TMP)
+    path = os.path.join(d, "secret")
+    with open(path, "wb") as f:
+        f.write(b"root-only bytes " * 256)
+    os.chmod(path, 0o600)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard link", "owned by uid 65534", "mode 0666"])
+def test_a_planted_tier_file_stops_the_start_and_nothing_is_written_through_it(tier_dir, victim, plant):
+    """On main a symlink made root fallocate and overwrite its target, and a 0666 file another uid made
+    was adopted (that uid then read evicted KV and forged records)."""
+    tier_file = os.path.join(tier_dir, TIER_FILE)
+    target = victim
+    if plant == "symlink":
+        os.symlink(victim, tier_file)
+    elif plant == "hard link":
+        os.link(victim, tier_file)
+    else:
+        if "65534" in plant and os.geteuid() != 0:
+            pytest.skip("needs root to give a file to another uid")
+        with open(tier_file, "wb") as f:
+            f.write(b"planted " * 512)
+        os.chown(tier_file, NOBODY if "65534" in plant else os.geteuid(), -1)
+        os.chmod(tier_file, 0o666 if "0666" in plant else 0o600)
+        target = tier_file
+    with open(target, "rb") as f:
+        before = f.read()
+    r = _serve(tier_args(tier_dir, "16MiB"))
+    why = {"symlink": "is a symbolic link", "hard link": "has 2 links", "owned by uid 65534": "belongs to uid 65534",
+           "mode 0666": "has mode 666"}[plant]
+    assert r.returncode == 2 and "--ssd-path" in r.stderr and why in r.stderr, (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    with open(target, "rb") as f:
+        assert f.read() == before, f"{target} was written through the planted {plant}"
+    assert os.stat(target).st_size == len(before)
+
+
+def test_a_new_tier_file_is_0600_and_the_servers_own(tier_dir):
+    with start_server("4MiB", extra_args=tier_args(tier_dir, "16MiB")):
+        st = os.lstat(os.path.join(tier_dir, TIER_FILE))
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_nlink) == (0o600, os.geteuid(), 1)
+
+
 def test_a_tier_file_serves_one_server_at_a_time(tier_dir):
     with start_server("4MiB", extra_args=tier_args(tier_dir)):
         r = _serve(tier_args(tier_dir))

@@ -40,16 +40,16 @@ def _serve(shared: str, *extra: str, capacity: str = "16MiB", **kw):
     return start_server(capacity=capacity, extra_args=["--shared-path", shared, *extra], **kw)
 
 
-def _put(address: str, objs: dict[bytes, bytes]) -> list[int]:
+def _put(address: str, objs: dict[bytes, bytes], token: str | None = None) -> list[int]:
     keys = list(objs)
-    with tcp.connect(address, timeout_s=30) as c:
+    with tcp.connect(address, timeout_s=30, auth_token=token) as c:
         msg = p.PutRequest(keys, [len(objs[k]) for k in keys], [p.checksum(k, objs[k]) for k in keys])
         return list(c.request(msg, [objs[k] for k in keys]).msg.status)
 
 
-def _get(address: str, keys: list[bytes]) -> list[bytes | None]:
+def _get(address: str, keys: list[bytes], token: str | None = None) -> list[bytes | None]:
     """GET through a plain TCP connection; each object checked against the checksum the server sent."""
-    with tcp.connect(address, timeout_s=30) as c:
+    with tcp.connect(address, timeout_s=30, auth_token=token) as c:
         reply = c.request(p.GetRequest(keys))
     out: list[bytes | None] = []
     payload, off = bytes(reply.payload or b""), 0
@@ -64,8 +64,8 @@ def _get(address: str, keys: list[bytes]) -> list[bytes | None]:
     return out
 
 
-def _stats(address: str) -> dict:
-    with tcp.connect(address, timeout_s=30) as c:
+def _stats(address: str, token: str | None = None) -> dict:
+    with tcp.connect(address, timeout_s=30, auth_token=token) as c:
         return c.request(p.StatsRequest()).msg.stats
 
 

@@ -67,6 +67,10 @@ def test_dram_needs_counts_arena_page_map_fixed_part_budgets_and_tier_queue():
         cap + cap // 256 + memory.FIXED_BYTES + (64 << 20))
     assert memory.dram_needs(cap, reply_budget=1, request_budget=1, tier_write_queue=64 << 20) == (
         cap + cap // 256 + memory.FIXED_BYTES + 2 + (64 << 20))
+    # the metrics endpoint's share, with --metrics-port: a fixed part and one term per connection it serves
+    assert memory.metrics_bytes(8) == memory.METRICS_FIXED_BYTES + 8 * memory.METRICS_CONN_BYTES
+    assert memory.dram_needs(cap, reply_budget=1, request_budget=1, metrics_connections=8) == (
+        cap + cap // 256 + memory.FIXED_BYTES + 2 + memory.metrics_bytes(8))
 
 
 def test_the_memory_warning_fires_only_above_what_is_available():
