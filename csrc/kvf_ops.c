@@ -1,5 +1,5 @@
 /* kvf_ops.c: the request dispatcher of the native server and the handlers of
- * the simple requests (HELLO, PING, GET, EXISTS, LOOKUP, DELETE), on the
+ * the simple requests (HELLO, AUTH, PING, GET, EXISTS, LOOKUP, DELETE), on the
  * loop thread; the loop (kvf_server.c) calls it once a request's header and
  * metadata are in, and the handlers of the other requests sit below it: PUT
  * (kvf_put.c), STATS (kvf_stats.c), the shm requests (kvf_shm.c), and keys
@@ -10,7 +10,8 @@
  * reader (kvf_request.c), applies the same checks as kvfabric/protocol/ (in
  * the same order, with the same error codes), and queues the reply. Errors
  * after which the stream cannot be trusted (LENGTH_MISMATCH,
- * PAYLOAD_TOO_LARGE, AUTH_FAILED, BAD_VERSION) answer and close; other errors
+ * PAYLOAD_TOO_LARGE, AUTH_FAILED, BAD_VERSION) answer and close (an
+ * AUTH_FAILED peer's address is kept for the control thread's log); other errors
  * consume the request's payload, answer and keep the connection.
  */
 #define _GNU_SOURCE
@@ -21,19 +22,76 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include "kvf_hash.h"
+#include "kvf_mac.h"
 #include "kvf_tier.h"
 
-/* ---------------------------------------------------------------- simple ops */
+/* ---------------------------------------------------------------- HELLO, AUTH (protocol 3)
+ *
+ * kvfabric/protocol/auth.py owns the exchange; C only moves the nonces and
+ * checks the MACs. With a token: HELLO draws a fresh server nonce and proves
+ * the server holds the token over both nonces and its id; AUTH checks the
+ * client's proof over them (constant time) and only then marks the connection
+ * authenticated. Without one, HELLO authenticates and AUTH is not expected. */
 
-/* Whether the al bytes at a are the token, in time that depends only on the
- * token's length (not on where a guess first differs, nor on al). */
-static int token_equal(const char *a, uint32_t al, const char *token)
+/* The peer of c as the log names it: "host:port", "[v6]:port" or "unix:pid=P,uid=U". */
+static void peer_name(const struct conn *c, char *out, size_t cap)
 {
-    size_t tl = strlen(token);
-    volatile uint8_t diff = (uint8_t)(al != tl);
-    for (size_t i = 0; i < tl; i++) diff |= (uint8_t)(token[i] ^ (i < al ? a[i] : 0));
-    return diff == 0;
+    snprintf(out, cap, "?");
+    if (c->is_unix) {
+        struct ucred cr;
+        socklen_t l = sizeof cr;
+        if (getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cr, &l) == 0)
+            snprintf(out, cap, "unix:pid=%d,uid=%u", (int)cr.pid, (unsigned)cr.uid);
+        return;
+    }
+    struct sockaddr_storage ss;
+    socklen_t l = sizeof ss;
+    char host[INET6_ADDRSTRLEN];
+    if (getpeername(c->fd, (struct sockaddr *)&ss, &l)) return;
+    if (ss.ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)&ss;
+        if (inet_ntop(AF_INET, &a->sin_addr, host, sizeof host)) snprintf(out, cap, "%s:%u", host, ntohs(a->sin_port));
+    } else if (ss.ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&ss;
+        if (inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host)) snprintf(out, cap, "[%s]:%u", host, ntohs(a->sin6_port));
+    }
+}
+
+/* Refuse c with AUTH_FAILED (counted by code, then closed) and keep its address for the log. */
+static void auth_failed(struct conn *c, const char *why)
+{
+    struct kvf_server *s = c->srv;
+    char peer[KVF_PEER_NAME];
+    peer_name(c, peer, sizeof peer);
+    pthread_mutex_lock(&s->auth_mu);
+    if (s->auth_n < KVF_AUTH_LOG) memcpy(s->auth_log[s->auth_n++], peer, sizeof peer);
+    else s->auth_lost++;
+    pthread_mutex_unlock(&s->auth_mu);
+    kvf_reject(c, KVF_E_AUTH_FAILED, why);
+}
+
+size_t kvf_server_auth_failures(struct kvf_server *s, char (*out)[KVF_PEER_NAME], size_t max, uint64_t *lost)
+{
+    pthread_mutex_lock(&s->auth_mu);
+    size_t n = s->auth_n < max ? s->auth_n : max;
+    memcpy(out, s->auth_log, n * KVF_PEER_NAME);
+    *lost = s->auth_lost + (s->auth_n - n);
+    s->auth_n = 0;
+    s->auth_lost = 0;
+    pthread_mutex_unlock(&s->auth_mu);
+    return n;
+}
+
+/* A bin field of exactly n bytes: 0 and *out set, or -1 (absent, another type or size). */
+static int find_bin(struct kvf_meta m, const char *name, uint32_t n, const uint8_t **out)
+{
+    struct kvf_mr r;
+    uint32_t len;
+    return kvf_mr_find(m.p, m.n, name, &r) || kvf_mr_bin(&r, out, &len) || len != n ? -1 : 0;
 }
 
 static void op_hello(struct conn *c, struct kvf_meta m)
@@ -41,20 +99,29 @@ static void op_hello(struct conn *c, struct kvf_meta m)
     struct kvf_server *s = c->srv;
     struct kvf_mr r;
     int64_t version;
+    const uint8_t *nonce;
     if (kvf_mr_find(m.p, m.n, KVF_F_VERSION, &r) || kvf_mr_int(&r, &version)) {
         kvf_reject(c, KVF_E_MALFORMED, "missing field '" KVF_F_VERSION "'");
         return;
     }
+    /* the version before the nonce: an older peer's HELLO has none, and BAD_VERSION says why */
     if (version != KVF_VERSION) { kvf_reject(c, KVF_E_BAD_VERSION, KVF_BAD_VERSION_MSG); return; }
-    if (s->cfg.auth) {
-        const char *a;
-        uint32_t al;
-        if (kvf_mr_find(m.p, m.n, KVF_F_AUTH, &r) || kvf_mr_str(&r, &a, &al) || !token_equal(a, al, s->cfg.auth)) {
-            kvf_reject(c, KVF_E_AUTH_FAILED, "authentication failed");
-            return;
-        }
+    _Static_assert(KVF_NONCE_BYTES == 32, "the message below names the nonce's size");
+    if (find_bin(m, KVF_F_NONCE, KVF_NONCE_BYTES, &nonce)) {
+        kvf_reject(c, KVF_E_MALFORMED, KVF_F_NONCE " must be 32 bytes (bin)");
+        return;
     }
-    c->authed = 1;
+    uint8_t proof[KVF_PROOF_BYTES];
+    if (s->cfg.auth) {
+        if (kvf_random_bytes(c->snonce, KVF_NONCE_BYTES)) { kvf_reject(c, KVF_E_INTERNAL, "no random bytes"); return; }
+        memcpy(c->cnonce, nonce, KVF_NONCE_BYTES);
+        c->hello_seen = 1;
+        const void *parts[] = {KVF_HELLO_SERVER_LABEL, c->cnonce, c->snonce, s->cfg.server_id};
+        size_t lens[] = {sizeof KVF_HELLO_SERVER_LABEL - 1, KVF_NONCE_BYTES, KVF_NONCE_BYTES, strlen(s->cfg.server_id)};
+        kvf_hmac_sha256(s->cfg.auth, strlen(s->cfg.auth), 4, parts, lens, proof);
+    } else {
+        c->authed = 1;
+    }
     if (!c->is_unix && kvf_mr_find(m.p, m.n, KVF_F_TRANSPORTS, &r) == 0) {
         uint32_t n;
         if (kvf_mr_array(&r, &n) == 0) {
@@ -67,11 +134,48 @@ static void op_hello(struct conn *c, struct kvf_meta m)
         }
     }
     s->ctr.by_transport[c->transport]++;
-    KVF_REPLY_BEGIN(s->cfg.hello_len, 0);
-    kvf_mw_raw(&w, s->cfg.hello_meta, s->cfg.hello_len);
+    /* the static entries, then this connection's; map_close counts them */
+    KVF_REPLY_BEGIN(s->cfg.hello_len + 128, 0);
+    size_t at = kvf_mw_map_open(&w);
+    kvf_mw_raw(&w, s->cfg.hello_pairs, s->cfg.hello_len);
+    kvf_mw_cstr(&w, KVF_F_AUTH_REQUIRED);
+    kvf_mw_bool(&w, s->cfg.auth != NULL);
+    if (s->cfg.auth) {
+        kvf_mw_cstr(&w, KVF_F_NONCE);
+        kvf_mw_bin(&w, c->snonce, KVF_NONCE_BYTES);
+        kvf_mw_cstr(&w, KVF_F_PROOF);
+        kvf_mw_bin(&w, proof, KVF_PROOF_BYTES);
+    }
+    kvf_mw_map_close(&w, at);
+    if (w.overflow) { kvf_reply_drop(c, rp); kvf_reject(c, KVF_E_INTERNAL, "HELLO reply does not fit"); return; }
     kvf_reply_finish(c, rp, KVF_OP_HELLO, KVF_FLAG_REPLY, w.len, 0);
     kvf_conn_next_request(c);
 }
+
+static void op_auth(struct conn *c, struct kvf_meta m)
+{
+    struct kvf_server *s = c->srv;
+    if (!s->cfg.auth) { kvf_reject(c, KVF_E_MALFORMED, "this server has no pool token: AUTH is not expected"); return; }
+    if (!c->hello_seen) { auth_failed(c, "AUTH without a HELLO to answer"); return; }
+    const uint8_t *got;
+    if (find_bin(m, KVF_F_PROOF, KVF_PROOF_BYTES, &got)) { auth_failed(c, "AUTH needs a 32-byte proof"); return; }
+    uint8_t want[KVF_PROOF_BYTES];
+    const void *parts[] = {KVF_HELLO_CLIENT_LABEL, c->snonce, c->cnonce};
+    size_t lens[] = {sizeof KVF_HELLO_CLIENT_LABEL - 1, KVF_NONCE_BYTES, KVF_NONCE_BYTES};
+    kvf_hmac_sha256(s->cfg.auth, strlen(s->cfg.auth), 3, parts, lens, want);
+    c->hello_seen = 0; /* one AUTH per HELLO: a second try needs a fresh server nonce */
+    if (!kvf_ct_equal(want, got, KVF_PROOF_BYTES)) {
+        auth_failed(c, "wrong proof: this peer does not hold the pool token");
+        return;
+    }
+    c->authed = 1;
+    KVF_REPLY_BEGIN(8, 0);
+    kvf_mw_map(&w, 0);
+    kvf_reply_finish(c, rp, KVF_OP_AUTH, KVF_FLAG_REPLY, w.len, 0);
+    kvf_conn_next_request(c);
+}
+
+/* ---------------------------------------------------------------- keys */
 
 static void op_keys(struct conn *c, struct kvf_meta m, int op)
 {
@@ -196,8 +300,11 @@ void kvf_ops_request(struct conn *c)
 {
     int op = c->hdr.opcode;
     struct kvf_meta m = {c->meta, c->hdr.meta_len};
-    if (!c->authed && op != KVF_OP_HELLO) { kvf_reject(c, KVF_E_AUTH_FAILED, "authenticate with HELLO first"); return; }
-    if (op < KVF_OP_HELLO || (op > KVF_OP_STATS && (op < KVF_OP_SHM_ATTACH || op > KVF_OP_SHM_COMMIT))) {
+    if (!c->authed && op != KVF_OP_HELLO && op != KVF_OP_AUTH) {
+        auth_failed(c, "authenticate with HELLO and AUTH first");
+        return;
+    }
+    if (op < KVF_OP_HELLO || (op > KVF_OP_AUTH && (op < KVF_OP_SHM_ATTACH || op > KVF_OP_SHM_COMMIT))) {
         kvf_reject(c, KVF_E_UNKNOWN_OPCODE, "unknown opcode");
         return;
     }
@@ -212,6 +319,7 @@ void kvf_ops_request(struct conn *c)
     }
     switch (op) {
     case KVF_OP_HELLO: op_hello(c, m); break;
+    case KVF_OP_AUTH: op_auth(c, m); break;
     case KVF_OP_PING: {
         KVF_REPLY_BEGIN(8, 0);
         kvf_mw_map(&w, 0);

@@ -20,10 +20,11 @@
 #endif
 
 #define KVF_MAGIC "KVFB"
-/* Version 2: object checksums bind keys (kvf_hash.h). No other version is
- * spoken; a peer with another one gets BAD_VERSION with this message. */
-#define KVF_VERSION 2
-#define KVF_BAD_VERSION_MSG "this server speaks protocol 2: checksums bind keys"
+/* Version 3: HELLO proves both sides hold the pool token (kvfabric/protocol/auth.py;
+ * object checksums bind keys as since version 2, kvf_hash.h). No other version
+ * is spoken; a peer with another one gets BAD_VERSION with this message. */
+#define KVF_VERSION 3
+#define KVF_BAD_VERSION_MSG "this server speaks protocol 3: HELLO proves both sides hold the pool token"
 #define KVF_HEADER_SIZE 32
 
 #define KVF_FLAG_REPLY 0x01
@@ -39,6 +40,7 @@ enum kvf_op {
     KVF_OP_PUT = 6,
     KVF_OP_DELETE = 7,
     KVF_OP_STATS = 8,
+    KVF_OP_AUTH = 9, /* the client's proof over the server's HELLO nonce */
     /* Same-host (shm) control operations, only on a unix-socket connection
      * that negotiated "shm". See kvfabric/transport/shm.py. */
     KVF_OP_SHM_ATTACH = 32,  /* reply carries the arena memfd (SCM_RIGHTS) */
@@ -82,6 +84,14 @@ enum kvf_put_status {
 #define KVF_MAX_OBJECT_BYTES (64ull << 20)
 #define KVF_MAX_IN_FLIGHT 64u
 #define KVF_PRE_AUTH_META_BYTES 4096u
+/* HELLO's proofs (kvfabric.protocol.auth): each side's nonce, each proof (an
+ * HMAC-SHA256 keyed by the token), and the labels that keep the two
+ * directions apart: server = HMAC(token, SERVER_LABEL || Nc || Ns || server_id),
+ * client = HMAC(token, CLIENT_LABEL || Ns || Nc). */
+#define KVF_NONCE_BYTES 32u
+#define KVF_PROOF_BYTES 32u
+#define KVF_HELLO_SERVER_LABEL "kvfabric-hello-server-v3"
+#define KVF_HELLO_CLIENT_LABEL "kvfabric-hello-client-v3"
 /* Cap on a LOOKUP / shm lease, ms (kvfabric.protocol.MAX_LEASE_MS). */
 #define KVF_MAX_LEASE_MS 3600000u
 
@@ -89,7 +99,7 @@ enum kvf_put_status {
  * them; tests/unit/test_meta_fields.py checks every one is spelled as there and
  * that no C file names a field with a bare string). STATS keys are another
  * schema: kvf_stats.c (kvfabric.protocol.stats). */
-#define KVF_F_AUTH "auth"
+#define KVF_F_AUTH_REQUIRED "auth_required"
 #define KVF_F_CAPACITY "capacity"
 #define KVF_F_CHECKSUMS "checksums"
 #define KVF_F_CLIENT_VERIFIES "client_verifies"
@@ -100,9 +110,11 @@ enum kvf_put_status {
 #define KVF_F_LEASE "lease"
 #define KVF_F_LEASE_MS "lease_ms"
 #define KVF_F_MESSAGE "message"
+#define KVF_F_NONCE "nonce"
 #define KVF_F_OFFSETS "offsets"
 #define KVF_F_PARENTS "parents"
 #define KVF_F_PRESENT "present"
+#define KVF_F_PROOF "proof"
 #define KVF_F_RES "res"
 #define KVF_F_SIZES "sizes"
 #define KVF_F_STATUS "status"

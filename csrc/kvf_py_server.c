@@ -22,7 +22,7 @@ typedef struct {
     struct kvf_server *srv;
     struct kvf_tier *tier; /* attached to srv, or NULL */
     struct kvf_shared *shared; /* --shared-path tier, or NULL (the C config points at it) */
-    char *auth;
+    char *auth, *server_id;
     uint32_t *shm_uids, *shm_gids; /* the C config points at these */
     PyObject *hello, *extra; /* bytes kept alive for the C config */
     int running;
@@ -47,6 +47,7 @@ static void Server_dealloc(ServerObject *self)
     if (self->st && !self->running) kvf_store_free(self->st);
     if (self->shared && !self->running) kvf_shared_close(self->shared);
     PyMem_Free(self->auth);
+    PyMem_Free(self->server_id);
     PyMem_Free(self->shm_uids);
     PyMem_Free(self->shm_gids);
     Py_XDECREF(self->hello);
@@ -55,13 +56,15 @@ static void Server_dealloc(ServerObject *self)
 }
 
 PyDoc_STRVAR(Server_doc,
-"Server(tcp_fd, unix_fd, capacity, *, hello_meta, stats_extra=b'', auth=None,\n"
+"Server(tcp_fd, unix_fd, capacity, *, hello_pairs, stats_extra=b'', auth=None,\n"
 "       max_conns=1024, max_keys=4096, max_key_bytes=64, max_meta=1<<20, max_payload=1<<30,\n"
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
 "       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=(), idle_ms=0,\n"
 "       preauth_ms=0, drain_ms=0, reply_conn_budget=0, reply_budget=0, request_budget=0, reserve_budget=0,\n"
-"       shared_path=None, shared_fsync=0, tier_gid=-1)\n"
-"The io_uring data plane over a memfd arena of `capacity` bytes. The caller owns the\n"
+"       shared_path=None, shared_fsync=0, tier_gid=-1, server_id='')\n"
+"The io_uring data plane over a memfd arena of `capacity` bytes. hello_pairs: the HELLO reply's\n"
+"static entries (msgpack key/value pairs, no map header); C adds auth_required and, with auth\n"
+"(the pool token), the connection's nonce and its proof over server_id (kvfabric.protocol.auth). The caller owns the\n"
 "bound sockets (-1 = none); run() listens on them, then blocks (GIL released) until stop()\n"
 "has drained the connections (drain_ms). Budgets of 0 take kvf_server.h's defaults. The control\n"
 "methods (wait, drain, evict, is_pinned, space_done) are for one Python control thread.\n"
@@ -100,16 +103,17 @@ static int id_list(PyObject *o, uint32_t **out, uint32_t *n, const char *what)
 
 static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_meta", "stats_extra",
+    static char *kwlist[] = {"tcp_fd", "unix_fd", "capacity", "hello_pairs", "stats_extra",
                              "auth", "max_conns", "max_keys", "max_key_bytes", "max_meta", "max_payload",
                              "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
                              "shm_uids", "shm_gids", "idle_ms", "preauth_ms", "drain_ms", "reply_conn_budget",
-                             "reply_budget", "request_budget", "reserve_budget", "shared_path", "shared_fsync", "tier_gid", NULL};
+                             "reply_budget", "request_budget", "reserve_budget", "shared_path", "shared_fsync", "tier_gid",
+                             "server_id", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
     PyObject *hello = NULL, *extra = NULL;
-    const char *auth = NULL, *shared_path = NULL;
+    const char *auth = NULL, *shared_path = NULL, *server_id = "";
     int shared_fsync = KVF_SHARED_FSYNC_NEVER;
     long long tier_gid = -1;
     cfg.max_conns = 1024;
@@ -123,13 +127,13 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     unsigned long long min_rate = 0, reply_conn_budget = 0, reply_budget = 0, request_budget = 0, reserve_budget = 0;
     PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKziL", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKziLz", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
                                      &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o, &cfg.idle_ms, &cfg.preauth_ms,
                                      &cfg.drain_ms, &reply_conn_budget, &reply_budget, &request_budget, &reserve_budget,
-                                     &shared_path, &shared_fsync, &tier_gid))
+                                     &shared_path, &shared_fsync, &tier_gid, &server_id))
         return -1;
     if (id_list(uids_o, &self->shm_uids, &cfg.n_shm_uids, "shm_uids") ||
         id_list(gids_o, &self->shm_gids, &cfg.n_shm_gids, "shm_gids"))
@@ -141,7 +145,8 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_ValueError, "limits out of range");
         return -1;
     }
-    if (!hello) { PyErr_SetString(PyExc_TypeError, "hello_meta is required"); return -1; }
+    if (!hello) { PyErr_SetString(PyExc_TypeError, "hello_pairs is required"); return -1; }
+    if (!server_id) server_id = "";
     cfg.max_payload = max_payload;
     cfg.max_object = max_object;
     cfg.min_rate = min_rate;
@@ -173,6 +178,9 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
         if (!self->auth) { PyErr_NoMemory(); return -1; }
         strcpy(self->auth, auth);
     }
+    self->server_id = PyMem_Malloc(strlen(server_id) + 1);
+    if (!self->server_id) { PyErr_NoMemory(); return -1; }
+    strcpy(self->server_id, server_id);
     Py_INCREF(hello);
     self->hello = hello;
     if (!extra) extra = PyBytes_FromStringAndSize("", 0); else Py_INCREF(extra);
@@ -180,7 +188,8 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     self->extra = extra;
     cfg.store = self->st;
     cfg.auth = self->auth;
-    cfg.hello_meta = (const uint8_t *)PyBytes_AS_STRING(hello);
+    cfg.server_id = self->server_id;
+    cfg.hello_pairs = (const uint8_t *)PyBytes_AS_STRING(hello);
     cfg.hello_len = (size_t)PyBytes_GET_SIZE(hello);
     cfg.stats_extra = (const uint8_t *)PyBytes_AS_STRING(extra);
     cfg.stats_extra_len = (size_t)PyBytes_GET_SIZE(extra);
@@ -337,6 +346,23 @@ static PyObject *Server_stats_map(ServerObject *self, PyObject *noargs)
     return out;
 }
 
+static PyObject *Server_auth_failures(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    char peers[KVF_AUTH_LOG][KVF_PEER_NAME];
+    uint64_t lost;
+    size_t n = kvf_server_auth_failures(self->srv, peers, KVF_AUTH_LOG, &lost);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (!list) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *v = PyUnicode_DecodeUTF8(peers[i], (Py_ssize_t)strnlen(peers[i], KVF_PEER_NAME), "replace");
+        if (!v) { Py_DECREF(list); return NULL; }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    return Py_BuildValue("(NK)", list, (unsigned long long)lost);
+}
+
 PyDoc_STRVAR(tier_open_doc,
 "tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0, gid=-1)\n"
 "Open the SSD tier (one file per directory in paths; capacity bytes in all), rebuild its index from\n"
@@ -448,6 +474,8 @@ static PyMethodDef Server_methods[] = {
     {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},
     {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},
     {"keys", (PyCFunction)Server_keys, METH_NOARGS, "[(key, size)] of every indexed object (policy resync)"},
+    {"auth_failures", (PyCFunction)Server_auth_failures, METH_NOARGS,
+     "auth_failures() -> ([peer, ...], lost): peers refused AUTH_FAILED since the last call (at most 16 kept)"},
     {"stats_map", (PyCFunction)Server_stats_map, METH_NOARGS,
      "the STATS map, msgpack: the bytes a STATS request is answered with (csrc/kvf_stats.c builds both)"},
     {"tier_open", (PyCFunction)(void (*)(void))Server_tier_open, METH_VARARGS | METH_KEYWORDS, tier_open_doc},

@@ -341,6 +341,8 @@ int kvf_server_new(struct kvf_server **out, const struct kvf_server_cfg *cfg)
     struct kvf_server *s = calloc(1, sizeof *s);
     if (!s) return -ENOMEM;
     s->cfg = *cfg;
+    if (!s->cfg.server_id) s->cfg.server_id = "";
+    pthread_mutex_init(&s->auth_mu, NULL);
     s->st = cfg->store;
     s->base = kvf_store_base(s->st);
     if (!s->cfg.drain_ms) s->cfg.drain_ms = 5000;
@@ -462,5 +464,6 @@ void kvf_server_free(struct kvf_server *s)
     }
     kvf_ring_exit(&s->ring);
     close(s->efd);
+    pthread_mutex_destroy(&s->auth_mu);
     free(s);
 }

@@ -34,8 +34,12 @@ struct kvf_server_cfg {
     uint32_t max_conns;
     uint32_t max_keys, max_key_bytes, max_meta, max_in_flight;
     uint64_t max_payload, max_object;
-    const char *auth; /* NULL: no authentication */
-    const uint8_t *hello_meta; /* msgpack map sent as the HELLO reply */
+    const char *auth; /* the pool token (NUL-terminated; its bytes key the HELLO proofs), NULL: none */
+    const char *server_id; /* the id the HELLO reply names and the server's proof covers (NUL-terminated) */
+    /* The HELLO reply's static entries: msgpack key/value pairs (no map header).
+     * C writes the map around them, plus auth_required and, with a token, the
+     * connection's nonce and proof (kvfabric.protocol.auth). */
+    const uint8_t *hello_pairs;
     size_t hello_len;
     const uint8_t *stats_extra; /* msgpack key/value pairs appended to STATS */
     size_t stats_extra_len;
@@ -113,6 +117,14 @@ int kvf_server_run(struct kvf_server *s);
 void kvf_server_stop(struct kvf_server *s);
 /* Any thread: wake the loop after an eviction round (kvf_store_space_done). */
 void kvf_server_wake(struct kvf_server *s);
+/* Peers refused with AUTH_FAILED are kept (their address, "host:port" or
+ * "unix:pid=P,uid=U") for the control thread to log: at most KVF_AUTH_LOG
+ * between two reads, the rest only counted. */
+#define KVF_AUTH_LOG 16
+#define KVF_PEER_NAME 72
+/* Any thread: move the kept peers into out (at most max) and return how many;
+ * *lost: how many more were refused since the last call and not kept. */
+size_t kvf_server_auth_failures(struct kvf_server *s, char (*out)[KVF_PEER_NAME], size_t max, uint64_t *lost);
 /* The STATS map (msgpack, what a STATS request is answered with) in a malloc'd
  * buffer the caller frees: 0, -ENOMEM, -ENOSPC. Any thread (kvf_stats.c). */
 int kvf_server_stats_map(struct kvf_server *s, uint8_t **out, size_t *len);

@@ -19,6 +19,7 @@
 #ifndef KVF_SERVER_INT_H
 #define KVF_SERVER_INT_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -123,6 +124,10 @@ struct conn {
     struct conn *prev, *next;      /* all connections */
     struct conn *park_next;        /* waiting for space */
     int fd, is_unix, closing, close_after_send, authed, transport, parked;
+    /* HELLO's challenge (server with a token): the nonces of the last HELLO, ours fresh per HELLO;
+     * hello_seen until an AUTH answers them (one AUTH per HELLO) */
+    int hello_seen;
+    uint8_t cnonce[KVF_NONCE_BYTES], snonce[KVF_NONCE_BYTES];
     int zc;                        /* GET objects go out with SEND_ZC (see on_accept) */
     int64_t progress_ms;           /* last time a frame or a reply made progress */
     int64_t rx_deadline_ms;        /* min_rate bound of the frame being read (0: none / between frames) */
@@ -190,6 +195,11 @@ struct kvf_server {
     uint8_t busy_frame[KVF_HEADER_SIZE + 96]; /* BUSY error frame (request id 0) for a peer over max_conns */
     size_t busy_len;
     struct kvf_tier *tier;         /* tiers below DRAM (kvf_tier.h), or NULL */
+    /* peers refused AUTH_FAILED, for the control thread's log (kvf_server_auth_failures) */
+    pthread_mutex_t auth_mu;
+    char auth_log[KVF_AUTH_LOG][KVF_PEER_NAME];
+    uint32_t auth_n;
+    uint64_t auth_lost;
 };
 
 /* Monotonic clock in microseconds (service-time histograms). */

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .client import Client, PutResult
 from .config import ClientConfig, parse_servers, parse_size
 from .errors import (
+    AuthError,
     ChecksumError,
     ConfigError,
     ConnectionClosed,
@@ -25,6 +26,7 @@ from .keys import BlockKey, KeyAlgorithm, KeyHasher, Namespace, prefix_keys
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthError",
     "BlockKey",
     "ChecksumError",
     "Client",

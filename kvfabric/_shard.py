@@ -23,6 +23,9 @@ gets a connection to one server and what happens when that server fails:
   shards when their backoff is due (``reconnect_backoff_s`` doubling up to
   ``reconnect_backoff_max_s`` per failed attempt, reset on success).
 * :class:`_Counters`: the client's thread-safe counters (``stats()["client"]``).
+  A server that does not prove it holds the pool token (protocol 3,
+  :func:`kvfabric.transport.base.hello`) is refused in ``_connect``: counted
+  (``servers_refused``), logged with its address, and the shard stays down.
 * :class:`_Registration`: the buffers the caller asked to register
   (``Client.register_buffers``); each ``native`` connection picks up the
   current set when it is next acquired.
@@ -42,7 +45,7 @@ from collections.abc import Callable, Sequence
 
 from . import protocol, transport
 from .config import ClientConfig
-from .errors import KVFabricError
+from .errors import AuthError, KVFabricError
 from .metrics import CLIENT, names
 
 # The client's logger: these messages are part of the client's behaviour.
@@ -223,8 +226,13 @@ class _Shard:
         """A new connection: ``connect_s`` to reach the server, then ``hello_s`` for its HELLO reply
         (a server that accepted is alive; a late HELLO is load, not a dead shard)."""
         cfg = self._config
-        conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(connect_s, 0.001)),
-                                 hello_timeout_s=max(hello_s, 0.001))
+        try:
+            conn = transport.connect(cfg.transport, self.address, cfg.with_(connect_timeout_s=max(connect_s, 0.001)),
+                                     hello_timeout_s=max(hello_s, 0.001))
+        except AuthError as e:  # it never got a key, a PUT or a lookup; the caller marks the shard down
+            self._counters.add(servers_refused=1)
+            log.error("kvfabric: %s; its keys are misses (retried in the background)", e.message)
+            raise
         if self.transport is not None and self.transport != conn.name:
             log.warning("kvfabric: %s now uses transport %s (was %s)", self.address, conn.name, self.transport)
         self.transport = conn.name

@@ -31,7 +31,9 @@ are not 1..64 bytes, a buffer that is read-only, not contiguous or too small
 for the object found, mismatched lengths, an object larger than
 ``protocol.MAX_OBJECT_BYTES``), using a closed client, and, when the client is
 built, a forced transport that is unavailable or a server that rejects the
-auth token or protocol version.
+auth token or protocol version, or that this client refuses because it does
+not prove it holds the token (protocol 3: ``AuthError``; such a server is
+counted in ``servers_refused`` and never sent a key).
 
 Membership and ownership: the servers come from a static list
 (``Client(servers)``) or from etcd (``Client(etcd=URL, cluster=NAME)``,
@@ -115,7 +117,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
     ``ConfigError`` for a bad server list or replica count, or both a list and
     etcd, ``TransportUnavailable`` for a forced transport that cannot be used,
     and ``RemoteError`` naming the server when a server rejects the auth token
-    or protocol version. With ``allow_rejects=True`` such servers instead
+    or protocol version, or does not prove it holds the token. With ``allow_rejects=True`` such servers instead
     start out down (logged as an error with their address, shown in
     ``stats()["client"]["shards"][address]["last_error"]``) and are retried in
     the background like unreachable ones, so a fixed token or an upgraded

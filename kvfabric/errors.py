@@ -82,6 +82,24 @@ class RemoteError(KVFabricError):
         self.message = message
 
 
+class AuthError(RemoteError):
+    """The pool-token exchange of HELLO failed on this side (protocol 3).
+
+    Raised by a client whose server did not prove it holds the pool token (a
+    missing or wrong ``proof``, or ``auth_required: false`` while the client
+    has a token), or that requires a token the client does not have. It is an
+    ``AUTH_FAILED`` :class:`RemoteError` so that every caller that handles a
+    server's refusal handles this one the same way (the client marks the
+    server down: its keys are misses, it is never used). ``message`` names the
+    server's address.
+    """
+
+    def __init__(self, message: str) -> None:
+        KVFabricError.__init__(self, message)
+        self.code = ErrorCode.AUTH_FAILED
+        self.message = message
+
+
 class TransportError(KVFabricError):
     """The connection broke, timed out, or could not be made.
 

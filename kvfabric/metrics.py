@@ -140,6 +140,8 @@ CLIENT: dict[str, Metric] = _table(
     Metric("timeouts", COUNTER, "requests to a shard that missed the call's deadline"),
     Metric("skipped_down", COUNTER, "requests not sent because their shard was marked down"),
     Metric("reconnects", COUNTER, "connections re-established to a shard"),
+    Metric("servers_refused", COUNTER, "connection attempts refused by this client: the server did not prove it "
+           "holds the pool token (or needs one this client lacks); nothing was sent to it"),
     Metric("bytes_in", COUNTER, "object bytes received"),
     Metric("bytes_out", COUNTER, "object bytes sent"),
     Metric("requests", COUNTER, "requests answered by a server"),

@@ -1,11 +1,11 @@
-"""THE kvfabric wire format (version 2). Nothing else packs or slices frame bytes.
+"""THE kvfabric wire format (version 3). Nothing else packs or slices frame bytes.
 
 A frame is a 32-byte little-endian header, ``meta_len`` bytes of msgpack
 metadata (always a map), then ``payload_len`` raw payload bytes::
 
     offset size field
     0      4    magic        b"KVFB"
-    4      2    version      2 (VERSION)
+    4      2    version      3 (VERSION)
     6      1    opcode       Op
     7      1    flags        bit0 REPLY, bit1 ERROR
     8      8    request_id   u64, echoed in the reply
@@ -21,8 +21,10 @@ Every object travels with ``checksum(key, value) = xxh3_64(value,
 seed=xxh3_64(key))`` (version 2; version 1 hashed the value alone): the
 checksum binds the key, so a PUT whose checksum does not match its key and
 bytes is refused (``CHECKSUM_MISMATCH``) and a GET reply's bytes verify only
-under the key asked for. The version is negotiated by exact match: the
-client's HELLO metadata carries ``version: 2`` (and every header carries 2);
+under the key asked for. HELLO proves both sides hold the pool token
+without sending it (version 3, :mod:`.auth`: nonces from both sides, an
+HMAC proof each way, then ``AUTH``). The version is negotiated by exact match: the
+client's HELLO metadata carries ``version: 3`` (and every header carries 3);
 a server answers any other version with ``BAD_VERSION`` (and the message
 :data:`BAD_VERSION_MESSAGE`), and a client refuses a server whose HELLO reply
 or header carries another version.
@@ -46,9 +48,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ErrorCode, ProtocolError, RemoteError
+from . import auth
+from .auth import NONCE_BYTES, PROOF_BYTES, check_token, client_proof, new_nonce, proof_ok, server_proof
 from .messages import (
     REPLIES,
     REQUESTS,
+    AuthReply,
+    AuthRequest,
     DeleteReply,
     DeleteRequest,
     ErrorReply,
@@ -190,5 +196,6 @@ __all__ = [
     "REQUESTS", "REPLIES", "encode_request", "encode_reply", "encode_error", "decode_request",
     "decode_reply", "ErrorCode", "KeysMessage", "ShmAttachRequest", "ShmAttachReply", "ShmLeaseRequest",
     "ShmLeaseReply", "ShmReleaseRequest", "ShmReserveRequest", "ShmReserveReply", "ShmCommitRequest",
-    "ShmCommitReply",
+    "ShmCommitReply", "AuthRequest", "AuthReply", "auth", "NONCE_BYTES", "PROOF_BYTES", "new_nonce", "server_proof",
+    "client_proof", "proof_ok", "check_token",
 ]

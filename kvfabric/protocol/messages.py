@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ErrorCode, ProtocolError
-from .wire import DEFAULT_LIMITS, MAX_LEASE_MS, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
+from .auth import NONCE_BYTES, PROOF_BYTES, new_nonce
+from .wire import BAD_VERSION_MESSAGE, DEFAULT_LIMITS, MAX_LEASE_MS, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,19 +32,31 @@ class Message:
         return cls()
 
 
+def _bin(meta: dict[str, Any], name: str, n: int, *, required: bool,
+         code: ErrorCode = ErrorCode.MALFORMED) -> bytes | None:
+    """Field ``name`` as exactly ``n`` bytes (bin), or None when absent and not ``required``;
+    ProtocolError(``code``) otherwise."""
+    v = meta.get(name)
+    if v is None and not required:
+        return None
+    if type(v) is not bytes or len(v) != n:
+        raise ProtocolError(code, f"{name} must be {n} bytes (bin)")
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class HelloRequest(Message):
+    """``nonce``: the client's fresh challenge (protocol 3, :mod:`.auth`); a new one for every HELLO."""
+
     op: ClassVar[Op] = Op.HELLO
     client: str = "kvfabric"
     transports: tuple[str, ...] = ("tcp",)
-    auth: str | None = None
+    nonce: bytes = field(default_factory=new_nonce)
     version: int = VERSION
 
     def to_meta(self) -> dict[str, Any]:
-        m: dict[str, Any] = {"version": self.version, "client": self.client, "transports": list(self.transports)}
-        if self.auth is not None:
-            m["auth"] = self.auth
-        return m
+        return {"version": self.version, "client": self.client, "transports": list(self.transports),
+                "nonce": self.nonce}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HelloRequest:
@@ -51,10 +64,10 @@ class HelloRequest(Message):
         transports = _field(meta, "transports", list, default=[])
         if not all(isinstance(t, str) for t in transports):
             raise ProtocolError(ErrorCode.MALFORMED, "transports must be strings")
-        auth = meta.get("auth")
-        if auth is not None and not isinstance(auth, str):
-            raise ProtocolError(ErrorCode.MALFORMED, "auth must be a string")
-        return cls(client=_field(meta, "client", str, default=""), transports=tuple(transports), auth=auth, version=version)
+        if version != VERSION:  # before the nonce: an older peer's HELLO has none, and BAD_VERSION says why
+            raise ProtocolError(ErrorCode.BAD_VERSION, BAD_VERSION_MESSAGE)
+        return cls(client=_field(meta, "client", str, default=""), transports=tuple(transports),
+                   nonce=_bin(meta, "nonce", NONCE_BYTES, required=True), version=version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,11 @@ class HelloReply(Message):
     version: int = VERSION
     #: path of the unix socket same-host clients attach through (servers that offer ``shm``)
     shm_socket: str | None = None
+    #: protocol 3 (:mod:`.auth`): whether the server has a pool token; with one, its fresh ``nonce``
+    #: for this connection and its ``proof`` over both nonces and ``server_id``
+    auth_required: bool = False
+    nonce: bytes | None = None
+    proof: bytes | None = None
 
     def to_meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {
@@ -80,6 +98,11 @@ class HelloReply(Message):
         }
         if self.shm_socket is not None:
             m["shm_socket"] = self.shm_socket
+        m["auth_required"] = self.auth_required
+        if self.nonce is not None:
+            m["nonce"] = self.nonce
+        if self.proof is not None:
+            m["proof"] = self.proof
         return m
 
     @classmethod
@@ -101,7 +124,31 @@ class HelloReply(Message):
             capacity=capacity,
             version=_field(meta, "version", int),
             shm_socket=shm_socket,
+            auth_required=_field(meta, "auth_required", bool, default=False),
+            nonce=_bin(meta, "nonce", NONCE_BYTES, required=False),
+            proof=_bin(meta, "proof", PROOF_BYTES, required=False),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class AuthRequest(Message):
+    """The client's proof over the server's HELLO nonce (protocol 3, :mod:`.auth`)."""
+
+    op: ClassVar[Op] = Op.AUTH
+    proof: bytes = b""
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"proof": self.proof}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> AuthRequest:
+        # a missing or malformed proof is a failed proof, answered as one (AUTH_FAILED, then closed)
+        return cls(proof=_bin(meta, "proof", PROOF_BYTES, required=True, code=ErrorCode.AUTH_FAILED))
+
+
+@dataclass(frozen=True, slots=True)
+class AuthReply(Message):
+    op: ClassVar[Op] = Op.AUTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,6 +573,7 @@ REQUESTS: dict[int, type[Message]] = {
     Op.PUT: PutRequest,
     Op.DELETE: DeleteRequest,
     Op.STATS: StatsRequest,
+    Op.AUTH: AuthRequest,
     ShmOp.ATTACH: ShmAttachRequest,
     ShmOp.LEASE: ShmLeaseRequest,
     ShmOp.RELEASE: ShmReleaseRequest,
@@ -541,6 +589,7 @@ REPLIES: dict[int, type[Message]] = {
     Op.PUT: PutReply,
     Op.DELETE: DeleteReply,
     Op.STATS: StatsReply,
+    Op.AUTH: AuthReply,
     ShmOp.ATTACH: ShmAttachReply,
     ShmOp.LEASE: ShmLeaseReply,
     ShmOp.RESERVE: ShmReserveReply,

@@ -17,11 +17,13 @@ import xxhash
 from ..errors import ErrorCode, ProtocolError
 
 MAGIC = b"KVFB"
-# Version 2: object checksums bind keys (see :func:`checksum`). A peer speaks
+# Version 3: HELLO proves both sides hold the pool token (challenge-response
+# over fresh nonces, :mod:`.auth`; the token never crosses the wire). Object
+# checksums bind keys as since version 2 (see :func:`checksum`). A peer speaks
 # exactly one version; there is no fallback (the header and the HELLO both
 # carry it, and either mismatch is BAD_VERSION).
-VERSION = 2
-BAD_VERSION_MESSAGE = f"this server speaks protocol {VERSION}: checksums bind keys"
+VERSION = 3
+BAD_VERSION_MESSAGE = f"this server speaks protocol {VERSION}: HELLO proves both sides hold the pool token"
 HEADER = struct.Struct("<4sHBBQIQI")
 HEADER_SIZE = HEADER.size  # 32
 assert HEADER_SIZE == 32
@@ -46,6 +48,7 @@ class Op(enum.IntEnum):
     PUT = 6
     DELETE = 7
     STATS = 8
+    AUTH = 9  # the client's proof over the server's HELLO nonce (protocol 3, :mod:`.auth`)
 
 
 class ShmOp(enum.IntEnum):
@@ -115,8 +118,9 @@ MAX_LEASE_MS = 3_600_000
 #: those it reads or writes as ``KVF_F_<NAME>`` in csrc/kvf_protocol.h. tests/unit/test_meta_fields.py
 #: checks both sides against it, and that no C file names a field with a bare string.
 META_FIELDS: frozenset[str] = frozenset((
-    # HELLO and its reply
-    "version", "client", "transports", "auth", "server", "server_id", "limits", "capacity", "shm_socket",
+    # HELLO and its reply, AUTH (protocol 3: nonces and proofs, :mod:`.auth`)
+    "version", "client", "transports", "nonce", "server", "server_id", "limits", "capacity", "shm_socket",
+    "auth_required", "proof",
     # Limits (inside "limits")
     "max_keys_per_batch", "max_key_bytes", "max_meta_bytes", "max_payload_bytes", "max_object_bytes",
     "max_in_flight",
@@ -126,8 +130,8 @@ META_FIELDS: frozenset[str] = frozenset((
     # shm arena ops
     "lease", "offsets", "res",
 ))
-# Before a server that requires auth has seen a valid HELLO, a peer may send
-# only a small HELLO: no keys, no payload.
+# Before a server that requires auth has seen a valid AUTH, a peer may send
+# only small HELLO and AUTH frames: no keys, no payload.
 PRE_AUTH_LIMITS = Limits(
     max_keys_per_batch=1,
     max_meta_bytes=4 * KiB,
@@ -216,7 +220,8 @@ def unpack_header(buf: Any, limits: Limits = DEFAULT_LIMITS) -> Header:
     if version != VERSION:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
-            f"peer speaks protocol {version}, this side protocol {VERSION} (since protocol 2 checksums bind keys)",
+            f"peer speaks protocol {version}, this side protocol {VERSION} "
+            "(since protocol 3 HELLO proves both sides hold the pool token)",
         )
     if flags & ~_KNOWN_FLAGS or reserved != 0:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown flags {flags:#x} or nonzero reserved field")

@@ -225,7 +225,18 @@ def validate_common(args: ServerConfig | argparse.Namespace) -> tuple[int, str |
     elif token is not None and not token.strip():
         # An empty token would be one that anyone can send; never read it as "auth off" either.
         raise SystemExit("kvfabric serve: --auth-token must not be empty (omit it to run without authentication)")
+    if token is not None and "\0" in token:  # HMAC pads keys with zero bytes: "t" and "t\0" would be one key
+        raise SystemExit("kvfabric serve: the auth token must not contain a NUL character")
     return capacity, token, min_rate
+
+
+def warn_without_token(token: str | None, etcd: str | None) -> None:
+    """Say once, at WARNING, what running without a pool token means (after logging is set up)."""
+    if token is not None:
+        return
+    log.warning("no --auth-token: any peer that can reach this server's port can read and write every key%s; "
+                "set --auth-token (or --auth-token-file) on every server and client to stop that",
+                " and, with --etcd, any member entry in etcd is trusted" if etcd else "")
 
 
 def _ids(flag: str, text: str) -> list[int]:
@@ -402,6 +413,7 @@ def main(argv: list[str]) -> int:
     except TransportUnavailable as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)
         return 2
+    warn_without_token(token, args.etcd)  # once it serves: a server that did not start opened nothing
     metrics = None
     if args.metrics_port is not None:
         from .metrics import MetricsServer

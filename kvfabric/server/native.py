@@ -52,7 +52,7 @@ from typing import Any
 
 import msgpack
 
-from .. import __version__, protocol
+from .. import __version__
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
@@ -79,6 +79,13 @@ log = logging.getLogger("kvfabric.server.native")
 
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 _DRAIN_BATCH = 4096
+#: HELLO reply fields C writes itself (csrc/kvf_ops.c op_hello): the rest are passed as static pairs
+_PER_CONNECTION_HELLO = frozenset(("auth_required", "nonce", "proof"))
+
+
+def _pairs(d: dict[str, Any]) -> bytes:
+    """A map's entries as msgpack key/value pairs without the map header (C writes that, counting them)."""
+    return b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in d.items())
 
 
 #: ``--evict-watermarks auto``: start evicting when less than this much is free ...
@@ -496,12 +503,14 @@ class NativeServer:
             server=f"kvfabric-native/{__version__}", server_id=self.server_id, transports=self.transports,
             limits=limits, capacity=capacity, shm_socket=self.shm_socket,
         ).to_meta()
+        # C writes the map around these, with auth_required and each connection's nonce and proof
+        hello_pairs = _pairs({k: v for k, v in hello.items() if k not in _PER_CONNECTION_HELLO})
         extra = {"policy": self.policy.name, "transports": list(self.transports), "server_id": self.server_id}
-        extra_bytes = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in extra.items())
+        extra_bytes = _pairs(extra)
         try:
             self._srv = _native.Server(
                 self._tcp.fileno(), self._unix.fileno() if self._unix else -1, capacity,
-                hello_meta=protocol.encode_meta(hello), stats_extra=extra_bytes,
+                hello_pairs=hello_pairs, stats_extra=extra_bytes, server_id=self.server_id,
                 auth=auth_token, max_conns=max_connections, max_keys=limits.max_keys_per_batch,
                 max_key_bytes=limits.max_key_bytes, max_meta=limits.max_meta_bytes,
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
@@ -682,6 +691,7 @@ class NativeServer:
         srv.set_low_watermark(self._low)
         while not self._stop.is_set():
             want, free, dropped = srv.wait(100)
+            self._log_auth_failures()
             self._apply_events()
             if dropped != self._events_dropped:
                 self._events_dropped = dropped
@@ -691,6 +701,14 @@ class NativeServer:
                 exhausted = self._evict(free, max(self._high, free + want) if want else self._high)
                 if want:
                     srv.space_done(exhausted)
+
+    def _log_auth_failures(self) -> None:
+        """Log the peers the data plane refused with AUTH_FAILED since the last round (C keeps 16 a round)."""
+        peers, lost = self._srv.auth_failures()
+        for peer in peers:
+            log.warning("AUTH_FAILED from %s: it did not prove it holds the pool token; connection closed", peer)
+        if lost:
+            log.warning("AUTH_FAILED from %d more peers (not named: over 16 in 100 ms)", lost)
 
     def _apply_events(self) -> None:
         policy = self.policy

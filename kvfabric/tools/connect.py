@@ -120,7 +120,8 @@ def describe(error: str | BaseException, timeout_s: float) -> str:
     else:
         kind, _, text = str(error).partition(": ") if isinstance(error, str) else (type(error).__name__, "", str(error))
         code = None
-    if code == ErrorCode.AUTH_FAILED or (kind == "RemoteError" and "AUTH_FAILED" in text):
+    # AuthError: this side refused a server that did not prove it holds our token (protocol 3)
+    if code == ErrorCode.AUTH_FAILED or kind == "AuthError" or (kind == "RemoteError" and "AUTH_FAILED" in text):
         return "authentication failed (wrong or missing --token)"
     if code == ErrorCode.BAD_VERSION or (kind == "RemoteError" and "BAD_VERSION" in text):
         return f"wire protocol version mismatch (kvfabric versions differ): {text}"

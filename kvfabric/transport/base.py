@@ -35,14 +35,15 @@ import socket
 import termios
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ConfigError, DeadlineExceeded, ErrorCode, ProtocolError, TransportError
-from ..protocol import HEADER, HEADER_SIZE, HelloReply, Limits, Message
+from .. import protocol
+from ..errors import AuthError, ConfigError, DeadlineExceeded, ErrorCode, ProtocolError, TransportError
+from ..protocol import HEADER, HEADER_SIZE, AuthReply, AuthRequest, HelloReply, HelloRequest, Limits, Message
 
-__all__ = ["Connection", "Reply", "parse_address", "remaining", "get_sinks"]
+__all__ = ["Connection", "Reply", "parse_address", "remaining", "get_sinks", "hello"]
 
 Buffer = Any  # anything that supports the writable buffer protocol
 
@@ -202,6 +203,44 @@ class SocketConnection(Connection):
                 sock.close()
             except OSError:
                 pass
+
+
+def hello(
+    request: Callable[[Message], Message], address: str, client_name: str, transports: tuple[str, ...],
+    auth_token: str | None,
+) -> HelloReply:
+    """HELLO, and with a token the mutual proof and AUTH (protocol 3, :mod:`kvfabric.protocol.auth`).
+
+    ``request(msg)`` sends one request on the new connection and returns its decoded reply (the
+    transport's own request path, with its deadline). Returns the HELLO reply once the connection
+    may be used: nothing but HELLO (and, when the server proved it holds the token, AUTH) has been
+    sent. Raises ``ConfigError`` (before anything is sent) for a token with a NUL character,
+    ``ProtocolError(BAD_VERSION)`` for a reply of another version, :class:`AuthError`
+    (naming ``address``) when a server with a token did not prove it or one without claims it needs
+    none while we hold one, or requires a token we do not have; ``RemoteError`` when the server
+    refuses our AUTH; whatever ``request`` raises. The caller closes the connection on any of them.
+    """
+    protocol.check_token(auth_token)
+    nonce = protocol.new_nonce()
+    reply = request(HelloRequest(client=client_name, transports=transports, nonce=nonce))
+    assert isinstance(reply, HelloReply)
+    if reply.version != protocol.VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"server {address} speaks protocol {reply.version}, this client protocol {protocol.VERSION} "
+            "(since protocol 3 HELLO proves both sides hold the pool token)",
+        )
+    if auth_token is None:
+        if reply.auth_required:
+            raise AuthError(f"server {address} requires a pool token (auth_token / KVFABRIC_AUTH_TOKEN): refused")
+        return reply
+    if not reply.auth_required or reply.nonce is None or not protocol.proof_ok(
+        protocol.server_proof(auth_token, nonce, reply.nonce, reply.server_id), reply.proof
+    ):
+        raise AuthError(f"server {address} did not prove it holds the pool token: refused")
+    ok = request(AuthRequest(proof=protocol.client_proof(auth_token, reply.nonce, nonce)))
+    assert isinstance(ok, AuthReply)
+    return reply
 
 
 def dial(address: str, deadline: float) -> socket.socket:

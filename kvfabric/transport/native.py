@@ -52,8 +52,8 @@ from ..errors import (
     RemoteError,
     TransportError,
 )
-from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message, PutRequest
-from .base import Reply, SocketConnection, dial
+from ..protocol import GetReply, GetRequest, HelloReply, Message, PutRequest
+from .base import Reply, SocketConnection, dial, hello
 
 try:  # the extension is optional: without it this transport is unavailable
     from .. import _native
@@ -397,14 +397,6 @@ class NativeConnection(SocketConnection):
         return Reply(reply)
 
     def _hello(self, client_name: str, auth_token: str | None, deadline: float) -> HelloReply:
-        reply = self.request(
-            HelloRequest(client=client_name, transports=("native",), auth=auth_token), deadline=deadline
-        ).msg
-        assert isinstance(reply, HelloReply)
-        if reply.version != protocol.VERSION:
-            raise ProtocolError(
-                protocol.ErrorCode.BAD_VERSION,
-                f"server {self.address} speaks protocol {reply.version}, this client protocol {protocol.VERSION} "
-                "(checksums bind keys since protocol 2)",
-            )
-        return reply
+        """HELLO (and the token's proofs and AUTH: :func:`.base.hello`) on this new connection."""
+        return hello(lambda m: self.request(m, deadline=deadline).msg, self.address, client_name, ("native",),
+                     auth_token)

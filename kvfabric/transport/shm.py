@@ -7,8 +7,9 @@ The native server (:mod:`kvfabric.server.native`) keeps its arena in a
 to the server's TCP address, learns from the HELLO reply that it offers
 ``shm`` and the path of its unix socket (``HelloReply.shm_socket``, a
 filesystem socket, 0600 by default), connects there (the server checks the
-peer's uid with SO_PEERCRED), says HELLO again (with the token, when the
-server has one), and asks for the arena (``SHM_ATTACH``): the reply carries
+peer's uid with SO_PEERCRED), says HELLO again (both HELLOs prove, with the
+token when there is one, that each side holds it, then AUTH: protocol 3,
+:func:`.base.hello`), and asks for the arena (``SHM_ATTACH``): the reply carries
 the memfd (``SCM_RIGHTS``), which the client maps shared. Every frame is a
 typed message of :mod:`kvfabric.protocol` (``Shm*Request`` / ``Shm*Reply``).
 
@@ -57,6 +58,7 @@ from typing import Any
 from .. import protocol
 from ..errors import (
     FATAL_CODES,
+    AuthError,
     ConfigError,
     DeadlineExceeded,
     RemoteError,
@@ -70,7 +72,6 @@ from ..protocol import (
     GetRequest,
     Header,
     HelloReply,
-    HelloRequest,
     Message,
     PutReply,
     PutRequest,
@@ -82,7 +83,7 @@ from ..protocol import (
     ShmReleaseRequest,
     ShmReserveRequest,
 )
-from .base import Reply, dial, get_sinks, parse_address
+from .base import Reply, dial, get_sinks, hello, parse_address
 from .native import NativeConnection
 from .native import probe as _native_probe
 
@@ -169,9 +170,10 @@ def connect(
         try:
             conn.hello = conn._hello(client_name, auth_token, deadline)
         except RemoteError as e:
-            # The TCP HELLO took our token, so AUTH_FAILED here is the server's peer check
-            # (SO_PEERCRED: another uid): shm is not for this process, another transport may be.
-            if e.code != protocol.ErrorCode.AUTH_FAILED:
+            # The TCP HELLO proved both sides hold the token, so AUTH_FAILED from the server here is
+            # its peer check (SO_PEERCRED: another uid): shm is not for this process, another
+            # transport may be. Our own refusal of the unix socket's server (AuthError) stands.
+            if e.code != protocol.ErrorCode.AUTH_FAILED or isinstance(e, AuthError):
                 raise
             raise TransportUnavailable(f"the shm socket of {address} refused this process: {e}") from e
         except DeadlineExceeded:
@@ -186,21 +188,27 @@ def connect(
 
 
 def _tcp_hello(address: str, client_name: str, auth_token: str | None, deadline: float) -> HelloReply:
-    """HELLO over TCP; the reply names the shm socket."""
+    """HELLO over TCP, with the token's proofs and AUTH (:func:`.base.hello`); the reply names the shm socket."""
     sock = dial(address, deadline)
-    try:
-        sock.settimeout(None)
-        msg = HelloRequest(client=client_name, transports=("shm",), auth=auth_token)
-        lim = protocol.DEFAULT_LIMITS
+    lim = protocol.DEFAULT_LIMITS
+    rid = 0
+
+    def request(msg: Message) -> Message:
+        nonlocal rid
+        rid += 1
         try:
-            opcode, flags, rid, meta, plen, _ = _native.request(
-                sock.fileno(), int(msg.op), 1, protocol.encode_meta(msg.to_meta()), [], None,
+            opcode, flags, got, meta, plen, _ = _native.request(
+                sock.fileno(), int(msg.op), rid, protocol.encode_meta(msg.to_meta()), [], None,
                 lim.max_meta_bytes, lim.max_payload_bytes, deadline=deadline)
         except NativeError as e:
-            raise TransportError(f"HELLO to {address} failed: {e}") from e
-        reply = protocol.decode_reply(Header(opcode, flags, rid, len(meta), plen), meta, msg.op, lim)
-        assert isinstance(reply, HelloReply)
-        return reply
+            raise TransportError(f"{msg.op.name} to {address} failed: {e}") from e
+        if got != rid:
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, f"reply for request {got}, expected {rid}")
+        return protocol.decode_reply(Header(opcode, flags, got, len(meta), plen), meta, msg.op, lim)
+
+    try:
+        sock.settimeout(None)
+        return hello(request, address, client_name, ("shm",), auth_token)
     finally:
         sock.close()
 

@@ -39,8 +39,8 @@ from ..errors import (
     RemoteError,
     TransportError,
 )
-from ..protocol import GetReply, GetRequest, HelloReply, HelloRequest, Message, PutRequest
-from .base import Reply, SocketConnection, dial, get_sinks
+from ..protocol import GetReply, GetRequest, Message, PutRequest
+from .base import Reply, SocketConnection, dial, get_sinks, hello
 
 __all__ = ["TcpConnection", "connect", "probe"]
 
@@ -69,29 +69,21 @@ def connect(
 
     Raises ``ConfigError`` for a malformed address, ``TransportError`` when the
     server cannot be reached or does not answer in time, ``RemoteError`` when
-    it refuses the HELLO (``AUTH_FAILED``, ``BAD_VERSION``) or the connection
-    (``BUSY``: over its connection bound), ``ProtocolError`` when its reply is
-    not a valid HELLO reply.
+    it refuses the HELLO or AUTH (``AUTH_FAILED``, ``BAD_VERSION``) or the connection
+    (``BUSY``: over its connection bound), :class:`~kvfabric.errors.AuthError` when it
+    does not prove it holds our token (:func:`.base.hello`), ``ProtocolError`` when its
+    reply is not a valid HELLO reply.
     """
     deadline = time.monotonic() + timeout_s
     conn = TcpConnection(dial(address, deadline), address)
     if hello_timeout_s is not None:
         deadline = time.monotonic() + hello_timeout_s
     try:
-        reply = conn.request(HelloRequest(client=client_name, transports=("tcp",), auth=auth_token), deadline=deadline)
+        conn.hello = hello(lambda m: conn.request(m, deadline=deadline).msg, address, client_name, ("tcp",),
+                           auth_token)
     except BaseException:
         conn.close()
         raise
-    hello = reply.msg
-    assert isinstance(hello, HelloReply)
-    if hello.version != protocol.VERSION:
-        conn.close()
-        raise ProtocolError(
-            protocol.ErrorCode.BAD_VERSION,
-            f"server {address} speaks protocol {hello.version}, this client protocol {protocol.VERSION} "
-            "(checksums bind keys since protocol 2)",
-        )
-    conn.hello = hello
     return conn
 
 

@@ -54,14 +54,15 @@ def make_pool(pair):
 
 @pytest.fixture
 def make_client(pair):
-    """``make_client(addresses, namespace=None, **ClientConfig fields)`` forcing the pair's transport; closed after."""
+    """``make_client(addresses, namespace=None, allow_rejects=False, **ClientConfig fields)`` forcing the pair's
+    transport; closed after."""
     clients = []
 
-    def make(addresses, namespace=None, **cfg) -> Client:
+    def make(addresses, namespace=None, allow_rejects=False, **cfg) -> Client:
         cfg.setdefault("transport", pair[1])
         cfg.setdefault("timeout_s", 10.0)
         cfg.setdefault("connect_timeout_s", 2.0)
-        c = Client(list(addresses), namespace=namespace, config=ClientConfig(**cfg))
+        c = Client(list(addresses), namespace=namespace, config=ClientConfig(**cfg), allow_rejects=allow_rejects)
         clients.append(c)
         return c
 

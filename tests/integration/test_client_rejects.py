@@ -39,7 +39,9 @@ def test_a_rejecting_server_is_named_and_the_others_serve_with_allow_rejects(two
         assert any(b.address in r.getMessage() and "rejected" in r.getMessage() for r in caplog.records)
         shards = client.stats()["client"]["shards"]
         assert shards[a.address]["up"] and not shards[b.address]["up"]
-        assert "AUTH_FAILED" in shards[b.address]["last_error"]
+        # protocol 3: b cannot prove it holds token-a, so this client refuses it
+        assert "did not prove it holds the pool token" in shards[b.address]["last_error"]
+        assert client.stats()["client"]["servers_refused"] >= 1
         rng = np.random.default_rng(3)
         keys = [rng.bytes(16) for _ in range(40)]
         on_a = [sharding.owner_table([k], [a.address, b.address])[0][0] == 0 for k in keys]

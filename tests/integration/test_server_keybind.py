@@ -230,15 +230,15 @@ def test_a_client_get_whose_key_is_altered_on_the_wire_is_a_miss(server, proxy):
 # ------------------------------------------------------------------ versions
 
 
-@pytest.mark.parametrize("header_version, hello_version", [(1, 1), (2, 1), (1, 2)])
-def test_a_protocol_1_hello_gets_bad_version(server, header_version, hello_version):
+@pytest.mark.parametrize("header_version, hello_version", [(1, 1), (2, 2), (3, 1), (3, 2), (2, 3)])
+def test_an_older_protocols_hello_gets_bad_version(server, header_version, hello_version):
     with connect(server) as s:
         s.sendall(frame(P.Op.HELLO, {"version": hello_version, "client": "old", "transports": ["tcp"]},
                         rid=3, version=header_version))
         version, h, meta, _ = read_frame(s)
-        assert version == 2 and h.is_error and h.request_id == 3
+        assert version == 3 and h.is_error and h.request_id == 3
         assert meta["code"] == ErrorCode.BAD_VERSION
-        assert meta["message"] == "this server speaks protocol 2: checksums bind keys"
+        assert meta["message"] == "this server speaks protocol 3: HELLO proves both sides hold the pool token"
         expect_closed(s)
 
 
@@ -274,9 +274,9 @@ class _OldServer:
 
 
 @pytest.mark.parametrize("tname", ["tcp", "native"])
-@pytest.mark.parametrize("header_version, hello_version", [(1, 1), (2, 1)])
+@pytest.mark.parametrize("header_version, hello_version", [(1, 1), (2, 2), (3, 2)])
 def test_the_client_refuses_a_server_of_another_version(tname, header_version, hello_version):
-    """No server of protocol 1 can run here: a socket answers HELLO as one would."""
+    """No server of an older protocol can run here: a socket answers HELLO as one would."""
     if tname not in transport.available():
         pytest.skip(f"transport {tname!r} unavailable here: {transport.unavailable().get(tname)}")
     old = _OldServer(header_version, hello_version)
@@ -285,6 +285,7 @@ def test_the_client_refuses_a_server_of_another_version(tname, header_version, h
             transport.connect(tname, old.address, ClientConfig(connect_timeout_s=5.0))
         assert ei.value.code == ErrorCode.BAD_VERSION
         msg = str(ei.value)
-        assert "protocol 1" in msg and "protocol 2" in msg, msg
+        assert f"protocol {hello_version if header_version == 3 else header_version}" in msg, msg
+        assert "protocol 3" in msg, msg
     finally:
         old.close()

@@ -61,6 +61,13 @@ CHECKSUM_INPUTS = [b"", b"a", b"abc", bytes(range(256)) * 17, b"\x00" * 4096]
 # (key, value) pairs of the object checksum (protocol 2); values of both xxh3 paths (<= 240 bytes, longer)
 KEYED_INPUTS = [(K1, b""), (K1, ABC), (K2, ABC), (b"k", bytes(range(256)) * 17), (MISSING, b"\x00" * 4096)]
 
+# (token, client nonce, server nonce, server id) of the HELLO proof vectors
+PROOF_INPUTS = [
+    ("s3cret", bytes(range(32)), bytes(range(32, 64)), "127.0.0.1:7070"),
+    ("pool token \u00e9", b"\x00" * 32, b"\xff" * 32, "pool-a"),
+    ("k" * 100, bytes(range(100, 132)), bytes(range(200, 232)), ""),  # a token over HMAC's 64-byte block
+]
+
 
 def frames() -> dict:
     """Every golden frame as hex, as kvfabric.protocol encodes it today."""
@@ -81,6 +88,11 @@ def frames() -> dict:
     for data in CHECKSUM_INPUTS:  # plain xxh3_64: the seed each key gives its checksum
         out["checksums"].append({"data": data.hex(), "xxh3_64": xxhash.xxh3_64_intdigest(data)})
     out["object_checksums"] = [{"key": k.hex(), "data": v.hex(), "checksum": p.checksum(k, v)} for k, v in KEYED_INPUTS]
+    # protocol 3: HELLO's proofs (kvfabric.protocol.auth) over fixed inputs, which C's HMAC must reproduce
+    out["hello_proofs"] = [{
+        "token": token, "client_nonce": nc.hex(), "server_nonce": ns.hex(), "server_id": sid,
+        "server_proof": p.server_proof(token, nc, ns, sid).hex(), "client_proof": p.client_proof(token, ns, nc).hex(),
+    } for token, nc, ns, sid in PROOF_INPUTS]
     out["error_unknown_opcode"] = p.encode_error(99, 7, p.ErrorCode.UNKNOWN_OPCODE, "unknown opcode").hex()
     return out
 

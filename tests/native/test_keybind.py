@@ -124,5 +124,5 @@ def test_c_server_refuses_a_protocol_1_hello(raw):
     h = p.unpack_header(f)
     err = p.ErrorReply.from_meta(p.decode_meta(f[p.HEADER_SIZE:]))
     assert h.is_error and h.request_id == 4 and err.code == p.ErrorCode.BAD_VERSION
-    assert err.message == p.BAD_VERSION_MESSAGE == "this server speaks protocol 2: checksums bind keys"
+    assert err.message == p.BAD_VERSION_MESSAGE == "this server speaks protocol 3: HELLO proves both sides hold the pool token"
     assert raw.closed_by_peer()

@@ -23,7 +23,7 @@ def test_header_layout_matches_the_python_struct():
         size = struct.calcsize("<" + code)
         assert lay[name] == (off, size), name
         off += size
-    assert lay["MAGIC"] == p.MAGIC and lay["VERSION"] == p.VERSION == 2
+    assert lay["MAGIC"] == p.MAGIC and lay["VERSION"] == p.VERSION == 3
     assert (lay["FLAG_REPLY"], lay["FLAG_ERROR"]) == (p.FLAG_REPLY, p.FLAG_ERROR)
 
 
@@ -50,6 +50,9 @@ def test_mirrored_constants_match_both_ways():
     assert c["lat_buckets"] == metrics.LAT_BUCKETS, (c["lat_buckets"], metrics.LAT_BUCKETS)
     assert c["lat_ops"] == metrics.LAT_OPS, (c["lat_ops"], metrics.LAT_OPS)
     assert c["page_bytes"] == arena.PAGE_SIZE, (c["page_bytes"], arena.PAGE_SIZE)
+    # HELLO's proofs (kvfabric.protocol.auth)
+    assert (c["nonce_bytes"], c["proof_bytes"]) == (p.NONCE_BYTES, p.PROOF_BYTES), (c["nonce_bytes"], c["proof_bytes"])
+    assert (c["hello_server_label"], c["hello_client_label"]) == (p.auth.SERVER_LABEL, p.auth.CLIENT_LABEL)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +69,7 @@ def test_c_packs_the_same_bytes(fields):
     [
         (lambda b: b"XXXX" + b[4:], ErrorCode.BAD_MAGIC),
         (lambda b: b[:4] + struct.pack("<H", 1) + b[6:], ErrorCode.BAD_VERSION),  # a protocol-1 peer
+        (lambda b: b[:4] + struct.pack("<H", 2) + b[6:], ErrorCode.BAD_VERSION),  # a protocol-2 peer
         (lambda b: b[:7] + b"\x04" + b[8:], ErrorCode.MALFORMED),
         (lambda b: b[:28] + b"\x01\x00\x00\x00", ErrorCode.MALFORMED),
         (lambda b: b[:16] + struct.pack("<I", p.MAX_META_BYTES + 1) + b[20:], ErrorCode.META_TOO_LARGE),

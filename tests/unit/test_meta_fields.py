@@ -90,6 +90,6 @@ def test_the_scanners_see_what_they_look_for():
     assert C_MACRO.findall('#define KVF_F_LEASE_MS "lease_ms"\n') == [("LEASE_MS", "lease_ms")]
     found = python_field_names()
     assert {"keys", "sizes", "checksums", "code", "message"} <= found["messages.py"], found
-    assert {"auth", "shm_socket", "parents"} <= found["messages.py"], found  # meta.get(...) and m[...] = ...
+    assert {"auth_required", "shm_socket", "parents"} <= found["messages.py"], found  # meta.get(...) and m[...] = ...
     # the C sources do call these functions with the macros (the bare-string check looks at them)
     assert sum(len(C_FIELD_CALL.findall(t)) for t in c_sources().values()) >= 30

@@ -11,8 +11,9 @@ from kvfabric.errors import ErrorCode, ProtocolError, RemoteError
 KEY = bytes(range(16))
 
 REQUESTS = [
-    p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), auth="tok"),
+    p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), nonce=bytes(range(32))),
     p.HelloRequest(),
+    p.AuthRequest(proof=b"\x07" * 32),
     p.PingRequest(),
     p.ExistsRequest(keys=[KEY, b"k2"]),
     p.LookupRequest(keys=[KEY], lease_ms=250),
@@ -26,6 +27,9 @@ REQUESTS = [
 REPLIES = [
     p.HelloReply(server="kvfabric/0.1", server_id="127.0.0.1:7070", transports=("tcp",), limits=p.DEFAULT_LIMITS,
                  capacity=1 << 30),
+    p.HelloReply(server="kvfabric/0.1", server_id="pool-a", transports=("tcp",), limits=p.DEFAULT_LIMITS,
+                 capacity=1 << 30, auth_required=True, nonce=b"\x01" * 32, proof=b"\x02" * 32),
+    p.AuthReply(),
     p.PingReply(),
     p.ExistsReply(present=[True, False]),
     p.LookupReply(count=3),
@@ -59,32 +63,51 @@ def test_reply_round_trip(msg):
     assert type(back) is type(msg) and back.to_meta() == msg.to_meta()
 
 
+# Protocol 3: every header carries 0300 at offset 4; HELLO carries a bin(32) nonce, its reply
+# auth_required (+ nonce and proof with a token), AUTH (opcode 9) a bin(32) proof.
 GOLDEN = {
     "put": (
         p.encode_request(p.PutRequest(keys=[KEY], sizes=[3], checksums=[p.checksum(KEY, b"abc")], parents=[None]),
                          0x0102030405060708),
-        "4b5646420200060008070605040302013f00000003000000000000000000000084a46b65797391c410000102030405060708"
+        "4b5646420300060008070605040302013f00000003000000000000000000000084a46b65797391c410000102030405060708"
         "090a0b0c0d0e0fa573697a65739103a9636865636b73756d7391cfe9c45c35ea12b664a7706172656e747391c0",
     ),
     "get_reply": (
         p.encode_reply(p.GetReply(sizes=[3, -1], checksums=[p.checksum(KEY, b"abc"), 0]), 1),
-        "4b5646420200050101000000000000001f00000003000000000000000000000082a573697a65739203ffa9636865636b73756d"
-        "7392cfe9c45c35ea12b66400",
+        "4b5646420300050101000000000000001f00000003000000000000000000000082a573697a65739203ffa9636865636b7375"
+        "6d7392cfe9c45c35ea12b66400",
     ),
     "error": (
         p.encode_error(5, 42, ErrorCode.TOO_MANY_KEYS, "too many"),
-        "4b564642020005032a000000000000001800000000000000000000000000000082a4636f646505a76d657373616765a8746f6f"
-        "206d616e79",
+        "4b564642030005032a000000000000001800000000000000000000000000000082a4636f646505a76d657373616765a8746f"
+        "6f206d616e79",
     ),
     "lookup": (
         p.encode_request(p.LookupRequest(keys=[b"k1", b"k2"], lease_ms=500), 3),
-        "4b5646420200040003000000000000001b00000000000000000000000000000082a46b65797392c4026b31c4026b32a86c6561"
-        "73655f6d73cd01f4",
+        "4b5646420300040003000000000000001b00000000000000000000000000000082a46b65797392c4026b31c4026b32a86c65"
+        "6173655f6d73cd01f4",
     ),
     "hello": (
-        p.encode_request(p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), auth="tok"), 0),
-        "4b5646420200010000000000000000003e00000000000000000000000000000084a776657273696f6e02a6636c69656e74af6b"
-        "766661627269632d70792f302e31aa7472616e73706f72747392a3746370a373686da461757468a3746f6b",
+        p.encode_request(p.HelloRequest(client="kvfabric-py/0.1", transports=("tcp", "shm"), nonce=bytes(range(32))), 0),
+        "4b5646420300010000000000000000005d00000000000000000000000000000084a776657273696f6e03a6636c69656e74af"
+        "6b766661627269632d70792f302e31aa7472616e73706f72747392a3746370a373686da56e6f6e6365c42000010203040506"
+        "0708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+    ),
+    "hello_reply": (
+        p.encode_reply(p.HelloReply(server="kvfabric/0.1", server_id="pool-a", transports=("tcp",), limits=p.DEFAULT_LIMITS,
+                                 capacity=1 << 30, auth_required=True, nonce=b"\x01" * 32, proof=b"\x02" * 32), 2),
+        "4b5646420300010102000000000000002901000000000000000000000000000089a776657273696f6e03a6736572766572ac"
+        "6b766661627269632f302e31a97365727665725f6964a6706f6f6c2d61aa7472616e73706f72747391a3746370a66c696d69"
+        "747386b26d61785f6b6579735f7065725f6261746368cd1000ad6d61785f6b65795f627974657340ae6d61785f6d6574615f"
+        "6279746573ce00100000b16d61785f7061796c6f61645f6279746573ce40000000b06d61785f6f626a6563745f6279746573"
+        "ce04000000ad6d61785f696e5f666c6967687440a86361706163697479ce40000000ad617574685f7265717569726564c3a5"
+        "6e6f6e6365c4200101010101010101010101010101010101010101010101010101010101010101a570726f6f66c420020202"
+        "0202020202020202020202020202020202020202020202020202020202",
+    ),
+    "auth": (
+        p.encode_request(p.AuthRequest(proof=b"\x07" * 32), 3),
+        "4b5646420300090003000000000000002900000000000000000000000000000081a570726f6f66c420070707070707070707"
+        "0707070707070707070707070707070707070707070707",
     ),
 }
 
@@ -105,23 +128,79 @@ def test_checksum_binds_the_key():
     assert p.checksum(KEY, memoryview(b"abc")) == p.checksum(KEY, bytearray(b"abc"))  # any buffer
 
 
-def test_version_is_2_and_says_why():
-    assert p.VERSION == 2
-    assert p.BAD_VERSION_MESSAGE == "this server speaks protocol 2: checksums bind keys"
-    assert p.HelloRequest().to_meta()["version"] == 2
+def test_version_is_3_and_says_why():
+    assert p.VERSION == 3
+    assert p.BAD_VERSION_MESSAGE == "this server speaks protocol 3: HELLO proves both sides hold the pool token"
+    assert p.HelloRequest().to_meta()["version"] == 3
+    assert p.Op.AUTH == 9
+
+
+# (token, client nonce, server nonce, server id, server proof, client proof): fixed vectors of
+# kvfabric.protocol.auth, also checked against the C server (tests/native/test_auth.py)
+PROOF_VECTORS = [
+    ("s3cret", bytes(range(32)), bytes(range(32, 64)), "127.0.0.1:7070",
+     "7ae2b217cc5a6d189b76bbf36f56a2b2ab3fdc3d5d11345642510be435d11c72",
+     "b7e2ecd2a2cbe7fe0a1811aca5d9d452736859736556d2bd6c0087d1f50f9a5e"),
+    ("pool token \u00e9", b"\x00" * 32, b"\xff" * 32, "pool-a",
+     "6d9af40e3a6f98095088b19174cd9a83ea267f962ffc76e67973389eb2e78205",
+     "3d99db511c57d6743093f08e70b9920ee85dbc3224ef49a77e0047e718bc2180"),
+]
+
+
+@pytest.mark.parametrize("vec", PROOF_VECTORS, ids=lambda v: v[3])
+def test_proofs_match_fixed_vectors(vec):
+    import hashlib
+    import hmac
+
+    token, nc, ns, sid, server_hex, client_hex = vec
+    assert p.server_proof(token, nc, ns, sid).hex() == server_hex
+    assert p.client_proof(token, ns, nc).hex() == client_hex
+    # the spec spelled out: HMAC-SHA256 keyed by the token's UTF-8 bytes over label || nonces (|| id)
+    key = token.encode("utf-8")
+    assert hmac.new(key, b"kvfabric-hello-server-v3" + nc + ns + sid.encode(), hashlib.sha256).hexdigest() == server_hex
+    assert hmac.new(key, b"kvfabric-hello-client-v3" + ns + nc, hashlib.sha256).hexdigest() == client_hex
+
+
+def test_proofs_depend_on_every_input():
+    token, nc, ns, sid = "s3cret", bytes(range(32)), bytes(range(32, 64)), "a:1"
+    base = p.server_proof(token, nc, ns, sid)
+    assert len(base) == p.PROOF_BYTES == 32 and len(p.new_nonce()) == p.NONCE_BYTES == 32
+    assert base not in {p.server_proof("s3creT", nc, ns, sid), p.server_proof(token, ns, nc, sid),
+                        p.server_proof(token, nc, ns, "a:2"), p.client_proof(token, ns, nc)}
+    assert p.new_nonce() != p.new_nonce()
+    assert p.proof_ok(base, base) and not p.proof_ok(base, None) and not p.proof_ok(base, b"\0" * 32)
+
+
+@pytest.mark.parametrize("meta,code", [
+    ({"version": 3, "client": "x", "transports": []}, ErrorCode.MALFORMED),  # no nonce
+    ({"version": 3, "client": "x", "transports": [], "nonce": b"\0" * 31}, ErrorCode.MALFORMED),
+    ({"version": 3, "client": "x", "transports": [], "nonce": "\0" * 32}, ErrorCode.MALFORMED),  # str, not bin
+    ({"version": 2, "client": "x", "transports": [], "auth": "tok"}, ErrorCode.BAD_VERSION),  # a protocol-2 HELLO
+])
+def test_hello_request_needs_a_32_byte_nonce(meta, code):
+    with pytest.raises(ProtocolError) as ei:
+        p.HelloRequest.from_meta(meta)
+    assert ei.value.code == code, ei.value
+
+
+@pytest.mark.parametrize("meta", [{}, {"proof": b"\0" * 31}, {"proof": "x" * 32}])
+def test_auth_request_needs_a_32_byte_proof(meta):
+    with pytest.raises(ProtocolError) as ei:
+        p.AuthRequest.from_meta(meta)
+    assert ei.value.code == ErrorCode.AUTH_FAILED, ei.value
 
 
 def test_header_layout():
     assert p.HEADER_SIZE == 32
     raw = p.pack_header(p.Op.GET, 9, 10, 11, p.FLAG_REPLY)
     assert raw[:4] == b"KVFB"
-    assert struct.unpack_from("<H", raw, 4)[0] == 2
+    assert struct.unpack_from("<H", raw, 4)[0] == 3
     assert raw[6] == p.Op.GET and raw[7] == p.FLAG_REPLY
     assert struct.unpack_from("<QIQI", raw, 8) == (9, 10, 11, 0)
 
 
 def bad_header(**kw):
-    fields = dict(magic=b"KVFB", version=2, opcode=2, flags=0, rid=1, meta=0, payload=0, reserved=0)
+    fields = dict(magic=b"KVFB", version=3, opcode=2, flags=0, rid=1, meta=0, payload=0, reserved=0)
     fields.update(kw)
     return p.HEADER.pack(*fields.values())
 
@@ -131,7 +210,8 @@ def bad_header(**kw):
     [
         (dict(magic=b"HTTP"), ErrorCode.BAD_MAGIC),
         (dict(version=1), ErrorCode.BAD_VERSION),
-        (dict(version=3), ErrorCode.BAD_VERSION),
+        (dict(version=2), ErrorCode.BAD_VERSION),
+        (dict(version=4), ErrorCode.BAD_VERSION),
         (dict(flags=0x80), ErrorCode.MALFORMED),
         (dict(reserved=1), ErrorCode.MALFORMED),
         (dict(meta=p.MAX_META_BYTES + 1), ErrorCode.META_TOO_LARGE),

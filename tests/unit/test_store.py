@@ -304,7 +304,7 @@ def test_handlers_abort_returns_the_reserved_slot():
     assert h.store.arena.used_bytes == 0 and len(h.store) == 0
 
 
-def test_handlers_require_auth_before_anything_but_hello():
+def test_handlers_require_auth_before_anything_but_hello_and_auth():
     h = Handlers(make(8), server_id="test", auth_token="tok")
     session = h.new_session("peer")
     with pytest.raises(ProtocolError) as e:
@@ -314,13 +314,30 @@ def test_handlers_require_auth_before_anything_but_hello():
     with pytest.raises(ProtocolError) as e:
         _request(h, session, big)
     assert e.value.code == ErrorCode.META_TOO_LARGE
-    header, msg = _request(h, session, P.HelloRequest(auth="wrong"))
-    with pytest.raises(ProtocolError) as e:
+    header, msg = _request(h, session, P.AuthRequest(proof=b"\0" * 32))
+    with pytest.raises(ProtocolError) as e:  # AUTH with no HELLO to answer
         h.handle(session, header, msg)
     assert e.value.code == ErrorCode.AUTH_FAILED
-    header, msg = _request(h, session, P.HelloRequest(auth="tok"))
+    nonce = P.new_nonce()
+    header, msg = _request(h, session, P.HelloRequest(nonce=nonce))
     _, meta = _reply_meta(h.handle(session, header, msg))
-    assert meta["server_id"] == "test" and meta["capacity"] == 8 * PAGE_SIZE
+    assert meta["server_id"] == "test" and meta["capacity"] == 8 * PAGE_SIZE and meta["auth_required"] is True
+    assert meta["proof"] == P.server_proof("tok", nonce, meta["nonce"], "test")  # the server proved it
+    assert not session.authenticated
+    wrong = P.client_proof("wrong", meta["nonce"], nonce)
+    header, msg = _request(h, session, P.AuthRequest(proof=wrong))
+    with pytest.raises(ProtocolError) as e:
+        h.handle(session, header, msg)
+    assert e.value.code == ErrorCode.AUTH_FAILED and e.value.fatal and not session.authenticated
+    header, msg = _request(h, session, P.AuthRequest(proof=P.client_proof("tok", meta["nonce"], nonce)))
+    with pytest.raises(ProtocolError) as e:  # one AUTH per HELLO: the right proof is too late now
+        h.handle(session, header, msg)
+    assert e.value.code == ErrorCode.AUTH_FAILED
+    header, msg = _request(h, session, P.HelloRequest(nonce=nonce))
+    _, meta = _reply_meta(h.handle(session, header, msg))
+    header, msg = _request(h, session, P.AuthRequest(proof=P.client_proof("tok", meta["nonce"], nonce)))
+    _, meta = _reply_meta(h.handle(session, header, msg))
+    assert meta == {} and session.authenticated
     header, msg = _request(h, session, big)  # full limits once authenticated
     _, meta = _reply_meta(h.handle(session, header, msg))
     assert meta["present"] == [False] * 400

@@ -28,7 +28,6 @@ bytes are sent, or when sending failed.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -41,6 +40,8 @@ from ...errors import FATAL_CODES, ErrorCode, ProtocolError
 from ...protocol import (
     DEFAULT_LIMITS,
     PRE_AUTH_LIMITS,
+    AuthReply,
+    AuthRequest,
     DeleteReply,
     ExistsReply,
     GetReply,
@@ -73,15 +74,18 @@ class Reply:
 
 
 class Session:
-    """Per-connection state: whether the peer has authenticated, and which limits apply."""
+    """Per-connection state: whether the peer has authenticated, which limits apply, and the nonces
+    of its last HELLO (protocol 3: ``client_nonce`` its, ``server_nonce`` ours, fresh per HELLO)."""
 
-    __slots__ = ("peer", "transport", "authenticated", "limits")
+    __slots__ = ("peer", "transport", "authenticated", "limits", "client_nonce", "server_nonce")
 
     def __init__(self, peer: str, transport: str, authenticated: bool, limits: Limits) -> None:
         self.peer = peer
         self.transport = transport
         self.authenticated = authenticated
         self.limits = limits if authenticated else PRE_AUTH_LIMITS
+        self.client_nonce: bytes | None = None
+        self.server_nonce: bytes | None = None
 
 
 class ServerCounters:
@@ -143,8 +147,10 @@ class ServerCounters:
 class Handlers:
     """The server's request logic over one :class:`Store`; shared by all connections and transports.
 
-    ``auth_token``: when set, a connection must send a HELLO carrying it
-    before anything else, and until then only :data:`PRE_AUTH_LIMITS` apply.
+    ``auth_token``: when set, a connection must prove it holds it (HELLO, then
+    AUTH: :mod:`kvfabric.protocol.auth`) before anything else, and until then
+    only HELLO and AUTH are served, under :data:`PRE_AUTH_LIMITS`. Without
+    one, AUTH is answered MALFORMED (there is nothing to prove).
     ``transports``: names advertised in the HELLO reply.
     """
 
@@ -174,6 +180,7 @@ class Handlers:
             Op.GET: self._get,
             Op.DELETE: self._delete,
             Op.STATS: self._stats,
+            Op.AUTH: self._auth,
         }
 
     # ------------------------------------------------------------------ framing
@@ -194,17 +201,18 @@ class Handlers:
         return header
 
     def decode(self, session: Session, header: Header, meta: Any) -> Message:
-        """Decode and check the metadata; refuses anything but HELLO before authentication."""
-        msg = protocol.decode_request(header, meta, session.limits)
-        if not session.authenticated and msg.op != Op.HELLO:
-            raise ProtocolError(ErrorCode.AUTH_FAILED, "authenticate with HELLO first")
-        return msg
+        """Decode and check the metadata; refuses anything but HELLO and AUTH before authentication."""
+        if not session.authenticated and header.opcode not in (Op.HELLO, Op.AUTH):
+            raise ProtocolError(ErrorCode.AUTH_FAILED, "authenticate with HELLO and AUTH first")
+        return protocol.decode_request(header, meta, session.limits)
 
     def error_reply(self, session: Session | None, opcode: int, request_id: int, exc: ProtocolError) -> Reply:
         """The error frame for ``exc``, counted by code; ``close`` set for fatal codes."""
         self.counters.error(exc.code)
         peer = session.peer if session is not None else "?"
-        log.info("error %s from %s: %s", exc.code.name, peer, exc.message)
+        # a failed proof may be someone without the token trying: the operator hears of it
+        log.log(logging.WARNING if exc.code == ErrorCode.AUTH_FAILED else logging.INFO,
+                "error %s from %s: %s", exc.code.name, peer, exc.message)
         head = protocol.encode_error(opcode, request_id, exc.code, exc.message)
         return Reply(head, close=exc.code in FATAL_CODES)
 
@@ -225,19 +233,36 @@ class Handlers:
     def _hello(self, session: Session, header: Header, msg: HelloRequest) -> Reply:
         if msg.version != protocol.VERSION:
             raise ProtocolError(ErrorCode.BAD_VERSION, protocol.BAD_VERSION_MESSAGE)
-        if self.auth_token is not None:
-            if msg.auth is None or not hmac.compare_digest(msg.auth.encode(), self.auth_token.encode()):
-                raise ProtocolError(ErrorCode.AUTH_FAILED, "bad or missing auth token")
-            session.authenticated = True
-            session.limits = self.limits
+        nonce = proof = None
+        if self.auth_token is not None:  # a fresh challenge per HELLO; AUTH answers it
+            nonce = protocol.new_nonce()
+            session.client_nonce, session.server_nonce = msg.nonce, nonce
+            proof = protocol.server_proof(self.auth_token, msg.nonce, nonce, self.server_id)
         reply = HelloReply(
             server=f"kvfabric/{__version__}",
             server_id=self.server_id,
             transports=tuple(self.transports),
             limits=self.limits,
             capacity=self.store.capacity,
+            auth_required=self.auth_token is not None,
+            nonce=nonce,
+            proof=proof,
         )
         return Reply(protocol.encode_reply(reply, header.request_id))
+
+    def _auth(self, session: Session, header: Header, msg: AuthRequest) -> Reply:
+        if self.auth_token is None:
+            raise ProtocolError(ErrorCode.MALFORMED, "this server has no pool token: AUTH is not expected")
+        ns, nc = session.server_nonce, session.client_nonce
+        session.server_nonce = session.client_nonce = None  # one AUTH per HELLO (as csrc/kvf_ops.c)
+        if ns is None or nc is None:
+            raise ProtocolError(ErrorCode.AUTH_FAILED, "AUTH without a HELLO to answer")
+        expected = protocol.client_proof(self.auth_token, ns, nc)
+        if not protocol.proof_ok(expected, msg.proof):
+            raise ProtocolError(ErrorCode.AUTH_FAILED, "wrong proof: this peer does not hold the pool token")
+        session.authenticated = True
+        session.limits = self.limits
+        return Reply(protocol.encode_reply(AuthReply(), header.request_id))
 
     def _ping(self, session: Session, header: Header, msg: Message) -> Reply:
         return Reply(protocol.encode_reply(PingReply(), header.request_id))

@@ -20,6 +20,7 @@ from ...server.main import (
     exit_2_on_bad_options,
     raise_fd_limit,
     validate_common,
+    warn_without_token,
 )
 from .handlers import Handlers
 from .store import Store
@@ -58,6 +59,7 @@ def main(argv: list[str]) -> int:
         print(f"kvfabric serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     handlers.server_id = args.server_id or f"{host}:{port}"
+    warn_without_token(token, None)
     received: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
