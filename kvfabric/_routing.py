@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import sharding
 from ._shard import _Busy, _Down, _Shard
-from .errors import ConfigError, ErrorCode, KVFabricError, RemoteError, TransportUnavailable
+from .errors import AuthError, ConfigError, ErrorCode, KVFabricError, RemoteError, TransportUnavailable
 from .membership import Member
 
 log = logging.getLogger("kvfabric.client")
@@ -61,7 +61,9 @@ class _Routing:
             except (TransportUnavailable, ConfigError):
                 raise
             except RemoteError as e:
-                if e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
+                if isinstance(e, AuthError):  # this side refused the server: its message names it
+                    rejects[pos] = e
+                elif e.code in (ErrorCode.AUTH_FAILED, ErrorCode.BAD_VERSION):
                     named = RemoteError(e.code, f"server {shard.address} rejected this client: {e.message}")
                     named.__cause__ = e
                     rejects[pos] = named

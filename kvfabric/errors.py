@@ -91,11 +91,12 @@ class AuthError(RemoteError):
     ``AUTH_FAILED`` :class:`RemoteError` so that every caller that handles a
     server's refusal handles this one the same way (the client marks the
     server down: its keys are misses, it is never used). ``message`` names the
-    server's address.
+    server's address; ``str()`` is ``"AUTH_FAILED: <message>"`` (without the
+    ``server error`` of a server's own refusal), so a log line names the code.
     """
 
     def __init__(self, message: str) -> None:
-        KVFabricError.__init__(self, message)
+        KVFabricError.__init__(self, f"{ErrorCode.AUTH_FAILED.name}: {message}")
         self.code = ErrorCode.AUTH_FAILED
         self.message = message
 

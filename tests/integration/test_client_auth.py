@@ -126,7 +126,7 @@ def test_a_client_without_a_token_is_told_the_server_needs_one(make_pool, make_c
     pool = make_pool(1, extra_args=["--auth-token", TOKEN])
     with pytest.raises(RemoteError, match="requires a pool token") as e:
         make_client(pool.addresses)
-    assert isinstance(e.value.__cause__, AuthError) and pool.addresses[0] in str(e.value), e.value
+    assert isinstance(e.value, AuthError) and pool.addresses[0] in str(e.value), e.value
 
 
 def test_a_server_without_the_token_is_refused_and_gets_no_keys(make_pool, make_client, caplog):
