@@ -194,11 +194,9 @@ static size_t header_build(const struct kvf_shared *sh, uint8_t *h, const uint8_
     return hlen;
 }
 
-/* 0 when h (header_len bytes read) is a valid header of this tier's version
- * for key whose value is file_size - hlen bytes long (its size and checksum
- * out); -EPERM (counted in mac_refused) for a file of the other version
- * (with a MAC when this tier has no key, or without one when it has);
- * -EBADMSG otherwise. The MAC itself is checked once the value is read. */
+/* -EPERM (counted in mac_refused) when h (8 bytes at least) starts a file of
+ * the other version: with a MAC when this tier has no key, or without one
+ * when it has; else 0. */
 static int other_version(struct kvf_shared *sh, const uint8_t *h)
 {
     uint16_t v = get16(h + 4), other = sh->mac_len ? KVF_SHARED_VERSION : KVF_SHARED_VERSION_MAC;
@@ -207,6 +205,10 @@ static int other_version(struct kvf_shared *sh, const uint8_t *h)
     return -EPERM;
 }
 
+/* 0 when h (header_len bytes read) is a valid header of this tier's version
+ * for key whose value is file_size - hlen bytes long (its size and checksum
+ * out); -EPERM for a file of the other version (other_version); -EBADMSG
+ * otherwise. The MAC itself is checked once the value is read. */
 static int header_check(struct kvf_shared *sh, const uint8_t *h, const uint8_t *key, uint32_t klen,
                         uint64_t file_size, uint64_t *size, uint64_t *csum)
 {
