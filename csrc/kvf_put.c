@@ -51,6 +51,7 @@ void kvf_op_put(struct conn *c, struct kvf_meta m)
             b->plens[i] = (uint8_t)pl;
         }
     }
+    if ((e = kvf_parse_groups(c, m, b, n))) { kvf_reject(c, e, kvf_groups_error(e)); return; }
     uint64_t total = 0;
     for (uint32_t i = 0; i < n; i++) {
         if (b->sizes[i] > s->cfg.max_object) { kvf_reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit"); return; }

@@ -111,6 +111,11 @@ struct batch {
     uint64_t *sizes, *csums, *offs;
     const uint8_t **parents;
     uint8_t *plens;
+    /* groups (issue 23; NULL/0 for an ungrouped object): the group key, its length, the
+     * group's number of parts; gruns: scratch for kvf_parse_groups's duplicate check */
+    const uint8_t **groups;
+    uint8_t *glens;
+    uint32_t *gparts, *gruns;
     uint8_t *status;
     uint8_t *keybuf; /* RESERVE: keys copied out of the meta buffer */
     uint64_t park_round;
@@ -271,6 +276,8 @@ void kvf_reject(struct conn *c, int code, const char *msg);
 /* keys -> b->keys/klens (b sized to them; BUSY when over the request budget) */
 int kvf_parse_keys(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t *n);
 const char *kvf_keys_error(int e);             /* the message of kvf_parse_keys's code */
+int kvf_parse_groups(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t n);
+const char *kvf_groups_error(int e);           /* the message of kvf_parse_groups's code */
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n);
 int kvf_parse_uint(struct kvf_meta m, const char *name, uint64_t *v, int required);
 /* {"status": [...]} (with_offsets: + "res" and "offsets", the shm RESERVE's) */

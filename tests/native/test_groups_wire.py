@@ -1,0 +1,79 @@
+"""Issue 23's PUT groups on the wire: both servers (the Python reference and the C data plane)
+refuse the same bad ``groups``/``group_parts`` with the same code as kvfabric.protocol's decoder,
+drain the frame's payload and keep the connection."""
+
+import msgpack
+import pytest
+
+from kvfabric import protocol as p
+from kvfabric.errors import ErrorCode, ProtocolError
+
+G, H = b"g" * 16, b"h" * 16
+
+
+def put_meta(keys, groups, parts, **extra):
+    m = {"keys": keys, "sizes": [1] * len(keys), "checksums": [p.checksum(k, b"x") for k in keys]}
+    if groups is not None:
+        m["groups"] = groups
+    if parts is not None:
+        m["group_parts"] = parts
+    m.update(extra)
+    return m
+
+
+A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
+BAD = [
+    ("groups_without_parts", put_meta([A], [G], None)),
+    ("parts_without_groups", put_meta([A], None, [1])),
+    ("groups_too_short", put_meta([A, B], [G], [2, 2])),
+    ("parts_too_long", put_meta([A], [G], [1, 1])),
+    ("empty_group_key", put_meta([A], [b""], [1])),
+    ("group_key_too_long", put_meta([A], [b"g" * 65], [1])),
+    ("group_key_str", put_meta([A], ["g"], [1])),
+    ("zero_parts", put_meta([A], [G], [0])),
+    ("too_many_parts", put_meta([A], [G], [p.MAX_KEYS_PER_BATCH + 1])),
+    ("negative_parts", put_meta([A], [G], [-1])),
+    ("part_missing", put_meta([A], [G], [2])),
+    ("parts_disagree", put_meta([A, B], [G, G], [2, 1])),
+    ("not_consecutive", put_meta([A, B, C], [G, H, G], [2, 1, 2])),
+    ("named_twice", put_meta([A, B, C], [G, H, G], [1, 1, 1])),
+]
+
+
+def python_code(meta) -> ErrorCode:
+    raw = msgpack.packb(meta, use_bin_type=True)
+    h = p.unpack_header(p.pack_header(p.Op.PUT, 1, len(raw), len(meta["keys"])))
+    with pytest.raises(ProtocolError) as ei:
+        p.decode_request(h, raw)
+    return ei.value.code
+
+
+@pytest.mark.parametrize("name,meta", BAD, ids=[b[0] for b in BAD])
+def test_bad_groups_are_refused_alike(address, open_raw, name, meta):
+    want = python_code(meta)
+    assert want in (ErrorCode.MALFORMED, ErrorCode.BAD_KEY), (name, want)
+    r = open_raw(address)
+    raw = msgpack.packb(meta, use_bin_type=True)
+    payload = b"x" * len(meta["keys"])
+    r.send(p.pack_header(p.Op.PUT, 9, len(raw), len(payload)) + raw + payload)
+    frame = r.recv_frame()
+    h = p.unpack_header(frame)
+    reply = p.decode_meta(frame[p.HEADER_SIZE:])
+    assert h.is_error and h.request_id == 9 and reply["code"] == want, (name, reply)
+    # the payload was drained: the connection goes on, and nothing of the refused frame was stored
+    ex = p.encode_request(p.ExistsRequest(keys=meta["keys"]), 10)
+    r.send(ex)
+    frame = r.recv_frame()
+    h = p.unpack_header(frame)
+    assert not h.is_error and h.request_id == 10, (name, frame)
+    assert p.decode_meta(frame[p.HEADER_SIZE:]) == {"present": [False] * len(meta["keys"])}, name
+
+
+def test_a_valid_group_frame_is_stored_by_both(address, open_raw):
+    r = open_raw(address)
+    keys = [A + b"1", B + b"1", C + b"1"]
+    msg = p.PutRequest(keys=keys, sizes=[1, 1, 1], checksums=[p.checksum(k, b"x") for k in keys],
+                       groups=[G, G, H], group_parts=[2, 2, 1])
+    r.send(p.encode_request(msg, 3) + b"xxx")
+    frame = r.recv_frame()
+    assert p.decode_meta(frame[p.HEADER_SIZE:]) == {"status": [0, 0, 0]}, frame
