@@ -64,7 +64,7 @@ import torch
 from kvfabric import ConfigError, KeyHasher, KVFabricError
 
 from .config import ConnectorConfig
-from .layout import chunk_major_layer_keys
+from .layout import chunk_major_layer_keys, object_placement
 from .meta import LoadSpec, SaveSpec
 from .metrics import Counters, log
 
@@ -201,13 +201,15 @@ class WorkerSide:
                 continue
             good_specs.append(spec)
         keys = [chunk_major_layer_keys(self._hasher, s.keys[self.tp_rank], nl) for s in good_specs]
+        place = None if any(s.placement is None for s in good_specs) else [
+            p for s in good_specs for p in s.placement[self.tp_rank]]   # one per chunk: a layer's objects
         deadline = time.monotonic() + self.cfg.load_timeout_s
 
         def one_layer(li: int) -> list[int | None]:
             assert self.client is not None
             ks = [k[c * nl + li] for k in keys for c in range(len(k) // nl)]
             bufs = [self._page_bytes[li][b[0]] for s in good_specs for b in s.block_ids]
-            return self.client.get_into(ks, bufs, timeout_s=max(0.001, deadline - time.monotonic()))
+            return self.client.get_into(ks, bufs, placement=place, timeout_s=max(0.001, deadline - time.monotonic()))
 
         futs = {self.layer_names[li]: self._loader.submit(one_layer, li) for li in range(nl)}
         self._layerwise = (good_specs, futs)
@@ -321,7 +323,8 @@ class WorkerSide:
         else:
             raw = self._load_staging(n * nl)
             bufs = [raw[j].numpy() for j in range(n * nl)]
-        sizes = self.client.get_into(okeys, bufs, timeout_s=self.cfg.load_timeout_s)
+        place, _ = object_placement(keys, None if spec.placement is None else spec.placement[self.tp_rank], nl)
+        sizes = self.client.get_into(okeys, bufs, placement=place, timeout_s=self.cfg.load_timeout_s)
         bad = sorted({j // nl for j, s in enumerate(sizes) if s != self.obj_bytes})
         good = [i for i in range(n) if i not in set(bad)]
         if bad:
@@ -438,7 +441,10 @@ class WorkerSide:
             keys = chunk_major_layer_keys(self._hasher, spec.keys[self.tp_rank], nl)
             parents = [p for c in spec.parents[self.tp_rank]
                        for p in ([None] * nl if c is None else chunk_major_layer_keys(self._hasher, [c], nl))]
-            res = self.client.put(keys, values, parents=parents, timeout_s=self.cfg.save_timeout_s)
+            place, groups = object_placement(spec.keys[self.tp_rank],
+                                             None if spec.placement is None else spec.placement[self.tp_rank], nl)
+            res = self.client.put(keys, values, parents=parents, placement=place, groups=groups,
+                                  timeout_s=self.cfg.save_timeout_s)
             # Counted in chunks: a chunk is dropped when any of its layer objects is; the
             # result counts objects only, so d dropped objects count as ceil(d / layers)
             # chunks (exact when whole chunks are dropped, as with a dead shard or pool).

@@ -1,0 +1,71 @@
+"""End-to-end placement (issue 23): a chunk's layer objects live on one server, so a dead server of two
+costs only its own chunks. Real vLLM engines (tiny Llama, CPU) and two real pool servers.
+
+Before issue 23 every layer object was routed by its own key: after one of two servers died the
+survivor gave 0 hits and kept partial chunks it could never serve. Now (``segment_chunks``, default
+16) a segment of chunks is placed by its first chunk's key: the test computes which server owns
+which chunk of its prompt, kills the one that does not own chunk 0, and checks that the survivor's
+leading chunks are loaded with identical greedy tokens, and that each server holds whole chunks only
+(every layer object of a chunk, or none), also for a prompt saved while the other server was dead.
+"""
+
+from __future__ import annotations
+
+from kvfabric import Client, KeyHasher
+from kvfabric.testing.servers import start_pool
+from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
+from kvfabric_vllm.layout import DEFAULT_SEGMENT_CHUNKS, chunk_placement
+
+from conftest import CHUNK, LAYERS, LONG_LOADABLE, PROMPTS
+
+
+def _chunk_owners(tiny_model: str, prompt: list[int], addresses: list[str]) -> list[str]:
+    """The address of the server that owns each whole chunk of ``prompt`` under the default placement."""
+    cfg = parse_extra_config({"servers": addresses, "chunk_tokens": CHUNK}, "kv_both", 128)
+    layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=128, num_layers=LAYERS)
+    ns = make_namespace(cfg, model=tiny_model, revision=None, dtype="torch.float32", kv_layout=layout,
+                        tp_rank=0, tp_size=1, weights=weights_fingerprint(tiny_model))
+    hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
+    keys = hasher.prefix_keys(ns, prompt[: len(prompt) // CHUNK * CHUNK])
+    placement = chunk_placement(keys, cfg.segment_chunks)
+    assert cfg.segment_chunks == DEFAULT_SEGMENT_CHUNKS and placement is not None
+    with Client(addresses) as c:
+        by_id = {s["route_id"]: addr for addr, s in c.stats()["client"]["shards"].items()}
+        return [by_id[row[0]] for row in c.route(keys, placement=placement)]
+
+
+def _objects(addresses: list[str]) -> dict[str, int]:
+    with Client(addresses) as c:
+        return {a: s.get("objects", -1) for a, s in c.stats()["servers"].items()}
+
+
+def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model):
+    with start_pool(2, capacity="64MiB") as pool:
+        addrs = pool.addresses
+        owners = _chunk_owners(tiny_model, PROMPTS["killed"], addrs)
+        spread = _chunk_owners(tiny_model, PROMPTS["spread"], addrs)
+        survivor = owners[0]
+        victim = next(a for a in addrs if a != survivor)
+        run = next((c for c, o in enumerate(owners) if o != survivor), len(owners))  # survivor's leading chunks
+        assert run >= min(DEFAULT_SEGMENT_CHUNKS, len(owners)), (run, owners)
+
+        a = run_engine(["killed"], addrs)                        # saves every chunk of the prompt
+        assert a["outputs"] == [cold["killed"]]
+        assert a["counters"]["save_chunks"] == len(owners)
+        held = _objects(addrs)
+        want = {addr: LAYERS * owners.count(addr) for addr in addrs}
+        assert held == want, f"objects per server {held}, whole chunks by placement would be {want}"
+
+        pool[addrs.index(victim)].kill()                          # SIGKILL, reaped
+
+        b = run_engine(["killed", "spread"], addrs)               # loads what survived, saves a new prompt
+        expect = min(run * CHUNK, LONG_LOADABLE)
+        assert b["cached"][0] >= expect > 0, (b["cached"], run, b["counters"])
+        assert b["outputs"] == [cold["killed"], cold["spread"]]   # identical greedy tokens
+        assert b["counters"]["load_failed_chunks"] == 0
+        # the chunks past the loaded run and all of "spread" were saved with the victim dead: its
+        # chunks were dropped, whole, and the survivor took whole chunks only
+        lost = owners[run:].count(victim) + spread.count(victim)
+        assert b["counters"].get("save_dropped_chunks", 0) == lost, (b["counters"], owners, spread)
+        after = _objects([survivor])[survivor]
+        assert after == LAYERS * (owners.count(survivor) + spread.count(survivor)), (after, owners, spread)
