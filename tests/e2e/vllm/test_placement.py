@@ -69,3 +69,60 @@ def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model
         assert b["counters"].get("save_dropped_chunks", 0) == lost, (b["counters"], owners, spread)
         after = _objects([survivor])[survivor]
         assert after == LAYERS * (owners.count(survivor) + spread.count(survivor)), (after, owners, spread)
+
+
+def test_worker_saves_a_chunks_layers_on_one_server_and_loads_them_by_placement():
+    """Without an engine: the worker's put and layer-by-layer load and the scheduler's lookup all route
+    a chunk's layer objects by its placement key (segments of 2 chunks here)."""
+    import os
+    import time
+
+    import torch
+    from kvfabric import sharding
+    from kvfabric_vllm.layout import layer_keys
+    from kvfabric_vllm.meta import LoadSpec, SaveSpec
+    from kvfabric_vllm.metrics import Counters
+    from kvfabric_vllm.scheduler import SchedulerSide
+
+    from test_zero_copy import BLOCK, NAMES, NL, make_worker
+
+    with start_pool(2, capacity="16MiB") as pool:
+        a, kv_a = make_worker(pool.addresses)
+        b, kv_b = make_worker(pool.addresses, load_async=False, load_layerwise=True)
+        sched = SchedulerSide(a.cfg, Client(config=a.cfg.client), [], BLOCK, Counters(), lambda: None, n_layers=NL)
+        try:
+            for t in kv_a:
+                t.copy_(torch.randn_like(t))
+            keys = [os.urandom(16) for _ in range(6)]
+            place = chunk_placement(keys, 2)
+            spec = SaveSpec("r", [keys], [[None, *keys[:-1]]], [[blk] for blk in range(1, 7)], placement=[place])
+            a.gather_layer(NAMES[0], [spec])
+            a.submit_saves([spec])
+            deadline = time.monotonic() + 60
+            while a.counters.snapshot()["save_jobs_done"] < a.counters.snapshot()["save_jobs"]:
+                assert time.monotonic() < deadline, "save did not finish"
+                time.sleep(0.01)
+            assert a.counters.snapshot()["save_chunks"] == 6
+            hasher = KeyHasher()
+            with Client(pool.addresses) as c:
+                members = c.members
+            for pos, addr in enumerate(pool.addresses):
+                with Client([addr]) as one:
+                    for ci, k in enumerate(keys):
+                        held = one.exists(layer_keys(hasher, k, NL))
+                        mine = sharding.owners(place[ci], members)[0] == pos
+                        assert held == [mine] * NL, (addr, ci, held)
+            assert sched._lookup_all_ranks([keys], 0, [place]) == 6
+            with Client(pool.addresses) as c:   # one layer of chunk 3 gone: chunks 0..2 remain
+                assert c.delete([layer_keys(hasher, keys[3], NL)[1]], placement=[place[3]]) == 1
+            assert sched._lookup_all_ranks([keys], 0, [place]) == 3
+            b.load([LoadSpec("r", [keys[:4]], [[9], [10], [11], [12]], placement=[place[:4]])])
+            for li, name in enumerate(NAMES):
+                b.wait_layer(name)
+                for dst, src in ((9, 1), (10, 2), (11, 3)):
+                    assert torch.equal(kv_b[li][dst], kv_a[li][src]), (li, dst)
+            assert b.take_failed_block_ids() == {12}
+        finally:
+            a.shutdown()
+            b.shutdown()
+            sched.shutdown()
