@@ -56,12 +56,13 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
                              ``kv_producer``, false otherwise
- segment_chunks    16        placement (layout.py, issue 23): a chunk's layer objects always
-                             live together; runs of this many consecutive chunks (from chunk 0)
-                             are placed by their first chunk's key, so a dead server of N cuts a
-                             prompt's hit only at a segment boundary. 1: each chunk placed by
-                             its own key; 0: every object routed by its own key (the layout
-                             before issue 23, no server groups)
+ segment_tokens    8192      placement (layout.py, issue 23): a chunk's layer objects always
+                             live together (one group, one owner set); runs of this many
+                             prompt tokens (from the start; a multiple of chunk_tokens) are
+                             placed by their first chunk's key, so a dead server of N cuts a
+                             prompt's hit only at a segment boundary. = chunk_tokens: each
+                             chunk placed by its own key; 0: every object routed by its own
+                             key (the layout before issue 23, no server groups)
  register_load_buffer true    register what loads receive into with the client
                               (``Client.register_buffers``): the KV layer tensors (one
                               block per chunk) or the staging buffer; on ``native``
@@ -90,7 +91,7 @@ from kvfabric import ClientConfig, ConfigError, Namespace
 from kvfabric.config import client_settings
 from kvfabric.protocol import MAX_LEASE_MS
 
-from .layout import DEFAULT_SEGMENT_CHUNKS
+from .layout import DEFAULT_SEGMENT_TOKENS
 
 __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_namespace", "kv_layout_name",
            "weights_fingerprint", "KV_LAYOUT_VERSION"]
@@ -133,7 +134,7 @@ class ConnectorConfig:
     register_load_buffer: bool = True
     pd_wait_ms: int = 1000
     hold_until_saved: bool = False
-    segment_chunks: int = DEFAULT_SEGMENT_CHUNKS
+    segment_chunks: int = DEFAULT_SEGMENT_TOKENS // 128   # segment_tokens // chunk_tokens (0: per object)
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -163,7 +164,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
              "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "pd_wait_ms",
-             "hold_until_saved", "segment_chunks", *_CLIENT_KEYS}
+             "hold_until_saved", "segment_tokens", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -205,6 +206,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     tenant = extra.get("tenant", "")
     if not isinstance(tenant, str):
         raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {tenant!r}")
+    segment = _int(extra, "segment_tokens", max(chunk, DEFAULT_SEGMENT_TOKENS // chunk * chunk), 0, 1 << 24)
+    if segment % chunk:
+        raise ConfigError(f"kv_connector_extra_config.segment_tokens={segment} must be 0 or a multiple of "
+                          f"chunk_tokens {chunk}")
     load_default, save_default = _ROLES[kv_role]
     lookup_timeout_ms = _int(extra, "lookup_timeout_ms", 1000, 1, 60_000)
     return ConnectorConfig(
@@ -227,7 +232,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         register_load_buffer=_bool(extra, "register_load_buffer", True),
         pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
         hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
-        segment_chunks=_int(extra, "segment_chunks", DEFAULT_SEGMENT_CHUNKS, 0, 1 << 20),
+        segment_chunks=segment // chunk,
     )
 
 

@@ -19,8 +19,9 @@ keys inherit every property of the chain keys (prefix binding, secret,
 collision resistance of the chosen algorithm) and every process derives the
 same ones. Layers are in the model order vLLM lists them in.
 
-Placement (issue 23; ``config`` key ``segment_chunks``, default
-``DEFAULT_SEGMENT_CHUNKS``): the ``L`` objects of a chunk are one group,
+Placement (issue 23; ``config`` key ``segment_tokens``, default
+``DEFAULT_SEGMENT_TOKENS``, which is ``M = segment_tokens // chunk_tokens``
+chunks): the ``L`` objects of a chunk are one group,
 routed by one placement key, so a chunk's layers live on one owner set (and
 the same replicas) and the servers admit, evict and drop them as one unit:
 a dead server costs only the chunks it owned, not (as when every layer object
@@ -34,7 +35,7 @@ so a prompt's leading run, which ends at the first chunk on a dead server,
 is cut only at a segment boundary: with one of N servers dead a prompt keeps
 on average about ``M * (N - 1)`` leading chunks instead of ``N - 1``. Every
 process derives the same placement (it depends only on the prefix, like the
-keys). ``M = 1`` places each chunk by its own key; ``segment_chunks = 0``
+keys). ``M = 1`` places each chunk by its own key; ``segment_tokens = 0``
 keeps the layout before issue 23 (each object routed by its own key, no
 groups). The trade-offs (hit rate with a dead server, bytes per server, the
 GET time of a long prompt) are measured by ``kvfabric bench placement``.
@@ -46,12 +47,12 @@ from collections.abc import Sequence
 
 from kvfabric import KeyHasher
 
-__all__ = ["LAYER_DOMAIN", "DEFAULT_SEGMENT_CHUNKS", "layer_keys", "chunk_major_layer_keys", "chunk_placement",
+__all__ = ["LAYER_DOMAIN", "DEFAULT_SEGMENT_TOKENS", "layer_keys", "chunk_major_layer_keys", "chunk_placement",
            "object_placement"]
 
 LAYER_DOMAIN = b"kvfabric-vllm-layer"
-#: Chunks per placement segment by default (see the module docstring and docs/notes/vllm.md).
-DEFAULT_SEGMENT_CHUNKS = 16
+#: Prompt tokens per placement segment by default (see the module docstring and docs/notes/vllm.md).
+DEFAULT_SEGMENT_TOKENS = 8192
 
 
 def layer_keys(hasher: KeyHasher, chunk_key: bytes, n_layers: int) -> list[bytes]:

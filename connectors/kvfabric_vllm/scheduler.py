@@ -17,7 +17,7 @@ lookup asks for every layer object of every chunk (``layout``: one object per
 (chunk, layer), chunk-major), so a chunk counts only when the pool holds all
 its layers, and takes a lease so the objects found are not evicted before the
 load. Each chunk's objects are routed by its placement key (``layout``:
-segments of ``segment_chunks`` chunks), so the lookup of a prompt is one
+segments of ``segment_tokens``), so the lookup of a prompt is one
 request per shard and rank, and the plan sent to the workers carries the
 placement keys with the chunk keys.
 Every request is looked up, also when vLLM's local prefix cache covers all

@@ -2,8 +2,9 @@
 costs only its own chunks. Real vLLM engines (tiny Llama, CPU) and two real pool servers.
 
 Before issue 23 every layer object was routed by its own key: after one of two servers died the
-survivor gave 0 hits and kept partial chunks it could never serve. Now (``segment_chunks``, default
-16) a segment of chunks is placed by its first chunk's key: the test computes which server owns
+survivor gave 0 hits and kept partial chunks it could never serve. Now (``segment_tokens``) a
+segment of chunks is placed by its first chunk's key (segments of 8 chunks here, so the 31-chunk
+prompt spans several segments): the test computes which server owns
 which chunk of its prompt, kills the one that does not own chunk 0, and checks that the survivor's
 leading chunks are loaded with identical greedy tokens, and that each server holds whole chunks only
 (every layer object of a chunk, or none), also for a prompt saved while the other server was dead.
@@ -14,21 +15,24 @@ from __future__ import annotations
 from kvfabric import Client, KeyHasher
 from kvfabric.testing.servers import start_pool
 from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
-from kvfabric_vllm.layout import DEFAULT_SEGMENT_CHUNKS, chunk_placement
+from kvfabric_vllm.layout import chunk_placement
 
 from conftest import CHUNK, LAYERS, LONG_LOADABLE, PROMPTS
 
+SEGMENT = 8 * CHUNK
+EXTRA = ["--extra", f'{{"segment_tokens": {SEGMENT}}}']
+
 
 def _chunk_owners(tiny_model: str, prompt: list[int], addresses: list[str]) -> list[str]:
-    """The address of the server that owns each whole chunk of ``prompt`` under the default placement."""
-    cfg = parse_extra_config({"servers": addresses, "chunk_tokens": CHUNK}, "kv_both", 128)
+    """The address of the server that owns each whole chunk of ``prompt`` (segments of ``SEGMENT`` tokens)."""
+    cfg = parse_extra_config({"servers": addresses, "chunk_tokens": CHUNK, "segment_tokens": SEGMENT}, "kv_both", 128)
     layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=128, num_layers=LAYERS)
     ns = make_namespace(cfg, model=tiny_model, revision=None, dtype="torch.float32", kv_layout=layout,
                         tp_rank=0, tp_size=1, weights=weights_fingerprint(tiny_model))
     hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
     keys = hasher.prefix_keys(ns, prompt[: len(prompt) // CHUNK * CHUNK])
     placement = chunk_placement(keys, cfg.segment_chunks)
-    assert cfg.segment_chunks == DEFAULT_SEGMENT_CHUNKS and placement is not None
+    assert cfg.segment_chunks == SEGMENT // CHUNK and placement is not None
     with Client(addresses) as c:
         by_id = {s["route_id"]: addr for addr, s in c.stats()["client"]["shards"].items()}
         return [by_id[row[0]] for row in c.route(keys, placement=placement)]
@@ -47,9 +51,9 @@ def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model
         survivor = owners[0]
         victim = next(a for a in addrs if a != survivor)
         run = next((c for c, o in enumerate(owners) if o != survivor), len(owners))  # survivor's leading chunks
-        assert run >= min(DEFAULT_SEGMENT_CHUNKS, len(owners)), (run, owners)
+        assert run >= min(SEGMENT // CHUNK, len(owners)), (run, owners)
 
-        a = run_engine(["killed"], addrs)                        # saves every chunk of the prompt
+        a = run_engine(["killed"], addrs, args=EXTRA)                      # saves every chunk of the prompt
         assert a["outputs"] == [cold["killed"]]
         assert a["counters"]["save_chunks"] == len(owners)
         held = _objects(addrs)
@@ -58,7 +62,7 @@ def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model
 
         pool[addrs.index(victim)].kill()                          # SIGKILL, reaped
 
-        b = run_engine(["killed", "spread"], addrs)               # loads what survived, saves a new prompt
+        b = run_engine(["killed", "spread"], addrs, args=EXTRA)             # loads what survived, saves a new prompt
         expect = min(run * CHUNK, LONG_LOADABLE)
         assert b["cached"][0] >= expect > 0, (b["cached"], run, b["counters"])
         assert b["outputs"] == [cold["killed"], cold["spread"]]   # identical greedy tokens

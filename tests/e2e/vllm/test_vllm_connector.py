@@ -52,8 +52,8 @@ def test_second_engine_loads_prefix_then_multiprocess_engine(run_engine, cold):
 
 def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
     with start_pool(2, capacity="64MiB") as pool:
-        # chunks placed one by one (segment_chunks 1), so 31 chunks spread over both servers
-        per_chunk = ["--extra", '{"segment_chunks": 1}']
+        # chunks placed one by one (segment_tokens = chunk_tokens), so 31 chunks spread over both servers
+        per_chunk = ["--extra", f'{{"segment_tokens": {CHUNK}}}']
         a = run_engine(["spread", "killed"], pool.addresses, role="kv_producer", args=per_chunk)   # saves only
         assert a["cached"] == [0, 0]
         assert a["counters"]["lookups"] == 2            # a producer looks up only to skip what the pool holds
