@@ -21,8 +21,10 @@ chunks found, PUT the rest (as the connector's workers do; values of
 pool; the rest is measured: once on healthy servers and, on fresh servers
 replaying the same warm-up, once per victim with that server SIGKILLed when
 the measured part starts (``--victims``: how many of the N servers are each
-killed in turn, default all N; reported: the mean over victims, and the
-worst). Server capacity holds everything the replay stores (the hit rate
+killed in turn, default all N, for replicas 1 and chunk or segment placement;
+``--few-victims``, default 1, for replicas 2, where one dead server costs
+about nothing, and for object placement, where it costs about everything;
+reported: the mean over victims, and the worst). Server capacity holds everything the replay stores (the hit rate
 measures placement, not eviction).
 
 Also per placement, on the healthy servers: bytes per server (STATS
@@ -272,8 +274,9 @@ def run(args) -> dict[str, Any]:
                     print(f"{name} ({lab.where})", file=sys.stderr, flush=True)
                     try:
                         healthy = run_case(lab, prompts, long_prompt, args, replicas, None, _progress)
+                        few = replicas > 1 or segment == 0  # a dead server costs ~nothing, or ~everything
                         killed = [run_case(lab, prompts, long_prompt, args, replicas, v, _progress)
-                                  for v in range(min(args.victims, n))]
+                                  for v in range(min(args.few_victims if few else args.victims, n))]
                     finally:
                         lab.close()
                     rates = [k["hit_rate"] for k in killed]
@@ -321,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of object, chunk, segM (default object,chunk,seg4,seg16,seg64)")
     ap.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--layers", type=int, default=16, help="layer objects per chunk (default 16)")
-    ap.add_argument("--victims", type=int, default=99, help="servers killed in turn, one per run (default all)")
+    ap.add_argument("--victims", type=int, default=99,
+                    help="servers killed in turn, one per run, for replicas=1 and chunk or segment placement "
+                         "(default all)")
+    ap.add_argument("--few-victims", type=int, default=1,
+                    help="the same for replicas > 1 and for object placement (default 1)")
     ap.add_argument("--warm", type=float, default=0.5, help="fraction of the requests replayed before the kill")
     ap.add_argument("--value-bytes", type=int, default=64, help="bytes per replayed object (default 64)")
     ap.add_argument("--long-tokens", type=int, default=120_000)
@@ -333,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/placement.json")
     args = ap.parse_args(argv)
     if (args.limit < 2 or args.layers < 1 or not 0 < args.warm < 1 or args.value_bytes < 1 or args.victims < 0
+            or args.few_victims < 0
             or args.long_tokens < 1 or args.long_object_bytes < 1 or args.reps < 1
             or any(n < 1 for n in args.sizes) or any(r < 1 for r in args.replicas)):
         ap.error("bad arguments")
