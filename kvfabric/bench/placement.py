@@ -233,12 +233,28 @@ def run_case(lab: _Lab, prompts: list[_Prompt], long_prompt: _Prompt, args, repl
     return out
 
 
-def _capacity(prompts: list[_Prompt], long_prompt: _Prompt, args, replicas: int) -> int:
-    """Per server: room for every object the replay stores (all replicas), so nothing is evicted."""
+def _stored_bytes(prompts: list[_Prompt], long_prompt: _Prompt, args, replicas: int) -> int:
+    """Arena bytes the replay stores over all servers (every replica; a small object takes a page)."""
     unique = len({k for p in prompts for k in p.objects})
     per = max(PAGE, -(-args.value_bytes // PAGE) * PAGE)
     long_per = -(-args.long_object_bytes // PAGE) * PAGE
-    need = (unique * per + len(long_prompt.objects) * long_per) * replicas
+    return (unique * per + len(long_prompt.objects) * long_per) * replicas
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _capacity(need: int) -> int:
+    """Per server: room for everything the replay stores, so nothing is evicted (arenas fill lazily:
+    the servers together use about ``need``, however it is spread)."""
     return int(need * 1.25) + (64 << 20)
 
 
@@ -269,7 +285,13 @@ def run(args) -> dict[str, Any]:
                 for replicas in args.replicas:
                     if replicas > n:
                         continue
-                    lab = _Lab(n, _capacity(prompts, long_prompt, args, replicas), netns)
+                    need = _stored_bytes(prompts, long_prompt, args, replicas)
+                    avail = _mem_available()
+                    if avail is not None and need > avail * args.max_memory:
+                        raise SystemExit(f"kvfabric bench placement: the replay would store {need >> 20} MiB in the "
+                                         f"servers' arenas, over {args.max_memory:.0%} of the {avail >> 20} MiB "
+                                         f"available; lower --limit or --layers")
+                    lab = _Lab(n, _capacity(need), netns)
                     name = f"{trace_name} N={n} {_layout(segment)} replicas={replicas}"
                     print(f"{name} ({lab.where})", file=sys.stderr, flush=True)
                     try:
@@ -318,7 +340,8 @@ def _f(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench placement", description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=lambda s: s.split(","), default=["mooncake-conversation", "mooncake-synthetic"])
-    ap.add_argument("--limit", type=int, default=1000, help="requests of each trace replayed (default 1000)")
+    ap.add_argument("--limit", type=int, default=800,
+                    help="requests of each trace replayed (default 800: ~1 GiB stored per replica, 4 KiB a object)")
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8])
     ap.add_argument("--layouts", type=parse_layouts, default=[0, 1, 4, 16, 64],
                     help="comma list of object, chunk, segM (default object,chunk,seg4,seg16,seg64)")
@@ -334,13 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-tokens", type=int, default=120_000)
     ap.add_argument("--long-object-bytes", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=3, help="GETs of the long prompt, median (default 3)")
+    ap.add_argument("--max-memory", type=float, default=0.4,
+                    help="refuse a case whose stored bytes exceed this fraction of MemAvailable (default 0.4)")
     ap.add_argument("--lab", choices=["auto", "netns", "loopback"], default="auto")
     ap.add_argument("--salt", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=10.0)
     ap.add_argument("--out", default="bench-results/placement.json")
     args = ap.parse_args(argv)
     if (args.limit < 2 or args.layers < 1 or not 0 < args.warm < 1 or args.value_bytes < 1 or args.victims < 0
-            or args.few_victims < 0
+            or args.few_victims < 0 or not 0 < args.max_memory <= 1
             or args.long_tokens < 1 or args.long_object_bytes < 1 or args.reps < 1
             or any(n < 1 for n in args.sizes) or any(r < 1 for r in args.replicas)):
         ap.error("bad arguments")
