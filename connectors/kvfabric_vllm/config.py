@@ -68,7 +68,8 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                               block per chunk) or the staging buffer; on ``native``
                               connections loads are then received with io_uring READ_FIXED
  every other ``kvfabric.ClientConfig`` setting (transport, timeout_s,
- connect_timeout_s, replicas, auth_token, key_algorithm, key_secret,
+ connect_timeout_s, replicas (default 2 with a list of 3 or more servers,
+ else 1; see docs/notes/vllm.md, issue 23), auth_token, key_algorithm, key_secret,
  verify_checksums, connections_per_server, ...; ``kvfabric.config.client_settings``):
  passed to ``ClientConfig`` (env ``KVFABRIC_*`` variables apply first, these keys win).
 ================== ========= ====================================================
@@ -191,6 +192,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         client = ClientConfig.from_env(servers=servers, etcd="", **client_over)  # servers win over KVFABRIC_ETCD
         if not client.servers:
             raise ConfigError("kv_connector_extra_config.servers is empty")
+        if "replicas" not in extra and "KVFABRIC_REPLICAS" not in os.environ and len(client.servers) >= 3:
+            # issue 23: with 3+ servers every chunk gets a second copy unless told otherwise, so one dead
+            # server costs (almost) no hits; 2 servers keep 1 (a second copy would be every byte twice)
+            client = client.with_(replicas=2)
 
     if type(block_size) is not int or block_size < 1:
         raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")

@@ -52,3 +52,13 @@ def test_segment_tokens_config():
     assert parse_extra_config({**base, "chunk_tokens": 3 * DEFAULT_SEGMENT_TOKENS}, "kv_both", 128).segment_chunks == 1
     with pytest.raises(ConfigError, match="multiple of chunk_tokens"):
         parse_extra_config({**base, "segment_tokens": 200}, "kv_both", 128)
+
+
+def test_replicas_default_to_two_with_three_servers(monkeypatch):
+    monkeypatch.delenv("KVFABRIC_REPLICAS", raising=False)
+    two, three = ["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    assert parse_extra_config({"servers": two}, "kv_both", 128).client.replicas == 1
+    assert parse_extra_config({"servers": three}, "kv_both", 128).client.replicas == 2
+    assert parse_extra_config({"servers": three, "replicas": 1}, "kv_both", 128).client.replicas == 1
+    monkeypatch.setenv("KVFABRIC_REPLICAS", "1")
+    assert parse_extra_config({"servers": three}, "kv_both", 128).client.replicas == 1
