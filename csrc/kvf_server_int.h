@@ -116,6 +116,8 @@ struct batch {
     const uint8_t **groups;
     uint8_t *glens;
     uint32_t *gparts, *gruns;
+    uint32_t gstart, gend; /* PUT: the group run being received, [gstart, gend), while gopen */
+    uint8_t gopen, gfail;  /* gfail: the status that refuses the whole run (0: none yet) */
     uint8_t *status;
     uint8_t *keybuf; /* RESERVE: keys copied out of the meta buffer */
     uint64_t park_round;
@@ -261,6 +263,7 @@ void kvf_op_put(struct conn *c, struct kvf_meta m);
 void kvf_batch_step(struct conn *c);           /* continue a PUT/RESERVE */
 void kvf_put_object_done(struct conn *c);      /* a PUT object landed in its slot */
 void kvf_put_staged(struct conn *c);           /* a PUT object's first bytes are in c->stage */
+void kvf_put_conn_gone(struct conn *c);        /* a PUT's connection died: its open group is dropped, counted */
 
 /* ---- kvf_request.c: what the handlers share; parse_* return 0 or a wire error code (KVF_E_*) */
 /* Answer code: at once (and close, for the codes after which the stream cannot
