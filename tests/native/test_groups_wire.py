@@ -77,3 +77,25 @@ def test_a_valid_group_frame_is_stored_by_both(address, open_raw):
     r.send(p.encode_request(msg, 3) + b"xxx")
     frame = r.recv_frame()
     assert p.decode_meta(frame[p.HEADER_SIZE:]) == {"status": [0, 0, 0]}, frame
+
+
+def test_the_native_policy_sees_one_entry_per_group(make_server, open_raw):
+    """The control thread's policy gets one INSERT per group (its first part, the group's bytes);
+    evicting that entry evicts every part."""
+    from kvfabric.testing.poll import wait_for
+
+    srv = make_server(capacity=1 << 20)
+    r = open_raw(srv.address)
+    for g in range(3):
+        keys = [b"g%d/%d" % (g, i) for i in range(4)]
+        vals = [bytes([i]) * 4096 for i in range(4)]
+        msg = p.PutRequest(keys=keys, sizes=[4096] * 4, checksums=[p.checksum(k, v) for k, v in zip(keys, vals)],
+                           groups=[b"group-%d" % g] * 4, group_parts=[4] * 4)
+        r.send(p.encode_request(msg, g + 1) + b"".join(vals))
+        assert p.decode_meta(r.recv_frame()[p.HEADER_SIZE:]) == {"status": [0] * 4}
+    assert wait_for(lambda: len(srv.policy) == 3), len(srv.policy)
+    assert {k: srv._sizes[k] for k in (b"g0/0", b"g1/0", b"g2/0")} == dict.fromkeys((b"g0/0", b"g1/0", b"g2/0"),
+                                                                                     4 * 4096)
+    assert srv._srv.evict(b"g1/0") == 4 * 4096  # the whole group, named by its representative
+    r.send(p.encode_request(p.ExistsRequest(keys=[b"g1/%d" % i for i in range(4)] + [b"g0/3"]), 9))
+    assert p.decode_meta(r.recv_frame()[p.HEADER_SIZE:]) == {"present": [False] * 4 + [True]}
