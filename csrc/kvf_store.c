@@ -593,7 +593,7 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
         uint64_t off = e->off, size = e->size, csum = e->csum;
         memcpy(key2, e->key, klen2);
         pthread_mutex_unlock(&st->mu);
-        fn(arg, key2, klen2, st->base + off, size, csum, hits);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits, NULL, 0, 0);
         pthread_mutex_lock(&st->mu);
         e = &st->ents[i]; /* the array may have grown meanwhile */
         e->pins = 0;
@@ -638,6 +638,9 @@ static int64_t evict_group(struct kvf_store *st, uint32_t id)
     }
     kvf_evict_hook fn = st->evict_hook;
     void *arg = st->evict_arg;
+    uint8_t gkey[KVF_KEY_MAX]; /* a copy: the group array may be reallocated while unlocked */
+    uint32_t glen = st->grps[gi].klen, gparts = st->grps[gi].parts;
+    memcpy(gkey, st->grps[gi].key, glen);
     for (k = 0; k < n; k++) {
         struct entry *e = &st->ents[ids[k]];
         uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
@@ -645,7 +648,7 @@ static int64_t evict_group(struct kvf_store *st, uint32_t id)
         uint64_t off = e->off, size = e->size, csum = e->csum;
         memcpy(key2, e->key, klen2);
         pthread_mutex_unlock(&st->mu);
-        fn(arg, key2, klen2, st->base + off, size, csum, hits);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits, gkey, glen, gparts);
         pthread_mutex_lock(&st->mu);
     }
     for (k = 0; k < n; k++) {

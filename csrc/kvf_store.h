@@ -130,10 +130,12 @@ int64_t kvf_now_ms(void);
 
 /* Called by kvf_store_evict with an evicted object's bytes, outside the store
  * lock (the slot is freed when it returns): the tiers' write-behind. hits:
- * GETs of the object since it was stored. NULL fn: none. Set it while no
- * eviction runs (before the control thread starts, after it stopped). */
+ * GETs of the object since it was stored; gkey/glen/gparts: its group (glen 0:
+ * none), every part of which is evicted (and handed here) in the same call.
+ * NULL fn: none. Set it while no eviction runs (before the control thread
+ * starts, after it stopped). */
 typedef void (*kvf_evict_hook)(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                               uint64_t csum, uint32_t hits);
+                               uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
 void kvf_store_set_evict_hook(struct kvf_store *st, kvf_evict_hook fn, void *arg);
 
 /* Allocator self-check for tests: 0 when free lists and tags agree. */

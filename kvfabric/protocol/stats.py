@@ -87,6 +87,9 @@ SSD_STATS_FIELDS: dict[str, str] = {
     "ssd_read_us_total": "microseconds from posting to completion, summed over the reads",
     "ssd_write_us_total": "microseconds from posting to completion, summed over the writes",
     "ssd_promotions": "objects read back from the SSD tier and stored into DRAM",
+    "ssd_groups_torn": "groups dropped whole from the SSD tier's index: one had fewer records than parts at the "
+                       "start-up scan (a crash mid-write-behind, a dropped write, a wrapped log, a DELETEd part), "
+                       "or the log reused the segment of one of its records",
     "ssd_queue_bytes": "bytes staged for writing now (bounded by --ssd-write-queue)",
 }
 
