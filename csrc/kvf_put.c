@@ -32,9 +32,6 @@
 #include "kvf_hash.h"
 #include "kvf_tier.h"
 
-/* a group part received and verified, its slot kept until the group is committed (never on the wire) */
-#define KVF_PUT_PENDING 0xff
-
 void kvf_op_put(struct conn *c, struct kvf_meta m)
 {
     struct kvf_server *s = c->srv;
@@ -114,8 +111,9 @@ static void group_open(struct kvf_server *s, struct batch *b, uint32_t i)
     if (total > kvf_store_capacity(s->st)) b->gfail = KVF_PUT_TOO_LARGE;
 }
 
-/* Every part of the run is answered: commit the group whole, or refuse it whole. */
-static void group_close(struct kvf_server *s, struct batch *b)
+/* Every part of the run is answered: commit the group whole, or refuse it whole.
+ * Its parts verified and kept are KVF_PUT_PENDING (the shm COMMIT marks them so too). */
+void kvf_put_group_close(struct kvf_server *s, struct batch *b)
 {
     uint32_t m = 0, g = b->gstart;
     b->gopen = 0;
@@ -181,6 +179,21 @@ void kvf_put_object_done(struct conn *c)
 
 /* Reserve a slot for object i of batch b. 0 reserved, 1 answered (status set,
  * nothing reserved), -1 parked (wait for the control thread). */
+static int reserve_one(struct conn *c, struct batch *b, uint32_t i);
+
+/* shm RESERVE: a group's slots are handed out whole or not at all (the run's
+ * refusal status for every part); COMMIT then commits or refuses it whole. */
+static void resv_group_close(struct kvf_server *s, struct batch *b)
+{
+    b->gopen = 0;
+    if (!b->gfail) return;
+    for (uint32_t k = b->gstart; k < b->gend; k++) {
+        if (b->status[k] == KVF_PUT_STORED) kvf_store_unreserve(s->st, b->offs[k], b->sizes[k]);
+        b->status[k] = b->gfail;
+    }
+    s->ctr.groups_refused++;
+}
+
 static int reserve_one(struct conn *c, struct batch *b, uint32_t i)
 {
     struct kvf_server *s = c->srv;
@@ -233,10 +246,14 @@ void kvf_batch_step(struct conn *c)
     struct kvf_server *s = c->srv;
     if (c->batch_op == KVF_OP_SHM_RESERVE) {
         struct batch *b = &c->resv;
-        for (; b->cur < b->n; b->cur++) {
+        for (;; b->cur++) {
+            if (b->gopen && b->cur >= b->gend) resv_group_close(s, b);
+            if (b->cur >= b->n) break;
+            if (!b->gopen && b->groups[b->cur]) group_open(s, b, b->cur);
             int rc = reserve_one(c, b, b->cur);
             if (rc < 0) return;
             if (rc == 0) b->status[b->cur] = KVF_PUT_STORED; /* reserved: becomes STORED at commit */
+            else if (b->gopen && !b->gfail && b->status[b->cur] != KVF_PUT_EXISTS) b->gfail = b->status[b->cur];
         }
         c->resv_open = 1;
         kvf_put_reply(c, b, KVF_OP_SHM_RESERVE, 1);
@@ -245,7 +262,7 @@ void kvf_batch_step(struct conn *c)
     }
     struct batch *b = &c->b;
     for (;;) {
-        if (b->gopen && b->cur >= b->gend) group_close(s, b);
+        if (b->gopen && b->cur >= b->gend) kvf_put_group_close(s, b);
         if (b->cur >= b->n) break;
         uint32_t i = b->cur;
         if (!b->gopen && b->groups[i]) group_open(s, b, i);

@@ -99,3 +99,36 @@ def test_the_native_policy_sees_one_entry_per_group(make_server, open_raw):
     assert srv._srv.evict(b"g1/0") == 4 * 4096  # the whole group, named by its representative
     r.send(p.encode_request(p.ExistsRequest(keys=[b"g1/%d" % i for i in range(4)] + [b"g0/3"]), 9))
     assert p.decode_meta(r.recv_frame()[p.HEADER_SIZE:]) == {"present": [False] * 4 + [True]}
+
+
+def test_groups_over_shm_are_admitted_and_refused_whole(make_server):
+    """The same-host path (SHM_RESERVE + COMMIT) keeps the PUT's group rules."""
+    from kvfabric.transport import shm, tcp
+
+    srv = make_server(capacity=1 << 20)
+    c = shm.connect(srv.address, timeout_s=5)
+    other = tcp.connect(srv.address, timeout_s=5)
+    keys = [b"s/%d" % i for i in range(3)]
+    vals = [bytes([i + 1]) * 5000 for i in range(3)]
+    sums = [p.checksum(k, v) for k, v in zip(keys, vals)]
+    msg = p.PutRequest(keys, [5000] * 3, sums, groups=[b"S"] * 3, group_parts=[3] * 3)
+    assert c.request(msg, vals).msg.status == [0, 0, 0]
+    s = srv.stats()
+    assert (s["groups"], s["group_objects"], s["groups_stored"]) == (1, 3, 1), s
+    # a part written wrong: the whole group is refused at COMMIT, its slots given back
+    keys2 = [b"t/%d" % i for i in range(2)]
+    res = c._control(p.ShmReserveRequest(keys=keys2, sizes=[10, 10], groups=[b"T"] * 2, group_parts=[2, 2]), None)
+    assert res.status == [0, 0] and min(res.offsets) >= 0, res
+    for off in res.offsets:
+        c._view[off:off + 10] = b"0123456789"
+    done = c._control(p.ShmCommitRequest(res=res.res, checksums=[p.checksum(keys2[0], b"0123456789"), 1]), None)
+    assert done.status == [p.PutStatus.CHECKSUM_MISMATCH] * 2
+    assert other.request(p.ExistsRequest(keys2)).msg.present == [False, False]
+    # a group larger than the arena: no slot handed out for any part
+    res = c._control(p.ShmReserveRequest(keys=[b"u/0", b"u/1"], sizes=[600 << 10] * 2, groups=[b"U"] * 2,
+                                         group_parts=[2, 2]), None)
+    assert res.status == [p.PutStatus.TOO_LARGE] * 2 and res.offsets == [-1, -1], res
+    s = srv.stats()
+    assert (s["groups"], s["groups_refused"], s["objects"]) == (1, 2, 3), s
+    c.close()
+    other.close()
