@@ -383,7 +383,15 @@ int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
     uint32_t i = kvf_tier_ifind(t, key, klen);
     int had = i != TIER_NONE;
     int live = had && t->ents[i].state == TE_LIVE;
+    uint64_t gh = had ? t->ents[i].ghash : 0;
     if (had) kvf_tier_iremove(t, i); /* a PENDING write finds no entry and indexes nothing */
+    if (gh) /* a grouped part takes its group's other records out of the index (an O(index) walk; they
+             * get no tombstone: at a restart the group is short of this part and dropped whole) */
+        for (uint32_t k = 0; k < t->nents; k++)
+            if ((t->ents[k].state == TE_LIVE || t->ents[k].state == TE_PENDING) && t->ents[k].ghash == gh) {
+                live += t->ents[k].state == TE_LIVE;
+                kvf_tier_iremove(t, k);
+            }
     pthread_mutex_unlock(&t->mu);
     if (!had) return 0;
     /* The tombstone goes behind any queued write of the key (one FIFO queue,

@@ -175,7 +175,8 @@ int kvf_tier_find(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_
 int kvf_tier_still(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t seq);
 /* 1 when key is in the SSD index, written or still queued (PENDING). */
 int kvf_tier_has_key(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
-/* DELETE: unindex key and append a tombstone. 1 was on the tier, 0 not. */
+/* DELETE: unindex key (a grouped one: its whole group) and append a tombstone for key.
+ * Returns the records removed that were on the tier (0: none). */
 int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 /* Store eviction hook (kvf_store_set_evict_hook; control thread): stage a copy of the evicted object
  * for write-behind, or count why not (admission, already on the tier, queue full). */

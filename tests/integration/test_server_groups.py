@@ -199,10 +199,12 @@ def test_a_torn_group_on_the_ssd_tier_is_dropped_whole_at_restart(tier_dir):
         s = settled(c)
         on_tier = s["ssd_objects"] // 4
         assert on_tier >= 2, s
-        # one part of group 0 is DELETEd while the group is on the tier only: a tombstone for that part,
-        # its three other records stay on disk until the restart finds the group short of a part
-        assert c.call(P.DeleteRequest(keys=[names[0] + b"/1"])) == {"deleted": 1}
-        settled(c, ssd_objects=4 * on_tier - 1)
+        # one part of group 0 is DELETEd while the group is on the tier only: the whole group leaves the
+        # tier's index, a tombstone is written for that part, and its three other records stay on disk
+        # until the restart's scan finds the group short of a part
+        assert c.call(P.DeleteRequest(keys=[names[0] + b"/1"])) == {"deleted": 4}
+        assert c.present(names[0], 4) == [False] * 4
+        settled(c, ssd_objects=4 * (on_tier - 1))
         c.close()
         srv.kill()  # SIGKILL: nothing is flushed
     with tier_server(tier_dir) as srv:
