@@ -177,8 +177,6 @@ void kvf_put_object_done(struct conn *c)
     kvf_batch_step(c);
 }
 
-/* Reserve a slot for object i of batch b. 0 reserved, 1 answered (status set,
- * nothing reserved), -1 parked (wait for the control thread). */
 static int reserve_one(struct conn *c, struct batch *b, uint32_t i);
 
 /* shm RESERVE: a group's slots are handed out whole or not at all (the run's
@@ -194,6 +192,8 @@ static void resv_group_close(struct kvf_server *s, struct batch *b)
     s->ctr.groups_refused++;
 }
 
+/* Reserve a slot for object i of batch b. 0 reserved, 1 answered (status set,
+ * nothing reserved), -1 parked (wait for the control thread). */
 static int reserve_one(struct conn *c, struct batch *b, uint32_t i)
 {
     struct kvf_server *s = c->srv;
