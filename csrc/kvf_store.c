@@ -342,6 +342,29 @@ void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size)
     pthread_mutex_unlock(&st->mu);
 }
 
+/* Fill entry id (from new_entry) as a live object of group grp (NONE: none) and link it in. */
+static void index_entry(struct kvf_store *st, uint32_t id, const uint8_t *key, uint32_t klen, uint64_t off,
+                        uint64_t size, uint64_t csum, uint32_t grp)
+{
+    struct entry *e = &st->ents[id];
+    memcpy(e->key, key, klen);
+    e->klen = (uint8_t)klen;
+    e->state = E_LIVE;
+    e->pins = 0;
+    e->hits = 0;
+    e->off = off;
+    e->size = size;
+    e->csum = csum;
+    e->lease_until_ms = 0;
+    e->grp = grp;
+    e->gnext = id;
+    uint32_t h = bucket(st, key, klen);
+    e->next = st->buckets[h];
+    st->buckets[h] = id;
+    st->objects++;
+    st->bytes_used += size;
+}
+
 int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
                      uint64_t csum, const uint8_t *parent, uint32_t plen)
 {
@@ -359,23 +382,7 @@ int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, ui
         pthread_mutex_unlock(&st->mu);
         return -ENOMEM;
     }
-    struct entry *e = &st->ents[id];
-    memcpy(e->key, key, klen);
-    e->klen = (uint8_t)klen;
-    e->state = E_LIVE;
-    e->pins = 0;
-    e->hits = 0;
-    e->off = off;
-    e->size = size;
-    e->csum = csum;
-    e->lease_until_ms = 0;
-    e->grp = NONE;
-    e->gnext = id;
-    uint32_t h = bucket(st, key, klen);
-    e->next = st->buckets[h];
-    st->buckets[h] = id;
-    st->objects++;
-    st->bytes_used += size;
+    index_entry(st, id, key, klen, off, size, csum, NONE);
     event(st, KVF_EV_INSERT, key, klen, size, parent, plen, NULL);
     pthread_mutex_unlock(&st->mu);
     return 0;
@@ -440,26 +447,11 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
         }
         if (st->objects >= st->nbuckets && grow_buckets(st)) { /* keep chains long rather than fail */ }
         uint32_t id = new_entry(st); /* cannot fail: ensure_room */
-        struct entry *e = &st->ents[id];
-        memcpy(e->key, keys[k], klens[k]);
-        e->klen = klens[k];
-        e->state = E_LIVE;
-        e->pins = 0;
-        e->hits = 0;
-        e->off = offs[k];
-        e->size = sizes[k];
-        e->csum = csums[k];
-        e->lease_until_ms = 0;
-        e->grp = gi;
-        e->gnext = first == NONE ? id : first;
+        index_entry(st, id, keys[k], klens[k], offs[k], sizes[k], csums[k], gi);
+        st->ents[id].gnext = first == NONE ? id : first; /* the ring: first -> ... -> id -> first */
         if (prev != NONE) st->ents[prev].gnext = id;
         if (first == NONE) first = id;
         prev = id;
-        uint32_t h = bucket(st, keys[k], klens[k]);
-        e->next = st->buckets[h];
-        st->buckets[h] = id;
-        st->objects++;
-        st->bytes_used += sizes[k];
         st->grps[gi].members++;
         st->grps[gi].bytes += sizes[k];
         st->group_objects++;

@@ -76,11 +76,16 @@ def put_group(h: Handlers, name: str, n: int = 2, parent: bytes | None = None):
     return keys
 
 
-def get(h: Handlers, keys) -> list[int]:
+def call(h: Handlers, msg, rid: int = 9):
+    """A request without payload through the reference's handlers: the Reply (release() a GET's)."""
     session = h.new_session("peer")
-    head = P.encode_request(P.GetRequest(keys), 9)
+    head = P.encode_request(msg, rid)
     header = h.parse_header(session, head[: P.HEADER_SIZE])
-    reply = h.handle(session, header, h.decode(session, header, head[P.HEADER_SIZE:]))
+    return h.handle(session, header, h.decode(session, header, head[P.HEADER_SIZE:]))
+
+
+def get(h: Handlers, keys) -> list[int]:
+    reply = call(h, P.GetRequest(keys))
     sizes = P.decode_meta(reply.head[P.HEADER_SIZE:])["sizes"]
     reply.release()
     return sizes
@@ -167,10 +172,7 @@ def test_a_pinned_part_pins_its_group_for_every_policy(policy):
     h, rec = make(4, policy)
     a = put_group(h, "A")
     b = put_group(h, "B")
-    session = h.new_session("peer")
-    head = P.encode_request(P.GetRequest([b"A2"]), 3)
-    header = h.parse_header(session, head[: P.HEADER_SIZE])
-    held = h.handle(session, header, h.decode(session, header, head[P.HEADER_SIZE:]))  # A2 pinned until release
+    held = call(h, P.GetRequest([b"A2"]))  # A2 pinned until release
     assert put(h, [b"y"]) == [PutStatus.STORED]
     assert whole_or_absent(h.store, a, b) == ["whole", "absent"], rec.victims  # B went, all of it; A stayed
     assert rec.victims == [b"B1"]
@@ -203,11 +205,8 @@ def test_a_group_that_cannot_fit_whole_is_refused_whole_and_evicts_nothing():
 
 def test_no_space_for_one_part_refuses_the_group_and_gives_back_its_slots():
     h, _ = make(4)
-    session = h.new_session("pin")
     put(h, [b"p1", b"p2"])
-    head = P.encode_request(P.GetRequest([b"p1", b"p2"]), 3)
-    header = h.parse_header(session, head[: P.HEADER_SIZE])
-    held = h.handle(session, header, h.decode(session, header, head[P.HEADER_SIZE:]))  # 2 of 4 pages pinned
+    held = call(h, P.GetRequest([b"p1", b"p2"]))  # 2 of 4 pages pinned
     st = put(h, [b"g1", b"g2", b"g3"], groups=[b"G"] * 3, parts=[3] * 3)
     assert st == [PutStatus.NO_SPACE] * 3
     assert not any(k in h.store for k in (b"g1", b"g2", b"g3"))
@@ -220,10 +219,7 @@ def test_delete_or_a_corrupt_part_drops_the_whole_group():
     h, rec = make(8)
     a = put_group(h, "A", 3)
     b = put_group(h, "B", 3)
-    session = h.new_session("peer")
-    head = P.encode_request(P.DeleteRequest([b"A2"]), 4)
-    header = h.parse_header(session, head[: P.HEADER_SIZE])
-    reply = h.handle(session, header, h.decode(session, header, head[P.HEADER_SIZE:]))
+    reply = call(h, P.DeleteRequest([b"A2"]))
     assert P.decode_meta(reply.head[P.HEADER_SIZE:]) == {"deleted": 3}  # objects removed
     assert whole_or_absent(h.store, a, b) == ["absent", "whole"]
     e = h.store.entry(b"B3")
