@@ -214,3 +214,24 @@ def test_a_torn_group_on_the_ssd_tier_is_dropped_whole_at_restart(tier_dir):
         assert c.present(names[0], 4) == [False] * 4  # dropped whole: not three parts of four
         assert c.present(names[1], 4) == [True] * 4
         c.close()
+
+
+def test_the_log_wrapping_drops_groups_whole(tier_dir):
+    """A 3 MiB tier (two 1 MiB segments) takes 60 evicted groups of 4 records of 20 KiB (header block
+    + value): 51 records fit a segment, so groups straddle segment ends. After 240 records the live
+    ones start at record 153 (the older segment's first), in the middle of group 38 (records
+    152-155), whose record 152 went with a reused segment: the group must have left whole."""
+    pytest.importorskip("kvfabric._native", reason="the native server needs the C extension")
+    args = ["--ssd-path", tier_dir, "--ssd-capacity", "3MiB", "--evict-watermarks", "0,0"]
+    with start_server(capacity="1MiB", extra_args=args) as srv:
+        c = Conn(srv.address)
+        names = group_names(76)  # 16 stay in the 1 MiB arena, 60 go to the tier
+        for name in names:
+            assert c.put_group(name, 4) == [PutStatus.STORED] * 4, name
+        s = settled(c)
+        held = {name: c.present(name, 4) for name in names}
+        partial = {n: h for n, h in held.items() if any(h) and not all(h)}
+        assert partial == {}, f"partial groups in DRAM + the tier: {partial}"
+        assert s["ssd_writes"] == 240 and s["ssd_groups_torn"] >= 1 and s["ssd_objects"] % 4 == 0, s
+        assert held[names[38]] == [False] * 4 and held[names[39]] == [True] * 4, (held[names[38]], s)
+        c.close()
