@@ -37,6 +37,8 @@ BAD = [
     ("parts_disagree", put_meta([A, B], [G, G], [2, 1])),
     ("not_consecutive", put_meta([A, B, C], [G, H, G], [2, 1, 2])),
     ("named_twice", put_meta([A, B, C], [G, H, G], [1, 1, 1])),
+    # bad parents and bad groups: parents are checked first on both sides (BAD_KEY)
+    ("bad_parents_and_groups", put_meta([A], [G], [2], parents=[b""])),
 ]
 
 
