@@ -333,9 +333,10 @@ class PutRequest(Message):
         keys = _keys(meta, limits)
         sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
         checksums = _uint_list(meta, "checksums", len(keys))
+        parents = _parents(meta, len(keys), limits)  # before groups, as the C data plane checks them
         groups, group_parts = _groups(meta, len(keys), limits)
-        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=_parents(meta, len(keys), limits),
-                   groups=groups, group_parts=group_parts)
+        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=parents, groups=groups,
+                   group_parts=group_parts)
 
 
 def _groups(meta: dict[str, Any], n: int, limits: Limits) -> tuple[list[bytes] | None, list[int] | None]:
@@ -552,9 +553,9 @@ class ShmReserveRequest(Message):
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmReserveRequest:
         keys = _keys(meta, limits)
         sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
+        parents = _parents(meta, len(keys), limits)
         groups, group_parts = _groups(meta, len(keys), limits)
-        return cls(keys=keys, sizes=sizes, parents=_parents(meta, len(keys), limits), groups=groups,
-                   group_parts=group_parts)
+        return cls(keys=keys, sizes=sizes, parents=parents, groups=groups, group_parts=group_parts)
 
 
 @dataclass(frozen=True, slots=True)
