@@ -56,6 +56,12 @@ def test_a_chunks_parts_live_on_its_placement_owner_only(pool4):
             mine = [o[0] == pos for o in want]
             assert held == mine, f"server {addr}: holds {sum(held)} objects, owns {sum(mine)}"
         assert c.get(keys, placement=placement) == values
+        # each server holds its chunks as whole groups (server-side groups, issue 23 part 2)
+        chunk_owner = [o[0] for o in want[::L]]
+        for pos, (addr, st) in enumerate(c.stats()["servers"].items()):
+            n = chunk_owner.count(pos)
+            got = (st["groups"], st["group_objects"], st["groups_incomplete"])
+            assert got == (n, n * L, 0), f"{addr}: (groups, group_objects, incomplete) {got}, owns {n} chunks"
 
 
 def test_one_request_per_shard_per_call(pool4):
@@ -80,7 +86,8 @@ def test_one_request_per_shard_per_call(pool4):
 def test_a_chunk_counts_only_when_all_its_parts_are_present(pool4):
     keys, placement, values = _chunks(6, 3)
     with _client(pool4) as c:
-        assert c.put(keys, values, placement=placement).stored == len(keys)
+        # each part its own server group (groups=keys), so that one part can go alone
+        assert c.put(keys, values, placement=placement, groups=keys).stored == len(keys)
         assert c.lookup(keys, placement=placement) == len(keys)
         # drop one part (layer 5) of chunk 2: chunks 0 and 1 remain the leading run
         gone = 2 * L + 5
@@ -90,6 +97,12 @@ def test_a_chunk_counts_only_when_all_its_parts_are_present(pool4):
         present = c.exists(keys, placement=placement)
         assert present == [not 2 * L <= i < 3 * L for i in range(len(keys))]
         assert c.exists(keys[:gone] + keys[gone + 1:], placement=placement[:gone] + placement[gone + 1:]).count(False) == 0
+        # stored as one server group per chunk, a chunk goes whole: deleting one part removes all L
+        k2, p2, v2 = _chunks(3, 33)
+        assert c.put(k2, v2, placement=p2).stored == len(k2)
+        assert c.delete([k2[L + 3]], placement=[p2[L + 3]]) == L
+        assert c.lookup(k2, placement=p2) == L
+        assert c.exists(k2[L:2 * L], placement=p2[L:2 * L]) == [False] * L
         with pytest.raises(ValueError, match="consecutive"):
             c.lookup(keys[:L] + keys[2 * L:3 * L] + keys[L:2 * L] + keys[:1],
                      placement=placement[:L] + placement[2 * L:3 * L] + placement[L:2 * L] + placement[:1])

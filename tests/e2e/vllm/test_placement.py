@@ -39,8 +39,15 @@ def _chunk_owners(tiny_model: str, prompt: list[int], addresses: list[str]) -> l
 
 
 def _objects(addresses: list[str]) -> dict[str, int]:
+    """Objects per server, after checking that every one of them is a part of a whole chunk group
+    (server-side groups: STATS ``group_objects`` == ``objects``, ``groups_incomplete`` 0)."""
     with Client(addresses) as c:
-        return {a: s.get("objects", -1) for a, s in c.stats()["servers"].items()}
+        stats = c.stats()["servers"]
+    for a, s in stats.items():
+        assert (s["group_objects"], s["groups_incomplete"]) == (s["objects"], 0), (a, s["objects"], s["group_objects"],
+                                                                                   s["groups_incomplete"])
+        assert s["groups"] * LAYERS == s["objects"], (a, s["groups"], s["objects"])
+    return {a: s["objects"] for a, s in stats.items()}
 
 
 def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model):
@@ -117,8 +124,8 @@ def test_worker_saves_a_chunks_layers_on_one_server_and_loads_them_by_placement(
                         mine = sharding.owners(place[ci], members)[0] == pos
                         assert held == [mine] * NL, (addr, ci, held)
             assert sched._lookup_all_ranks([keys], 0, [place]) == 6
-            with Client(pool.addresses) as c:   # one layer of chunk 3 gone: chunks 0..2 remain
-                assert c.delete([layer_keys(hasher, keys[3], NL)[1]], placement=[place[3]]) == 1
+            with Client(pool.addresses) as c:   # one layer of chunk 3 deleted: the server drops its whole group
+                assert c.delete([layer_keys(hasher, keys[3], NL)[1]], placement=[place[3]]) == NL
             assert sched._lookup_all_ranks([keys], 0, [place]) == 3
             b.load([LoadSpec("r", [keys[:4]], [[9], [10], [11], [12]], placement=[place[:4]])])
             for li, name in enumerate(NAMES):
