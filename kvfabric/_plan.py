@@ -11,7 +11,7 @@ and ``combine_puts``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .protocol import PutStatus
@@ -46,15 +46,21 @@ def plan_chunks(
         if len(idx) <= max_keys:
             return [idx] if idx else []
         return [idx[i : i + max_keys] for i in range(0, len(idx), max_keys)]
+    return _pack((([i], nbytes(i) if nbytes else 0) for i in idx), max_keys, max_payload)
+
+
+def _pack(units: Iterable[tuple[list[int], int]], max_keys: int, max_payload: int) -> list[list[int]]:
+    """Requests of whole units (key indices, their bytes), in order: a unit joins the current request
+    only if it still fits ``max_keys`` keys and ``max_payload`` bytes, else it starts the next one
+    (so a unit over a limit on its own gets a request of its own)."""
     out: list[list[int]] = []
     cur: list[int] = []
     size = 0
-    for i in idx:
-        n = nbytes(i) if nbytes else 0
-        if cur and (len(cur) >= max_keys or size + n > max_payload):
+    for parts, n in units:
+        if cur and (len(cur) + len(parts) > max_keys or size + n > max_payload):
             out.append(cur)
             cur, size = [], 0
-        cur.append(i)
+        cur.extend(parts)
         size += n
     if cur:
         out.append(cur)
@@ -79,23 +85,17 @@ def plan_groups(
     groups: dict[bytes, list[int]] = {}
     for i in idx:
         groups.setdefault(group_of(i), []).append(i)
-    out: list[list[int]] = []
     refused: list[int] = []
-    cur: list[int] = []
-    size = 0
-    for parts in groups.values():
-        n = sum(map(nbytes, parts)) if nbytes else 0
-        if len(parts) > 1 and (len(parts) > max_keys or n > max_payload):
-            refused.extend(parts)
-            continue
-        if cur and (len(cur) + len(parts) > max_keys or size + n > max_payload):
-            out.append(cur)
-            cur, size = [], 0
-        cur.extend(parts)
-        size += n
-    if cur:
-        out.append(cur)
-    return out, refused
+
+    def whole() -> Iterator[tuple[list[int], int]]:
+        for parts in groups.values():
+            n = sum(map(nbytes, parts)) if nbytes else 0
+            if len(parts) > 1 and (len(parts) > max_keys or n > max_payload):
+                refused.extend(parts)
+            else:
+                yield parts, n
+
+    return _pack(whole(), max_keys, max_payload), refused
 
 
 def check_contiguous_groups(groups: Sequence[bytes]) -> None:
