@@ -34,8 +34,11 @@ objects ``--long-object-bytes`` each, scaled down from a real model's; the
 connector's one ``get_into`` per load, median of ``--reps``); in the killed
 runs, the fraction of that long prompt still loadable (its leading run).
 
-Prints a table per trace and N; writes JSON (``--out``, default
-bench-results/placement.json). Exit status 2 on bad arguments.
+Before each case the memory its servers will use (~3 pages per stored
+small object) is checked against MemAvailable: a case over ``--max-memory``
+of it is skipped and listed with the reason. Prints a table; writes JSON
+(``--out``, default bench-results/placement.json). Exit status 2 on bad
+arguments or an unreadable trace.
 """
 
 from __future__ import annotations
@@ -276,7 +279,7 @@ def run(args) -> dict[str, Any]:
     report: dict[str, Any] = {
         "lab": "netns" if netns else f"loopback ({why})", "layers": args.layers, "warm": args.warm,
         "value_bytes": args.value_bytes, "long_tokens": args.long_tokens, "long_object_bytes": args.long_object_bytes,
-        "chunk_tokens": None, "results": [],
+        "chunk_tokens": None, "results": [], "skipped": [],
     }
     for trace_name in args.traces:
         trace = load_trace(trace_name, limit=args.limit)
@@ -294,12 +297,15 @@ def run(args) -> dict[str, Any]:
                         continue
                     need, rss = _stored_bytes(prompts, long_prompt, args, replicas)
                     avail = _mem_available()
-                    if avail is not None and rss > avail * args.max_memory:
-                        raise SystemExit(f"kvfabric bench placement: the servers would use about {rss >> 20} MiB "
-                                         f"for what the replay stores, over {args.max_memory:.0%} of the "
-                                         f"{avail >> 20} MiB available; lower --limit")
-                    lab = _Lab(n, _capacity(need), netns)
                     name = f"{trace_name} N={n} {_layout(segment)} replicas={replicas}"
+                    if avail is not None and rss > avail * args.max_memory:
+                        why = (f"the servers would use about {rss >> 20} MiB for what the replay stores, over "
+                               f"{args.max_memory:.0%} of the {avail >> 20} MiB available now; lower --limit")
+                        print(f"{name}: skipped: {why}", file=sys.stderr, flush=True)
+                        report["skipped"].append({"trace": trace_name, "servers": n, "placement": _layout(segment),
+                                                  "replicas": replicas, "why": why})
+                        continue
+                    lab = _Lab(n, _capacity(need), netns)
                     print(f"{name} ({lab.where})", file=sys.stderr, flush=True)
                     try:
                         healthy = run_case(lab, prompts, long_prompt, args, replicas, None, _progress)
@@ -338,6 +344,8 @@ def print_table(report: dict[str, Any]) -> None:
               f"{_f(r['hit_killed_mean']):>11} {_f(r['hit_killed_worst']):>6} {_f(r['target_killed']):>6} "
               f"{_f(r['long_run_killed_mean']):>8} {h['bytes_max'] / max(1, h['bytes_mean']):>14.2f} "
               f"{h['lookup_requests']:>10.1f} {h['long_get_s'] * 1000:>11.1f}")
+    for r in report["skipped"]:
+        print(f"{r['trace']:<22} {r['servers']:>2} {r['placement']:<9} {r['replicas']:>3} skipped: {r['why']}")
 
 
 def _f(x: float | None) -> str:
