@@ -221,9 +221,9 @@ class SlotPool:
 # ------------------------------------------------------------------ pages
 
 
-def layer_layout(kv: torch.Tensor) -> PageLayout:
-    """The page layout of one vLLM per-layer KV tensor (block axis 0, ``pages`` docstring)."""
-    return PageLayout.of(tuple(kv.shape), tuple(kv.stride()), kv.element_size(), block_dim=0)
+def layer_layout(kv: torch.Tensor, block_dim: int = 0) -> PageLayout:
+    """The page layout of one per-layer KV tensor (vLLM 0.32: block axis 0; ``pages`` docstring)."""
+    return PageLayout.of(tuple(kv.shape), tuple(kv.stride()), kv.element_size(), block_dim=block_dim)
 
 
 def page_rows(kv: torch.Tensor, layout: PageLayout) -> torch.Tensor:
@@ -240,11 +240,11 @@ def page_rows(kv: torch.Tensor, layout: PageLayout) -> torch.Tensor:
 class PagedKV:
     """The layers' KV tensors (same shape, dtype, device) and how to move their pages (module docstring)."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], lane: Lane) -> None:
+    def __init__(self, layers: Sequence[torch.Tensor], lane: Lane, block_dim: int = 0) -> None:
         if not layers:
             raise ValueError("no KV layers")
         self.layers = list(layers)
-        self.layout = layer_layout(self.layers[0])
+        self.layout = layer_layout(self.layers[0], block_dim)
         self.device = self.layers[0].device
         self.lane = lane
         self._pages = [page_rows(kv, self.layout) for kv in self.layers]
