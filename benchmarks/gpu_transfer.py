@@ -26,7 +26,7 @@ paths
 Targets (issue 21): gather and scatter >= 0.8x pinned cudaMemcpy; save and
 load over loopback ``native`` >= 0.8x the CPU-only figures. The pool server is
 the product server when the C extension is built, else the pure-Python
-reference server over ``tcp`` (the table says which). Prints a table; writes
+reference server over ``tcp`` (``--server``; the table says which). Prints a table; writes
 JSON (``--out``, default bench-results/gpu_transfer.json). Needs torch with
 CUDA and a GPU; nothing else (no vLLM).
 """
@@ -66,6 +66,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--transport", choices=["auto", "native", "tcp"], default="auto")
+    p.add_argument("--server", choices=["auto", "native", "reference"], default="auto",
+                   help="the product server (C extension) or the pure-Python reference server; auto: "
+                        "the product server when the extension is built")
     p.add_argument("--capacity", default="8GiB", help="the pool server's arena")
     p.add_argument("--no-pool", action="store_true", help="only the host<->device cells")
     p.add_argument("--out", default="bench-results/gpu_transfer.json")
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     transport = "-"
     try:
         if not a.no_pool:
-            native = "native" in available()
+            native = a.server == "native" or (a.server == "auto" and "native" in available())
             server = start_server(capacity=a.capacity, **({} if native else {"module": "kvfabric.testing.reference"}))
             client = Client([server.address], config=ClientConfig(transport=a.transport, timeout_s=60))
             client.register_buffers([slots.slab.numpy()])

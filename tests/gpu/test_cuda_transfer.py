@@ -7,7 +7,10 @@ with the strides vLLM's ``compute_layout_strides`` gives, see
 tests/e2e/vllm/test_transfer.py for the check against vLLM's own views).
 Skipped without CUDA. The pool servers are the product server (``kvfabric
 serve``, the C extension) when it is built, else the pure-Python reference
-server over ``tcp``. Run on a lent GPU with scripts/gpu-check.sh.
+server over ``tcp``; ``KVFABRIC_GPU_SERVER=native|reference`` chooses
+(scripts/gpu-check.sh sets it after trying the product server there: a
+sandbox without io_uring builds the extension but cannot run it). Run on a
+lent GPU with scripts/gpu-check.sh.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kvfabric.transport import available  # noqa: E402
 from kvfabric_vllm.layout import chunk_major_layer_keys  # noqa: E402
 from kvfabric_vllm.transfer import CudaLane, HostLane, PagedKV, SlotPool, page_rows  # noqa: E402
 
-NATIVE = "native" in available()
+NATIVE = os.environ.get("KVFABRIC_GPU_SERVER", "native" if "native" in available() else "reference") == "native"
 SERVER = {} if NATIVE else {"module": "kvfabric.testing.reference"}
 TRANSPORT = "native" if NATIVE else "tcp"
 DEV = torch.device("cuda", 0)
