@@ -41,7 +41,8 @@ layout      who picks it                               one block's page
             (``flashinfer.py:604-610``)
 ``LBNHC``   the default preference, so FlashAttention  one run, ``[N, H, C]``
             (declares none; ``backends/utils.py:
-            194-201``, split at ``flash_attn.py:1252``)
+            194-201``; its view ``flash_attn.py:
+            1196-1197``, K/V split at ``:1252``)
 ``BLHNC``   FlashInfer SM100 second choice; blocks     one run, ``[H, N, C]``
             outermost, layers interleaved              (block stride = L pages)
 ``BLNHC``   cross-layer, token-major                   one run (block stride L pages)

@@ -45,6 +45,26 @@ put job of that request is done, whatever its outcome (a dropped put is a
 future miss, not a reason to keep blocks), so its blocks go back to vLLM
 only after the pool acknowledged the puts (or ``save_timeout_s`` ran out).
 
+KV cache on a GPU (or a CPU layout whose pages are several runs,
+``pages.PageLayout``): ``.numpy()`` of a CUDA tensor raises, so saves and
+loads go through the transfer buffer (``transfer``): ``transfer_buffer_mb``
+of host memory (pinned for a GPU, registered with the client) leased per
+step's saves and per load. ``save_kv_layer`` launches one batched gather of
+the layer's save pages into the lease on a dedicated CUDA stream, after an
+event on vLLM's compute stream (the layer's forward wrote them);
+``wait_for_save`` makes the compute stream wait for every gather of the step
+(no block rewritten before its bytes left it); the put thread waits for them
+before putting from the lease. A load receives into its lease, then one
+batched scatter per layer: a sync load's attention waits for its layer's
+scatter in ``wait_for_layer_load`` (vLLM calls it before each attention
+layer, ``model_executor/layers/attention/kv_transfer_utils.py:51``), an async
+load is waited for on the loader thread before it is reported. A lease that
+does not fit skips the step's saves (``save_no_buffer_chunks``) or fails the
+load (``load_no_buffer_chunks``, recomputed); nothing waits for memory.
+``load_layerwise`` (receiving layer by layer) applies to the in-place CPU
+path only. The CUDA path has not run on a real GPU yet (2026-12-05; tests/gpu,
+scripts/gpu-check.sh).
+
 Shutdown (vLLM calls it on SIGTERM in every mode, then kills the process 5 s
 later) drains queued saves for at most ``shutdown_drain_s``; what is still
 queued or running then is abandoned and counted (``save_abandoned_jobs``).
