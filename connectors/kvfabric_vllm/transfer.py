@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -70,23 +70,19 @@ __all__ = ["CudaLane", "HostLane", "Lane", "Lease", "PagedKV", "SlotPool", "laye
 # ------------------------------------------------------------------ ordering
 
 
-class Lane:
+class Lane(Protocol):
     """Where transfers run and how they are ordered against compute (module docstring)."""
 
-    def compute_mark(self) -> Any:
-        raise NotImplementedError
+    def compute_mark(self) -> Any: ...
 
-    def launch(self, after: Any, fn: Callable[[], None]) -> Any:
-        raise NotImplementedError
+    def launch(self, after: Any, fn: Callable[[], None]) -> Any: ...
 
-    def compute_wait(self, mark: Any) -> None:
-        raise NotImplementedError
+    def compute_wait(self, mark: Any) -> None: ...
 
-    def host_wait(self, mark: Any) -> None:
-        raise NotImplementedError
+    def host_wait(self, mark: Any) -> None: ...
 
 
-class HostLane(Lane):
+class HostLane:
     """Host tensors: ``fn`` runs at once in the caller's thread; every mark is complete."""
 
     def compute_mark(self) -> None:
@@ -103,7 +99,7 @@ class HostLane(Lane):
         return None
 
 
-class CudaLane(Lane):
+class CudaLane:
     """One dedicated CUDA stream on ``device``; marks are CUDA events.
 
     ``compute_mark`` records an event on the thread's current stream of the

@@ -185,6 +185,8 @@ class WorkerSide:
         self.obj_bytes = self.per_chunk * layout.page_bytes
         self.chunk_bytes = len(layers) * self.obj_bytes
         on_gpu = first.device.type == "cuda"
+        if first.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"kvfabric: KV cache on {first.device} is not supported (CPU and CUDA only)")
         if on_gpu or not layout.contiguous:
             self._start_transfer(layers, on_gpu)
             return
