@@ -11,6 +11,7 @@ host lane (marks complete at once). CUDA itself is tested in tests/gpu.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -167,6 +168,15 @@ def wait_saves(w: WorkerSide) -> None:
         time.sleep(0.01)
 
 
+def wait_leases_back(w: WorkerSide) -> None:
+    """Until every transfer-buffer lease is back (the last put job's done-callback gives a step's back,
+    just after ``save_jobs_done`` counted it)."""
+    deadline = time.monotonic() + 30
+    while w._pool.free_slots() != w._pool.n_slots:
+        assert time.monotonic() < deadline, f"leases not back: {w._pool.free_slots()} of {w._pool.n_slots} free"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("chunk", [BLOCK, 2 * BLOCK])
 @pytest.mark.parametrize("async_load", [False, True])
 def test_worker_saves_and_loads_through_the_transfer_buffer(chunk, async_load):
@@ -186,7 +196,7 @@ def test_worker_saves_and_loads_through_the_transfer_buffer(chunk, async_load):
             a.submit_saves([spec_a, spec_b])
             wait_saves(a)
             assert a.counters.snapshot()["save_chunks"] == 3, a.counters.snapshot()
-            assert a._pool.free_slots() == a._pool.n_slots         # the lease went back
+            wait_leases_back(a)
 
             dst = [[NBLOCKS - 1 - (i * per + j) for j in range(per)] for i in range(3)]
             b.load([LoadSpec("r", [keys], dst, skip_blocks=1, async_load=async_load)])
@@ -232,6 +242,7 @@ def test_full_transfer_buffer_skips_saves_and_recomputes_loads():
             w.submit_saves([small])
             wait_saves(w)
             assert w.counters.snapshot()["save_chunks"] == 1
+            wait_leases_back(w)
             held = w._pool.take(n_slots)
             assert held is not None
             w.load([LoadSpec("r", [keys[:1]], [[5]])])
@@ -243,3 +254,101 @@ def test_full_transfer_buffer_skips_saves_and_recomputes_loads():
             assert all(torch.equal(layer[2], layer[5]) for layer in kv)
         finally:
             w.shutdown()
+
+
+# ------------------------------------------------------------------ the worker's ordering calls, in order
+
+
+class RecordedHostLane(HostLane):
+    """The host lane (copies done when ``fn`` returns) with each ordering call recorded, so a test can
+    check which mark the worker waits for where. Marks are numbered; nothing here stands in for CUDA."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def _new(self, kind: str, *args) -> int:
+        with self._lock:
+            self._n += 1
+            self.calls.append((kind, *args, self._n))
+            return self._n
+
+    def compute_mark(self) -> int:
+        return self._new("mark")
+
+    def launch(self, after, fn) -> int:
+        fn()
+        return self._new("launch", after)
+
+    def compute_wait(self, mark) -> None:
+        with self._lock:
+            self.calls.append(("compute_wait", mark))
+
+    def host_wait(self, mark) -> None:
+        with self._lock:
+            self.calls.append(("host_wait", mark))
+
+
+def recorded(w: WorkerSide) -> RecordedHostLane:
+    lane = RecordedHostLane()
+    w._xfer.lane = lane
+    return lane
+
+
+def test_a_steps_saves_wait_for_the_forward_and_hold_their_blocks_until_gathered():
+    with start_pool(1, capacity="16MiB") as pool:
+        w = make_worker(pool.addresses, lhbnc_layers(True), BLOCK, transfer_buffer_mb=8)
+        try:
+            lane = recorded(w)
+            keys = [os.urandom(16) for _ in range(2)]
+            spec = SaveSpec("r", [keys], [[None, keys[0]]], [[1], [2]])
+            w.gather_layer(NAMES[0], [spec])            # save_kv_layer after layer 0's attention
+            assert lane.calls == [("mark", 1), ("launch", 1, 2)]
+            w.submit_saves([spec])                      # wait_for_save: layers 1, 2, then compute waits all
+            # (the put thread may already be running: its calls can only follow these, queued after them)
+            assert lane.calls[:9] == [("mark", 1), ("launch", 1, 2), ("mark", 3), ("launch", 3, 4), ("mark", 5),
+                                      ("launch", 5, 6), ("compute_wait", 2), ("compute_wait", 4),
+                                      ("compute_wait", 6)], lane.calls
+            wait_saves(w)
+            wait_leases_back(w)
+            after = lane.calls[9:]
+            # the put thread waited for every gather before putting, and again before the lease went back
+            assert after == [("host_wait", 2), ("host_wait", 4), ("host_wait", 6)] * 2, after
+            assert w.counters.snapshot()["save_chunks"] == 2
+        finally:
+            w.shutdown()
+
+
+@pytest.mark.parametrize("async_load", [False, True])
+def test_a_loads_attention_waits_for_its_layers_scatter(async_load):
+    with start_pool(1, capacity="16MiB") as pool:
+        a = make_worker(pool.addresses, lhbnc_layers(True), BLOCK, transfer_buffer_mb=8)
+        b = make_worker(pool.addresses, lhbnc_layers(False), BLOCK, transfer_buffer_mb=8)
+        try:
+            keys = [os.urandom(16) for _ in range(2)]
+            spec = SaveSpec("r", [keys], [[None, keys[0]]], [[1], [2]])
+            a.submit_saves([spec])
+            wait_saves(a)
+            lane = recorded(b)
+            b.load([LoadSpec("r", [keys], [[7], [8]], async_load=async_load)])
+            if async_load:                              # waited on the loader thread, before it is reported
+                deadline = time.monotonic() + 30
+                while not b.finished_loads():
+                    assert time.monotonic() < deadline, "async load not reported"
+                assert lane.calls == [("launch", None, 1), ("launch", None, 2), ("launch", None, 3),
+                                      ("host_wait", 1), ("host_wait", 2), ("host_wait", 3)]
+                return
+            assert lane.calls == [("launch", None, 1), ("launch", None, 2), ("launch", None, 3)]
+            b.wait_layer(NAMES[1])                      # layer 1's attention waits for layer 1's scatter only
+            assert lane.calls[3:] == [("compute_wait", 2)]
+            b.wait_layer(NAMES[0])
+            b.wait_layer(NAMES[2])
+            assert lane.calls[4:] == [("compute_wait", 1), ("compute_wait", 3)]
+            assert b._pool.free_slots() < b._pool.n_slots     # held until after the forward
+            assert b.take_failed_block_ids() == set()
+            assert sorted(lane.calls[6:]) == [("host_wait", 1), ("host_wait", 2), ("host_wait", 3)]
+            assert b._pool.free_slots() == b._pool.n_slots
+        finally:
+            a.shutdown()
+            b.shutdown()
