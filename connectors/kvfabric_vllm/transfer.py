@@ -42,7 +42,9 @@ Ordering rules the worker keeps (``worker.py``):
   so the next step's compute cannot overwrite a block before its bytes left
   it; the put thread ``host_wait``-s the marks before the pool reads the rows;
 * load: rows are filled by ``Client.get_into`` (CPU), then
-  ``scatter(...)``; a load inside the step ``compute_wait``-s the mark (per
+  ``scatter(..., after=mark)`` with ``mark = compute_mark()`` taken when the
+  load was started in the step (a block handed to a load may still be read by
+  kernels queued for its previous owner); a load inside the step ``compute_wait``-s the mark (per
   layer with ``load_layerwise``, in ``wait_for_layer_load``); an async load
   ``host_wait``-s it before the request is reported finished;
 * a lease goes back to the pool only after every mark of a copy reading or

@@ -55,7 +55,9 @@ event on vLLM's compute stream (the layer's forward wrote them);
 ``wait_for_save`` makes the compute stream wait for every gather of the step
 (no block rewritten before its bytes left it); the put thread waits for them
 before putting from the lease. A load receives into its lease, then one
-batched scatter per layer: a sync load's attention waits for its layer's
+batched scatter per layer, after an event recorded on the compute stream when
+the load started (its blocks may still be read by kernels queued for their
+previous owner): a sync load's attention waits for its layer's
 scatter in ``wait_for_layer_load`` (vLLM calls it before each attention
 layer, ``model_executor/layers/attention/kv_transfer_utils.py:51``), an async
 load is waited for on the loader thread before it is reported. A lease that
@@ -158,6 +160,8 @@ class WorkerSide:
         self._step_save: _StepSave | None = None       # this step's saves, through the transfer buffer
         self._load_marks: dict[int, list] = {}         # layer -> scatters attention must wait for (sync loads)
         self._deferred: list[tuple[Lease, list]] = []  # sync loads' leases, released after the forward
+        self._load_after: object = None                # compute mark the loads' scatters wait for (a later
+                                                       # load() replaces it: waiting longer is still safe)
 
     # ------------------------------------------------------------------ registration
 
@@ -250,6 +254,12 @@ class WorkerSide:
         with ``load_layerwise``: start them layer by layer); failures land in
         ``failed_block_ids`` (async: when ``finished_loads`` reports the request)."""
         layerwise: list[LoadSpec] = []
+        specs = list(specs)
+        if self._xfer is not None and specs:
+            # The blocks a load writes may have held another request's KV that kernels already
+            # queued on vLLM's compute stream still read (vLLM can run a step ahead of the GPU):
+            # every scatter of these loads waits for the compute stream's work so far.
+            self._load_after = self._xfer.lane.compute_mark()
         for spec in specs:
             if spec.async_load:
                 self.counters.add("async_loads")
@@ -467,7 +477,8 @@ class WorkerSide:
         marks = []
         try:
             for li in range(len(self.layers)):
-                mark = self._xfer.scatter(li, lease.rows[li * n:(li + 1) * n].view(-1), pairs)
+                mark = self._xfer.scatter(li, lease.rows[li * n:(li + 1) * n].view(-1), pairs,
+                                          after=self._load_after)
                 marks.append(mark)
                 if not spec.async_load:
                     self._load_marks.setdefault(li, []).append(mark)

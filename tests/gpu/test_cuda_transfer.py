@@ -80,8 +80,10 @@ def save(px: PagedKV, pool_slots: SlotPool, c: Client, keys: list[bytes], chunks
 
 def load(px: PagedKV, pool_slots: SlotPool, c: Client, keys: list[bytes], chunks: list[list[int]],
          timeout_s: float = 30) -> list[int | None]:
-    """get_into the lease, then one scatter per layer of the chunks that arrived whole; the compute
-    stream waits for each layer's scatter. Returns the object sizes."""
+    """get_into the lease, then one scatter per layer of the chunks that arrived whole, after the
+    compute stream's work so far; the compute stream waits for each layer's scatter. Returns the
+    object sizes."""
+    after = px.lane.compute_mark()
     n = len(chunks)
     lease = pool_slots.take(n * L)
     assert lease is not None
@@ -90,7 +92,7 @@ def load(px: PagedKV, pool_slots: SlotPool, c: Client, keys: list[bytes], chunks
     per = len(chunks[0])
     good = [i for i in range(n) if all(sizes[i * L + li] == pool_slots.obj_bytes for li in range(L))]
     pairs = [(i * per + j, chunks[i][j]) for i in good for j in range(per)]
-    marks = [px.scatter(li, lease.rows[li * n:(li + 1) * n].view(-1), pairs) for li in range(L)]
+    marks = [px.scatter(li, lease.rows[li * n:(li + 1) * n].view(-1), pairs, after=after) for li in range(L)]
     for m in marks:
         px.lane.compute_wait(m)
     px.release(pool_slots, lease, marks)

@@ -336,18 +336,19 @@ def test_a_loads_attention_waits_for_its_layers_scatter(async_load):
                 deadline = time.monotonic() + 30
                 while not b.finished_loads():
                     assert time.monotonic() < deadline, "async load not reported"
-                assert lane.calls == [("launch", None, 1), ("launch", None, 2), ("launch", None, 3),
-                                      ("host_wait", 1), ("host_wait", 2), ("host_wait", 3)]
+                assert lane.calls == [("mark", 1), ("launch", 1, 2), ("launch", 1, 3), ("launch", 1, 4),
+                                      ("host_wait", 2), ("host_wait", 3), ("host_wait", 4)]
                 return
-            assert lane.calls == [("launch", None, 1), ("launch", None, 2), ("launch", None, 3)]
+            # every scatter after the compute stream's work so far (its blocks may have been read by it)
+            assert lane.calls == [("mark", 1), ("launch", 1, 2), ("launch", 1, 3), ("launch", 1, 4)]
             b.wait_layer(NAMES[1])                      # layer 1's attention waits for layer 1's scatter only
-            assert lane.calls[3:] == [("compute_wait", 2)]
+            assert lane.calls[4:] == [("compute_wait", 3)]
             b.wait_layer(NAMES[0])
             b.wait_layer(NAMES[2])
-            assert lane.calls[4:] == [("compute_wait", 1), ("compute_wait", 3)]
+            assert lane.calls[5:] == [("compute_wait", 2), ("compute_wait", 4)]
             assert b._pool.free_slots() < b._pool.n_slots     # held until after the forward
             assert b.take_failed_block_ids() == set()
-            assert sorted(lane.calls[6:]) == [("host_wait", 1), ("host_wait", 2), ("host_wait", 3)]
+            assert sorted(lane.calls[7:]) == [("host_wait", 2), ("host_wait", 3), ("host_wait", 4)]
             assert b._pool.free_slots() == b._pool.n_slots
         finally:
             a.shutdown()
