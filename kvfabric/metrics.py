@@ -198,6 +198,10 @@ VLLM: dict[str, Metric] = _table(
                                      "freed)"),
     Metric("save_abandoned_jobs", COUNTER, "save jobs still pending when the shutdown drain bound ran out"),
     Metric("client_errors", COUNTER, "the kvfabric client could not be built (pool off)"),
+    Metric("transfer_buffer_bytes", COUNTER, "host memory allocated for the transfer buffer (KV on a GPU: "
+                                             "pinned; once, at start)"),
+    Metric("save_no_buffer_chunks", COUNTER, "chunks not saved: the transfer buffer had no room (transfer_buffer_mb)"),
+    Metric("load_no_buffer_chunks", COUNTER, "chunks recomputed: the transfer buffer had no room for their load"),
     # worker side, through vLLM's KV-connector stats (per step, aggregated by vLLM)
     Metric("load_bytes", COUNTER, "KV bytes loaded from the pool into paged blocks"),
     Metric("save_bytes", COUNTER, "KV bytes handed to the pool"),

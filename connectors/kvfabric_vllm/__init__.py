@@ -10,12 +10,16 @@ Enable it with one flag::
 Modules: ``config`` (extra config -> kvfabric config, namespaces), ``meta``
 (what the scheduler tells the workers each step), ``scheduler`` (lookups and
 the per-request load/save plan), ``worker`` (copies between vLLM's paged KV
-blocks and pool chunks), ``connector`` (the ``KVConnectorBase_V1`` class
+blocks and pool chunks), ``pages`` (where a block's page lies in a layer's KV
+tensor, as byte runs; no torch), ``transfer`` (the bounded transfer buffer,
+CUDA stream / event ordering and batched gather / scatter, used by ``worker``
+when the KV cache is on a GPU), ``connector`` (the ``KVConnectorBase_V1`` class
 that wires them), ``metrics`` (counters and warn-once), ``tinymodel`` (a
 tiny random Llama for tests, the benchmark and the example).
 
 This package imports vLLM only from ``connector``, ``scheduler`` and
-``worker``; ``config`` and ``metrics`` import without it.
+``worker``; ``config``, ``metrics``, ``pages``, ``layout`` and ``transfer`` import without it
+(``transfer`` needs torch; tests/gpu uses it without vLLM).
 """
 
 CONNECTOR_MODULE = "kvfabric_vllm.connector"

@@ -65,8 +65,16 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              key (the layout before issue 23, no server groups)
  register_load_buffer true    register what loads receive into with the client
                               (``Client.register_buffers``): the KV layer tensors (one
-                              block per chunk) or the staging buffer; on ``native``
-                              connections loads are then received with io_uring READ_FIXED
+                              block per chunk), the staging buffer or the transfer buffer;
+                              on ``native`` connections loads are then received with
+                              io_uring READ_FIXED
+ transfer_buffer_mb 1024      KV cache on a GPU (or pages of several runs, ``pages``): the
+                              host memory saves and loads go through, allocated once at
+                              start (pinned on a GPU; counted in ``transfer_buffer_bytes``).
+                              A step's saves that find no room are skipped
+                              (``save_no_buffer_chunks``), a load recomputes
+                              (``load_no_buffer_chunks``); nothing waits for it. Not used
+                              for a CPU KV cache whose pages are one run (received in place)
  every other ``kvfabric.ClientConfig`` setting (transport, timeout_s,
  connect_timeout_s, replicas (default 2 with a list of 3 or more servers,
  else 1; see docs/notes/vllm.md, issue 23), auth_token, key_algorithm, key_secret,
@@ -133,6 +141,7 @@ class ConnectorConfig:
     load: bool = True
     save: bool = True
     register_load_buffer: bool = True
+    transfer_buffer_bytes: int = 1024 << 20
     pd_wait_ms: int = 1000
     hold_until_saved: bool = False
     segment_chunks: int = DEFAULT_SEGMENT_TOKENS // 128   # segment_tokens // chunk_tokens (0: per object)
@@ -164,8 +173,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     extra = dict(extra or {})
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
-             "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "pd_wait_ms",
-             "hold_until_saved", "segment_tokens", *_CLIENT_KEYS}
+             "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "transfer_buffer_mb",
+             "pd_wait_ms", "hold_until_saved", "segment_tokens", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -235,6 +244,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         load=_bool(extra, "load", load_default),
         save=_bool(extra, "save", save_default),
         register_load_buffer=_bool(extra, "register_load_buffer", True),
+        transfer_buffer_bytes=_int(extra, "transfer_buffer_mb", 1024, 1, 1 << 16) << 20,
         pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
         hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
         segment_chunks=segment // chunk,

@@ -45,6 +45,28 @@ put job of that request is done, whatever its outcome (a dropped put is a
 future miss, not a reason to keep blocks), so its blocks go back to vLLM
 only after the pool acknowledged the puts (or ``save_timeout_s`` ran out).
 
+KV cache on a GPU (or a CPU layout whose pages are several runs,
+``pages.PageLayout``): ``.numpy()`` of a CUDA tensor raises, so saves and
+loads go through the transfer buffer (``transfer``): ``transfer_buffer_mb``
+of host memory (pinned for a GPU, registered with the client) leased per
+step's saves and per load. ``save_kv_layer`` launches one batched gather of
+the layer's save pages into the lease on a dedicated CUDA stream, after an
+event on vLLM's compute stream (the layer's forward wrote them);
+``wait_for_save`` makes the compute stream wait for every gather of the step
+(no block rewritten before its bytes left it); the put thread waits for them
+before putting from the lease. A load receives into its lease, then one
+batched scatter per layer, after an event recorded on the compute stream when
+the load started (its blocks may still be read by kernels queued for their
+previous owner): a sync load's attention waits for its layer's
+scatter in ``wait_for_layer_load`` (vLLM calls it before each attention
+layer, ``model_executor/layers/attention/kv_transfer_utils.py:51``), an async
+load is waited for on the loader thread before it is reported. A lease that
+does not fit skips the step's saves (``save_no_buffer_chunks``) or fails the
+load (``load_no_buffer_chunks``, recomputed); nothing waits for memory.
+``load_layerwise`` (receiving layer by layer) applies to the in-place CPU
+path only. The CUDA path has not run on a real GPU yet (2026-12-05; tests/gpu,
+scripts/gpu-check.sh).
+
 Shutdown (vLLM calls it on SIGTERM in every mode, then kills the process 5 s
 later) drains queued saves for at most ``shutdown_drain_s``; what is still
 queued or running then is abandoned and counted (``save_abandoned_jobs``).
@@ -54,7 +76,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
@@ -67,6 +89,7 @@ from .config import ConnectorConfig
 from .layout import chunk_major_layer_keys, object_placement
 from .meta import LoadSpec, SaveSpec
 from .metrics import Counters, log
+from .transfer import CudaLane, HostLane, Lease, PagedKV, SlotPool, layer_layout, page_rows
 
 if TYPE_CHECKING:
     from kvfabric import Client
@@ -79,8 +102,25 @@ class _Staged:
 
     def __init__(self, spec: SaveSpec, data: torch.Tensor) -> None:
         self.spec = spec
-        self.data = data              # [n_chunks, L, P, *page_shape]: object (c, l) is data[c, l]
+        self.data = data              # uint8 [n_chunks, L, P, page_bytes]: object (c, l) is data[c, l]
         self.layers: set[int] = set()
+
+
+class _StepSave:
+    """Through the transfer buffer (``transfer``): one step's save chunks, all specs together.
+
+    ``lease`` rows are layer-major: object (chunk ``c`` of the step, layer
+    ``l``) is row ``l * n + c``, so one layer's gather fills one contiguous
+    range. ``marks[l]``: completion of layer ``l``'s gather. The lease goes
+    back when the last put job reading it is done (``refs``).
+    """
+
+    def __init__(self, specs: list[SaveSpec], lease: Lease | None) -> None:
+        self.specs = specs
+        self.n = sum(len(s.block_ids) for s in specs)
+        self.lease = lease
+        self.marks: dict[int, object] = {}
+        self.refs = 0
 
 
 class WorkerSide:
@@ -114,6 +154,14 @@ class WorkerSide:
         self._held: set[str] = set()                   # finished, held for their saves, not reported
         self._closed = False
         self._transport_noted = False                  # the transports loads use were logged
+        # through the transfer buffer (KV on a GPU, or pages of several runs): None otherwise
+        self._xfer: PagedKV | None = None
+        self._pool: SlotPool | None = None
+        self._step_save: _StepSave | None = None       # this step's saves, through the transfer buffer
+        self._load_marks: dict[int, list] = {}         # layer -> scatters attention must wait for (sync loads)
+        self._deferred: list[tuple[Lease, list]] = []  # sync loads' leases, released after the forward
+        self._load_after: object = None                # compute mark the loads' scatters wait for (a later
+                                                       # load() replaces it: waiting longer is still safe)
 
     # ------------------------------------------------------------------ registration
 
@@ -128,23 +176,58 @@ class WorkerSide:
             if kv.shape != first.shape or kv.dtype != first.dtype or kv.device != first.device:
                 raise ConfigError(f"kvfabric: layer {name} KV {tuple(kv.shape)}/{kv.dtype} differs from "
                                   f"{tuple(first.shape)}/{first.dtype}; mixed layouts are not supported")
-            if not kv[0].is_contiguous():
-                raise ConfigError(f"kvfabric: layer {name}: a block's page is not contiguous "
-                                  f"(shape {tuple(kv.shape)}, strides {kv.stride()})")
+            if kv.stride() != first.stride():
+                raise ConfigError(f"kvfabric: layer {name} KV strides {kv.stride()} differ from {first.stride()}")
+        try:
+            layout = layer_layout(first)      # a page as byte runs (pages.py)
+        except ValueError as e:
+            raise ConfigError(f"kvfabric: KV layout not supported: {e}") from e
         self.layers = layers
         self.page_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
-        self.obj_bytes = self.per_chunk * first[0].numel() * first.element_size()
+        self.page_bytes = layout.page_bytes
+        self.obj_bytes = self.per_chunk * layout.page_bytes
         self.chunk_bytes = len(layers) * self.obj_bytes
-        # Byte views of the layers (pages keep their strides), so a page is a
-        # writable buffer the client can receive into, whatever the dtype.
-        self._page_bytes = [kv.view(torch.uint8).numpy() for kv in layers]
+        on_gpu = first.device.type == "cuda"
+        if first.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"kvfabric: KV cache on {first.device} is not supported (CPU and CUDA only)")
+        if on_gpu or not layout.contiguous:
+            self._start_transfer(layers, on_gpu)
+            return
+        # Each layer's pages as uint8 rows [blocks, page_bytes] (a page is one run of
+        # the tensor), so a page is a writable buffer the client can receive into.
+        self._rows = [page_rows(kv, layout) for kv in layers]
+        self._page_bytes = [r.numpy() for r in self._rows]
         self._direct = self.per_chunk == 1
         self._register_receive_buffers()
         log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk (%d-byte objects, one per "
                  "layer), loads %s", len(layers), self.page_shape, self.dtype, self.chunk_bytes,
                  self.cfg.chunk_tokens, self.obj_bytes,
                  "straight into the KV blocks" if self._direct else "through a staging buffer")
+
+    def _start_transfer(self, layers: list[torch.Tensor], on_gpu: bool) -> None:
+        """KV on a GPU, or pages of several runs: saves and loads go through a bounded transfer
+        buffer (pinned on a GPU) with batched gathers / scatters (``transfer``)."""
+        n_slots = self.cfg.transfer_buffer_bytes // self.obj_bytes
+        if n_slots < 1:
+            raise ConfigError(f"kvfabric: transfer_buffer_mb ({self.cfg.transfer_buffer_bytes >> 20} MiB) is "
+                              f"smaller than one {self.obj_bytes}-byte pool object")
+        lane = CudaLane(layers[0].device) if on_gpu else HostLane()
+        self._xfer = PagedKV(layers, lane)
+        self._pool = SlotPool(n_slots, self.obj_bytes, pin=on_gpu)
+        self._direct = False
+        self.counters.add("transfer_buffer_bytes", self._pool.nbytes)
+        if self.cfg.register_load_buffer and self.client is not None:
+            try:
+                self.client.register_buffers([self._pool.slab.numpy()])
+            except ValueError as e:   # over the registration limits: loads use recvmsg
+                log.warning("kvfabric: transfer buffer not registered (%s); loads use recvmsg", e)
+        log.info("kvfabric: %d layers on %s, page %s %s (%d runs of %d bytes), %d bytes per %d-token chunk; "
+                 "saves and loads through a %d MiB %stransfer buffer (%d objects), %s", len(layers),
+                 layers[0].device, self.page_shape, self.dtype, self._xfer.layout.runs_per_page,
+                 self._xfer.layout.run_bytes, self.chunk_bytes, self.cfg.chunk_tokens, self._pool.nbytes >> 20,
+                 "pinned " if on_gpu else "", n_slots,
+                 "on a dedicated CUDA stream (not yet verified on a real GPU)" if on_gpu else "copied on the CPU")
 
     def _register_receive_buffers(self) -> None:
         """Register what loads receive into: the layer tensors (direct loads) or the staging buffer.
@@ -171,6 +254,12 @@ class WorkerSide:
         with ``load_layerwise``: start them layer by layer); failures land in
         ``failed_block_ids`` (async: when ``finished_loads`` reports the request)."""
         layerwise: list[LoadSpec] = []
+        specs = list(specs)
+        if self._xfer is not None and specs:
+            # The blocks a load writes may have held another request's KV that kernels already
+            # queued on vLLM's compute stream still read (vLLM can run a step ahead of the GPU):
+            # every scatter of these loads waits for the compute stream's work so far.
+            self._load_after = self._xfer.lane.compute_mark()
         for spec in specs:
             if spec.async_load:
                 self.counters.add("async_loads")
@@ -215,7 +304,13 @@ class WorkerSide:
         self._layerwise = (good_specs, futs)
 
     def wait_layer(self, layer_name: str) -> None:
-        """Block until this step's layer-by-layer load of ``layer_name`` is received (or failed)."""
+        """Block until this step's layer-by-layer load of ``layer_name`` is received (or failed).
+        Through the transfer buffer: this layer's attention (vLLM's compute stream) waits for the
+        layer's scatter of this step's sync loads, the CPU does not (later layers' copies overlap it)."""
+        if self._xfer is not None and self._load_marks:
+            li = self._index.get(layer_name)
+            for mark in self._load_marks.pop(li, ()):
+                self._xfer.lane.compute_wait(mark)
         if self._layerwise is None:
             return
         fut = self._layerwise[1].get(layer_name)
@@ -318,36 +413,91 @@ class WorkerSide:
             raise ValueError(f"malformed load spec for {spec.req_id}: {len(keys)} keys, {n} chunks")
         nl = len(self.layers)
         okeys = chunk_major_layer_keys(self._hasher, keys, nl)
+        lease = None
         if self._direct:      # object (i, l) is block_ids[i][0]'s page in layer l: receive in place
             bufs = [self._page_bytes[li][spec.block_ids[i][0]] for i in range(n) for li in range(nl)]
+        elif self._xfer is not None:
+            lease = self._take_lease(n * nl, "load_no_buffer_chunks", n)
+            if lease is None:
+                failed.update(self._blocks_to_write(spec, range(n)))
+                return
+            bufs = [lease.rows[li * n + i].numpy() for i in range(n) for li in range(nl)]   # layer-major rows
         else:
             raw = self._load_staging(n * nl)
             bufs = [raw[j].numpy() for j in range(n * nl)]
         place, _ = object_placement(keys, None if spec.placement is None else spec.placement[self.tp_rank], nl)
-        sizes = self.client.get_into(okeys, bufs, placement=place, timeout_s=self.cfg.load_timeout_s)
+        try:
+            sizes = self.client.get_into(okeys, bufs, placement=place, timeout_s=self.cfg.load_timeout_s)
+        except BaseException:
+            if lease is not None:      # no copy touched its rows yet
+                self._pool.give_back(lease)
+            raise
         bad = sorted({j // nl for j, s in enumerate(sizes) if s != self.obj_bytes})
         good = [i for i in range(n) if i not in set(bad)]
         if bad:
             self.counters.fail("load_failed_chunks", "%d of %d chunks were missing or malformed in the pool",
                                len(bad), n, n=len(bad))
             failed.update(self._blocks_to_write(spec, bad))
+        if lease is not None:
+            self._scatter_lease(spec, lease, good)
         if not good:
             return
         pages = sum(self.per_chunk - (spec.skip_blocks if i == 0 else 0) for i in good)
-        if not self._direct:
-            data = raw.view(self.dtype).view(n, nl, self.per_chunk, *self.page_shape)
+        if not self._direct and lease is None:
+            data = raw.view(n, nl, self.per_chunk, self.page_bytes)
             # One copy_ per page: pages are contiguous on both sides, and unlike
             # index_copy_ this does not fan out to torch's intra-op threads, which
             # compete with vLLM's own compute threads for the same cores.
             for i in good:
                 first = spec.skip_blocks if i == 0 else 0
-                for li, kv in enumerate(self.layers):
+                for li, rows in enumerate(self._rows):
                     src = data[i, li]
                     for j in range(first, self.per_chunk):
-                        kv[spec.block_ids[i][j]].copy_(src[j])
+                        rows[spec.block_ids[i][j]].copy_(src[j])
         self.counters.add("load_chunks", len(good))
         self.counters.add("load_tokens", pages * (self.cfg.chunk_tokens // self.per_chunk))
         self.counters.add("load_bytes", pages * (self.chunk_bytes // self.per_chunk))
+
+    def _take_lease(self, n_objects: int, counter: str, n_chunks: int) -> Lease | None:
+        """``n_objects`` rows of the transfer buffer, or None (counted: the chunks are skipped or
+        recomputed; nothing waits for memory)."""
+        assert self._pool is not None
+        lease = self._pool.take(n_objects) if n_objects <= self._pool.n_slots else None
+        if lease is None:
+            self.counters.fail(counter, "the transfer buffer (transfer_buffer_mb, %d objects) has no room for "
+                               "%d more", self._pool.n_slots, n_objects, n=n_chunks)
+        return lease
+
+    def _scatter_lease(self, spec: LoadSpec, lease: Lease, good: list[int]) -> None:
+        """Copy the good chunks of a load from its lease (layer-major rows) into their blocks, one
+        batched scatter per layer. An async load (loader thread) waits for the copies and gives
+        the lease back; a sync load leaves each layer's mark for that layer's attention
+        (``wait_layer``) and the lease for ``take_failed_block_ids``, after the forward."""
+        assert self._xfer is not None and self._pool is not None
+        n, p = len(spec.block_ids), self.per_chunk
+        pairs = [(i * p + j, spec.block_ids[i][j]) for i in good
+                 for j in range(spec.skip_blocks if i == 0 else 0, p)]
+        marks = []
+        try:
+            for li in range(len(self.layers)):
+                mark = self._xfer.scatter(li, lease.rows[li * n:(li + 1) * n].view(-1), pairs,
+                                          after=self._load_after)
+                marks.append(mark)
+                if not spec.async_load:
+                    self._load_marks.setdefault(li, []).append(mark)
+        finally:
+            if spec.async_load:
+                self._xfer.release(self._pool, lease, marks)
+            else:
+                self._deferred.append((lease, marks))
+
+    def _release_deferred(self) -> None:
+        """Give back the leases of this step's sync loads (their copies are waited for first)."""
+        self._load_marks.clear()
+        while self._deferred:
+            lease, marks = self._deferred.pop()
+            assert self._xfer is not None and self._pool is not None
+            self._xfer.release(self._pool, lease, marks)
 
     def _load_staging(self, n: int) -> torch.Tensor:
         """A reused staging buffer for ``n`` objects (chunks of several blocks only): a fresh
@@ -363,6 +513,8 @@ class WorkerSide:
     def take_failed_block_ids(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM asks after each forward)."""
         self._finish_layerwise()
+        if self._deferred:
+            self._release_deferred()
         with self._lock:
             out, self._failed = self._failed, set()
         return out
@@ -373,7 +525,7 @@ class WorkerSide:
         st = self._staged.get(id(spec))
         if st is None:
             n = len(spec.block_ids)
-            data = torch.empty((n, len(self.layers), self.per_chunk, *self.page_shape), dtype=self.dtype)
+            data = torch.empty((n, len(self.layers), self.per_chunk, self.page_bytes), dtype=torch.uint8)
             st = self._staged[id(spec)] = _Staged(spec, data)
         return st
 
@@ -381,6 +533,12 @@ class WorkerSide:
         """Copy this step's completed chunks of one layer into staging (called per layer)."""
         li = self._index.get(layer_name)
         if li is None:
+            return
+        if self._xfer is not None:
+            try:
+                self._gather_step(li, specs)
+            except Exception as exc:  # noqa: BLE001
+                self.counters.fail("save_errors", "gathering KV for a save failed: %r", exc, exc=exc)
             return
         for spec in specs:
             try:
@@ -391,16 +549,82 @@ class WorkerSide:
     def _gather(self, st: _Staged, li: int) -> None:
         if li in st.layers:
             return
-        kv = self.layers[li]
+        rows = self._rows[li]
         for i, blocks in enumerate(st.spec.block_ids):
             dst = st.data[i, li]
             for j, b in enumerate(blocks):
-                dst[j].copy_(kv[b])
+                dst[j].copy_(rows[b])
         st.layers.add(li)
+
+    def _gather_step(self, li: int, specs: Iterable[SaveSpec]) -> None:
+        """Through the transfer buffer: launch layer ``li``'s gather of every save chunk of this step,
+        after the compute that wrote the layer (one lease per step, taken at its first layer)."""
+        assert self._xfer is not None
+        st = self._step_save
+        if st is None:
+            todo = [s for s in specs if s.block_ids] if self.client is not None else []
+            n = sum(len(s.block_ids) for s in todo)
+            lease = self._take_lease(n * len(self.layers), "save_no_buffer_chunks", n) if n else None
+            st = self._step_save = _StepSave(todo if lease is not None else [], lease)
+        if st.lease is None or li in st.marks:
+            return
+        blocks = [b for s in st.specs for chunk in s.block_ids for b in chunk]
+        st.marks[li] = self._xfer.gather(li, blocks, st.lease.rows[li * st.n:(li + 1) * st.n].view(-1),
+                                         after=self._xfer.lane.compute_mark())
+
+    def _submit_step_save(self, specs: list[SaveSpec]) -> None:
+        """Through the transfer buffer: gather the layers not seen yet, make vLLM's compute wait for
+        every gather of the step (no block is rewritten before its bytes left it), queue one put
+        job per spec; the last job done gives the lease back."""
+        assert self._xfer is not None and self._pool is not None
+        lane, nl = self._xfer.lane, len(self.layers)
+        try:
+            for li in range(nl):
+                self._gather_step(li, specs)
+        finally:
+            st, self._step_save = self._step_save, None
+            if st is not None and st.lease is not None and len(st.marks) < nl:   # a gather raised
+                for m in st.marks.values():
+                    lane.compute_wait(m)
+                self._xfer.release(self._pool, st.lease, list(st.marks.values()))
+        if st is None or st.lease is None:
+            return
+        marks = [st.marks[li] for li in range(nl)]
+        for m in marks:
+            lane.compute_wait(m)
+        st.refs = len(st.specs)
+
+        def ready() -> None:
+            for m in marks:
+                lane.host_wait(m)
+
+        def done(_: object = None) -> None:
+            with self._lock:
+                st.refs -= 1
+                last = st.refs == 0
+            if last:
+                self._xfer.release(self._pool, st.lease, marks)
+
+        off = 0
+        for spec in st.specs:
+            k = len(spec.block_ids)
+            rows = st.lease.rows
+            values = [rows[li * st.n + off + c].numpy() for c in range(k) for li in range(nl)]
+            off += k
+            if not self._reserve_pending(spec, k * self.chunk_bytes):
+                done()
+                continue
+            self._queue_put(spec, values, k * self.chunk_bytes, ready, done)
 
     def submit_saves(self, specs: Iterable[SaveSpec]) -> None:
         """Finish gathering and hand this step's chunks to the background putter."""
         specs = list(specs)
+        if self._xfer is not None:
+            try:
+                self._submit_step_save(specs)
+            except Exception as exc:  # noqa: BLE001
+                self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
+            return
         try:
             for spec in specs:
                 if self.client is None or not spec.block_ids:
@@ -409,35 +633,48 @@ class WorkerSide:
                 for li in range(len(self.layers)):
                     self._gather(st, li)
                 nbytes = st.data.numel() * st.data.element_size()
-                with self._lock:
-                    if self._pending_bytes + nbytes > self.cfg.max_pending_save_bytes:
-                        over = True
-                    else:
-                        over = False
-                        self._pending_bytes += nbytes
-                if over:
-                    self.counters.fail("save_skipped_chunks", "saves are slower than prefill; skipping chunks "
-                                       "beyond %d pending bytes", self.cfg.max_pending_save_bytes,
-                                       n=len(spec.block_ids))
+                if not self._reserve_pending(spec, nbytes):
                     continue
-                self.counters.add("save_jobs")
-                fut = self._saver.submit(self._put, spec, st.data, nbytes)
-                with self._lock:
-                    self._save_jobs.add(fut)
-                fut.add_done_callback(self._save_job_done)
-                self._track_save(spec.req_id, fut)
+                raw = st.data.view(len(spec.block_ids) * len(self.layers), -1)   # one row per (chunk, layer)
+                self._queue_put(spec, [raw[j].numpy() for j in range(raw.shape[0])], nbytes)
         except Exception as exc:  # noqa: BLE001
             self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
         finally:
             self._staged.clear()
 
-    def _put(self, spec: SaveSpec, data: torch.Tensor, nbytes: int) -> None:
+    def _reserve_pending(self, spec: SaveSpec, nbytes: int) -> bool:
+        """Count ``nbytes`` as pending puts, or skip the spec's chunks (counted) past the bound."""
+        with self._lock:
+            if self._pending_bytes + nbytes > self.cfg.max_pending_save_bytes:
+                over = True
+            else:
+                over = False
+                self._pending_bytes += nbytes
+        if over:
+            self.counters.fail("save_skipped_chunks", "saves are slower than prefill; skipping chunks "
+                               "beyond %d pending bytes", self.cfg.max_pending_save_bytes, n=len(spec.block_ids))
+        return not over
+
+    def _queue_put(self, spec: SaveSpec, values: list, nbytes: int, ready: Callable[[], None] | None = None,
+                   done: Callable[[], None] | None = None) -> None:
+        self.counters.add("save_jobs")
+        fut = self._saver.submit(self._put, spec, values, nbytes, ready)
+        with self._lock:
+            self._save_jobs.add(fut)
+        fut.add_done_callback(self._save_job_done)
+        if done is not None:
+            fut.add_done_callback(done)       # also when cancelled at shutdown
+        self._track_save(spec.req_id, fut)
+
+    def _put(self, spec: SaveSpec, values: list, nbytes: int, ready: Callable[[], None] | None = None) -> None:
+        """Put one spec's objects (``values``: chunk-major, layer order), after ``ready`` (the
+        transfer buffer's gathers are complete)."""
         t0 = time.monotonic()
         try:
             assert self.client is not None
             nl = len(self.layers)
-            raw = data.view(len(spec.block_ids) * nl, -1).view(torch.uint8)   # one row per (chunk, layer)
-            values = [raw[j].numpy() for j in range(raw.shape[0])]
+            if ready is not None:
+                ready()
             keys = chunk_major_layer_keys(self._hasher, spec.keys[self.tp_rank], nl)
             parents = [p for c in spec.parents[self.tp_rank]
                        for p in ([None] * nl if c is None else chunk_major_layer_keys(self._hasher, [c], nl))]
