@@ -3,7 +3,10 @@
 How a call runs:
 
 1. Every key is routed with rendezvous hashing (``sharding``, in C when the
-   extension is built) to its owner servers (``replicas`` of them, best first).
+   extension is built) to its owner servers (``replicas`` of them, best first),
+   or, with ``placement=``, by its placement key: the keys of one group (a KV
+   chunk's layer objects) share their owners, a PUT carries each group whole
+   in one frame (``groups``/``group_parts``) and lookups count whole groups.
 2. Keys are grouped per shard, in the caller's order, and each shard gets one
    job: its requests (split only where the key count or payload exceeds the
    server's advertised limits) run back to back on one pooled connection.
