@@ -274,10 +274,10 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
     } else { /* DELETE */
         uint32_t del = 0;
         for (uint32_t i = 0; i < n; i++) {
-            int d = kvf_store_delete(s->st, b->keys[i], b->klens[i]);
-            if (s->tier) d |= kvf_tier_delete(s->tier, b->keys[i], b->klens[i]); /* + a tombstone on disk */
+            int d = kvf_store_delete(s->st, b->keys[i], b->klens[i]); /* objects removed: a group whole */
+            int t = s->tier ? kvf_tier_delete(s->tier, b->keys[i], b->klens[i]) : 0; /* + a tombstone on disk */
             if (s->tier) kvf_tier_shared_delete(s->tier, b->keys[i], b->klens[i]); /* and the shared file, if any */
-            del += (uint32_t)d;
+            del += (uint32_t)(d > 0 ? d : t);
         }
         KVF_REPLY_BEGIN(32, 0);
         kvf_mw_map(&w, 1);

@@ -106,6 +106,8 @@ enum kvf_put_status {
 #define KVF_F_CODE "code"
 #define KVF_F_COUNT "count"
 #define KVF_F_DELETED "deleted"
+#define KVF_F_GROUPS "groups"
+#define KVF_F_GROUP_PARTS "group_parts"
 #define KVF_F_KEYS "keys"
 #define KVF_F_LEASE "lease"
 #define KVF_F_LEASE_MS "lease_ms"

@@ -258,9 +258,10 @@ static PyObject *Server_drain(ServerObject *self, PyObject *arg)
     uint32_t n = kvf_store_drain(self->st, ev, (uint32_t)max);
     PyObject *out = PyList_New(n);
     for (uint32_t i = 0; out && i < n; i++) {
-        PyObject *t = Py_BuildValue("(iy#Ky#)", ev[i].type, (const char *)ev[i].key, (Py_ssize_t)ev[i].klen,
+        PyObject *t = Py_BuildValue("(iy#Ky#y#)", ev[i].type, (const char *)ev[i].key, (Py_ssize_t)ev[i].klen,
                                     (unsigned long long)ev[i].size, ev[i].plen ? (const char *)ev[i].parent : NULL,
-                                    (Py_ssize_t)ev[i].plen);
+                                    (Py_ssize_t)ev[i].plen, ev[i].glen ? (const char *)ev[i].group : NULL,
+                                    (Py_ssize_t)ev[i].glen);
         if (!t) { Py_CLEAR(out); break; }
         PyList_SET_ITEM(out, i, t);
     }
@@ -469,7 +470,8 @@ static PyMethodDef Server_methods[] = {
      "wait(timeout_ms) -> (bytes wanted, free bytes, events dropped ever); wakes on events, a waiting PUT\n"
      "or free space below the low watermark; GIL released"},
     {"set_low_watermark", (PyCFunction)Server_set_low, METH_O, "free bytes below which an allocation wakes wait()"},
-    {"drain", (PyCFunction)Server_drain, METH_O, "drain(max) -> [(type, key, size, parent|None)] (1 insert, 2 access, 3 remove)"},
+    {"drain", (PyCFunction)Server_drain, METH_O, "drain(max) -> [(type, key, size, parent|None, group|None)] (1 insert, 2 access, 3 remove; a group's "
+     "events name it by its representative key, size its bytes)"},
     {"evict", (PyCFunction)Server_evict, METH_O, evict_doc},
     {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},
     {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},

@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---------------------------------------------------------------- errors */
@@ -57,6 +58,61 @@ const char *kvf_keys_error(int e)
     return e == KVF_E_TOO_MANY_KEYS ? "too many keys" : e == KVF_E_BAD_KEY ? "bad key" : e == KVF_E_BUSY
            ? "server busy: request buffers over their budget" : e == KVF_E_INTERNAL ? "out of memory"
            : "missing field '" KVF_F_KEYS "'";
+}
+
+static int run_cmp(const void *x, const void *y, void *arg)
+{
+    const struct batch *b = arg;
+    uint32_t i = *(const uint32_t *)x, j = *(const uint32_t *)y;
+    if (b->glens[i] != b->glens[j]) return b->glens[i] < b->glens[j] ? -1 : 1;
+    return memcmp(b->groups[i], b->groups[j], b->glens[i]);
+}
+
+/* groups + group_parts (PUT, shm RESERVE; kvfabric.protocol.messages._groups, same
+ * checks in the same order) -> b->groups/glens/gparts, all NULL/0 when both are
+ * absent. Both lists as long as keys (MALFORMED), each group a key (BAD_KEY), each
+ * count 1..max_keys (MALFORMED); a group's parts consecutive, as many as each states,
+ * and no group named by two runs (MALFORMED). Everything is checked on the metadata
+ * the header's limits bounded, into arrays sized before; nothing is allocated. */
+int kvf_parse_groups(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t n)
+{
+    struct kvf_mr g, p;
+    uint32_t cg, cp;
+    for (uint32_t i = 0; i < n; i++) b->groups[i] = NULL, b->glens[i] = 0, b->gparts[i] = 0;
+    int hg = kvf_mr_find(m.p, m.n, KVF_F_GROUPS, &g) == 0 && !kvf_mr_is_nil(&g);
+    int hp = kvf_mr_find(m.p, m.n, KVF_F_GROUP_PARTS, &p) == 0 && !kvf_mr_is_nil(&p);
+    if (!hg && !hp) return 0;
+    if (!hg || !hp || kvf_mr_array(&g, &cg) || kvf_mr_array(&p, &cp) || cg != n || cp != n) return KVF_E_MALFORMED;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *k;
+        uint32_t kl;
+        if (kvf_mr_bin(&g, &k, &kl) || kl == 0 || kl > c->srv->cfg.max_key_bytes || kl > KVF_KEY_MAX)
+            return KVF_E_BAD_KEY;
+        b->groups[i] = k;
+        b->glens[i] = (uint8_t)kl;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v;
+        if (kvf_mr_uint(&p, &v) || v == 0 || v > c->srv->cfg.max_keys) return KVF_E_MALFORMED;
+        b->gparts[i] = (uint32_t)v;
+    }
+    uint32_t runs = 0;
+    for (uint32_t i = 0, j; i < n; i = j) {
+        for (j = i; j < n && b->glens[j] == b->glens[i] && !memcmp(b->groups[j], b->groups[i], b->glens[i]); j++)
+            if (b->gparts[j] != b->gparts[i]) return KVF_E_MALFORMED;
+        if (b->gparts[i] != j - i) return KVF_E_MALFORMED;
+        b->gruns[runs++] = i;
+    }
+    qsort_r(b->gruns, runs, sizeof *b->gruns, run_cmp, b);
+    for (uint32_t r = 1; r < runs; r++)
+        if (run_cmp(&b->gruns[r - 1], &b->gruns[r], b) == 0) return KVF_E_MALFORMED;
+    return 0;
+}
+
+const char *kvf_groups_error(int e)
+{
+    return e == KVF_E_BAD_KEY ? "groups must be keys"
+           : "groups and group_parts: both lists as long as keys, and every part of each group named, consecutively";
 }
 
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n)

@@ -9,6 +9,10 @@
  * scores the earlier (lower index) server stays first, and a score equal to
  * the worst kept one does not displace it.
  *
+ * A key equal to the one before it (a placement key repeated for every part
+ * of a group, kvfabric.Client's `placement=`) is not hashed again: its owners
+ * are the previous key's, which is what hashing it again would give.
+ *
  * Keys are short (block keys are 16 bytes, at most 64), where xxh3 takes its
  * scalar short-input paths, so the inlined copy of xxHash is used directly
  * (the x86 dispatch of kvf_hash.c only matters above 240 bytes).
@@ -17,9 +21,17 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define XXH_INLINE_ALL
 #include "third_party/xxhash/xxhash.h"
+
+/* Whether key k is the same bytes as key k - 1 (k > 0). */
+static int same_as_previous(const struct kvf_route_key *keys, size_t k)
+{
+    const struct kvf_route_key *a = &keys[k - 1], *b = &keys[k];
+    return a->len == b->len && (a->data == b->data || memcmp(a->data, b->data, a->len) == 0);
+}
 
 int kvf_route_owners(const struct kvf_route_key *keys, size_t nkeys, const uint64_t *seeds, size_t nservers,
                      size_t replicas, uint32_t *out)
@@ -29,6 +41,10 @@ int kvf_route_owners(const struct kvf_route_key *keys, size_t nkeys, const uint6
     if (nkeys && (!keys || !out)) return -EINVAL;
     if (replicas == 1) {  /* the common case: the arg-max, first maximum wins */
         for (size_t k = 0; k < nkeys; k++) {
+            if (k && same_as_previous(keys, k)) {
+                out[k] = out[k - 1];
+                continue;
+            }
             const void *d = keys[k].data;
             size_t n = keys[k].len;
             uint64_t best = XXH3_64bits_withSeed(d, n, seeds[0]);
@@ -48,6 +64,10 @@ int kvf_route_owners(const struct kvf_route_key *keys, size_t nkeys, const uint6
     if (!top) return -ENOMEM;
     for (size_t k = 0; k < nkeys; k++) {
         uint32_t *o = out + k * replicas;
+        if (k && same_as_previous(keys, k)) {
+            memcpy(o, o - replicas, replicas * sizeof *o);
+            continue;
+        }
         size_t kept = 0;
         for (size_t s = 0; s < nservers; s++) {
             uint64_t h = XXH3_64bits_withSeed(keys[k].data, keys[k].len, seeds[s]);

@@ -7,6 +7,9 @@
  * reference (pure-Python) functions; tests/native/test_route.py compares
  * them on random keys, server lists and replica counts.
  *
+ * A key equal to the one before it is routed once (its owners copied): the
+ * parts of one group share a placement key, listed one after another.
+ *
  * Pure computation: no allocation in the replicas == 1 path, no locks, safe
  * to call without the GIL as long as the key bytes stay alive and unchanged.
  */

@@ -78,6 +78,7 @@ static void conn_destroy(struct conn *c)
     kvf_ops_conn_gone(c);
     if (c->batch_op == KVF_OP_PUT && c->rs == RS_OBJ) /* a half-received object */
         kvf_store_unreserve(s->st, c->b.offs[c->b.cur], c->b.sizes[c->b.cur]);
+    kvf_put_conn_gone(c); /* and the received parts of its group, if any */
     kvf_conn_unreserved(c);
     kvf_batch_free(&c->b);
     close(c->fd);

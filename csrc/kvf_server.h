@@ -84,6 +84,9 @@ struct kvf_server_counters {
     uint64_t zc_sends, copy_sends, zc_copied_notifs, stalled;
     uint64_t too_slow; /* dropped over the min_rate bound while still making progress */
     uint64_t checksum_rejects; /* PUT objects refused: their checksum did not match key + bytes */
+    uint64_t groups_stored;    /* PUT groups admitted whole (issue 23) */
+    uint64_t groups_refused;   /* PUT groups refused whole: a part too large, no space, a checksum mismatch */
+    uint64_t groups_torn;      /* PUT groups dropped whole: the connection died before their last part */
     uint64_t client_verified;  /* GET objects sent unchecked: the client said it verifies them (client_verifies) */
     uint64_t shm_refused;              /* unix peers refused by the SO_PEERCRED check */
     uint64_t shm_leases_expired;       /* shm leases dropped at max_lease_ms */

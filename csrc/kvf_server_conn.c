@@ -170,7 +170,8 @@ int kvf_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf)
     keybuf = keybuf || b->keybuf != NULL;
     if (b->keys && b->cap >= cap && (!keybuf || b->keybuf)) return 0;
     kvf_batch_free(b);
-    size_t mem = (size_t)cap * (sizeof *b->keys + 1 + 4 * sizeof(uint64_t) + sizeof *b->parents + 2) +
+    size_t mem = (size_t)cap * (sizeof *b->keys + 1 + 4 * sizeof(uint64_t) + 2 * sizeof *b->parents + 3 +
+                                2 * sizeof(uint32_t)) +
                  (keybuf ? (size_t)cap * KVF_KEY_MAX : 0);
     size_t charge = cap > KVF_BATCH_KEEP ? mem : 0;
     if (charge && s->ctr.request_bytes + charge > s->cfg.request_budget) {
@@ -184,9 +185,14 @@ int kvf_batch_alloc(struct conn *c, struct batch *b, uint32_t cap, int keybuf)
     b->offs = calloc(cap, sizeof(uint64_t));
     b->parents = calloc(cap, sizeof *b->parents);
     b->plens = calloc(cap, 1);
+    b->groups = calloc(cap, sizeof *b->groups);
+    b->glens = calloc(cap, 1);
+    b->gparts = calloc(cap, sizeof *b->gparts);
+    b->gruns = calloc(cap, sizeof *b->gruns);
     b->status = calloc(cap, 1);
     b->keybuf = keybuf ? malloc((size_t)cap * KVF_KEY_MAX) : NULL;
     if (!b->keys || !b->klens || !b->sizes || !b->csums || !b->offs || !b->parents || !b->plens || !b->status ||
+        !b->groups || !b->glens || !b->gparts || !b->gruns ||
         (keybuf && !b->keybuf)) {
         kvf_batch_free(b);
         return -ENOMEM;
@@ -203,6 +209,7 @@ void kvf_batch_free(struct batch *b)
     if (b->acct) *b->acct -= b->mem;
     free(b->keys); free(b->klens); free(b->sizes); free(b->csums); free(b->offs);
     free(b->parents); free(b->plens); free(b->status); free(b->keybuf);
+    free(b->groups); free(b->glens); free(b->gparts); free(b->gruns);
     memset(b, 0, sizeof *b);
 }
 

@@ -104,6 +104,10 @@ struct lease {
 };
 
 /* Batch state of a PUT (objects arriving) or shm RESERVE (slots handed out). */
+/* a group part received (or written, shm) and verified, its slot kept until its group is
+ * committed whole (kvf_put_group_close); a batch status, never on the wire */
+#define KVF_PUT_PENDING 0xff
+
 struct batch {
     uint32_t n, cur;
     const uint8_t **keys;
@@ -111,6 +115,13 @@ struct batch {
     uint64_t *sizes, *csums, *offs;
     const uint8_t **parents;
     uint8_t *plens;
+    /* groups (issue 23; NULL/0 for an ungrouped object): the group key, its length, the
+     * group's number of parts; gruns: scratch for kvf_parse_groups's duplicate check */
+    const uint8_t **groups;
+    uint8_t *glens;
+    uint32_t *gparts, *gruns;
+    uint32_t gstart, gend; /* PUT: the group run being received, [gstart, gend), while gopen */
+    uint8_t gopen, gfail;  /* gfail: the status that refuses the whole run (0: none yet) */
     uint8_t *status;
     uint8_t *keybuf; /* RESERVE: keys copied out of the meta buffer */
     uint64_t park_round;
@@ -165,6 +176,7 @@ struct conn {
     uint32_t resv_id;
     int resv_open;
     uint8_t *resv_parents;         /* RESERVE: parent keys copied out of the meta buffer, kept until COMMIT */
+    uint8_t *resv_groups;          /* RESERVE: group keys likewise (issue 23) */
     int64_t resv_until_ms;         /* open reservation expires after this (0: clock not started) */
     uint32_t resv_expired;         /* id of the last reservation that expired (for COMMIT's answer) */
     /* tiers (kvf_tier_ops.c) */
@@ -256,6 +268,8 @@ void kvf_op_put(struct conn *c, struct kvf_meta m);
 void kvf_batch_step(struct conn *c);           /* continue a PUT/RESERVE */
 void kvf_put_object_done(struct conn *c);      /* a PUT object landed in its slot */
 void kvf_put_staged(struct conn *c);           /* a PUT object's first bytes are in c->stage */
+void kvf_put_conn_gone(struct conn *c);        /* a PUT's connection died: its open group is dropped, counted */
+void kvf_put_group_close(struct kvf_server *s, struct batch *b); /* commit or refuse b's group run whole */
 
 /* ---- kvf_request.c: what the handlers share; parse_* return 0 or a wire error code (KVF_E_*) */
 /* Answer code: at once (and close, for the codes after which the stream cannot
@@ -271,6 +285,8 @@ void kvf_reject(struct conn *c, int code, const char *msg);
 /* keys -> b->keys/klens (b sized to them; BUSY when over the request budget) */
 int kvf_parse_keys(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t *n);
 const char *kvf_keys_error(int e);             /* the message of kvf_parse_keys's code */
+int kvf_parse_groups(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t n);
+const char *kvf_groups_error(int e);           /* the message of kvf_parse_groups's code */
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n);
 int kvf_parse_uint(struct kvf_meta m, const char *name, uint64_t *v, int required);
 /* {"status": [...]} (with_offsets: + "res" and "offsets", the shm RESERVE's) */

@@ -80,6 +80,25 @@ void kvf_shm_conn_gone(struct conn *c)
     kvf_batch_free(&c->resv);
     free(c->resv_parents);
     c->resv_parents = NULL;
+    free(c->resv_groups);
+    c->resv_groups = NULL;
+}
+
+/* groups + group_parts (kvf_parse_groups), the group keys copied into c->resv_groups so they
+ * outlive the metadata buffer until COMMIT. Returns 0 or a wire error code. */
+static int reserve_groups(struct conn *c, const uint8_t *m, size_t mn, uint32_t n)
+{
+    struct batch *b = &c->resv;
+    int e = kvf_parse_groups(c, (struct kvf_meta){m, mn}, b, n);
+    if (e || n == 0 || !b->groups[0]) return e;
+    if (!c->resv_groups && !(c->resv_groups = malloc((size_t)c->srv->cfg.max_keys * KVF_KEY_MAX)))
+        return KVF_E_INTERNAL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t *dst = c->resv_groups + (size_t)i * KVF_KEY_MAX;
+        memcpy(dst, b->groups[i], b->glens[i]);
+        b->groups[i] = dst;
+    }
+    return 0;
 }
 
 void kvf_shm_sweep(struct kvf_server *s, int64_t now)
@@ -262,6 +281,11 @@ static void op_reserve(struct conn *c, const uint8_t *m, size_t mn)
                                  ? "out of memory" : "parents must be a list as long as keys");
         return;
     }
+    if ((e = reserve_groups(c, m, mn, n))) {
+        kvf_reject(c, e, e == KVF_E_INTERNAL ? "out of memory" : kvf_groups_error(e));
+        return;
+    }
+    b->gopen = 0;
     for (uint32_t i = 0; i < n; i++) {
         if (b->sizes[i] > s->cfg.max_object) {
             kvf_reject(c, KVF_E_PAYLOAD_TOO_LARGE, "object exceeds the object size limit");
@@ -301,6 +325,28 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
         return;
     }
     for (uint32_t i = 0; i < b->n; i++) {
+        if (b->groups[i]) { /* a group run: verified part by part, then committed or refused whole */
+            b->gstart = i;
+            b->gend = i + b->gparts[i];
+            b->gopen = 1;
+            b->gfail = 0;
+            for (; i < b->gend; i++) {
+                if (b->status[i] != KVF_PUT_STORED) continue;
+                if (kvf_obj_hash(b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i]) != cs[i]) {
+                    kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);
+                    b->status[i] = KVF_PUT_CHECKSUM_MISMATCH;
+                    s->ctr.checksum_rejects++;
+                    if (!b->gfail) b->gfail = KVF_PUT_CHECKSUM_MISMATCH;
+                    continue;
+                }
+                b->csums[i] = cs[i];
+                b->status[i] = KVF_PUT_PENDING;
+                s->ctr.bytes_in += b->sizes[i];
+            }
+            i--;
+            kvf_put_group_close(s, b);
+            continue;
+        }
         if (b->status[i] != KVF_PUT_STORED) continue;
         if (kvf_obj_hash(b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i]) != cs[i]) {
             kvf_store_unreserve(s->st, b->offs[i], b->sizes[i]);

@@ -48,6 +48,12 @@ static int stats_write(struct kvf_server *s, struct kvf_mw *w)
     KV("evictions", ss.evictions);
     KV("checksum_failures", ss.checksum_failures);
     KV("checksum_rejects", s->ctr.checksum_rejects);
+    KV("groups", ss.groups);
+    KV("group_objects", ss.group_objects);
+    KV("groups_incomplete", ss.groups_incomplete);
+    KV("groups_stored", s->ctr.groups_stored);
+    KV("groups_refused", s->ctr.groups_refused);
+    KV("groups_torn", s->ctr.groups_torn);
     KV("bytes_in", s->ctr.bytes_in);
     KV("bytes_out", s->ctr.bytes_out);
     KV("connections", s->ctr.connections);

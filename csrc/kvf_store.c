@@ -3,6 +3,13 @@
  *
  * Index: chained hash table of entry indices; entries live in a growable
  * array and are recycled through a free list.
+ *
+ * Groups (issue 23): a grouped entry names its group record (grp) and the next
+ * member of the group's ring (gnext). The group record keeps the group key, the
+ * parts it stated, its members, bytes and representative (rep: the first member
+ * stored, which names the group to the policy and in every event). A group is
+ * indexed whole (kvf_store_commit_group) and leaves whole: evicted (refused while
+ * any member is pinned), deleted or dropped through any member.
  */
 #define _GNU_SOURCE
 #include "kvf_store.h"
@@ -29,8 +36,17 @@ struct entry {
     uint32_t pins;
     uint32_t hits; /* GETs since stored (the tier's --ssd-admit hit) */
     uint32_t next; /* hash chain or free list */
+    uint32_t grp;  /* group record, NONE when not grouped */
+    uint32_t gnext; /* next member of the group (a ring) */
     uint64_t off, size, csum;
     int64_t lease_until_ms;
+};
+
+struct group {
+    uint8_t key[KVF_KEY_MAX];
+    uint8_t klen;
+    uint32_t parts, members, rep, next_free;
+    uint64_t bytes;
 };
 
 struct kvf_store {
@@ -46,6 +62,9 @@ struct kvf_store {
     uint32_t nbuckets; /* power of two */
     uint64_t objects, bytes_used, evictions, checksum_failures, events_dropped;
     uint64_t pinned; /* indexed entries with pins > 0, kept as pins change (STATS is O(1)) */
+    struct group *grps;
+    uint32_t ngrps, grps_cap, grp_free;
+    uint64_t groups, group_objects, groups_incomplete;
     struct kvf_event *ring;
     uint32_t ring_cap, ring_head, ring_len;
     uint64_t want_bytes, round, low_bytes;
@@ -148,11 +167,67 @@ static inline int pinned(struct entry *e, int64_t now)
     return e->pins > 0 || e->lease_until_ms > now;
 }
 
+/* ---------------------------------------------------------------- groups */
+
+static inline struct group *group_of(struct kvf_store *st, uint32_t id)
+{
+    return st->ents[id].grp == NONE ? NULL : &st->grps[st->ents[id].grp];
+}
+
+/* The entry that names id's policy entry: its group's representative, or itself. */
+static inline struct entry *rep_of(struct kvf_store *st, uint32_t id)
+{
+    struct group *g = group_of(st, id);
+    return &st->ents[g ? g->rep : id];
+}
+
+/* Pinned: the entry, or any member of its group. */
+static int unit_pinned(struct kvf_store *st, uint32_t id, int64_t now)
+{
+    if (st->ents[id].grp == NONE) return pinned(&st->ents[id], now);
+    uint32_t i = id;
+    do {
+        if (pinned(&st->ents[i], now)) return 1;
+        i = st->ents[i].gnext;
+    } while (i != id);
+    return 0;
+}
+
+static void group_free(struct kvf_store *st, uint32_t gi)
+{
+    struct group *g = &st->grps[gi];
+    st->groups--;
+    st->group_objects -= g->members;
+    if (g->members < g->parts) st->groups_incomplete--;
+    g->members = 0;
+    g->next_free = st->grp_free;
+    st->grp_free = gi;
+}
+
+/* Unindex every member of id's group but `keep` (which the caller handles; NONE: none)
+ * and free the group record; members still pinned are freed on their last release. */
+static void remove_group_but(struct kvf_store *st, uint32_t id, uint32_t keep)
+{
+    uint32_t gi = st->ents[id].grp, i = id;
+    do {
+        uint32_t nx = st->ents[i].gnext;
+        st->ents[i].grp = NONE;
+        if (i != keep) remove_entry(st, i);
+        i = nx;
+    } while (i != id);
+    group_free(st, gi);
+}
+
 /* ---------------------------------------------------------------- events */
 
 static void event(struct kvf_store *st, int type, const uint8_t *key, uint32_t klen, uint64_t size,
-                  const uint8_t *parent, uint32_t plen)
+                  const uint8_t *parent, uint32_t plen, const struct group *g)
 {
+    if (type == KVF_EV_ACCESS && g && st->ring_len) {
+        /* the parts of one group read one after another (a GET of a chunk) are one access of it */
+        const struct kvf_event *last = &st->ring[(st->ring_head + st->ring_len - 1) % st->ring_cap];
+        if (last->type == KVF_EV_ACCESS && last->klen == klen && !memcmp(last->key, key, klen)) return;
+    }
     if (st->ring_len == st->ring_cap) {
         st->events_dropped++;
         pthread_cond_signal(&st->cv);
@@ -166,6 +241,9 @@ static void event(struct kvf_store *st, int type, const uint8_t *key, uint32_t k
     ev->size = size;
     memcpy(ev->key, key, klen);
     if (parent && plen) memcpy(ev->parent, parent, plen);
+    ev->glen = g ? g->klen : 0;
+    ev->gparts = g ? g->parts : 0;
+    if (g) memcpy(ev->group, g->key, g->klen);
     if (st->ring_len * 2 >= st->ring_cap) pthread_cond_signal(&st->cv);
 }
 
@@ -198,6 +276,7 @@ int kvf_store_new(struct kvf_store **out, uint64_t capacity, uint32_t event_ring
     if (!st->buckets || !st->ring) goto fail;
     memset(st->buckets, 0xff, st->nbuckets * sizeof(uint32_t));
     st->ent_free = NONE;
+    st->grp_free = NONE;
     pthread_mutex_init(&st->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -218,7 +297,7 @@ void kvf_store_free(struct kvf_store *st)
     if (st->base) munmap(st->base, st->capacity);
     if (st->memfd >= 0) close(st->memfd);
     kvf_pages_destroy(&st->pages);
-    free(st->buckets); free(st->ents); free(st->ring);
+    free(st->buckets); free(st->ents); free(st->ring); free(st->grps);
     free(st);
 }
 
@@ -263,6 +342,29 @@ void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size)
     pthread_mutex_unlock(&st->mu);
 }
 
+/* Fill entry id (from new_entry) as a live object of group grp (NONE: none) and link it in. */
+static void index_entry(struct kvf_store *st, uint32_t id, const uint8_t *key, uint32_t klen, uint64_t off,
+                        uint64_t size, uint64_t csum, uint32_t grp)
+{
+    struct entry *e = &st->ents[id];
+    memcpy(e->key, key, klen);
+    e->klen = (uint8_t)klen;
+    e->state = E_LIVE;
+    e->pins = 0;
+    e->hits = 0;
+    e->off = off;
+    e->size = size;
+    e->csum = csum;
+    e->lease_until_ms = 0;
+    e->grp = grp;
+    e->gnext = id;
+    uint32_t h = bucket(st, key, klen);
+    e->next = st->buckets[h];
+    st->buckets[h] = id;
+    st->objects++;
+    st->bytes_used += size;
+}
+
 int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
                      uint64_t csum, const uint8_t *parent, uint32_t plen)
 {
@@ -280,22 +382,91 @@ int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, ui
         pthread_mutex_unlock(&st->mu);
         return -ENOMEM;
     }
-    struct entry *e = &st->ents[id];
-    memcpy(e->key, key, klen);
-    e->klen = (uint8_t)klen;
-    e->state = E_LIVE;
-    e->pins = 0;
-    e->hits = 0;
-    e->off = off;
-    e->size = size;
-    e->csum = csum;
-    e->lease_until_ms = 0;
-    uint32_t h = bucket(st, key, klen);
-    e->next = st->buckets[h];
-    st->buckets[h] = id;
-    st->objects++;
-    st->bytes_used += size;
-    event(st, KVF_EV_INSERT, key, klen, size, parent, plen);
+    index_entry(st, id, key, klen, off, size, csum, NONE);
+    event(st, KVF_EV_INSERT, key, klen, size, parent, plen, NULL);
+    pthread_mutex_unlock(&st->mu);
+    return 0;
+}
+
+/* Room for `n` more entries and one group record, so that nothing fails halfway. */
+static int ensure_room(struct kvf_store *st, uint32_t n)
+{
+    uint32_t spare = st->ents_cap - st->nents;
+    for (uint32_t i = st->ent_free; i != NONE && spare < n; i = st->ents[i].next) spare++;
+    if (spare < n) {
+        uint32_t cap = st->ents_cap ? st->ents_cap : 1024;
+        while (cap - st->nents < n) cap *= 2;
+        struct entry *e = realloc(st->ents, sizeof(struct entry) * cap);
+        if (!e) return -ENOMEM;
+        st->ents = e;
+        st->ents_cap = cap;
+    }
+    if (st->grp_free == NONE && st->ngrps == st->grps_cap) {
+        uint32_t cap = st->grps_cap ? st->grps_cap * 2 : 256;
+        struct group *g = realloc(st->grps, sizeof(struct group) * cap);
+        if (!g) return -ENOMEM;
+        st->grps = g;
+        st->grps_cap = cap;
+    }
+    return 0;
+}
+
+int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
+                           const uint8_t *klens,
+                           const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
+                           const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
+                           uint32_t gparts, uint8_t *status)
+{
+    if (n == 0 || glen == 0 || glen > KVF_KEY_MAX || gparts == 0) return -EINVAL;
+    pthread_mutex_lock(&st->mu);
+    if (ensure_room(st, n)) {
+        for (uint32_t k = 0; k < n; k++)
+            kvf_pages_free(&st->pages, (uint32_t)(offs[idx[k]] / KVF_PAGE), pages_for(sizes[idx[k]]));
+        pthread_mutex_unlock(&st->mu);
+        return -ENOMEM;
+    }
+    uint32_t gi = NONE, first = NONE, prev = NONE;
+    for (uint32_t kk = 0; kk < n; kk++) {
+        uint32_t k = idx[kk];
+        if (klens[k] == 0 || klens[k] > KVF_KEY_MAX || find(st, keys[k], klens[k]) != NONE) {
+            kvf_pages_free(&st->pages, (uint32_t)(offs[k] / KVF_PAGE), pages_for(sizes[k]));
+            status[k] = 1;
+            continue;
+        }
+        if (gi == NONE) {
+            if (st->grp_free != NONE) { gi = st->grp_free; st->grp_free = st->grps[gi].next_free; }
+            else gi = st->ngrps++;
+            struct group *g = &st->grps[gi];
+            memcpy(g->key, gkey, glen);
+            g->klen = (uint8_t)glen;
+            g->parts = gparts;
+            g->members = 0;
+            g->bytes = 0;
+            g->next_free = NONE;
+            st->groups++;
+        }
+        if (st->objects >= st->nbuckets && grow_buckets(st)) { /* keep chains long rather than fail */ }
+        uint32_t id = new_entry(st); /* cannot fail: ensure_room */
+        index_entry(st, id, keys[k], klens[k], offs[k], sizes[k], csums[k], gi);
+        st->ents[id].gnext = first == NONE ? id : first; /* the ring: first -> ... -> id -> first */
+        if (prev != NONE) st->ents[prev].gnext = id;
+        if (first == NONE) first = id;
+        prev = id;
+        st->grps[gi].members++;
+        st->grps[gi].bytes += sizes[k];
+        st->group_objects++;
+        status[k] = 0;
+    }
+    if (gi != NONE) {
+        struct group *g = &st->grps[gi];
+        g->rep = first;
+        if (g->members < g->parts) st->groups_incomplete++;
+        /* the parent as the policy knows it: its group's representative when it is grouped */
+        uint32_t pi = parent && plen ? find(st, parent, plen) : NONE;
+        struct entry *pe = pi != NONE ? rep_of(st, pi) : NULL;
+        struct entry *r = &st->ents[first];
+        event(st, KVF_EV_INSERT, r->key, r->klen, g->bytes, pe ? pe->key : parent, pe ? pe->klen : plen, g);
+    }
     pthread_mutex_unlock(&st->mu);
     return 0;
 }
@@ -310,7 +481,8 @@ int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, u
     if (e->pins++ == 0) st->pinned++;
     if (e->hits != UINT32_MAX) e->hits++;
     *id = i; *off = e->off; *size = e->size; *csum = e->csum;
-    event(st, KVF_EV_ACCESS, key, klen, 0, NULL, 0);
+    struct entry *r = rep_of(st, i);
+    event(st, KVF_EV_ACCESS, r->key, r->klen, 0, NULL, 0, group_of(st, i));
     pthread_mutex_unlock(&st->mu);
     return 0;
 }
@@ -330,7 +502,9 @@ void kvf_store_drop_corrupt(struct kvf_store *st, uint32_t id)
     struct entry *e = &st->ents[id];
     if (e->state == E_LIVE) {
         st->checksum_failures++;
-        event(st, KVF_EV_REMOVE, e->key, e->klen, 0, NULL, 0);
+        struct entry *r = rep_of(st, id);
+        event(st, KVF_EV_REMOVE, r->key, r->klen, 0, NULL, 0, group_of(st, id));
+        if (e->grp != NONE) remove_group_but(st, id, id); /* a group with a corrupt part is dropped whole */
         unlink_entry(st, id);
         e->state = E_DEAD; /* the caller holds a pin; freed on release */
     }
@@ -361,8 +535,9 @@ int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, in
     uint32_t i = find(st, key, klen);
     if (i != NONE) {
         struct entry *e = &st->ents[i];
-        if (lease_until_ms > e->lease_until_ms) e->lease_until_ms = lease_until_ms;
-        event(st, KVF_EV_ACCESS, key, klen, 0, NULL, 0);
+        if (lease_until_ms > e->lease_until_ms) e->lease_until_ms = lease_until_ms; /* pins its group too */
+        struct entry *r = rep_of(st, i);
+        event(st, KVF_EV_ACCESS, r->key, r->klen, 0, NULL, 0, group_of(st, i));
     }
     pthread_mutex_unlock(&st->mu);
     return i != NONE;
@@ -372,13 +547,20 @@ int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
     pthread_mutex_lock(&st->mu);
     uint32_t i = find(st, key, klen);
+    int n = 0;
     if (i != NONE) {
-        event(st, KVF_EV_REMOVE, key, klen, 0, NULL, 0);
-        remove_entry(st, i);
+        struct group *g = group_of(st, i);
+        struct entry *r = rep_of(st, i);
+        event(st, KVF_EV_REMOVE, r->key, r->klen, 0, NULL, 0, g);
+        n = g ? (int)g->members : 1;
+        if (g) remove_group_but(st, i, NONE);
+        else remove_entry(st, i);
     }
     pthread_mutex_unlock(&st->mu);
-    return i != NONE;
+    return n;
 }
+
+static int64_t evict_group(struct kvf_store *st, uint32_t id);
 
 int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
@@ -386,7 +568,8 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
     uint32_t i = find(st, key, klen);
     int64_t rc;
     if (i == NONE) rc = -ENOENT;
-    else if (pinned(&st->ents[i], kvf_now_ms())) rc = -EBUSY;
+    else if (unit_pinned(st, i, kvf_now_ms())) rc = -EBUSY;
+    else if (st->ents[i].grp != NONE) rc = evict_group(st, i);
     else if (st->evict_hook) {
         /* unindexed now, its slot kept (DEAD, one pin) while the hook copies it out */
         struct entry *e = &st->ents[i];
@@ -402,7 +585,7 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
         uint64_t off = e->off, size = e->size, csum = e->csum;
         memcpy(key2, e->key, klen2);
         pthread_mutex_unlock(&st->mu);
-        fn(arg, key2, klen2, st->base + off, size, csum, hits);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits, NULL, 0, 0);
         pthread_mutex_lock(&st->mu);
         e = &st->ents[i]; /* the array may have grown meanwhile */
         e->pins = 0;
@@ -416,11 +599,66 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
     return rc;
 }
 
+/* Evict id's whole group (none of it pinned; lock held, and held again on return).
+ * With a hook every member is unindexed first (DEAD, one pin), then copied out
+ * unlocked one by one, then released. Returns the bytes freed (whole pages). */
+static int64_t evict_group(struct kvf_store *st, uint32_t id)
+{
+    uint32_t gi = st->ents[id].grp, n = st->grps[gi].members;
+    int64_t freed = 0;
+    uint32_t *ids = st->evict_hook ? malloc(sizeof *ids * n) : NULL;
+    uint32_t k = 0, i = id;
+    do {
+        struct entry *e = &st->ents[i];
+        uint32_t nx = e->gnext;
+        freed += (int64_t)pages_for(e->size) * KVF_PAGE;
+        st->evictions++;
+        if (ids) {
+            unlink_entry(st, i);
+            e->state = E_DEAD;
+            e->pins = 1;
+            ids[k++] = i;
+        } else {
+            e->grp = NONE;
+            remove_entry(st, i);
+        }
+        i = nx;
+    } while (i != id);
+    if (!ids) { /* no hook, or no memory for the list: evicted without write-behind */
+        group_free(st, gi);
+        return freed;
+    }
+    kvf_evict_hook fn = st->evict_hook;
+    void *arg = st->evict_arg;
+    uint8_t gkey[KVF_KEY_MAX]; /* a copy: the group array may be reallocated while unlocked */
+    uint32_t glen = st->grps[gi].klen, gparts = st->grps[gi].parts;
+    memcpy(gkey, st->grps[gi].key, glen);
+    for (k = 0; k < n; k++) {
+        struct entry *e = &st->ents[ids[k]];
+        uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
+        uint32_t klen2 = e->klen, hits = e->hits;
+        uint64_t off = e->off, size = e->size, csum = e->csum;
+        memcpy(key2, e->key, klen2);
+        pthread_mutex_unlock(&st->mu);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits, gkey, glen, gparts);
+        pthread_mutex_lock(&st->mu);
+    }
+    for (k = 0; k < n; k++) {
+        struct entry *e = &st->ents[ids[k]];
+        e->grp = NONE;
+        e->pins = 0;
+        release_entry(st, ids[k]);
+    }
+    group_free(st, gi);
+    free(ids);
+    return freed;
+}
+
 int kvf_store_is_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
     pthread_mutex_lock(&st->mu);
     uint32_t i = find(st, key, klen);
-    int r = i != NONE && pinned(&st->ents[i], kvf_now_ms());
+    int r = i != NONE && unit_pinned(st, i, kvf_now_ms());
     pthread_mutex_unlock(&st->mu);
     return r;
 }
@@ -447,14 +685,22 @@ void kvf_store_stats(struct kvf_store *st, struct kvf_store_stats *s)
     s->checksum_failures = st->checksum_failures;
     s->events_dropped = st->events_dropped;
     s->pinned = st->pinned;
+    s->groups = st->groups;
+    s->group_objects = st->group_objects;
+    s->groups_incomplete = st->groups_incomplete;
     pthread_mutex_unlock(&st->mu);
 }
 
 void kvf_store_each(struct kvf_store *st, void (*fn)(const uint8_t *, uint32_t, uint64_t, void *), void *arg)
 {
     pthread_mutex_lock(&st->mu);
-    for (uint32_t i = 0; i < st->nents; i++)
-        if (st->ents[i].state == E_LIVE) fn(st->ents[i].key, st->ents[i].klen, st->ents[i].size, arg);
+    for (uint32_t i = 0; i < st->nents; i++) {
+        struct entry *e = &st->ents[i];
+        if (e->state != E_LIVE) continue;
+        struct group *g = group_of(st, i);
+        if (!g) fn(e->key, e->klen, e->size, arg);
+        else if (g->rep == i) fn(e->key, e->klen, g->bytes, arg);
+    }
     pthread_mutex_unlock(&st->mu);
 }
 

@@ -30,12 +30,17 @@
 
 enum kvf_event_type { KVF_EV_INSERT = 1, KVF_EV_ACCESS = 2, KVF_EV_REMOVE = 3 };
 
+/* One event per object, or per GROUP (issue 23): a group's objects are one
+ * entry of the policy, named by the group's representative (its first part
+ * stored), `key`; `size` is then the group's bytes and `group` its group key
+ * (glen 0: not grouped), gparts the parts it stated. */
 struct kvf_event {
-    uint8_t type, klen, plen, _pad;
-    uint32_t _pad2;
+    uint8_t type, klen, plen, glen;
+    uint32_t gparts;
     uint64_t size;
     uint8_t key[KVF_KEY_MAX];
     uint8_t parent[KVF_KEY_MAX];
+    uint8_t group[KVF_KEY_MAX];
 };
 
 /* Every figure is kept as it changes: kvf_store_stats is O(1). */
@@ -43,6 +48,8 @@ struct kvf_store_stats {
     uint64_t objects, bytes_used, capacity, free_bytes, evictions, checksum_failures, events_dropped;
     uint64_t pinned; /* indexed objects held by a send in progress or an shm lease (pins > 0; LOOKUP
                         leases, which expire by the clock, are not counted) */
+    uint64_t groups, group_objects; /* groups indexed, and the objects that belong to one */
+    uint64_t groups_incomplete;     /* of them, groups holding fewer objects than their parts (see commit_group) */
 };
 
 struct kvf_store;
@@ -68,6 +75,19 @@ void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size);
  * the slot is freed). Records an INSERT event. */
 int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
                      uint64_t csum, const uint8_t *parent, uint32_t plen);
+/* Index the n reserved, filled slots of ONE group (issue 23) as one unit, under one
+ * lock; part k is entry idx[k] of the arrays: status[idx[k]] = 0 stored or 1 already held (that slot freed; an object is in at
+ * most one group, so a held part stays in the group it has). The stored parts form
+ * the group (gkey, gparts); one INSERT event names it by its first stored part, with
+ * the parts' total size and the first part's parent (mapped to the parent's group's
+ * representative when the parent is grouped). -ENOMEM: nothing indexed, every slot
+ * freed. From then on the group's objects are evicted, deleted, dropped and counted
+ * as pinned together (below). */
+int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
+                           const uint8_t *klens,
+                           const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
+                           const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
+                           uint32_t gparts, uint8_t *status);
 /* Pin an entry for reading. -ENOENT on a miss. Records an ACCESS event. */
 int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,
                       uint64_t *size, uint64_t *csum);
@@ -79,16 +99,18 @@ uint32_t kvf_store_key(struct kvf_store *st, uint32_t id, uint8_t key[KVF_KEY_MA
 int kvf_store_exists(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 /* 1 held (lease extended to lease_until_ms when > 0, ACCESS recorded), 0 not. */
 int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, int64_t lease_until_ms);
-/* 1 deleted, 0 absent. Records REMOVE. */
+/* Objects removed (a grouped object takes its whole group), 0 absent. Records REMOVE. */
 int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen);
-/* Evict on the policy's word: bytes freed (whole pages, > 0), -ENOENT absent, -EBUSY pinned. */
+/* Evict on the policy's word: bytes freed (whole pages, > 0), -ENOENT absent, -EBUSY pinned.
+ * A grouped key evicts its whole group, and is pinned while any of its objects is. */
 int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 int kvf_store_is_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 /* Copy up to `max` events out; returns how many. */
 uint32_t kvf_store_drain(struct kvf_store *st, struct kvf_event *out, uint32_t max);
 void kvf_store_stats(struct kvf_store *st, struct kvf_store_stats *s);
-/* Every indexed key, for resynchronising the policy after dropped events:
- * calls fn(key, klen, size, arg) under the lock. */
+/* Every policy entry, for resynchronising the policy after dropped events:
+ * calls fn(key, klen, size, arg) under the lock, once per ungrouped object and
+ * once per group (its representative's key, the group's bytes). */
 void kvf_store_each(struct kvf_store *st, void (*fn)(const uint8_t *, uint32_t, uint64_t, void *), void *arg);
 
 /* Space requests between the data plane and the control thread. */
@@ -108,10 +130,12 @@ int64_t kvf_now_ms(void);
 
 /* Called by kvf_store_evict with an evicted object's bytes, outside the store
  * lock (the slot is freed when it returns): the tiers' write-behind. hits:
- * GETs of the object since it was stored. NULL fn: none. Set it while no
- * eviction runs (before the control thread starts, after it stopped). */
+ * GETs of the object since it was stored; gkey/glen/gparts: its group (glen 0:
+ * none), every part of which is evicted (and handed here) in the same call.
+ * NULL fn: none. Set it while no eviction runs (before the control thread
+ * starts, after it stopped). */
 typedef void (*kvf_evict_hook)(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                               uint64_t csum, uint32_t hits);
+                               uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
 void kvf_store_set_evict_hook(struct kvf_store *st, kvf_evict_hook fn, void *arg);
 
 /* Allocator self-check for tests: 0 when free lists and tags agree. */

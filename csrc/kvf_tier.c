@@ -38,6 +38,9 @@ static uint64_t super_hash(const struct tier_super *s) { return kvf_xxh3_64(s, o
 
 static void rebuild_record(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)
 {
+    uint8_t gkey[KVF_KEY_MAX];
+    uint32_t glen, gparts;
+    if (kvf_tier_grp_get((const uint8_t *)h, gkey, &glen, &gparts)) { t->st.corrupt++; return; } /* its group part torn */
     uint32_t i = kvf_tier_ifind(t, h->key, h->klen);
     if (i != TIER_NONE && t->ents[i].seq >= h->seq) return; /* a later record of the key is indexed */
     if (i != TIER_NONE) kvf_tier_iremove(t, i);
@@ -48,6 +51,8 @@ static void rebuild_record(struct kvf_tier *t, uint64_t loc, const struct tier_r
     e->seq = h->seq;
     e->size = h->size;
     e->csum = h->csum;
+    e->ghash = glen ? kvf_tier_ghash(gkey, glen) : 0;
+    e->gparts = gparts;
     e->state = (h->flags & TIER_F_TOMB) ? TE_TOMB : TE_LIVE;
     if (e->state == TE_LIVE) {
         t->st.objects++;
@@ -126,7 +131,10 @@ static int rebuild(struct kvf_tier *t)
         uint64_t lo = t->head_seg * t->seg_size + t->head_off, hi = (t->head_seg + 1) * t->seg_size;
         for (uint32_t i = 0; i < t->nents; i++)
             if (t->ents[i].state == TE_LIVE && t->ents[i].loc >= lo && t->ents[i].loc < hi) kvf_tier_iremove(t, i);
-    } else {
+    }
+    /* a group missing a record (torn by a crash mid-write-behind, a dropped write, a wrapped log) goes whole */
+    t->st.groups_torn += kvf_tier_drop_torn_groups(t);
+    if (!found) {
         t->next_seq = 1;
         t->head_seg = 0;
         t->head_off = 0;
@@ -375,7 +383,15 @@ int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
     uint32_t i = kvf_tier_ifind(t, key, klen);
     int had = i != TIER_NONE;
     int live = had && t->ents[i].state == TE_LIVE;
+    uint64_t gh = had ? t->ents[i].ghash : 0;
     if (had) kvf_tier_iremove(t, i); /* a PENDING write finds no entry and indexes nothing */
+    if (gh) /* a grouped part takes its group's other records out of the index (an O(index) walk; they
+             * get no tombstone: at a restart the group is short of this part and dropped whole) */
+        for (uint32_t k = 0; k < t->nents; k++)
+            if ((t->ents[k].state == TE_LIVE || t->ents[k].state == TE_PENDING) && t->ents[k].ghash == gh) {
+                live += t->ents[k].state == TE_LIVE;
+                kvf_tier_iremove(t, k);
+            }
     pthread_mutex_unlock(&t->mu);
     if (!had) return 0;
     /* The tombstone goes behind any queued write of the key (one FIFO queue,
@@ -397,7 +413,7 @@ int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
 /* ---------------------------------------------------------------- write-behind */
 
 void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                       uint64_t csum, uint32_t hits)
+                       uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts)
 {
     struct kvf_tier *t = arg;
     if (t->sh && t->sh_write_evicted) kvf_tier_shared_put(t, key, klen, val, size, csum);
@@ -441,7 +457,12 @@ void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8
     t->ents[i].size = size;
     t->ents[i].csum = csum;
     t->ents[i].loc = (uint64_t)(uintptr_t)j;
+    t->ents[i].ghash = glen ? kvf_tier_ghash(gkey, glen) : 0;
+    t->ents[i].gparts = gparts;
     pthread_mutex_unlock(&t->mu);
+    j->glen = (uint8_t)glen; /* written into the record's header block (kvf_tier_grp_fill) */
+    j->gparts = gparts;
+    if (glen) memcpy(j->gkey, gkey, glen);
     kvf_tier_post_write(t, j, KVF_JOB_SSD_WRITE, key, klen, size, csum, buf, rec);
 }
 
@@ -486,6 +507,7 @@ void kvf_tier_stats_mw(struct kvf_tier *t, struct kvf_mw *w)
     KV("ssd_read_us_total", s.read_us_total);
     KV("ssd_write_us_total", s.write_us_total);
     KV("ssd_promotions", s.promotions);
+    KV("ssd_groups_torn", s.groups_torn);
     KV("ssd_queue_bytes", s.queue_bytes);
 #undef KV
 }

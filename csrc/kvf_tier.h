@@ -81,6 +81,11 @@ struct kvf_tier_job {
     uint64_t post_ns;      /* when it was posted (latency counters) */
     uint64_t run_ns, cqe_ns, end_ns; /* tier thread: batch start, I/O completed, verified (stage trace) */
     struct iovec iov[2];   /* tier thread: SSD_READ's header block + value */
+    /* the object's group (issue 23; glen 0: none): SSD_WRITE writes it into the record's header
+     * block, SSD_READ reads it back (verified) so that a promotion commits a group's parts together */
+    uint8_t gkey[KVF_KEY_MAX];
+    uint8_t glen;
+    uint32_t gparts;
 };
 
 /* ------------------------------------------------------------------ shared tier
@@ -117,6 +122,8 @@ struct kvf_tier_cfg {
 struct kvf_tier_stats {
     uint64_t capacity, objects, bytes, hits, misses, reads, read_bytes, writes, write_bytes, write_drops,
         admit_skips, errors, corrupt, read_us_total, write_us_total, promotions, queue_bytes;
+    uint64_t groups_torn; /* groups dropped whole from the index: a part missing at the start-up scan, or
+                             a part's segment reused (issue 23) */
 };
 
 struct kvf_tier;
@@ -168,12 +175,13 @@ int kvf_tier_find(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_
 int kvf_tier_still(struct kvf_tier *t, const uint8_t *key, uint32_t klen, uint64_t seq);
 /* 1 when key is in the SSD index, written or still queued (PENDING). */
 int kvf_tier_has_key(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
-/* DELETE: unindex key and append a tombstone. 1 was on the tier, 0 not. */
+/* DELETE: unindex key (a grouped one: its whole group) and append a tombstone for key.
+ * Returns the records removed that were on the tier (0: none). */
 int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 /* Store eviction hook (kvf_store_set_evict_hook; control thread): stage a copy of the evicted object
  * for write-behind, or count why not (admission, already on the tier, queue full). */
 void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                       uint64_t csum, uint32_t hits);
+                       uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
 
 /* The server's side (kvf_tier_ops.c). Attach before kvf_server_run: the loop
  * then parks GET/LOOKUP keys found on a tier, EXISTS and DELETE see the tier,

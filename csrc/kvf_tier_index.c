@@ -101,13 +101,80 @@ void kvf_tier_iremove(struct kvf_tier *t, uint32_t i)
     t->ent_free = i;
 }
 
+static int u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Sort and dedupe hs[0..n); returns the new n. */
+static size_t sort_unique(uint64_t *hs, size_t n)
+{
+    qsort(hs, n, sizeof *hs, u64_cmp);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (k == 0 || hs[i] != hs[k - 1]) hs[k++] = hs[i];
+    return k;
+}
+
+/* Unindex every live record of the groups in hs[0..n) (sorted, unique); returns how many of those
+ * groups had a record here to lose. */
+static uint64_t drop_groups(struct kvf_tier *t, const uint64_t *hs, size_t n)
+{
+    uint8_t *hit = n ? calloc(n, 1) : NULL;
+    uint64_t dropped = 0;
+    for (uint32_t i = 0; i < t->nents && n; i++) {
+        struct tent *e = &t->ents[i];
+        const uint64_t *f = e->state == TE_LIVE && e->ghash ? bsearch(&e->ghash, hs, n, sizeof *hs, u64_cmp) : NULL;
+        if (!f) continue;
+        kvf_tier_iremove(t, i);
+        if (hit && !hit[f - hs]) { hit[f - hs] = 1; dropped++; }
+    }
+    free(hit);
+    return dropped;
+}
+
 void kvf_tier_drop_segment(struct kvf_tier *t, uint64_t g)
 {
     uint64_t lo = g * t->seg_size, hi = lo + t->seg_size;
+    uint64_t *hs = NULL;
+    size_t n = 0, cap = 0;
     for (uint32_t i = 0; i < t->nents; i++) {
         struct tent *e = &t->ents[i];
-        if ((e->state == TE_LIVE || e->state == TE_TOMB) && e->loc >= lo && e->loc < hi) kvf_tier_iremove(t, i);
+        if (!((e->state == TE_LIVE || e->state == TE_TOMB) && e->loc >= lo && e->loc < hi)) continue;
+        if (e->state == TE_LIVE && e->ghash) { /* its group's records elsewhere go with it */
+            if (n == cap) {
+                uint64_t *p = realloc(hs, sizeof *hs * (cap = cap ? cap * 2 : 64));
+                if (p) hs = p; else cap = n;
+            }
+            if (n < cap) hs[n++] = e->ghash;
+        }
+        kvf_tier_iremove(t, i);
     }
+    if (n) t->st.groups_torn += drop_groups(t, hs, sort_unique(hs, n)); /* those that had a part elsewhere */
+    free(hs);
+}
+
+uint64_t kvf_tier_drop_torn_groups(struct kvf_tier *t)
+{
+    struct gc { uint64_t h; uint32_t parts; } *v = NULL;
+    size_t n = 0;
+    for (uint32_t i = 0; i < t->nents; i++) n += t->ents[i].state == TE_LIVE && t->ents[i].ghash;
+    if (!n || !(v = malloc(sizeof *v * n))) return 0; /* no memory: the groups stay as found (reads verify) */
+    n = 0;
+    for (uint32_t i = 0; i < t->nents; i++)
+        if (t->ents[i].state == TE_LIVE && t->ents[i].ghash) v[n++] = (struct gc){t->ents[i].ghash, t->ents[i].gparts};
+    qsort(v, n, sizeof *v, u64_cmp); /* h is the first member */
+    uint64_t *torn = (uint64_t *)v; /* written behind the reads: k <= i always */
+    size_t k = 0;
+    for (size_t i = 0, j; i < n; i = j) {
+        uint32_t parts = v[i].parts;
+        for (j = i; j < n && v[j].h == v[i].h; j++) if (v[j].parts > parts) parts = v[j].parts;
+        if (j - i < parts) torn[k++] = v[i].h;
+    }
+    uint64_t dropped = drop_groups(t, torn, k); /* sorted and unique already */
+    free(v);
+    return dropped;
 }
 
 /* ---------------------------------------------------------------- format */
@@ -139,6 +206,40 @@ void kvf_tier_rec_fill(struct kvf_tier *t, uint64_t loc, struct tier_rec *h, con
     h->klen = klen;
     memcpy(h->key, key, klen);
     h->hdr_csum = rec_hash(h, fid);
+}
+
+uint64_t kvf_tier_ghash(const uint8_t *gkey, uint32_t glen)
+{
+    uint64_t h = kvf_xxh3_64(gkey, glen);
+    return h ? h : 1;
+}
+
+void kvf_tier_grp_fill(uint8_t *block, const uint8_t *gkey, uint32_t glen, uint32_t gparts)
+{
+    struct tier_grp *g = (struct tier_grp *)(block + TIER_GRP_OFF);
+    memset(g, 0, sizeof *g);
+    if (!glen) return;
+    uint64_t seed = ((const struct tier_rec *)block)->hdr_csum;
+    g->glen = glen;
+    g->gparts = gparts;
+    memcpy(g->gkey, gkey, glen);
+    g->csum = kvf_obj_hash(&seed, sizeof seed, g, offsetof(struct tier_grp, csum));
+}
+
+int kvf_tier_grp_get(const uint8_t *block, uint8_t gkey[KVF_KEY_MAX], uint32_t *glen, uint32_t *gparts)
+{
+    const struct tier_grp *g = (const struct tier_grp *)(block + TIER_GRP_OFF);
+    uint64_t seed = ((const struct tier_rec *)block)->hdr_csum;
+    *glen = 0;
+    *gparts = 0;
+    if (g->glen == 0) return 0;
+    if (g->glen > KVF_KEY_MAX || g->gparts == 0 ||
+        kvf_obj_hash(&seed, sizeof seed, g, offsetof(struct tier_grp, csum)) != g->csum)
+        return -EBADMSG;
+    memcpy(gkey, g->gkey, g->glen);
+    *glen = g->glen;
+    *gparts = g->gparts;
+    return 0;
 }
 
 int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)

@@ -23,6 +23,14 @@
  * rec.csum is the object's protocol v2 checksum (kvf_obj_hash), checked on
  * every read. The highest seq of a key wins at rebuild; a tombstone (flags
  * bit 0) with a higher seq removes the key.
+ *
+ * Groups (issue 23): a grouped object's header block carries struct tier_grp
+ * at offset 128 (the group key and its part count, grp.csum = xxh3_64 of the
+ * bytes before it seeded with rec.hdr_csum, so it belongs to this record);
+ * all zeros there: not grouped (so files written before keep their meaning,
+ * version 1 still). The index keeps a hash of each record's group key; the
+ * start-up scan drops every group that has fewer records than parts, whole,
+ * and the log dropping a segment drops the groups of its records whole too.
  */
 #ifndef KVF_TIER_INT_H
 #define KVF_TIER_INT_H
@@ -54,6 +62,14 @@ struct tier_rec {
     uint64_t hdr_csum;
 };
 _Static_assert(sizeof(struct tier_rec) == 128, "tier_rec is 128 bytes");
+
+struct tier_grp {
+    uint32_t glen, gparts;
+    uint8_t gkey[KVF_KEY_MAX];
+    uint64_t csum;
+};
+_Static_assert(sizeof(struct tier_grp) == 80, "tier_grp is 80 bytes");
+#define TIER_GRP_OFF sizeof(struct tier_rec)
 _Static_assert(sizeof(struct tier_super) == 56, "tier_super is 56 bytes");
 
 enum { TE_FREE = 0, TE_LIVE = 1, TE_PENDING = 2, TE_TOMB = 3 /* rebuild only */ };
@@ -64,6 +80,8 @@ struct tent {
     uint32_t next; /* hash chain or free list */
     uint64_t loc;  /* global log position: g * seg_size + offset in the segment */
     uint64_t size, csum, seq;
+    uint64_t ghash;  /* its group: kvf_tier_ghash of the group key, 0 not grouped */
+    uint32_t gparts; /* the parts the group stated */
 };
 
 struct kvf_tier {
@@ -127,6 +145,14 @@ void kvf_tier_rec_fill(struct kvf_tier *t, uint64_t loc, struct tier_rec *h, con
                        uint64_t size, uint64_t csum, uint64_t seq, uint32_t flags);
 /* 0 when h is a valid record header for the file holding loc */
 int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h);
+/* The group part of a header block whose tier_rec is filled (glen 0: none written) */
+void kvf_tier_grp_fill(uint8_t *block, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
+/* Read it back from a checked header block: 0 (glen 0: not grouped) or -EBADMSG */
+int kvf_tier_grp_get(const uint8_t *block, uint8_t gkey[KVF_KEY_MAX], uint32_t *glen, uint32_t *gparts);
+/* The index's hash of a group key (never 0) */
+uint64_t kvf_tier_ghash(const uint8_t *gkey, uint32_t glen);
+/* Unindex every group with fewer live records than its parts (the start-up scan); returns how many */
+uint64_t kvf_tier_drop_torn_groups(struct kvf_tier *t);
 
 /* kvf_tier_io.c */
 int kvf_tier_thread_start(struct kvf_tier *t);

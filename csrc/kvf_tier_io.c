@@ -264,6 +264,10 @@ static int verify_read(struct kvf_tier *t, struct kvf_tier_job *j)
     if (h->klen != j->klen || memcmp(h->key, j->key, j->klen) || h->seq != j->seq || (h->flags & TIER_F_TOMB))
         return -ESTALE;
     if (h->size != j->size || h->csum != j->csum) return -EBADMSG;
+    uint32_t glen, gparts; /* its group, for the promotion (kvf_tier_ops.c commits a group's parts together) */
+    if (kvf_tier_grp_get(j->iov[0].iov_base, j->gkey, &glen, &gparts)) return -EBADMSG;
+    j->glen = (uint8_t)glen;
+    j->gparts = gparts;
     return kvf_obj_hash(j->key, j->klen, j->dst, j->size) == j->csum ? 0 : -EBADMSG;
 }
 
@@ -414,6 +418,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             pthread_mutex_unlock(&t->mu);
             kvf_tier_rec_fill(t, j->loc, (struct tier_rec *)j->buf, j->key, j->klen, j->op == KVF_JOB_SSD_TOMB ? 0 : j->size,
                               j->op == KVF_JOB_SSD_TOMB ? 0 : j->csum, j->seq, j->op == KVF_JOB_SSD_TOMB ? TIER_F_TOMB : 0);
+            kvf_tier_grp_fill(j->buf, j->gkey, j->op == KVF_JOB_SSD_TOMB ? 0 : j->glen, j->gparts);
             kvf_tier_where(t, j->loc, &fd, &off);
             q->opcode = IORING_OP_WRITE;
             q->addr = (uint64_t)(uintptr_t)j->buf;

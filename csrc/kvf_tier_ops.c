@@ -151,6 +151,63 @@ static void req_done(struct conn *c)
     c->tier_pass = 0;
 }
 
+/* Grouped SSD reads of one request (issue 23): the parts of a group read back are
+ * committed into DRAM together (kvf_store_commit_group), so they are one unit of
+ * the policy again, as when they were PUT. */
+struct promo {
+    uint8_t *ok, *status;
+    uint32_t *idx;
+    const uint8_t **keys;
+    uint8_t *klens;
+    uint64_t *offs, *sizes, *csums;
+};
+
+static struct promo *promo_new(uint32_t n)
+{
+    size_t m = n ? n : 1;
+    struct promo *p = calloc(1, sizeof *p + m * (2 + sizeof(uint32_t) + sizeof(uint8_t *) + 1 + 3 * sizeof(uint64_t)));
+    if (!p) return NULL; /* then each object is promoted alone */
+    uint8_t *q = (uint8_t *)(p + 1);
+    p->offs = (uint64_t *)q; q += m * sizeof(uint64_t);
+    p->sizes = (uint64_t *)q; q += m * sizeof(uint64_t);
+    p->csums = (uint64_t *)q; q += m * sizeof(uint64_t);
+    p->keys = (const uint8_t **)q; q += m * sizeof(uint8_t *);
+    p->idx = (uint32_t *)q; q += m * sizeof(uint32_t);
+    p->ok = q; q += m;
+    p->status = q; q += m;
+    p->klens = q;
+    return p;
+}
+
+/* Commit the jobs marked in pr->ok, a group at a time; returns the objects stored. */
+static uint64_t promote_groups(struct kvf_server *s, struct kvf_tier_req *r, struct promo *pr)
+{
+    uint64_t stored = 0;
+    for (uint32_t i = 0; i < r->n; i++) {
+        if (!pr->ok[i]) continue;
+        struct kvf_tier_job *g = r->jobs[i];
+        uint32_t m = 0;
+        for (uint32_t k = i; k < r->n; k++) {
+            struct kvf_tier_job *j = r->jobs[k];
+            if (!pr->ok[k] || j->glen != g->glen || memcmp(j->gkey, g->gkey, g->glen)) continue;
+            pr->ok[k] = 0;
+            pr->keys[m] = j->key;
+            pr->klens[m] = j->klen;
+            pr->offs[m] = j->slot_off;
+            pr->sizes[m] = j->size;
+            pr->csums[m] = j->csum;
+            pr->idx[m] = m;
+            m++;
+            j->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
+        }
+        /* commit frees the slots of keys that arrived meanwhile, and every slot on ENOMEM */
+        if (kvf_store_commit_group(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums, NULL, 0,
+                                   g->gkey, g->glen, g->gparts, pr->status) == 0)
+            for (uint32_t k = 0; k < m; k++) stored += pr->status[k] == 0;
+    }
+    return stored;
+}
+
 /* Every job is back: promote and count. 1: the request is to run again (the
  * loop dispatches it, then calls kvf_tier_rerun_done) or, on a closing
  * connection, is gone; 0: parked for space (kvf_tier_step calls this again). */
@@ -161,6 +218,7 @@ static int finish(struct conn *c)
     uint64_t hits = 0, misses = 0, prom = 0;
     if (!c->closing && s->tier && shared_slots(c, r)) return 0;
     if (trace_fp && !r->reap_ns) r->reap_ns = now_ns(); /* finished without any job posted */
+    struct promo *pr = promo_new(r->n);
     for (uint32_t i = 0; i < r->n; i++) {
         struct kvf_tier_job *j = r->jobs[i];
         if (j->op == KVF_JOB_SSD_TOMB) continue; /* a DELETE's, on disk (or counted) */
@@ -168,6 +226,7 @@ static int finish(struct conn *c)
         int ok = j->result == 0 && !c->closing && s->tier;
         if (ok && ssd && !kvf_tier_still(s->tier, j->key, j->klen, j->seq)) ok = 0; /* deleted meanwhile */
         if (ok && !ssd && !j->dst) ok = 0; /* a shared-tier value that got no slot (shared_slots) */
+        if (ok && ssd && j->glen && pr) { pr->ok[i] = 1; hits++; continue; } /* promoted with its group, below */
         if (ok) {
             /* commit frees the slot itself when the key arrived meanwhile (1) or on ENOMEM */
             int rc = kvf_store_commit(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, NULL, 0);
@@ -178,6 +237,8 @@ static int finish(struct conn *c)
         }
         j->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
     }
+    if (pr) prom += promote_groups(s, r, pr);
+    free(pr);
     if (s->tier) kvf_tier_count(s->tier, hits, misses, prom);
     if (c->closing) {
         req_done(c);

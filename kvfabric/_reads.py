@@ -58,10 +58,13 @@ def _object_checksum(key: bytes, dest: Any, n: int) -> int:
 class _Reads:
     """``get_into``, ``get_into_parts``, ``get`` (see the module docstring)."""
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *, timeout_s: float | None = None) -> list[int | None]:
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *, placement: Sequence[bytes] | None = None,
+                 timeout_s: float | None = None) -> list[int | None]:
         """Receive each found object straight into ``buffers[i]``; returns its size or None (miss).
 
-        Owners are tried in order (replicas). A bad checksum is a miss. Raises
+        Owners are tried in order (replicas). ``placement[i]``, when given, is
+        the key ``keys[i]`` is routed by (as for ``put``; read-repair and
+        hand-off are not applied to such calls). A bad checksum is a miss. Raises
         ``TypeError`` for a read-only or non-contiguous buffer and
         ``ValueError`` for one smaller than the object found.
         """
@@ -69,10 +72,12 @@ class _Reads:
         keys = self._keys(keys)
         if len(buffers) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        return self._get(keys, [_writable(b) for b in buffers], None, timeout_s)[0]
+        route, _ = self._placement(keys, placement)
+        return self._get(keys, [_writable(b) for b in buffers], None, timeout_s, route=route)[0]
 
     def get_into_parts(
-        self, keys: Sequence[bytes], parts: Sequence[Sequence[Any]], *, timeout_s: float | None = None
+        self, keys: Sequence[bytes], parts: Sequence[Sequence[Any]], *, placement: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
     ) -> list[int | None]:
         """Scatter form of :meth:`get_into`: object ``i`` fills the buffers ``parts[i]`` in order.
 
@@ -83,7 +88,7 @@ class _Reads:
         shorter object fills only the first ones); the caller learns where
         the object ended from the returned size. Returns each object's size,
         or None for a miss; the checksum covers the whole object, as for
-        ``get_into``. ``parts[i]`` holds 1..64 buffers. Raises ``TypeError``
+        ``get_into``; ``placement`` as for ``get_into``. ``parts[i]`` holds 1..64 buffers. Raises ``TypeError``
         for a read-only or non-contiguous buffer and ``ValueError`` for an
         entry whose buffers together are smaller than the object found (as
         ``get_into``: what the call's other buffers then hold is unspecified).
@@ -93,6 +98,7 @@ class _Reads:
         """
         self._check_open()
         keys = self._keys(keys)
+        route, _ = self._placement(keys, placement)
         if len(parts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
         views: list[Any] = []
@@ -101,24 +107,29 @@ class _Reads:
             if not 1 <= len(entry) <= _MAX_PARTS:
                 raise ValueError(f"parts[{i}] holds {len(entry)} buffers (1..{_MAX_PARTS})")
             views.append(entry)
-        return self._get(keys, views, None, timeout_s)[0]
+        return self._get(keys, views, None, timeout_s, route=route)[0]
 
-    def get(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bytes | None]:
+    def get(self, keys: Sequence[bytes], *, placement: Sequence[bytes] | None = None,
+            timeout_s: float | None = None) -> list[bytes | None]:
         """Convenience form of :meth:`get_into` that allocates: ``bytes`` per hit, None per miss."""
         self._check_open()
         keys = self._keys(keys)
+        route, _ = self._placement(keys, placement)
         out: list[bytes | None] = [None] * len(keys)
-        self._get(keys, None, out, timeout_s)
+        self._get(keys, None, out, timeout_s, route=route)
         return out
 
     def _get(self, keys: list[bytes], views: list[Any] | None, out: list | None, timeout_s: float | None,
-             *, background: bool = False) -> tuple[list[int | None], int]:
+             *, background: bool = False, route: list[bytes] | None = None) -> tuple[list[int | None], int]:
         """GET into ``views`` (one memoryview, or a tuple of them: a scatter entry, per key) or, with
         ``views=None``, into new ``bytes`` stored in ``out``: owners in replica order, then previous owners
         (hand-off); returns (sizes, misses). ``background``: a repair's own GET (membership/handoff.py):
-        counts no hits or misses."""
+        counts no hits or misses. ``route``: what each key is routed by (placement keys) when not the key
+        itself; such a GET asks its owners only (no read-repair or hand-off: their puts would not carry
+        the groups)."""
         deadline = self._deadline(timeout_s)
-        owners = self._owners(keys)
+        placed = route is not None and route is not keys
+        owners = self._owners(route if placed else keys)
         sizes: list[int | None] = [None] * len(keys)
         verify = self.config.verify_checksums
         cap = protocol.MAX_OBJECT_BYTES
@@ -178,7 +189,7 @@ class _Reads:
             if rank:
                 found_at.update((i, rank) for i in pending if sizes[i] is not None)
             pending = [i for i in pending if sizes[i] is None]
-        if found_at or self._previous.active():
+        if not placed and (found_at or self._previous.active()):
             pending = self._after_get(keys, owners, sizes, views, out, pending, found_at, answered, job_for,
                                       deadline, background)
         if not background:

@@ -193,19 +193,21 @@ class _Routing:
         """The server ids keys are routed over now (see the module docstring)."""
         return self._view.ids
 
-    def route(self, keys: Sequence[bytes]) -> list[list[str]]:
+    def route(self, keys: Sequence[bytes], *, placement: Sequence[bytes] | None = None) -> list[list[str]]:
         """The server ids that own each key now, best first (``replicas`` of them, fewer when the
-        cluster is smaller; none when it is empty). Pure routing: no request is sent."""
-        keys = self._keys(keys)
+        cluster is smaller; none when it is empty), routed by ``placement`` when given (as ``put``).
+        Pure routing: no request is sent."""
+        keys, _ = self._placement(self._keys(keys), placement)
         view = self._view
         return [[view.ids[p] for p in row] for row in self._positions(keys, view)]
 
-    def unreachable(self, keys: Sequence[bytes]) -> list[bool]:
+    def unreachable(self, keys: Sequence[bytes], *, placement: Sequence[bytes] | None = None) -> list[bool]:
         """Per key: True when every server that owns it now is marked down (a request or connect to
         it failed; it is tried again after its backoff), so a lookup or get of it is a miss without
-        asking anyone until one of them is back. True for every key of an empty cluster. Pure
-        bookkeeping: no request is sent (a caller deciding whether waiting for a key can pay off)."""
-        keys = self._keys(keys)
+        asking anyone until one of them is back. True for every key of an empty cluster. ``placement``:
+        as for ``route``. Pure bookkeeping: no request is sent (a caller deciding whether waiting for a
+        key can pay off)."""
+        keys, _ = self._placement(self._keys(keys), placement)
         view = self._view
         down = [bool(s.down_until) for s in view.shards]
         return [all(down[p] for p in row) for row in self._positions(keys, view)]  # no owners: True

@@ -3,7 +3,10 @@
 How a call runs:
 
 1. Every key is routed with rendezvous hashing (``sharding``, in C when the
-   extension is built) to its owner servers (``replicas`` of them, best first).
+   extension is built) to its owner servers (``replicas`` of them, best first),
+   or, with ``placement=``, by its placement key: the keys of one group (a KV
+   chunk's layer objects) share their owners, a PUT carries each group whole
+   in one frame (``groups``/``group_parts``) and lookups count whole groups.
 2. Keys are grouped per shard, in the caller's order, and each shard gets one
    job: its requests (split only where the key count or payload exceeds the
    server's advertised limits) run back to back on one pooled connection.
@@ -80,7 +83,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import protocol, transport
+from . import protocol, sharding, transport
 from ._fanout import Conversation, _FanOut, _small
 from ._shard import _Counters, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
@@ -88,7 +91,8 @@ from .errors import ConfigError, ConnectionClosed, ErrorCode
 from .keys import BlockKey, KeyHasher, Namespace
 from .membership import Membership, StaticMembership
 from .membership.handoff import HandOff, PreviousViews, Repairer
-from ._plan import PutResult, combine_puts, leading_run, plan_chunks
+from ._plan import (PutResult, check_contiguous_groups, combine_puts, leading_run, plan_chunks, plan_groups,
+                    whole_group_run, whole_groups)
 from ._reads import _Reads
 from ._routing import _Routing, _View
 from .protocol import PutStatus
@@ -103,6 +107,17 @@ except ImportError:  # pragma: no cover - depends on the build
     _c_check_keys = None
 
 _checksum = protocol.checksum  # bound to the key (protocol 2)
+
+
+def _group_fields(group: list[bytes] | None, chunk: list[int]) -> dict[str, Any]:
+    """PUT's ``groups``/``group_parts`` fields for the keys ``chunk`` (none without groups): each key's
+    group and its group's part count, which is the length of the group's run in ``chunk``
+    (``plan_groups`` puts every key of a group in the call in one request, consecutively)."""
+    if group is None:
+        return {}
+    names = [group[i] for i in chunk]
+    runs = Counter(names)
+    return {"groups": names, "group_parts": [runs[g] for g in names]}
 
 
 class Client(_Routing, _FanOut, _Reads, HandOff):
@@ -308,6 +323,30 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                 raise ValueError(f"a key must be 1..{protocol.MAX_KEY_BYTES} bytes, got {len(k)}")
         return out
 
+    def _placement(self, keys: list[bytes], placement: Sequence[bytes] | None,
+                   groups: Sequence[bytes] | None = None) -> tuple[list[bytes], list[bytes] | None]:
+        """``(route, group)`` of a call: what each key is routed by (its placement key, or the key itself)
+        and its group key (``groups[i]``, default its placement key; None without ``placement``).
+        Placement and group keys are checked like keys (1..64 bytes); every key of a group must share
+        one placement key (else its parts would be stored on different servers)."""
+        if placement is None:
+            if groups is not None:
+                raise ValueError("groups= needs placement= (a group is placed by its placement key)")
+            return keys, None
+        route = self._keys(sharding.route_keys(keys, placement))
+        if groups is None:
+            return route, route
+        if isinstance(groups, (bytes, bytearray, str)):
+            raise TypeError("groups must be a sequence of keys (one per key), not a single key")
+        group = self._keys(groups)
+        if len(group) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(group)} group keys")
+        placed: dict[bytes, bytes] = {}
+        for i, (g, r) in enumerate(zip(group, route)):
+            if placed.setdefault(g, r) != r:
+                raise ValueError(f"key {i}: group {g.hex()[:32]} has two placement keys (a group is placed whole)")
+        return route, group
+
     # ------------------------------------------------------------------ public API
 
     def prefix_keys(self, tokens: Any) -> list[BlockKey]:
@@ -322,16 +361,27 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         values: Sequence[Any],
         *,
         parents: Sequence[bytes | None] | None = None,
+        placement: Sequence[bytes] | None = None,
+        groups: Sequence[bytes] | None = None,
         timeout_s: float | None = None,
     ) -> PutResult:
         """Store ``values[i]`` (any contiguous buffer) under ``keys[i]`` on all its owners.
 
         ``parents[i]``, when given, is the key of the block before ``keys[i]``
-        in its prompt (prefix-aware eviction uses it). Never raises for a
-        failing shard: those keys count as dropped.
+        in its prompt (prefix-aware eviction uses it). ``placement[i]``, when
+        given, is the key ``keys[i]`` is routed by (its group's placement key:
+        every key that shares it has the same owners), and ``groups[i]`` the
+        group it is stored in (default: its placement key; give it when one
+        placement key places several groups, e.g. the chunks of a segment).
+        A group's keys (all of them in this call) go to each owner in one
+        request, never split: a group that alone exceeds a server's request
+        limits, or holds one object over its object limit, is refused whole
+        (counted dropped). Never raises for a failing shard: those keys count
+        as dropped.
         """
         self._check_open()
         keys = self._keys(keys)
+        route, group = self._placement(keys, placement, groups)
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if parents is not None and len(parents) != len(keys):
@@ -347,23 +397,30 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
             views.append(view)
         deadline = self._deadline(timeout_s)
         sums = [_checksum(k, v) for k, v in zip(keys, views)]
-        owners = self._owners(keys)
+        owners = self._owners(route)
         status: list[list[int]] = [[-1] * self.config.replicas for _ in keys]  # -1: not stored by that owner
 
         def job_for(shard: _Shard, idx: list[int]):
             def job(conn: transport.Connection, deadline: float) -> None:
-                fits = []
-                for i in idx:
-                    if views[i].nbytes > shard.limits.max_object_bytes:
-                        status[i][owners[i].index(shard.index)] = PutStatus.TOO_LARGE
-                    else:
-                        fits.append(i)
-                for chunk in self._chunks(shard, fits, lambda i: views[i].nbytes):
+                big = {i for i in idx if views[i].nbytes > shard.limits.max_object_bytes}
+                if group is not None:  # one object over the limit refuses its whole group
+                    big_groups = {group[i] for i in big}
+                    big = {i for i in idx if group[i] in big_groups}
+                    max_keys = min(self.config.max_batch_keys, shard.limits.max_keys_per_batch)
+                    chunks, refused = plan_groups([i for i in idx if i not in big], group.__getitem__, max_keys,
+                                                  shard.limits.max_payload_bytes, lambda i: views[i].nbytes)
+                    big.update(refused)
+                else:
+                    chunks = self._chunks(shard, [i for i in idx if i not in big], lambda i: views[i].nbytes)
+                for i in big:
+                    status[i][owners[i].index(shard.index)] = PutStatus.TOO_LARGE
+                for chunk in chunks:
                     msg = protocol.PutRequest(
                         keys=[keys[i] for i in chunk],
                         sizes=[views[i].nbytes for i in chunk],
                         checksums=[sums[i] for i in chunk],
                         parents=None if parents is None else [parents[i] for i in chunk],
+                        **_group_fields(group, chunk),
                     )
                     reply = conn.request(msg, [views[i] for i in chunk], deadline=deadline).msg
                     if len(reply.status) != len(chunk):
@@ -379,17 +436,27 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                            replica_puts_dropped=replica_drops)
         return result
 
-    def exists(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
-        """Which keys some owner holds (all owners asked at once). Failing shards answer False."""
+    def exists(self, keys: Sequence[bytes], *, placement: Sequence[bytes] | None = None,
+               groups: Sequence[bytes] | None = None, timeout_s: float | None = None) -> list[bool]:
+        """Which keys some owner holds (all owners asked at once). Failing shards answer False.
+
+        With ``placement`` (and ``groups``, as for :meth:`put`) keys are routed by
+        their placement keys and a key counts present only when every key of its
+        group in this call is present (on one owner or another)."""
         self._check_open()
         keys = self._keys(keys)
+        route, group = self._placement(keys, placement, groups)
         present = [False] * len(keys)
         deadline = self._deadline(timeout_s)
-        self._presence(keys, present, deadline)
-        self._handoff_exists(keys, present, deadline)
+        self._presence(keys, present, deadline, route)
+        if group is None:
+            self._handoff_exists(keys, present, deadline)
+        else:
+            whole_groups(present, group)
         return present
 
-    def _presence(self, keys: list[bytes], present: list[bool], deadline: float) -> None:
+    def _presence(self, keys: list[bytes], present: list[bool], deadline: float,
+                  route: list[bytes] | None = None) -> None:
         def talk_for(shard: _Shard, idx: list[int]) -> Callable[[], Conversation]:
             def talk() -> Conversation:
                 for chunk in self._chunks(shard, idx):
@@ -402,9 +469,10 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                             present[i] = True
             return talk
 
-        self._talk(self._by_owner(self._owners(keys)), talk_for, keys, deadline)
+        self._talk(self._by_owner(self._owners(keys if route is None else route)), talk_for, keys, deadline)
 
-    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, *, timeout_s: float | None = None) -> int:
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, *, placement: Sequence[bytes] | None = None,
+               groups: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         """Length of the longest leading run of ``keys`` that the pool holds.
 
         One LOOKUP per shard, in parallel: shard ``s`` gets its keys in prompt
@@ -418,9 +486,22 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         The requests are small, so they normally go out from this thread, all
         shards' at once, and the replies are read as they arrive (see
         :meth:`_converse`); routing runs in C (``sharding.group_by_owner``).
+
+        With ``placement`` (and ``groups``, as for :meth:`put`) keys are routed
+        by their placement keys, each group's keys must be consecutive
+        (chunk-major: every part of chunk 0, then of chunk 1, ...; else
+        ``ValueError``), and the run ends at the start of the first group not
+        held whole: a chunk counts only when all its parts are present. Keys of
+        one placement key go to one shard, so a prompt's lookup is one request
+        per shard holding its placement keys (more only past a server's
+        request limits). Hand-off (a membership change) is not applied to
+        placement-routed calls.
         """
         self._check_open()
         keys = self._keys(keys)
+        route, group = self._placement(keys, placement, groups)
+        if group is not None:
+            check_contiguous_groups(group)
         if type(lease_ms) is not int or not 0 <= lease_ms <= protocol.MAX_LEASE_MS:
             raise ValueError(f"lease_ms must be an int in 0..{protocol.MAX_LEASE_MS}, got {lease_ms!r}")
         if not keys:
@@ -428,12 +509,13 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         deadline = self._deadline(timeout_s)
         if self.config.replicas > 1:
             present = [False] * len(keys)
-            self._presence(keys, present, deadline)
-            run = self._handoff_run(keys, next((i for i, p in enumerate(present) if not p), len(keys)), deadline)
+            self._presence(keys, present, deadline, route)
+            run = next((i for i, p in enumerate(present) if not p), len(keys))
+            run = self._handoff_run(keys, run, deadline) if group is None else whole_group_run(run, group)
             self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
             return run
-        groups = self._primary_groups(keys)
-        if not groups:  # no members: nothing is held
+        shard_keys = self._primary_groups(route)
+        if not shard_keys:  # no members: nothing is held
             self._counters.add(lookup_misses=len(keys))
             return 0
         first_missing: dict[int, int] = {}  # shard -> global index of its first missing key
@@ -449,18 +531,22 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                         return
             return talk
 
-        for s, good in self._talk(groups, talk_for, keys, deadline).items():
+        for s, good in self._talk(shard_keys, talk_for, keys, deadline).items():
             if not good:  # a failing shard holds nothing, as far as this call knows
-                first_missing[s] = groups[s][0]
-        run = self._handoff_run(keys, leading_run(len(keys), list(first_missing.values())), deadline)
+                first_missing[s] = shard_keys[s][0]
+        run = leading_run(len(keys), list(first_missing.values()))
+        run = self._handoff_run(keys, run, deadline) if group is None else whole_group_run(run, group)
         self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
         return run
 
-    def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
-        """Delete ``keys`` from all their owners; returns the number of stored objects removed
-        (a key held by two replicas counts twice). Failing shards remove nothing."""
+    def delete(self, keys: Sequence[bytes], *, placement: Sequence[bytes] | None = None,
+               timeout_s: float | None = None) -> int:
+        """Delete ``keys`` from all their owners (routed by ``placement`` when given, as for :meth:`put`);
+        returns the number of stored objects removed (a key held by two replicas counts twice).
+        Failing shards remove nothing."""
         self._check_open()
         keys = self._keys(keys)
+        route, _ = self._placement(keys, placement)
         deadline = self._deadline(timeout_s)
         deleted: Counter[int] = Counter()
 
@@ -472,7 +558,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                     self._counters.add(requests=1)
             return job
 
-        self._scatter(self._by_owner(self._owners(keys)), job_for, deadline)
+        self._scatter(self._by_owner(self._owners(route)), job_for, deadline)
         return sum(deleted.values())
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:

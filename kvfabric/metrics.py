@@ -78,6 +78,7 @@ SERVER_GAUGES = frozenset({
     "objects", "bytes_used", "bytes_allocated", "capacity", "free_bytes", "pinned", "leased", "connections",
     "uptime_s", "reserved_bytes", "reply_bytes", "request_bytes", "shm_leases", "shm_reservations",
     "ssd_capacity", "ssd_objects", "ssd_bytes", "ssd_queue_bytes",
+    "groups", "group_objects", "groups_incomplete",  # issue 23: indexed groups now
 })
 #: STATS keys that are maps of numbers -> the label of their keys.
 SERVER_LABELS = {"errors": "code", "transports_in_use": "transport", "drops": "reason"}

@@ -11,6 +11,15 @@ each other. Adding or removing one of N servers moves only the keys whose top
 score belonged to that server (about 1/N of them), and the blocks of one prompt
 spread evenly over all servers, so a long prefix is fetched in parallel.
 
+Placement keys: a caller may route a key by another key, its *placement key*
+(``kvfabric.Client``'s ``placement=``): the owners of ``keys[i]`` are then
+``owners(placement[i])``, the same formula over the placement key's bytes. All
+objects that share a placement key (the layer objects of one chunk, or every
+chunk of a segment) therefore have the same owners and the same replicas, in
+the same order. ``route_keys`` picks, per key, what is hashed; nothing else
+changes, so the C batch routing below serves both (it routes a run of equal
+placement keys once).
+
 Ties between two servers' scores (probability 2**-64 per pair) are broken by
 the lower server index, so the result is still deterministic.
 
@@ -44,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = [
     "server_seed", "score", "owners", "owner_table", "group_by_owner",
-    "reference_owner_table", "reference_group_by_owner",
+    "reference_owner_table", "reference_group_by_owner", "route_keys",
 ]
 
 
@@ -59,6 +68,20 @@ def server_seed(server_id: str) -> int:
 def score(server_id: str, key: bytes) -> int:
     """Rendezvous weight of ``key`` on ``server_id`` (an unsigned 64-bit int)."""
     return xxhash.xxh3_64_intdigest(key, seed=server_seed(server_id))
+
+
+def route_keys(keys: Sequence[bytes], placement: Sequence[bytes] | None) -> Sequence[bytes]:
+    """What is hashed to route each of ``keys``: ``keys`` itself, or ``placement`` (one placement key
+    per key, the same length; ``ValueError`` otherwise). Placement keys are checked like keys when
+    routed (non-empty ``bytes``)."""
+    if placement is None:
+        return keys
+    if isinstance(placement, (bytes, bytearray, str)):
+        raise TypeError("placement must be a sequence of keys (one per key), not a single key")
+    placement = _as_list(placement)
+    if len(placement) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(placement)} placement keys")
+    return placement
 
 
 def _check_servers(servers: Sequence[str]) -> list[int]:

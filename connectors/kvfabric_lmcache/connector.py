@@ -159,8 +159,8 @@ class KVFabricConnector(RemoteConnector):
     # ------------------------------------------------------------------ contains
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        k = self.keymap(key)
-        return self._guard("exists", False, lambda: self.client.exists([k])[0])
+        k, place = self.keymap(key), self.keymap.placement([key])
+        return self._guard("exists", False, lambda: self.client.exists([k], placement=place)[0])
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return await self._off_loop(lambda: self.exists_sync(key))
@@ -171,8 +171,9 @@ class KVFabricConnector(RemoteConnector):
     def _lookup(self, keys: list[CacheEngineKey], lease_ms: int) -> int:
         if not keys:
             return 0
-        ks = self.keymap.many(keys)
-        n = self._guard("lookup", 0, lambda: self.client.lookup(ks, lease_ms=lease_ms))
+        ks, place = self.keymap.many(keys), self.keymap.placement(keys)
+        # with per-layer keys (all layers of one chunk, consecutive) the chunk counts only when whole
+        n = self._guard("lookup", 0, lambda: self.client.lookup(ks, lease_ms=lease_ms, placement=place))
         self._count(lookups=1, lookup_hits=n)
         return n
 
@@ -225,7 +226,8 @@ class KVFabricConnector(RemoteConnector):
         self._count(get_copies=1)
         return obj
 
-    def _land(self, key: bytes, head: np.ndarray, obj: MemoryObj, size: Optional[int]) -> Optional[MemoryObj]:
+    def _land(self, key: bytes, head: np.ndarray, obj: MemoryObj, size: Optional[int],
+              place: Optional[bytes] = None) -> Optional[MemoryObj]:
         """The memory object for one key after the scatter GET put ``size`` bytes over (head, obj).
 
         A full chunk written by this plugin is ready as it is. Anything else
@@ -252,7 +254,8 @@ class KVFabricConnector(RemoteConnector):
             return obj  # the common case: the bytes are where LMCache wants them
         if meta is None:  # the payload did not start at the 256-byte boundary: fetch it whole
             obj.ref_count_down()
-            raw = self._guard("get", [None], lambda: self.client.get([key]))[0]
+            raw = self._guard("get", [None], lambda: self.client.get([key], placement=None if place is None
+                                                                     else [place]))[0]
             return self._rebuild(raw)
         out = self._alloc(meta.shapes, meta.dtypes, meta.fmt)
         if out is not None:
@@ -295,13 +298,13 @@ class KVFabricConnector(RemoteConnector):
         want = [i for i, o in enumerate(objs) if o is not None]
         out: list[Optional[MemoryObj]] = [None] * len(keys)
         if want:
-            ks = self.keymap.many([keys[i] for i in want])
+            ks, place = self.keymap.many([keys[i] for i in want]), self.keymap.placement([keys[i] for i in want])
             heads = np.empty((len(want), value.HEADER_ALIGN), dtype=np.uint8)
             parts = [(heads[j], memoryview(objs[i].byte_array).cast("B")) for j, i in enumerate(want)]
 
             def fetch() -> Optional[list[Optional[int]]]:
                 try:
-                    return self.client.get_into_parts(ks, parts)
+                    return self.client.get_into_parts(ks, parts, placement=place)
                 except ValueError:  # some object is larger than header + full chunk
                     return None
 
@@ -309,12 +312,12 @@ class KVFabricConnector(RemoteConnector):
             if sizes is None:
                 for i in want:
                     objs[i].ref_count_down()
-                raws = self._guard("get", [None] * len(want), lambda: self.client.get(ks))
+                raws = self._guard("get", [None] * len(want), lambda: self.client.get(ks, placement=place))
                 for i, raw in zip(want, raws):
                     out[i] = self._rebuild(raw)
             else:
                 for j, i in enumerate(want):
-                    out[i] = self._land(ks[j], heads[j], objs[i], sizes[j])
+                    out[i] = self._land(ks[j], heads[j], objs[i], sizes[j], None if place is None else place[j])
         return out
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
@@ -372,8 +375,10 @@ class KVFabricConnector(RemoteConnector):
     def _send(self, keys: list[CacheEngineKey], values: list[np.ndarray], bufs: list[np.ndarray]) -> None:
         """PUT the encoded chunks (blocking), then hand the scratch buffers back."""
         try:
-            ks = self.keymap.many(keys)
-            res = self._guard("put", None, lambda: self.client.put(ks, values))
+            ks, place = self.keymap.many(keys), self.keymap.placement(keys)
+            # per-layer objects arrive layer by layer: each is its own server group, placed with its chunk
+            res = self._guard("put", None, lambda: self.client.put(ks, values, placement=place,
+                                                                   groups=None if place is None else ks))
         finally:
             self._scratch.give(bufs)
         if res is None:
@@ -408,8 +413,8 @@ class KVFabricConnector(RemoteConnector):
     # ------------------------------------------------------------------ misc
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
-        k = self.keymap(key)
-        return self._guard("delete", 0, lambda: self.client.delete([k])) > 0
+        k, place = self.keymap(key), self.keymap.placement([key])
+        return self._guard("delete", 0, lambda: self.client.delete([k], placement=place)) > 0
 
     async def list(self) -> list[str]:
         raise NotImplementedError(

@@ -19,6 +19,14 @@ keeps these keys apart from keys of kvfabric's own connectors even for the
 same model, because the stored objects differ (this plugin's values carry a
 header, see :mod:`kvfabric_lmcache.value`).
 
+Placement (issue 23): what LMCache stores per chunk is one object per
+(chunk, TP worker) holding every layer, or, with ``use_layerwise``, one per
+(chunk, layer) (``LayerCacheEngineKey``), put layer by layer and looked up
+all layers of one chunk at once. A chunk's objects are routed by one
+placement key, the chunk's whole-chunk key (layer -1): :meth:`KeyMapper.placement`,
+so the layers of one chunk live on one owner set and a lookup of them is one
+request. A whole-chunk object is placed by its own key, as before.
+
 Nothing here depends on ``PYTHONHASHSEED``; but LMCache's own chunk hash does
 when its ``pre_caching_hash_algorithm`` is ``builtin`` without vLLM installed,
 so engines sharing a pool across processes must pin that (see the notes).
@@ -105,12 +113,22 @@ class KeyMapper:
         """The kvfabric key of ``key``; TypeError for a key that is not a CacheEngineKey."""
         if not isinstance(key, CacheEngineKey):
             raise TypeError(f"expected an LMCache CacheEngineKey, got {type(key).__name__}")
+        return self._key(key, key.layer_id if isinstance(key, LayerCacheEngineKey) else -1)
+
+    def _key(self, key: CacheEngineKey, layer: int) -> BlockKey:
         kind, body = chunk_hash_bytes(key.chunk_hash)
-        layer = key.layer_id if isinstance(key, LayerCacheEngineKey) else -1
         return self.hasher.hash(self._digest(key), _CHUNK_TAG, bytes((kind,)), body, struct.pack("<q", layer))
 
     def many(self, keys: list[CacheEngineKey]) -> list[BlockKey]:
         return [self(k) for k in keys]
+
+    def placement(self, keys: list[CacheEngineKey]) -> list[BlockKey] | None:
+        """Per key, the placement key of its chunk (the whole-chunk key, the same for every layer of one
+        chunk), for ``Client``'s ``placement=``; None when no key is a per-layer key (a whole-chunk
+        object is placed by its own key, so nothing changes)."""
+        if not any(isinstance(k, LayerCacheEngineKey) for k in keys):
+            return None
+        return [self._key(k, -1) for k in keys]
 
 
 __all__ = ["KV_LAYOUT", "KeyMapper", "chunk_hash_bytes", "dtype_name"]

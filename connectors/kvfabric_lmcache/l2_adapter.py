@@ -37,6 +37,14 @@ maps to ``H(H_ns(Namespace(model, kv_layout="lmcache-mp-object-v1",
 extras={kv_rank, group, cache_salt})) || "lmcache-mp-object" || chunk_hash)``
 with the deployment's key algorithm and secret.
 
+Placement (issue 23): an LMCache chunk is one object per (kv rank, object
+group); every object of one chunk and kv rank is routed by one placement key,
+``H(H_ns(Namespace(model, kv_layout, extras={kv_rank, cache_salt})) ||
+"lmcache-mp-chunk" || chunk_hash)`` (:meth:`ObjectKeyMapper.placement`), so the
+object groups of a chunk live on one owner set. Each object stays its own
+server group (store tasks need not carry every group of a chunk), and the
+lookup bitmap stays per object.
+
 Capacity and eviction belong to the pool servers (each has a hard bound and
 its own policy), so the adapter reports no capacity (``max_capacity_bytes=0``)
 and does not implement ``delete``: do not configure LMCache's L2 eviction for
@@ -68,6 +76,7 @@ log = logging.getLogger("kvfabric.lmcache.l2")
 
 KV_LAYOUT = "lmcache-mp-object-v1"
 _OBJECT_TAG = b"lmcache-mp-object"
+_CHUNK_TAG = b"lmcache-mp-chunk"
 
 
 class KVFabricL2AdapterConfig(L2AdapterConfigBase):
@@ -101,19 +110,26 @@ class ObjectKeyMapper:
     def __call__(self, key: ObjectKey) -> bytes:
         if not isinstance(key, ObjectKey):
             raise TypeError(f"expected an LMCache ObjectKey, got {type(key).__name__}")
-        ident = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
+        return self.hasher.hash(self._digest(key, True), _OBJECT_TAG, bytes(key.chunk_hash))
+
+    def placement(self, key: ObjectKey) -> bytes:
+        """The placement key of ``key``'s chunk: the same for every object group of one chunk and kv rank."""
+        return self.hasher.hash(self._digest(key, False), _CHUNK_TAG, bytes(key.chunk_hash))
+
+    def _digest(self, key: ObjectKey, with_group: bool) -> bytes:
+        group = key.object_group_id if with_group else None
+        ident = (key.model_name, key.kv_rank, group, key.cache_salt, with_group)
         d = self._digests.get(ident)
         if d is None:
-            ns = Namespace(
-                model=key.model_name, kv_layout=KV_LAYOUT,
-                extras={"engine": "lmcache-mp", "kv_rank": key.kv_rank, "group": key.object_group_id, "cache_salt": key.cache_salt},
-            )
-            d = self.hasher.namespace_digest(ns)
+            extras = {"engine": "lmcache-mp", "kv_rank": key.kv_rank, "group": group, "cache_salt": key.cache_salt}
+            if not with_group:
+                del extras["group"]
+            d = self.hasher.namespace_digest(Namespace(model=key.model_name, kv_layout=KV_LAYOUT, extras=extras))
             with self._lock:
                 if len(self._digests) >= 1024:
                     self._digests.clear()
                 self._digests[ident] = d
-        return self.hasher.hash(d, _OBJECT_TAG, bytes(key.chunk_hash))
+        return d
 
 
 class KVFabricL2Adapter(L2AdapterInterface):
@@ -179,6 +195,7 @@ class KVFabricL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         ks = [self.keymap(k) for k in keys]
+        place = [self.keymap.placement(k) for k in keys]
         # Copy the bytes out now, while LMCache's read lock holds the objects: it
         # expires after --l1-read-ttl-seconds and the memory is then reused.
         try:
@@ -192,7 +209,7 @@ class KVFabricL2Adapter(L2AdapterInterface):
             if error is not None:
                 log.warning("kvfabric L2: cannot encode a store task's objects: %r", error)
                 return L2StoreResult(False, 0)
-            res = self.client.put(ks, values)
+            res = self.client.put(ks, values, placement=place, groups=ks)
             if res.dropped:
                 return L2StoreResult(False, 0)
             self._notify_keys_stored(keys, sizes)
@@ -210,16 +227,18 @@ class KVFabricL2Adapter(L2AdapterInterface):
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
         ks = [self.keymap(k) for k in keys]
+        place = [self.keymap.placement(k) for k in keys]
         n = len(ks)
 
         def work() -> Bitmap:
             bm = Bitmap(n)
             if not ks:
                 return bm
-            present = self.client.exists(ks)
-            found = [k for k, p in zip(ks, present) if p]
-            if found and self.settings.lease_ms:
-                self.client.lookup(found, lease_ms=self.settings.lease_ms)  # lease them until the load
+            present = self.client.exists(ks, placement=place, groups=ks)  # a bit per object
+            found = [i for i, p in enumerate(present) if p]
+            if found and self.settings.lease_ms:  # lease them until the load
+                self.client.lookup([ks[i] for i in found], lease_ms=self.settings.lease_ms,
+                                   placement=[place[i] for i in found], groups=[ks[i] for i in found])
             bm.batched_set([i for i, p in enumerate(present) if p])
             return bm
 
@@ -256,6 +275,7 @@ class KVFabricL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         ks = [self.keymap(k) for k in keys]
+        place = [self.keymap.placement(k) for k in keys]
         n = len(ks)
 
         def work() -> Bitmap:
@@ -264,10 +284,10 @@ class KVFabricL2Adapter(L2AdapterInterface):
                 return bm
             bufs = [np.empty(o.get_size() + value.MAX_HEADER_BYTES, dtype=np.uint8) for o in objects]
             try:
-                sizes = self.client.get_into(ks, bufs)
+                sizes = self.client.get_into(ks, bufs, placement=place)
                 raws: list[Any] = [None if s is None else memoryview(b)[:s] for b, s in zip(bufs, sizes)]
             except ValueError:  # an object larger than its buffer: not what this buffer can hold
-                raws = self.client.get(ks)
+                raws = self.client.get(ks, placement=place)
             ok = [i for i, (o, r) in enumerate(zip(objects, raws)) if self._fill(o, r)]
             bm.batched_set(ok)
             if ok:

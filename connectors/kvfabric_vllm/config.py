@@ -56,6 +56,13 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
                              ``kv_producer``, false otherwise
+ segment_tokens    8192      placement (layout.py, issue 23): a chunk's layer objects always
+                             live together (one group, one owner set); runs of this many
+                             prompt tokens (from the start; a multiple of chunk_tokens) are
+                             placed by their first chunk's key, so a dead server of N cuts a
+                             prompt's hit only at a segment boundary. = chunk_tokens: each
+                             chunk placed by its own key; 0: every object routed by its own
+                             key (the layout before issue 23, no server groups)
  register_load_buffer true    register what loads receive into with the client
                               (``Client.register_buffers``): the KV layer tensors (one
                               block per chunk), the staging buffer or the transfer buffer;
@@ -69,7 +76,8 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                               (``load_no_buffer_chunks``); nothing waits for it. Not used
                               for a CPU KV cache whose pages are one run (received in place)
  every other ``kvfabric.ClientConfig`` setting (transport, timeout_s,
- connect_timeout_s, replicas, auth_token, key_algorithm, key_secret,
+ connect_timeout_s, replicas (default 2 with a list of 3 or more servers,
+ else 1; see docs/notes/vllm.md, issue 23), auth_token, key_algorithm, key_secret,
  verify_checksums, connections_per_server, ...; ``kvfabric.config.client_settings``):
  passed to ``ClientConfig`` (env ``KVFABRIC_*`` variables apply first, these keys win).
 ================== ========= ====================================================
@@ -91,6 +99,8 @@ from typing import Any
 from kvfabric import ClientConfig, ConfigError, Namespace
 from kvfabric.config import client_settings
 from kvfabric.protocol import MAX_LEASE_MS
+
+from .layout import DEFAULT_SEGMENT_TOKENS
 
 __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_namespace", "kv_layout_name",
            "weights_fingerprint", "KV_LAYOUT_VERSION"]
@@ -134,6 +144,7 @@ class ConnectorConfig:
     transfer_buffer_bytes: int = 1024 << 20
     pd_wait_ms: int = 1000
     hold_until_saved: bool = False
+    segment_chunks: int = DEFAULT_SEGMENT_TOKENS // 128   # segment_tokens // chunk_tokens (0: per object)
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -163,8 +174,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
              "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "transfer_buffer_mb",
-             "pd_wait_ms",
-             "hold_until_saved", *_CLIENT_KEYS}
+             "pd_wait_ms", "hold_until_saved", "segment_tokens", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -191,6 +201,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         client = ClientConfig.from_env(servers=servers, etcd="", **client_over)  # servers win over KVFABRIC_ETCD
         if not client.servers:
             raise ConfigError("kv_connector_extra_config.servers is empty")
+        if "replicas" not in extra and "KVFABRIC_REPLICAS" not in os.environ and len(client.servers) >= 3:
+            # issue 23: with 3+ servers every chunk gets a second copy unless told otherwise, so one dead
+            # server costs (almost) no hits; 2 servers keep 1 (a second copy would be every byte twice)
+            client = client.with_(replicas=2)
 
     if type(block_size) is not int or block_size < 1:
         raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")
@@ -206,6 +220,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     tenant = extra.get("tenant", "")
     if not isinstance(tenant, str):
         raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {tenant!r}")
+    segment = _int(extra, "segment_tokens", max(chunk, DEFAULT_SEGMENT_TOKENS // chunk * chunk), 0, 1 << 24)
+    if segment % chunk:
+        raise ConfigError(f"kv_connector_extra_config.segment_tokens={segment} must be 0 or a multiple of "
+                          f"chunk_tokens {chunk}")
     load_default, save_default = _ROLES[kv_role]
     lookup_timeout_ms = _int(extra, "lookup_timeout_ms", 1000, 1, 60_000)
     return ConnectorConfig(
@@ -229,6 +247,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         transfer_buffer_bytes=_int(extra, "transfer_buffer_mb", 1024, 1, 1 << 16) << 20,
         pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
         hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
+        segment_chunks=segment // chunk,
     )
 
 

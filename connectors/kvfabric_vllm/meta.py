@@ -32,6 +32,7 @@ class LoadSpec:
     block_ids: list[list[int]]
     skip_blocks: int = 0
     async_load: bool = False      # load between steps, report through get_finished
+    placement: list[list[bytes]] | None = None  # [rank][chunk] placement keys (layout.py); None: per object
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SaveSpec:
     keys: list[list[bytes]]
     parents: list[list[bytes | None]]
     block_ids: list[list[int]]
+    placement: list[list[bytes]] | None = None  # [rank][chunk] placement keys (layout.py); None: per object
 
 
 @dataclass

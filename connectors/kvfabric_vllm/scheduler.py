@@ -16,7 +16,10 @@ is "no hit". A lookup that fails is "no hit" too (counted, warned once). The
 lookup asks for every layer object of every chunk (``layout``: one object per
 (chunk, layer), chunk-major), so a chunk counts only when the pool holds all
 its layers, and takes a lease so the objects found are not evicted before the
-load.
+load. Each chunk's objects are routed by its placement key (``layout``:
+segments of ``segment_tokens``), so the lookup of a prompt is one
+request per shard and rank, and the plan sent to the workers carries the
+placement keys with the chunk keys.
 Every request is looked up, also when vLLM's local prefix cache covers all
 it could load and in save-only roles: then only to learn what the pool
 already holds (no lease), so nothing it holds is gathered and sent again.
@@ -80,7 +83,7 @@ from typing import TYPE_CHECKING, Any
 from kvfabric import KeyHasher, Namespace
 
 from .config import ConnectorConfig, request_namespace
-from .layout import chunk_major_layer_keys
+from .layout import chunk_major_layer_keys, chunk_placement, object_placement
 from .meta import KVFabricMetadata, LoadSpec, SaveSpec
 from .metrics import Counters, log
 
@@ -101,6 +104,7 @@ _PD_BATCH_MAX = 1024   # PD consumer: entries of a batch's kv_transfer_params lo
 class _Req:
     prompt_len: int
     keys: list[list[bytes]]          # [rank][chunk] for every whole chunk of the prompt
+    placement: list[list[bytes]] | None = None  # [rank][chunk] placement keys (layout.chunk_placement)
     lookup: Future | None = None
     lookup_t0: float = 0.0
     lookup_epoch: int = -1           # request.num_preemptions when the lookup was started
@@ -155,7 +159,8 @@ class SchedulerSide:
         salt = getattr(request, "cache_salt", None)
         keys = [self._hasher.prefix_keys(request_namespace(ns, salt), tokens[: n_chunks * self.cfg.chunk_tokens])
                 for ns in self.namespaces]
-        st = _Req(prompt_len=len(tokens), keys=keys)
+        placement = [chunk_placement(k, self.cfg.segment_chunks) for k in keys]
+        st = _Req(prompt_len=len(tokens), keys=keys, placement=None if placement[0] is None else placement)
         if self.cfg.load and request.kv_transfer_params and not _skips_prefix_cache(request):
             st.expect_chunks = self._expected_chunks(request.kv_transfer_params, keys[0])
         self._reqs[request.request_id] = st
@@ -192,15 +197,19 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ lookup
 
-    def _lookup_all_ranks(self, keys: list[list[bytes]], lease_ms: int) -> int:
-        """Leading chunks whose every layer object (``layout``) every rank's pool holds."""
+    def _lookup_all_ranks(self, keys: list[list[bytes]], lease_ms: int,
+                          placement: list[list[bytes]] | None = None) -> int:
+        """Leading chunks whose every layer object (``layout``) every rank's pool holds (with placement:
+        each chunk's objects routed by its placement key, one request per shard per rank)."""
         assert self.client is not None
         timeout = self.cfg.lookup_timeout_ms / 1000
         nl = self.n_layers
         run = len(keys[0])
-        for rank_keys in keys:       # every rank must hold a chunk for it to be a hit
+        for r, rank_keys in enumerate(keys):  # every rank must hold a chunk for it to be a hit
             objs = chunk_major_layer_keys(self._hasher, rank_keys[:run], nl)
-            run = min(run, self.client.lookup(objs, lease_ms=lease_ms, timeout_s=timeout) // nl)
+            place, groups = object_placement(rank_keys[:run], None if placement is None else placement[r][:run], nl)
+            run = min(run, self.client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
+                                              timeout_s=timeout) // nl)
             if run == 0:
                 break
         return run
@@ -218,7 +227,7 @@ class SchedulerSide:
         st.pool_run = None
         st.hit_counted = False
         st.lookup_t0 = time.monotonic()
-        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms if lease else 0)
+        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms if lease else 0, st.placement)
         return True
 
     def _pool_run(self, st: _Req, wait_s: float) -> int | None:
@@ -250,9 +259,10 @@ class SchedulerSide:
     def _unreachable(self, st: _Req, chunk: int) -> bool:
         """Whether some object of prompt chunk ``chunk`` (any rank, any layer object) has every owner down."""
         assert self.client is not None
-        objs = [k for rank_keys in st.keys
-                for k in chunk_major_layer_keys(self._hasher, rank_keys[chunk:chunk + 1], self.n_layers)]
-        return any(self.client.unreachable(objs))
+        nl = self.n_layers
+        objs = [k for rank_keys in st.keys for k in chunk_major_layer_keys(self._hasher, rank_keys[chunk:chunk + 1], nl)]
+        place = None if st.placement is None else [p[chunk] for p in st.placement for _ in range(nl)]
+        return any(self.client.unreachable(objs, placement=place))
 
     def _pd_wait(self, st: _Req, run: int, n_load: int) -> bool:
         """PD: True while the request should wait for the producer's chunks (a lookup is started
@@ -280,7 +290,7 @@ class SchedulerSide:
         self.counters.add("pd_relookups")
         st.pool_run = None
         st.lookup_t0 = now
-        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms)
+        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms, st.placement)
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -332,6 +342,7 @@ class SchedulerSide:
             req_id=request.request_id,
             keys=[k[c0:c1] for k in st.keys],
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
+            placement=None if st.placement is None else [p[c0:c1] for p in st.placement],
             skip_blocks=(start - c0 * chunk) // bs,
             async_load=self.cfg.load_async,
         )
@@ -402,6 +413,7 @@ class SchedulerSide:
             keys=[k[c0:c1] for k in st.keys],
             parents=[[k[c - 1] if c else None for c in range(c0, c1)] for k in st.keys],
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
+            placement=None if st.placement is None else [p[c0:c1] for p in st.placement],
         )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

@@ -86,7 +86,7 @@ import torch
 from kvfabric import ConfigError, KeyHasher, KVFabricError
 
 from .config import ConnectorConfig
-from .layout import chunk_major_layer_keys
+from .layout import chunk_major_layer_keys, object_placement
 from .meta import LoadSpec, SaveSpec
 from .metrics import Counters, log
 from .transfer import CudaLane, HostLane, Lease, PagedKV, SlotPool, layer_layout, page_rows
@@ -290,13 +290,15 @@ class WorkerSide:
                 continue
             good_specs.append(spec)
         keys = [chunk_major_layer_keys(self._hasher, s.keys[self.tp_rank], nl) for s in good_specs]
+        place = None if any(s.placement is None for s in good_specs) else [
+            p for s in good_specs for p in s.placement[self.tp_rank]]   # one per chunk: a layer's objects
         deadline = time.monotonic() + self.cfg.load_timeout_s
 
         def one_layer(li: int) -> list[int | None]:
             assert self.client is not None
             ks = [k[c * nl + li] for k in keys for c in range(len(k) // nl)]
             bufs = [self._page_bytes[li][b[0]] for s in good_specs for b in s.block_ids]
-            return self.client.get_into(ks, bufs, timeout_s=max(0.001, deadline - time.monotonic()))
+            return self.client.get_into(ks, bufs, placement=place, timeout_s=max(0.001, deadline - time.monotonic()))
 
         futs = {self.layer_names[li]: self._loader.submit(one_layer, li) for li in range(nl)}
         self._layerwise = (good_specs, futs)
@@ -423,8 +425,9 @@ class WorkerSide:
         else:
             raw = self._load_staging(n * nl)
             bufs = [raw[j].numpy() for j in range(n * nl)]
+        place, _ = object_placement(keys, None if spec.placement is None else spec.placement[self.tp_rank], nl)
         try:
-            sizes = self.client.get_into(okeys, bufs, timeout_s=self.cfg.load_timeout_s)
+            sizes = self.client.get_into(okeys, bufs, placement=place, timeout_s=self.cfg.load_timeout_s)
         except BaseException:
             if lease is not None:      # no copy touched its rows yet
                 self._pool.give_back(lease)
@@ -675,7 +678,10 @@ class WorkerSide:
             keys = chunk_major_layer_keys(self._hasher, spec.keys[self.tp_rank], nl)
             parents = [p for c in spec.parents[self.tp_rank]
                        for p in ([None] * nl if c is None else chunk_major_layer_keys(self._hasher, [c], nl))]
-            res = self.client.put(keys, values, parents=parents, timeout_s=self.cfg.save_timeout_s)
+            place, groups = object_placement(spec.keys[self.tp_rank],
+                                             None if spec.placement is None else spec.placement[self.tp_rank], nl)
+            res = self.client.put(keys, values, parents=parents, placement=place, groups=groups,
+                                  timeout_s=self.cfg.save_timeout_s)
             # Counted in chunks: a chunk is dropped when any of its layer objects is; the
             # result counts objects only, so d dropped objects count as ceil(d / layers)
             # chunks (exact when whole chunks are dropped, as with a dead shard or pool).

@@ -300,6 +300,12 @@ class PutRequest(Message):
 
     ``parents[i]`` (optional) is the key of the previous block of the same
     prompt, so prefix-aware eviction can keep a chain's head before its tail.
+
+    ``groups[i]`` / ``group_parts[i]`` (optional, together or not at all): the
+    group (placement) key of ``keys[i]`` and how many parts its group has. The
+    server admits, evicts, leases, deletes and tiers a group as one unit; a
+    frame carries every part of each group it names, consecutively (see
+    :func:`_groups`), and every part of a refused group gets the same status.
     """
 
     op: ClassVar[Op] = Op.PUT
@@ -307,11 +313,16 @@ class PutRequest(Message):
     sizes: Sequence[int] = ()
     checksums: Sequence[int] = ()
     parents: Sequence[bytes | None] | None = None
+    groups: Sequence[bytes] | None = None
+    group_parts: Sequence[int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {"keys": list(self.keys), "sizes": list(self.sizes), "checksums": list(self.checksums)}
         if self.parents is not None:
             m["parents"] = list(self.parents)
+        if self.groups is not None:
+            m["groups"] = list(self.groups)
+            m["group_parts"] = list(self.group_parts if self.group_parts is not None else ())
         return m
 
     def payload_len(self) -> int:
@@ -322,7 +333,47 @@ class PutRequest(Message):
         keys = _keys(meta, limits)
         sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
         checksums = _uint_list(meta, "checksums", len(keys))
-        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=_parents(meta, len(keys), limits))
+        parents = _parents(meta, len(keys), limits)  # before groups, as the C data plane checks them
+        groups, group_parts = _groups(meta, len(keys), limits)
+        return cls(keys=keys, sizes=sizes, checksums=checksums, parents=parents, groups=groups,
+                   group_parts=group_parts)
+
+
+def _groups(meta: dict[str, Any], n: int, limits: Limits) -> tuple[list[bytes] | None, list[int] | None]:
+    """The optional ``groups`` and ``group_parts`` fields of PUT and SHM_RESERVE (issue 23).
+
+    Both nil/absent (no groups), or both lists as long as keys (MALFORMED otherwise):
+    ``groups[i]`` a key (1..max_key_bytes bytes, BAD_KEY otherwise), ``group_parts[i]``
+    in 1..max_keys_per_batch. The parts of one group are consecutive, their number is
+    the run's length and every part states it, and no group key names two runs:
+    a frame carries every part of each group it names (MALFORMED otherwise). Every
+    check is on the decoded lists' lengths and values before anything is built.
+    """
+    groups, parts = meta.get("groups"), meta.get("group_parts")
+    if groups is None and parts is None:
+        return None, None
+    if not isinstance(groups, list) or not isinstance(parts, list) or len(groups) != n or len(parts) != n:
+        raise ProtocolError(ErrorCode.MALFORMED, "groups and group_parts must both be lists as long as keys")
+    for g in groups:
+        if type(g) is not bytes or not 1 <= len(g) <= limits.max_key_bytes:
+            raise ProtocolError(ErrorCode.BAD_KEY, f"groups must be keys of 1..{limits.max_key_bytes} bytes")
+    parts = _uint_list(meta, "group_parts", n, maximum=limits.max_keys_per_batch)
+    seen: set[bytes] = set()
+    i = 0
+    while i < n:
+        g, want = groups[i], parts[i]
+        j = i
+        while j < n and groups[j] == g:
+            if parts[j] != want:
+                raise ProtocolError(ErrorCode.MALFORMED, "every part of a group must state the same group_parts")
+            j += 1
+        if want != j - i or g in seen:
+            raise ProtocolError(ErrorCode.MALFORMED,
+                                "a frame must carry every part of each group it names, consecutively "
+                                f"(a run of {j - i} parts states group_parts {want})")
+        seen.add(g)
+        i = j
+    return groups, parts
 
 
 def _parents(meta: dict[str, Any], n: int, limits: Limits) -> list[bytes | None] | None:
@@ -478,26 +529,33 @@ class ShmReleaseRequest(Message):
 class ShmReserveRequest(Message):
     """Reserve slots for objects the client then copies into the arena (the shm PUT, step 1).
 
-    ``parents`` as in :class:`PutRequest`; the server keeps them until COMMIT and
-    hands them to the eviction policy with the INSERT.
+    ``parents``, ``groups`` and ``group_parts`` as in :class:`PutRequest`; the server keeps
+    them until COMMIT and hands them to the eviction policy with the INSERT.
     """
 
     op: ClassVar[ShmOp] = ShmOp.RESERVE
     keys: Sequence[bytes] = ()
     sizes: Sequence[int] = ()
     parents: Sequence[bytes | None] | None = None
+    groups: Sequence[bytes] | None = None
+    group_parts: Sequence[int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {"keys": list(self.keys), "sizes": list(self.sizes)}
         if self.parents is not None:
             m["parents"] = list(self.parents)
+        if self.groups is not None:
+            m["groups"] = list(self.groups)
+            m["group_parts"] = list(self.group_parts if self.group_parts is not None else ())
         return m
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmReserveRequest:
         keys = _keys(meta, limits)
         sizes = _uint_list(meta, "sizes", len(keys), maximum=U64_MAX)
-        return cls(keys=keys, sizes=sizes, parents=_parents(meta, len(keys), limits))
+        parents = _parents(meta, len(keys), limits)
+        groups, group_parts = _groups(meta, len(keys), limits)
+        return cls(keys=keys, sizes=sizes, parents=parents, groups=groups, group_parts=group_parts)
 
 
 @dataclass(frozen=True, slots=True)

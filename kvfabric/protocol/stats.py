@@ -29,6 +29,14 @@ STATS_FIELDS: dict[str, str] = {
     "evictions": "objects evicted by the policy",
     "checksum_failures": "stored objects whose bytes failed their checksum when read (dropped, a miss)",
     "checksum_rejects": "PUT objects refused because their checksum did not match their key and bytes",
+    # groups (issue 23): a PUT's group is admitted, evicted and deleted whole
+    "groups": "groups indexed (each one entry of the eviction policy)",
+    "group_objects": "indexed objects that belong to a group",
+    "groups_incomplete": "indexed groups holding fewer objects than their group_parts (parts already held "
+                         "elsewhere when the group was stored); never a group cut by a fault",
+    "groups_stored": "PUT groups admitted whole",
+    "groups_refused": "PUT groups refused whole (a part too large, no space, or a checksum mismatch)",
+    "groups_torn": "PUT groups dropped whole because their connection died before the last part arrived",
     # traffic and connections
     "bytes_in": "bytes received in frames",
     "bytes_out": "bytes sent in frames",
@@ -79,6 +87,9 @@ SSD_STATS_FIELDS: dict[str, str] = {
     "ssd_read_us_total": "microseconds from posting to completion, summed over the reads",
     "ssd_write_us_total": "microseconds from posting to completion, summed over the writes",
     "ssd_promotions": "objects read back from the SSD tier and stored into DRAM",
+    "ssd_groups_torn": "groups dropped whole from the SSD tier's index: one had fewer records than parts at the "
+                       "start-up scan (a crash mid-write-behind, a dropped write, a wrapped log, a DELETEd part), "
+                       "or the log reused the segment of one of its records",
     "ssd_queue_bytes": "bytes staged for writing now (bounded by --ssd-write-queue)",
 }
 

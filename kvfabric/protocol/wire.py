@@ -127,6 +127,8 @@ META_FIELDS: frozenset[str] = frozenset((
     # requests and replies
     "keys", "present", "lease_ms", "count", "client_verifies", "sizes", "checksums", "parents", "status",
     "deleted", "code", "message",
+    # PUT / SHM_RESERVE groups (issue 23): a chunk's parts admitted, evicted and tiered as one unit
+    "groups", "group_parts",
     # shm arena ops
     "lease", "offsets", "res",
 ))

@@ -714,7 +714,9 @@ class NativeServer:
         policy = self.policy
         while True:
             events = self._srv.drain(_DRAIN_BATCH)
-            for kind, key, size, parent in events:
+            # a group's events name it by its representative key (its first part stored) with the group's
+            # bytes: the policy sees one entry per group, and evicting that key evicts the whole group
+            for kind, key, size, parent, _group in events:
                 if kind == EV_INSERT:
                     self._sizes[key] = size
                     policy.on_insert(key, size, parent)

@@ -470,7 +470,8 @@ class ShmConnection(NativeConnection):
                              f"{msg.payload_len()}")
         # reserve, copy, commit: one call into C, GIL released throughout (C builds the COMMIT frame,
         # the bytes of ShmCommitRequest: tests/native/test_golden.py pins both)
-        reserve = ShmReserveRequest(keys=msg.keys, sizes=msg.sizes, parents=msg.parents)
+        reserve = ShmReserveRequest(keys=msg.keys, sizes=msg.sizes, parents=msg.parents, groups=msg.groups,
+                                    group_parts=msg.group_parts)
         rep = self._fused(_native.shm_put, ShmOp.COMMIT, protocol.encode_meta(reserve.to_meta()), list(msg.sizes),
                           list(msg.checksums), parts, deadline=deadline)
         assert isinstance(rep, PutReply)

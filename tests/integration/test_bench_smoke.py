@@ -33,6 +33,7 @@ SMOKED = {
     "lmcache_backend": "tests/e2e/lmcache/test_bench_smoke.py::test_lmcache_backend_smoke",
     "lookup": "tests/integration/test_bench_server.py::test_bench_lookup_measures_both_servers_beside_ping",
     "pd": "tests/e2e/vllm/test_bench_smoke.py::test_pd_smoke",
+    "placement": "tests/integration/test_bench_placement.py::test_placement_smoke",
     "rag": "tests/integration/test_replay.py::test_rag_main_job_small",
     "ragdata": "tests/unit/test_ragdata.py::test_cli_writes_loadable_traces_byte_for_byte_again",
     "redis": "tests/integration/test_bench_smoke.py::test_redis_smoke",

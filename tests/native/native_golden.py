@@ -39,6 +39,10 @@ CASES = [
     ("exists", p.ExistsRequest(keys=[K1, MISSING, K3]), b"", p.ExistsReply(present=[True, False, False]), b""),
     ("lookup", p.LookupRequest(keys=[K1, K2, MISSING, K1]), b"", p.LookupReply(count=2), b""),
     ("delete", p.DeleteRequest(keys=[K2, MISSING]), b"", p.DeleteReply(deleted=1), b""),
+    # issue 23: a group of two parts (then one of one) in one frame, stored whole
+    ("put_group", p.PutRequest(keys=[K3, MISSING, K2], sizes=[3, 0, 0],
+                               checksums=[p.checksum(K3, ABC), p.checksum(MISSING, b""), p.checksum(K2, b"")],
+                               groups=[K1, K1, K2], group_parts=[2, 2, 1]), ABC, p.PutReply(status=[0, 0, 0]), b""),
 ]
 
 # The same-host conversation on the shm (unix) socket of a fresh server with a 16 MiB arena and no

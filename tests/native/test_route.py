@@ -157,3 +157,21 @@ def test_check_keys_is_the_clients_key_check():
             Client._keys(ok + bad)
     assert not native.check_keys(iter(ok), 64)  # not a list or tuple: the caller's loop decides
     assert Client._keys(iter(ok)) == ok and Client._keys(tuple(ok)) == ok
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repeated_placement_keys_route_like_the_reference(seed):
+    # Placement keys repeat for every part of a group (chunk-major: L copies in a row); the C
+    # path routes a key equal to the previous one once and copies its owners. Runs of equal keys,
+    # equal keys that are not adjacent, and equal bytes in distinct objects all give the spec's answer.
+    rng = random.Random(500 + seed)
+    servers = _servers(rng, rng.randint(1, 10))
+    base = _keys(rng, 40)
+    keys: list[bytes] = []
+    for _ in range(300):
+        k = rng.choice(base)
+        keys.extend(bytes(bytearray(k)) if rng.random() < 0.5 else k for _ in range(rng.randint(1, 33)))
+    for replicas in sorted({1, 2, len(servers)}):
+        if replicas <= len(servers):
+            assert sharding.owner_table(keys, servers, replicas) == sharding.reference_owner_table(keys, servers, replicas)
+    assert list(sharding.group_by_owner(keys, servers).items()) == list(sharding.reference_group_by_owner(keys, servers).items())

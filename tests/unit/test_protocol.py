@@ -21,6 +21,8 @@ REQUESTS = [
     p.GetRequest(keys=[KEY, b"x" * 64]),
     p.PutRequest(keys=[KEY, b"k2"], sizes=[3, 0], checksums=[p.checksum(KEY, b"abc"), p.checksum(b"k2", b"")]),
     p.PutRequest(keys=[KEY], sizes=[5], checksums=[1], parents=[b"parent"]),
+    p.PutRequest(keys=[KEY, b"k2", b"k3"], sizes=[1, 2, 3], checksums=[1, 2, 3], groups=[b"g", b"g", b"h"],
+                 group_parts=[2, 2, 1]),
     p.DeleteRequest(keys=[KEY]),
     p.StatsRequest(),
 ]
@@ -265,6 +267,29 @@ def decode(op, meta, payload_len=0, limits=p.DEFAULT_LIMITS):
         (p.Op.PUT, {"keys": [b"k"], "sizes": [p.MAX_OBJECT_BYTES + 1], "checksums": [1]}, p.MAX_OBJECT_BYTES + 1,
          ErrorCode.PAYLOAD_TOO_LARGE),
         (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "parents": [b"a", b"b"]}, 1, ErrorCode.MALFORMED),
+        # groups (issue 23): both or neither, as long as keys, keys, 1..max_keys parts, every part, consecutive
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b"g"]}, 1, ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "group_parts": [1]}, 1, ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b"g", b"g"], "group_parts": [1, 1]},
+         1, ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b""], "group_parts": [1]}, 1,
+         ErrorCode.BAD_KEY),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b"g" * 65], "group_parts": [1]}, 1,
+         ErrorCode.BAD_KEY),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": ["g"], "group_parts": [1]}, 1,
+         ErrorCode.BAD_KEY),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b"g"], "group_parts": [0]}, 1,
+         ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b"g"],
+                    "group_parts": [p.MAX_KEYS_PER_BATCH + 1]}, 1, ErrorCode.MALFORMED),
+        (p.Op.PUT, {"keys": [b"k"], "sizes": [1], "checksums": [1], "groups": [b"g"], "group_parts": [2]}, 1,
+         ErrorCode.MALFORMED),  # a part missing from the frame
+        (p.Op.PUT, {"keys": [b"a", b"b"], "sizes": [1, 1], "checksums": [1, 1], "groups": [b"g", b"g"],
+                    "group_parts": [2, 1]}, 2, ErrorCode.MALFORMED),  # parts disagree on the count
+        (p.Op.PUT, {"keys": [b"a", b"b", b"c"], "sizes": [1, 1, 1], "checksums": [1, 1, 1],
+                    "groups": [b"g", b"h", b"g"], "group_parts": [2, 1, 2]}, 3, ErrorCode.MALFORMED),  # not consecutive
+        (p.Op.PUT, {"keys": [b"a", b"b", b"c"], "sizes": [1, 1, 1], "checksums": [1, 1, 1],
+                    "groups": [b"g", b"h", b"g"], "group_parts": [1, 1, 1]}, 3, ErrorCode.MALFORMED),  # named twice
         (p.Op.LOOKUP, {"keys": [b"k"], "lease_ms": -1}, 0, ErrorCode.MALFORMED),
         (p.Op.GET, {"keys": [b"k"], "client_verifies": 1}, 0, ErrorCode.MALFORMED),
         (p.Op.HELLO, {"client": "x"}, 0, ErrorCode.MALFORMED),

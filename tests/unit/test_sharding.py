@@ -156,3 +156,39 @@ def test_without_the_extension_the_public_functions_run_the_reference(monkeypatc
     monkeypatch.setattr(sharding, "_c_groups", None)
     assert sharding.owner_table(keys, SERVERS, 2) == want_table
     assert list(sharding.group_by_owner(keys, SERVERS).items()) == list(want_groups.items())
+
+
+# Routing by placement key (kvfabric.Client's placement=): pinned like GOLDEN. Every object routed by
+# a placement key gets exactly that key's ranking, whatever its own key is.
+SERVERS4 = SERVERS + ["127.0.0.1:7073"]
+GOLDEN_PLACEMENT = [
+    (b"chunk-0", [2, 3, 0, 1], 0xB22C9AD3ED873DD5),
+    (bytes(16), [1, 3, 0, 2], 0x1F4E92681377F977),
+    (bytes(range(16, 32)), [3, 2, 1, 0], 0x06D8FECA4D35E2309),
+    (b"segment-a", [2, 3, 1, 0], 0x031C41B47C167624),
+]
+
+
+@pytest.mark.parametrize("placement,ranking,score0", GOLDEN_PLACEMENT)
+@pytest.mark.parametrize("batch", [sharding.owner_table, sharding.reference_owner_table])
+def test_golden_owners_by_placement_key(placement, ranking, score0, batch):
+    assert sharding.score(SERVERS4[0], placement) == score0
+    objects = [placement + b"|layer-%d" % l for l in range(32)]  # 32 layer objects of one chunk
+    route = sharding.route_keys(objects, [placement] * len(objects))
+    for replicas in (1, 2, 4):
+        table = batch(route, SERVERS4, replicas)
+        assert table == [ranking[:replicas]] * len(objects), (replicas, table[:3])
+    # their own keys would have spread them: the placement key is what keeps them together
+    assert len({tuple(r) for r in sharding.owner_table(objects, SERVERS4, 1)}) > 1
+
+
+def test_route_keys_checks_lengths_and_types():
+    keys = [b"a", b"b"]
+    assert sharding.route_keys(keys, None) is keys
+    assert sharding.route_keys(keys, (b"p", b"p")) == (b"p", b"p")
+    with pytest.raises(ValueError, match="2 keys but 1 placement"):
+        sharding.route_keys(keys, [b"p"])
+    with pytest.raises(TypeError, match="not a single key"):
+        sharding.route_keys(keys, b"pp")
+    with pytest.raises(ValueError, match="must not be empty"):
+        sharding.reference_owner_table(sharding.route_keys(keys, [b"p", b""]), SERVERS)

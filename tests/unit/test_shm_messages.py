@@ -15,6 +15,7 @@ MESSAGES = [
     p.ShmReleaseRequest(lease=3),
     p.ShmReserveRequest(keys=[K, b"k2"], sizes=[3, 0]),
     p.ShmReserveRequest(keys=[K, b"k2"], sizes=[3, 0], parents=[None, K]),
+    p.ShmReserveRequest(keys=[K, b"k2"], sizes=[3, 0], groups=[K, K], group_parts=[2, 2]),
     p.ShmReserveReply(res=1, offsets=[4096, -1], status=[0, 1]),
     p.ShmCommitRequest(res=1, checksums=[p.checksum(K, b"abc"), 0]),
     p.ShmCommitReply(status=[0, 4]),

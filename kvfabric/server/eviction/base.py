@@ -13,6 +13,12 @@ The store calls them under its own lock, in this order of events:
   that ``is_pinned`` says is free to go, forgets it and returns its key, or
   returns ``None`` when every key it tracks is pinned. Pinned keys keep their
   place in the policy's order.
+
+Groups (issue 23, docs/notes/groups.md): the parts of a PUT group reach a policy
+as ONE key, the group's representative (its first part stored), inserted once
+with the group's bytes as its size; an access or removal of any part arrives as
+that key's, ``is_pinned`` says whether any part is pinned, and the store evicts
+every part when the policy returns it. A policy needs nothing group-specific.
 """
 
 from __future__ import annotations

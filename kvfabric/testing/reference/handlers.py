@@ -312,9 +312,16 @@ class PutIngest:
 
     ``reserve(i)`` returns the view to fill with object ``i``'s bytes, or
     ``None`` when that object is not being stored (already held, too large,
-    no space): the transport then reads and discards its bytes. After a
-    filled view, ``complete(i)`` checks the checksum and commits it. If the
-    stream breaks, ``abort()`` returns any slot still reserved.
+    no space, its group refused already): the transport then reads and
+    discards its bytes. After a filled view, ``complete(i)`` checks the
+    checksum and commits it. If the stream breaks, ``abort()`` returns any slot
+    still reserved (and any kept by an open group, counted ``groups_torn``).
+
+    Groups (issue 23; the C server's rules, csrc/kvf_put.c): a group's parts are
+    consecutive (the decoder checked); each verified part's slot is kept until
+    the run's last part, then the group is committed whole; a part too large,
+    without space or failing its checksum refuses the whole group, every part
+    answering that status.
     """
 
     def __init__(self, handlers: Handlers, header: Header, msg: PutRequest) -> None:
@@ -324,15 +331,29 @@ class PutIngest:
         self.status: list[int] = [-1] * len(msg.keys)
         self._slot: Slot | None = None
         self._index = -1
+        self._gend = -1  # the open group's run is [self._gstart, self._gend) while self._gend > i
+        self._gstart = -1
+        self._gfail: PutStatus | None = None
+        self._kept: list[tuple[int, Slot]] = []  # verified parts of the open group
 
     def reserve(self, i: int) -> memoryview | None:
         if self._slot is not None:
             raise RuntimeError("previous slot neither completed nor aborted")
+        groups = self.msg.groups
+        if groups is not None and i >= self._gend:
+            self._open_group(i)
+        if groups is not None and self._gfail is not None:
+            self.status[i] = int(self._gfail)
+            self._after(i)
+            return None
         res = self._h.store.begin_put(self.msg.keys[i], self.msg.sizes[i])
         if isinstance(res, Slot):
             self._slot, self._index = res, i
             return res.view
         self.status[i] = int(res)
+        if groups is not None and res != PutStatus.EXISTS:
+            self._gfail = res
+        self._after(i)
         return None
 
     def complete(self, i: int) -> None:
@@ -340,12 +361,52 @@ class PutIngest:
         if slot is None or i != self._index:
             raise RuntimeError(f"complete({i}) without a reserved slot")
         parent = self.msg.parents[i] if self.msg.parents is not None else None
-        self.status[i] = int(self._h.store.commit_put(self.msg.keys[i], slot, self.msg.checksums[i], parent))
+        store = self._h.store
+        if self.msg.groups is None:
+            self.status[i] = int(store.commit_put(self.msg.keys[i], slot, self.msg.checksums[i], parent))
+            return
+        if store.verify_put(self.msg.keys[i], slot, self.msg.checksums[i]):
+            self._kept.append((i, slot))
+        else:
+            self.status[i] = int(PutStatus.CHECKSUM_MISMATCH)
+            self._gfail = self._gfail or PutStatus.CHECKSUM_MISMATCH
+        self._after(i)
+
+    def _open_group(self, i: int) -> None:
+        self._gstart, self._gend = i, i + self.msg.group_parts[i]
+        self._gfail = None
+        self._kept = []
+        if self._h.store.group_too_large(self.msg.sizes[i:self._gend]):
+            self._gfail = PutStatus.TOO_LARGE
+
+    def _after(self, i: int) -> None:
+        """Part ``i`` is answered: after the run's last part, commit or refuse its group whole."""
+        if i != self._gend - 1:
+            return
+        kept, self._kept = self._kept, []
+        store = self._h.store
+        run = range(self._gstart, self._gend)
+        if self._gfail is None and kept:
+            parent = self.msg.parents[kept[0][0]] if self.msg.parents is not None else None
+            g = self.msg.groups[self._gstart]
+            got = store.commit_group([(self.msg.keys[k], slot, self.msg.checksums[k]) for k, slot in kept], g,
+                                     self.msg.group_parts[self._gstart], parent)
+            for (k, _), st in zip(kept, got):
+                self.status[k] = int(st)
+        elif self._gfail is not None:
+            store.refuse_group([slot for _, slot in kept])
+            for k in run:
+                self.status[k] = int(self._gfail)
 
     def abort(self) -> None:
         slot, self._slot = self._slot, None
         if slot is not None:
             self._h.store.abort_put(slot)
+        kept, self._kept = self._kept, []
+        for _, s in kept:
+            self._h.store.abort_put(s)
+        if self.msg.groups is not None and self._gend > 0 and -1 in self.status[self._gstart:self._gend]:
+            self._h.store.count("groups_torn")
 
     def reply(self) -> Reply:
         if self._slot is not None or -1 in self.status:

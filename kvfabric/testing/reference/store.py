@@ -21,6 +21,14 @@ outside the lock, and hands back views that stay valid until the caller calls
 checksum drop) of a pinned object takes it out of the index at once, so later
 requests miss, and frees its bytes when the last pin is released.
 
+Groups (issue 23; the same rules as the C store, csrc/kvf_store.c): the parts
+of a PUT group are reserved and verified one by one (:meth:`Store.verify_put`)
+and indexed together by :meth:`Store.commit_group`. The policy sees one entry
+per group, named by its representative (the first part stored) with the
+group's bytes; an access to any part is an access to it; evicting it evicts
+every part and it is pinned while any part is; a DELETE or a checksum drop of
+any part removes the whole group.
+
 LOOKUP may take a lease (``lease_ms``) on the leading objects it found: until
 the lease expires the policy skips them when choosing victims. Leases expire
 by themselves (they are compared with the clock); a DELETE still removes a
@@ -52,18 +60,35 @@ from ...server.config import DEFAULT_MAX_LEASE_MS
 from .arena import Arena, pages_for
 
 
+class Group:
+    """The parts of one stored group: their keys (the first, ``rep``, names the group to the policy)."""
+
+    __slots__ = ("key", "parts", "members", "bytes")
+
+    def __init__(self, key: bytes, parts: int) -> None:
+        self.key = key
+        self.parts = parts
+        self.members: list[bytes] = []
+        self.bytes = 0
+
+    @property
+    def rep(self) -> bytes:
+        return self.members[0]
+
+
 class Entry:
     """One stored object. ``live`` turns False when it leaves the index while still pinned."""
 
-    __slots__ = ("offset", "size", "checksum", "pins", "lease_until", "live")
+    __slots__ = ("offset", "size", "checksum", "pins", "lease_until", "live", "group")
 
-    def __init__(self, offset: int, size: int, csum: int) -> None:
+    def __init__(self, offset: int, size: int, csum: int, group: Group | None = None) -> None:
         self.offset = offset
         self.size = size
         self.checksum = csum
         self.pins = 0
         self.lease_until = 0.0
         self.live = True
+        self.group = group
 
 
 @dataclass(slots=True)
@@ -134,9 +159,11 @@ class Store:
                 "hits", "misses", "puts", "put_exists", "put_too_large", "put_no_space",
                 "checksum_rejects", "evictions", "evicted_bytes", "checksum_failures",
                 "deletes", "lookups", "lookup_keys", "lookup_hits", "exists_keys",
+                "groups_stored", "groups_refused", "groups_torn",
             ),
             0,
         )
+        self._groups: set[Group] = set()  # indexed groups (by identity)
 
     # ------------------------------------------------------------------ PUT
 
@@ -195,6 +222,65 @@ class Store:
             self.policy.on_insert(key, slot.size, parent)
         return PutStatus.STORED
 
+    def group_too_large(self, sizes: Sequence[int]) -> bool:
+        """Could a group of objects of ``sizes`` never fit in the arena whole? (Counted as refused.)"""
+        if sum(pages_for(s) for s in sizes) <= self.arena.npages:
+            return False
+        with self._lock:
+            self.counters["put_too_large"] += len(sizes)
+        return True
+
+    def verify_put(self, key: bytes, slot: Slot, csum: int) -> bool:
+        """A group part's filled slot matches ``csum``? The slot is kept for :meth:`commit_group`
+        when it does; freed and counted in ``checksum_rejects`` when it does not."""
+        ok = checksum(key, slot.view) == csum
+        if not ok:
+            self.abort_put(slot)
+            with self._lock:
+                self.counters["checksum_rejects"] += 1
+        return ok
+
+    def commit_group(self, parts: Sequence[tuple[bytes, Slot, int]], group: bytes, group_parts: int,
+                     parent: bytes | None = None) -> list[PutStatus]:
+        """Index verified group parts ``(key, slot, checksum)`` as one group: a status per part,
+        ``STORED`` or ``EXISTS`` (held already, that slot freed; it stays where it is)."""
+        out: list[PutStatus] = []
+        with self._lock:
+            g = Group(group, group_parts)
+            for key, slot, csum in parts:
+                self._finish(slot)
+                slot.view.release()
+                if key in self._index:
+                    self.arena.free(slot.offset, slot.size)
+                    self.counters["put_exists"] += 1
+                    out.append(PutStatus.EXISTS)
+                    continue
+                self._index[key] = Entry(slot.offset, slot.size, csum, g)
+                self._index_pages += pages_for(slot.size)
+                self.bytes_used += slot.size
+                self.counters["puts"] += 1
+                g.members.append(key)
+                g.bytes += slot.size
+                out.append(PutStatus.STORED)
+            if g.members:
+                self._groups.add(g)
+                self.counters["groups_stored"] += 1
+                pe = self._index.get(parent) if parent is not None else None
+                self.policy.on_insert(g.rep, g.bytes, pe.group.rep if pe is not None and pe.group else parent)
+        return out
+
+    def refuse_group(self, slots: Sequence[Slot]) -> None:
+        """A group refused whole (or torn): give its kept slots back and count it."""
+        for slot in slots:
+            self.abort_put(slot)
+        with self._lock:
+            self.counters["groups_refused"] += 1
+
+    def count(self, name: str) -> None:
+        """Count one ``name`` event (a counter of this store's STATS)."""
+        with self._lock:
+            self.counters[name] += 1
+
     def abort_put(self, slot: Slot) -> None:
         """Give back a slot that will not be committed (e.g. the sender disconnected)."""
         self._finish(slot)
@@ -248,7 +334,7 @@ class Store:
                 self.counters["hits"] += 1
                 budget -= e.size
                 if e.live:
-                    self.policy.on_access(key)
+                    self._access(key, e)
                 sizes.append(e.size)
                 sums.append(e.checksum)
                 pinned.append(e)
@@ -276,7 +362,7 @@ class Store:
                 if e is None:
                     break
                 count += 1
-                self.policy.on_access(key)
+                self._access(key, e)
                 if lease_ms and until > e.lease_until:
                     e.lease_until = until
             self.counters["lookups"] += 1
@@ -290,16 +376,15 @@ class Store:
             return [k in self._index for k in keys]
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove ``keys``; returns how many were held. Pinned ones are freed when unpinned."""
+        """Remove ``keys``; returns how many objects left (a grouped key takes its whole group).
+        Pinned ones are freed when unpinned."""
         n = 0
         with self._lock:
             for key in keys:
                 e = self._index.get(key)
                 if e is None:
                     continue
-                self._unindex(key, e)
-                self.policy.on_remove(key)
-                n += 1
+                n += self._remove_unit(key, e)
             self.counters["deletes"] += n
         return n
 
@@ -319,6 +404,9 @@ class Store:
                 "free_extents": self.arena.free_extents,
                 "pinned": pinned,
                 "leased": leased,
+                "groups": len(self._groups),
+                "group_objects": sum(len(g.members) for g in self._groups),
+                "groups_incomplete": sum(1 for g in self._groups if len(g.members) < g.parts),
                 "policy": self.policy.name,
             }
             out.update(self.counters)
@@ -338,7 +426,11 @@ class Store:
         """Assert invariants between index, policy and arena (tests call this)."""
         with self._lock:
             self.arena.check()
-            assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))
+            units = sum(1 for e in self._index.values() if e.group is None) + len(self._groups)
+            assert len(self.policy) == units, (len(self.policy), units)
+            for g in self._groups:  # a group is whole in the index, or absent
+                assert g.members and all(self._index.get(k) is not None and self._index[k].group is g
+                                         for k in g.members), g.key
             assert self._index_pages == sum(pages_for(e.size) for e in self._index.values())
             assert self.bytes_used == sum(e.size for e in self._index.values())
             assert all(e.live and e.pins >= 0 for e in self._index.values())
@@ -353,7 +445,9 @@ class Store:
 
         def is_pinned(key: bytes) -> bool:
             e = index[key]
-            return e.pins > 0 or e.lease_until > now
+            if e.group is None:
+                return e.pins > 0 or e.lease_until > now
+            return any(index[k].pins > 0 or index[k].lease_until > now for k in e.group.members)
 
         return is_pinned
 
@@ -369,9 +463,11 @@ class Store:
             e = self._index.get(victim)
             if e is None or is_pinned(victim):
                 raise RuntimeError(f"eviction policy {self.policy.name!r} returned an unknown or pinned key")
-            self._unindex(victim, e)
-            self.counters["evictions"] += 1
-            self.counters["evicted_bytes"] += e.size
+            for key, ent in self._unit(victim, e):
+                self._unindex(key, ent)
+                self.counters["evictions"] += 1
+                self.counters["evicted_bytes"] += ent.size
+            self._groups.discard(e.group)
             offset = self.arena.alloc(size)
             if offset is not None:
                 return offset
@@ -400,8 +496,27 @@ class Store:
     def _drop_corrupt(self, key: bytes, e: Entry) -> None:
         if e.live and self._index.get(key) is e:
             self.counters["checksum_failures"] += 1
-            self._unindex(key, e)
-            self.policy.on_remove(key)
+            self._remove_unit(key, e)  # a group with a corrupt part goes whole
+
+    def _unit(self, key: bytes, e: Entry) -> list[tuple[bytes, Entry]]:
+        """The objects that leave with ``key``: its group's, or itself."""
+        if e.group is None:
+            return [(key, e)]
+        return [(k, self._index[k]) for k in e.group.members]
+
+    def _access(self, key: bytes, e: Entry) -> None:
+        self.policy.on_access(key if e.group is None else e.group.rep)
+
+    def _remove_unit(self, key: bytes, e: Entry) -> int:
+        """DELETE or a checksum drop: ``key``'s object, or its whole group, leaves the index and the
+        policy. Returns how many objects left."""
+        unit = self._unit(key, e)
+        for k, ent in unit:
+            self._unindex(k, ent)
+        if e.group is not None:
+            self._groups.discard(e.group)
+        self.policy.on_remove(key if e.group is None else e.group.rep)
+        return len(unit)
 
     @staticmethod
     def _finish(slot: Slot) -> None:

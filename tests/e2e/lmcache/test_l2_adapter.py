@@ -223,7 +223,8 @@ def test_lmcache_storage_manager_offloads_to_and_prefetches_from_the_pool(pool) 
         sm.finish_write(keys)
 
         end = time.monotonic() + 20
-        while not all(adapter.client.exists([adapter.keymap(k) for k in keys])):
+        placed = [adapter.keymap.placement(k) for k in keys]  # a chunk's objects are placed together (issue 23)
+        while not all(adapter.client.exists([adapter.keymap(k) for k in keys], placement=placed)):
             if time.monotonic() > end:
                 pytest.fail("LMCache's store controller did not push the objects to the pool")
             time.sleep(0.05)

@@ -52,7 +52,9 @@ def test_second_engine_loads_prefix_then_multiprocess_engine(run_engine, cold):
 
 def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
     with start_pool(2, capacity="64MiB") as pool:
-        a = run_engine(["spread", "killed"], pool.addresses, role="kv_producer")   # saves only
+        # chunks placed one by one (segment_tokens = chunk_tokens), so 31 chunks spread over both servers
+        per_chunk = ["--extra", f'{{"segment_tokens": {CHUNK}}}']
+        a = run_engine(["spread", "killed"], pool.addresses, role="kv_producer", args=per_chunk)   # saves only
         assert a["cached"] == [0, 0]
         assert a["counters"]["lookups"] == 2            # a producer looks up only to skip what the pool holds
         assert a["counters"]["scheduled_load_tokens"] == 0 and a["counters"]["save_known_chunks"] == 0
@@ -67,7 +69,8 @@ def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
             hits.update({addr: s["hits"] for addr, s in pool_stats(pool.addresses).items()})
             pool[1].kill()   # a shard dies mid-run: the engine holds connections to it
 
-        b = run_engine(["spread", "killed"], pool.addresses, between=kill_shard, role="kv_consumer")  # loads only
+        b = run_engine(["spread", "killed"], pool.addresses, between=kill_shard, role="kv_consumer",
+                       args=per_chunk)  # loads only
         assert b["cached"][0] >= LONG_LOADABLE, b["counters"]
         assert all(h > 0 for h in hits.values()), hits   # the first load read from both servers
         assert b["outputs"] == [cold["spread"], cold["killed"]]   # identical to cold, nothing raised
