@@ -631,12 +631,14 @@ static int64_t evict_group(struct kvf_store *st, uint32_t id)
     kvf_evict_hook fn = st->evict_hook;
     void *arg = st->evict_arg;
     uint8_t gkey[KVF_KEY_MAX]; /* a copy: the group array may be reallocated while unlocked */
-    uint32_t glen = st->grps[gi].klen, gparts = st->grps[gi].parts;
+    uint32_t glen = st->grps[gi].klen, gparts = st->grps[gi].parts, hits = 0;
     memcpy(gkey, st->grps[gi].key, glen);
+    for (k = 0; k < n; k++) /* the group's GETs: --ssd-admit hit takes or skips its parts together */
+        if (st->ents[ids[k]].hits > hits) hits = st->ents[ids[k]].hits;
     for (k = 0; k < n; k++) {
         struct entry *e = &st->ents[ids[k]];
         uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
-        uint32_t klen2 = e->klen, hits = e->hits;
+        uint32_t klen2 = e->klen;
         uint64_t off = e->off, size = e->size, csum = e->csum;
         memcpy(key2, e->key, klen2);
         pthread_mutex_unlock(&st->mu);

@@ -130,8 +130,9 @@ int64_t kvf_now_ms(void);
 
 /* Called by kvf_store_evict with an evicted object's bytes, outside the store
  * lock (the slot is freed when it returns): the tiers' write-behind. hits:
- * GETs of the object since it was stored; gkey/glen/gparts: its group (glen 0:
- * none), every part of which is evicted (and handed here) in the same call.
+ * GETs of the object since it was stored (of a group: its most read part's);
+ * gkey/glen/gparts: its group (glen 0: none), every part of which is evicted
+ * (and handed here) in the same call.
  * NULL fn: none. Set it while no eviction runs (before the control thread
  * starts, after it stopped). */
 typedef void (*kvf_evict_hook)(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,

@@ -136,11 +136,24 @@ def test_groups_over_shm_are_admitted_and_refused_whole(make_server):
     other.close()
 
 
-def _scenario(put, get, present):
+def _scenario(call):
     """Groups A, B (chained under A), an ungrouped x, group C in 8 pages; GETs of A's second part and
     of x; then 1-page fillers. Returns the units in the order they left (a unit leaves whole or the
-    scenario fails), as both servers must agree on it."""
+    scenario fails), as both servers must agree on it. ``call(msg, payload) -> reply meta``."""
     page = 4096
+
+    def put(keys, groups, parts, parents):
+        vals = [bytes([len(k)]) * page for k in keys]
+        msg = p.PutRequest(keys, [page] * len(keys), [p.checksum(k, v) for k, v in zip(keys, vals)], parents, groups,
+                           parts)
+        return call(msg, b"".join(vals))["status"]
+
+    def get(keys):
+        return call(p.GetRequest(keys), b"")["sizes"]
+
+    def present(keys):
+        return call(p.ExistsRequest(keys), b"")["present"]
+
     units = {b"A": [b"A1", b"A2"], b"B": [b"B1", b"B2"], b"x": [b"x"], b"C": [b"C1", b"C2"]}
     groups = {b"A": None, b"B": b"A1", b"C": None}
     for name, keys in units.items():
@@ -181,14 +194,7 @@ def test_both_servers_evict_groups_in_the_same_order_for_every_policy(make_serve
         frame = r.recv_frame()
         return p.decode_meta(frame[p.HEADER_SIZE:p.HEADER_SIZE + p.unpack_header(frame).meta_len])
 
-    def nput(keys, groups, parts, parents):
-        vals = [bytes([len(k)]) * 4096 for k in keys]
-        msg = p.PutRequest(keys, [4096] * len(keys), [p.checksum(k, v) for k, v in zip(keys, vals)], parents, groups,
-                           parts)
-        return call(msg, b"".join(vals))["status"]
-
-    native_order = _scenario(nput, lambda keys: call(p.GetRequest(keys))["sizes"],
-                             lambda keys: call(p.ExistsRequest(keys))["present"])
+    native_order = _scenario(call)
 
     h = Handlers(Store(8 * 4096, policy), server_id="ref")
 
@@ -211,14 +217,7 @@ def test_both_servers_evict_groups_in_the_same_order_for_every_policy(make_serve
         reply.release()
         return out
 
-    def rput(keys, groups, parts, parents):
-        vals = [bytes([len(k)]) * 4096 for k in keys]
-        msg = p.PutRequest(keys, [4096] * len(keys), [p.checksum(k, v) for k, v in zip(keys, vals)], parents, groups,
-                           parts)
-        return handle(msg, b"".join(vals))["status"]
-
-    ref_order = _scenario(rput, lambda keys: handle(p.GetRequest(keys))["sizes"],
-                          lambda keys: handle(p.ExistsRequest(keys))["present"])
+    ref_order = _scenario(handle)
     assert native_order == ref_order, (native_order, ref_order)
     # the orders tests/unit/test_groups.py explains policy by policy (there by representative key)
     assert native_order == {"lru": [b"B", b"C", b"A", b"x"], "tail-lru": [b"B", b"C", b"A", b"x"],
