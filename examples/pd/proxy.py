@@ -101,6 +101,11 @@ class PDProxy(BoundedHTTPServer):
         self._lock = threading.Lock()
         self._rr_p, self._rr_d = itertools.cycle(prefill), itertools.cycle(decode)
         self.counts = {"requests": 0, "prefill_failures": 0, "with_params": 0}
+        from prometheus_client import CollectorRegistry   # a dependency of kvfabric
+
+        from kvfabric.server.metrics import HttpCollector
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(HttpCollector(self))
 
     def next_instances(self) -> tuple[str, str]:
         with self._lock:
@@ -173,6 +178,10 @@ class _Handler(BoundedHandler):
             with self.server._lock:
                 counts = dict(self.server.counts)
             self.reply(200, json.dumps(counts).encode())
+        elif self.path == "/metrics":
+            from prometheus_client.exposition import choose_encoder
+            encode, ctype = choose_encoder(self.headers.get("Accept", ""))
+            self.reply(200, encode(self.server.registry), ctype)
         elif self.path == "/v1/models":
             base = self.server.decode[0]
             try:
@@ -268,6 +277,7 @@ class _Handler(BoundedHandler):
         except UpstreamTooLarge as exc:
             self.reply(502, json.dumps({"error": f"decode instance {base}: {exc}"}).encode())
             return
+        self.server.count_answer(upstream.status)
         self.send_response(upstream.status)
         self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
         if length is not None:

@@ -308,3 +308,56 @@ def test_bad_options_are_refused():
         r = subprocess.run([sys.executable, str(PROXY), "--prefill", "http://x", "--decode", "http://y", *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "error" in r.stderr, (args, r.returncode, r.stderr)
+
+
+def test_refusals_and_drops_are_exported_at_metrics(proxy_factory):
+    """``GET /metrics`` (Prometheus text, names from kvfabric.metrics.HTTP): each connection over the cap
+    answered 503, each client dropped at a deadline, each 400 / 404 / 411 / 413 / 431 / 501 by status.
+    Every 503 the test sees is one refused connection (a request retried while a slot is still taken
+    included), so that count is exact; timeouts are at least the two held clients."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    p = proxy_factory("--max-connections", "2", "--header-timeout-s", "1", "--max-body-bytes", "1MiB",
+                      "--max-header-bytes", "4KiB")
+    seen_503 = 0
+
+    def answer(request: bytes) -> tuple[int, bytes]:
+        nonlocal seen_503
+        while True:
+            with p.connect() as s:
+                s.sendall(request)
+                status, data = read_answer(s)
+            if status != 503:
+                return status, data
+            seen_503 += 1
+
+    held = [p.connect() for _ in range(2)]
+    for s in held:
+        s.sendall(b"GET /stats HTTP/1.1\r\nHost: x\r\n")       # never finished: both slots taken ...
+    try:
+        with p.connect() as s:                          # ... so this one is refused by the accepting thread
+            assert read_answer(s)[0] == 503
+            seen_503 += 1
+    finally:
+        assert wait_for(lambda: all(closed_by_peer(s) for s in held), 120), "held clients not dropped"
+        for s in held:
+            s.close()
+    for request, status in ((post_head("/v1/completions", "Content-Length: -1"), 400),
+                            (post_head("/v1/completions", f"Content-Length: {2 * MiB}"), 413),
+                            (post_head("/v1/completions"), 411),
+                            (post_head("/v1/completions", "Transfer-Encoding: chunked"), 501),
+                            (b"GET /stats HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8192 + b"\r\n\r\n", 431),
+                            (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+                            (post_head("/v1/completions", "Content-Length: 5") + b"[1,2]", 400)):   # not an object
+        got, data = answer(request)
+        assert got == status, f"{request[:60]!r}: {data[:300]!r}"
+    status, data = answer(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 200, data[:300]
+    fams = {f.name: f for f in parser.text_string_to_metric_families(data.partition(b"\r\n\r\n")[2].decode())}
+    one = {f.name: {s.name: s.value for s in f.samples} for f in fams.values() if not f.samples or not f.samples[0].labels}
+    assert fams["kvfabric_http_connections_refused"].type == "counter", one
+    assert one["kvfabric_http_connections_refused"]["kvfabric_http_connections_refused_total"] == seen_503, one
+    assert one["kvfabric_http_timeouts"]["kvfabric_http_timeouts_total"] >= 2, one
+    assert one["kvfabric_http_connections"]["kvfabric_http_connections"] == 1, one   # this scrape
+    by_status = {s.labels["status"]: s.value for s in fams["kvfabric_http_error_answers"].samples
+                 if s.name.endswith("_total")}
+    assert by_status == {"400": 2, "404": 1, "411": 1, "413": 1, "431": 1, "501": 1}, by_status

@@ -231,3 +231,75 @@ def test_metrics_limits_must_be_positive():
     for args in (["--metrics-max-connections", "0"], ["--metrics-timeout", "0"]):
         with pytest.raises(RuntimeError, match="exited with status 2"):
             start_server("16MiB", extra_args=["--metrics-port", "0", *args], timeout_s=60)
+
+
+def test_metrics_endpoint_exports_its_own_refusals_and_drops():
+    """What the bounded HTTP server refused or dropped is in the exposition (kvfabric.metrics.HTTP): each
+    connection answered 503 over the cap, each half-sent request dropped at --metrics-timeout, each
+    404 / 413 / 431 / 501 answer by status; the gauge counts the scrape itself. Every 503 this test
+    sees (including a scrape or a request that came while a slot was still taken) is one refused
+    connection, so the count is exact; timeouts are at least the two held requests (a loaded
+    machine may drop more)."""
+    import socket
+    import urllib.error
+
+    srv, url, addr = _metrics_server("--metrics-max-connections", "2", "--metrics-timeout", "2")
+    seen_503 = 0
+
+    def answer(request: bytes) -> int:
+        nonlocal seen_503
+        while True:
+            with socket.create_connection(addr, timeout=60) as s:
+                s.sendall(request)
+                status = read_answer(s)[0]
+            if status != 503:
+                return status
+            seen_503 += 1
+
+    def scraped() -> dict | None:
+        nonlocal seen_503
+        try:
+            return scrape(url)
+        except urllib.error.HTTPError as e:
+            if e.code != 503:
+                raise
+            seen_503 += 1
+            return None
+
+    try:
+        held = [socket.create_connection(addr, timeout=60) for _ in range(2)]
+        for s in held:
+            s.sendall(HALF_SENT)
+        assert wait_for(lambda: [c for c in held if closed_by_peer(c)] == held, 120), "held requests not dropped"
+        for s in held:
+            s.close()
+        for request, status in ((b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+                                (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n", 413),
+                                (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n", 431),
+                                (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n", 501),
+                                (b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n", 404)):
+            assert answer(request) == status, request[:60]
+        # over the cap: two half-sent requests hold both slots again, the next connection gets 503
+        held = [socket.create_connection(addr, timeout=60) for _ in range(2)]
+        for s in held:
+            s.sendall(HALF_SENT)
+        with socket.create_connection(addr, timeout=60) as s:
+            assert read_answer(s)[0] == 503
+            seen_503 += 1
+        assert wait_for(lambda: [c for c in held if closed_by_peer(c)] == held, 120), "held requests not dropped"
+        for s in held:
+            s.close()
+        m = wait_for(scraped, 120, 0.5)
+        assert m, "no scrape served after the held requests were dropped"
+    finally:
+        srv.stop()
+    samples = {n: fam["samples"] for n, fam in m.items() if n.startswith("kvfabric_http_")}
+    assert m["kvfabric_http_connections_refused"]["type"] == "counter", samples
+    assert samples["kvfabric_http_connections_refused"][("kvfabric_http_connections_refused_total", frozenset())] \
+        == seen_503, samples
+    assert samples["kvfabric_http_timeouts"][("kvfabric_http_timeouts_total", frozenset())] >= 4, samples
+    by_status = {dict(lb)["status"]: v for (n, lb), v in samples["kvfabric_http_error_answers"].items()
+                 if n.endswith("_total")}
+    assert by_status == {"404": 2, "413": 1, "431": 1, "501": 1}, by_status
+    assert m["kvfabric_http_connections"]["type"] == "gauge"
+    assert samples["kvfabric_http_connections"][("kvfabric_http_connections", frozenset())] == 1, samples
