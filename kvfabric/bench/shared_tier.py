@@ -7,7 +7,8 @@ server B, which never saw them (read from DIR, verified, promoted into B's arena
 Each with and without ``--auth-token`` (``--token off,on``): with a token every shared file carries an
 HMAC-SHA256 of its header and value, computed by the writer and checked by the reader on the tier thread, so
 the write and read columns of the two rows differ by that MAC; ``hmac us`` is the C HMAC alone
-(``kvfabric._native.hmac_sha256`` over one object, the best of 20), the floor of that difference.
+(``kvfabric._native.hmac_sha256`` over one object, the best of 20), the floor of that difference, and
+``(OpenSSL)`` the same HMAC by Python's ``hmac`` (SHA extensions where the CPU has them).
 Prints a table and writes the rows as JSON (``--json``, default bench-results/shared_tier.json). A
 benchmark, not a test: figures depend on the filesystem and on the machine's load.
 
@@ -41,17 +42,27 @@ def _stats(address: str, token: str | None = None) -> dict:
         return c.request(p.StatsRequest()).msg.stats
 
 
-def hmac_us(size: int, rounds: int = 20) -> float:
-    """Microseconds of one HMAC-SHA256 over ``size`` bytes in C (the best of ``rounds``)."""
+def hmac_us(size: int, rounds: int = 20) -> tuple[float, float]:
+    """Microseconds of one HMAC-SHA256 over ``size`` bytes (the best of ``rounds``): in the C data plane
+    (``kvfabric._native.hmac_sha256``, csrc/kvf_mac.c, what the tier runs) and in Python's ``hmac`` (OpenSSL,
+    which uses the CPU's SHA extensions where it has them: what a faster C SHA-256 could reach)."""
+    import hashlib
+    import hmac
+
     from .. import _native
 
     buf = random.randbytes(size)
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        _native.hmac_sha256(TOKEN.encode(), b"label", buf)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
+    key = TOKEN.encode()
+
+    def best(fn) -> float:
+        out = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - t0)
+        return out * 1e6
+
+    return best(lambda: _native.hmac_sha256(key, b"label", buf)), best(lambda: hmac.new(key, buf, hashlib.sha256).digest())
 
 
 def _put_all(address: str, keys: list[bytes], vals: list[bytes], token: str | None = None) -> float:
@@ -84,7 +95,11 @@ def run(base: str, size: int, count: int, fsync: str, token: str | None = None) 
     finally:
         plain.kill()
     d = tempfile.mkdtemp(prefix="kvf-shared-bench-", dir=base)
-    a = start_server(capacity=capacity, extra_args=["--shared-path", d, "--shared-fsync", fsync, *auth])
+    # a write queue that holds every object: on a loaded machine the tier thread falls behind the PUTs,
+    # and a dropped write would be a GET miss from B (what is measured here is the write, not the queue)
+    queue = str(size * count + (1 << 20))
+    a = start_server(capacity=capacity, extra_args=["--shared-path", d, "--shared-fsync", fsync,
+                                                    "--ssd-write-queue", queue, *auth])
     b = start_server(capacity=capacity, extra_args=["--shared-path", d, *auth])
     try:
         put_shared = _put_all(a.address, keys, vals, token)
@@ -112,7 +127,7 @@ def run(base: str, size: int, count: int, fsync: str, token: str | None = None) 
         "shared_read_us": sb["shared_read_us_total"] / max(1, sb["shared_reads"]),
         "get_mb_s_from_shared": mb / get_shared, "get_mb_s_from_dram": mb / get_dram,
         "shared_hits": sb["shared_hits"], "shared_mac_refused": sb["shared_mac_refused"],
-        "hmac_us": hmac_us(size),
+        **dict(zip(("hmac_us", "hmac_us_openssl"), hmac_us(size))),
     }
 
 
@@ -132,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run(args.dir, parse_size(s), args.count, f, TOKEN if t == "on" else None)
             for s in args.sizes.split(",") for f in args.fsync.split(",") for t in modes]
     print(f"{'size':>8} {'fsync':>6} {'token':>5} {'PUT MB/s':>9} {'(no tier)':>9} {'write us':>9} {'drops':>5} "
-          f"{'read us':>8} {'GET MB/s shared':>15} {'(DRAM)':>7} {'hmac us':>8}")
+          f"{'read us':>8} {'GET MB/s shared':>15} {'(DRAM)':>7} {'hmac us':>8} {'(OpenSSL)':>9}")
     for r in rows:
         print(f"{r['size'] >> 10:>6}Ki {r['fsync']:>6} {'on' if r['token'] else 'off':>5} "
               f"{r['put_mb_s_shared']:9.0f} {r['put_mb_s_no_shared']:9.0f} "
               f"{r['shared_write_us']:9.0f} {r['shared_write_drops']:5d} {r['shared_read_us']:8.0f} "
-              f"{r['get_mb_s_from_shared']:15.0f} {r['get_mb_s_from_dram']:7.0f} {r['hmac_us']:8.0f}")
+              f"{r['get_mb_s_from_shared']:15.0f} {r['get_mb_s_from_dram']:7.0f} {r['hmac_us']:8.0f} "
+              f"{r['hmac_us_openssl']:9.0f}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; directory under {args.dir}")
     write_json(args.json, rows, indent=1)
     return 0
