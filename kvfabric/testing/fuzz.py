@@ -86,7 +86,7 @@ class FuzzServer:
     """A ``kvfabric serve`` started by :func:`start_fuzz_server`, with what its memory bound needs."""
 
     proc: ServerProcess
-    token: str
+    token: str | None
     shm_socket: str
     capacity: int
     reply_budget: int
@@ -109,16 +109,18 @@ class FuzzServer:
 
 
 @contextmanager
-def start_fuzz_server(workdir: str, *, token: str = TOKEN, capacity: str = "16MiB",
+def start_fuzz_server(workdir: str, *, token: str | None = TOKEN, capacity: str = "16MiB",
                       budget: str = "8MiB", stall_timeout_s: float = 2.0) -> Iterator[FuzzServer]:
     """``kvfabric serve`` with ``--auth-token``, tcp+native+shm, an SSD tier and a shared tier under
     ``workdir``, small budgets (so the memory bound is tight) and a short stall timeout (so held and
-    trickled connections are dropped within the campaign)."""
+    trickled connections are dropped within the campaign). ``token=None`` starts it without a token
+    (only to show that the pre-auth oracle fires: every frame is then served before AUTH)."""
     ssd, shared = os.path.join(workdir, "ssd"), os.path.join(workdir, "shared")
     for d in (ssd, shared):
         os.makedirs(d, mode=0o700, exist_ok=True)
     sock = os.path.join(workdir, "shm.sock")
-    args = ["--auth-token", token, "--transports", "tcp,native,shm", "--shm-socket", sock,
+    args = (["--auth-token", token] if token else []) + [
+            "--transports", "tcp,native,shm", "--shm-socket", sock,
             "--ssd-path", ssd, "--ssd-capacity", "32MiB", "--ssd-write-queue", budget, "--shared-path", shared,
             "--reply-budget", budget, "--request-budget", budget, "--stall-timeout", str(stall_timeout_s),
             "--idle-timeout", "60", "--max-lease-ms", "2000", "--log-level", "warning"]
@@ -498,8 +500,9 @@ class Fuzzer:
     """Runs sessions against one :class:`FuzzServer`; :meth:`run` until a frame count or a deadline."""
 
     def __init__(self, server: FuzzServer, seed: int, *, session_timeout_s: float = 60.0,
-                 probe_every: int = 200, crash_dir: str | None = None) -> None:
+                 probe_every: int = 200, crash_dir: str | None = None, kinds: tuple[str, ...] = KINDS) -> None:
         self.server = server
+        self.kinds = kinds
         self.seed = seed
         self.rng = random.Random(seed)
         self.gen = Generator(self.rng)
@@ -747,7 +750,7 @@ class Fuzzer:
         rep.rss_start = self.server.proc.rss_bytes()
         self.probe()
         while rep.frames < frames and (deadline_s is None or time.monotonic() - t0 < deadline_s):
-            kind = self.rng.choice(KINDS)
+            kind = self.rng.choice(self.kinds)
             last = b""
             try:
                 last = self.session(kind)

@@ -47,3 +47,34 @@ def test_protocol3_frames_never_hurt_the_server(tmp_path, seed):
 
         assert wait_for(settled, timeout_s=120), {k: last.get(k) for k in ("connections", "pinned", "reserved_bytes")}
         assert last["errors"].get("AUTH_FAILED", 0) > 0, last["errors"]
+
+
+def test_the_pre_auth_oracle_fires_on_a_server_that_serves_before_auth(tmp_path):
+    """The same pre-auth sessions against a server without a token (which serves every frame at once):
+    the fuzzer reports ops answered before AUTH, so a server that did so with a token would be caught."""
+    with start_fuzz_server(str(tmp_path), token=None, stall_timeout_s=10.0) as srv:
+        rep = Fuzzer(srv, 5, session_timeout_s=120.0, kinds=("preauth",)).run(200)
+    assert rep.violations > 0 and any("answered before AUTH" in f for f in rep.failures), rep.summary()
+    assert rep.crashes == 0 and rep.hangs == 0, rep.summary()
+
+
+def test_the_bytes_oracle_fires_on_wrong_bytes_that_verify(tmp_path):
+    """A fuzzer-owned key stored beforehand with other bytes (and their valid checksum, as a writer
+    that has the token could): the fuzzer's GETs of it report wrong bytes, so a server that returned
+    another key's object, or a forged tier file, with a matching checksum would be caught."""
+    import random
+
+    from kvfabric import protocol as p
+    from kvfabric.testing.fuzz import canonical, good_key
+    from kvfabric.transport import tcp
+
+    with start_fuzz_server(str(tmp_path), stall_timeout_s=10.0) as srv:
+        key = good_key(random.Random(1))
+        forged = bytes(len(canonical(key)))                   # zeros, not the canonical bytes
+        with tcp.connect(srv.proc.address, timeout_s=30, auth_token=srv.token) as c:
+            st = c.request(p.PutRequest([key], [len(forged)], [p.checksum(key, forged)]), [forged]).msg.status
+        assert st == [p.PutStatus.STORED], st
+        fz = Fuzzer(srv, 6, session_timeout_s=120.0, kinds=("auth",))
+        fz.gen.good[:] = [key] * 50                           # every GET of a known key asks for this one
+        rep = fz.run(300)
+    assert any("returned wrong bytes that verify" in f for f in rep.failures), rep.summary() + str(rep.failures)
