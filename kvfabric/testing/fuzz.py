@@ -26,7 +26,9 @@ verifies; an shm LEASE's verifying object likewise. Every ``probe_every`` sessio
 fresh client authenticates and PINGs; the server's RSS is sampled after every session and held
 against the memory bound docs/operations.md states (:meth:`FuzzServer.rss_bound`). A session that
 gets no EOF within ``session_timeout_s`` after its last byte is a *hang*; a server process that
-exits is a *crash* (its log tail and the session's bytes are kept, and the server is restarted).
+exits is a *crash* (its log tail and the bytes the session pipelined after its handshake are kept, and
+the server is restarted). The frames a seed sends do not depend on the server's answers (a refused
+handshake aside), so `--seed S` replays a finding.
 
 The suite runs a bounded campaign (tests/native/test_fuzz_v3.py); a long one::
 
@@ -555,7 +557,9 @@ class Fuzzer:
                 chunks[-1] = last[:r.randrange(len(last))]
             rep.frames += len(chunks)
             data = b"".join(chunks)
-            outcome = conv.pipeline(data, trickle=r if kind == "trickle" else None)
+            # the trickle's own generator: how many calls it makes depends on the server (a close ends it)
+            trickle = random.Random(r.getrandbits(64)) if kind == "trickle" else None
+            outcome = conv.pipeline(data, trickle=trickle)
             if outcome == "hang":
                 rep.hangs += 1
                 rep.fail(f"session {rep.sessions} ({kind}): no EOF {self.session_timeout_s:.0f} s after its last byte")
@@ -603,8 +607,9 @@ class Fuzzer:
             rep.fail(f"session {rep.sessions}: SHM_ATTACH after AUTH refused: {meta}")
             return
         cap = meta["capacity"]
+        keys = [good_key(r) for _ in range(r.randint(1, 3))]
+        wrong = r.random() < 0.2              # drawn before any answer decides what happens next
         with mmap.mmap(conv.fds[-1], cap, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as arena:
-            keys = [good_key(r) for _ in range(r.randint(1, 3))]
             if len(self.gen.good) < _MAX_GOOD:
                 self.gen.good.extend(keys)
             sizes = [len(canonical(k)) for k in keys]
@@ -612,7 +617,6 @@ class Fuzzer:
             rep.frames += 1
             if head[1] & FLAG_ERROR:
                 return
-            wrong = r.random() < 0.2
             sums = []
             for k, off, st in zip(keys, meta["offsets"], meta["status"]):
                 obj = canonical(k)
