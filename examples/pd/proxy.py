@@ -101,11 +101,6 @@ class PDProxy(BoundedHTTPServer):
         self._lock = threading.Lock()
         self._rr_p, self._rr_d = itertools.cycle(prefill), itertools.cycle(decode)
         self.counts = {"requests": 0, "prefill_failures": 0, "with_params": 0}
-        from prometheus_client import CollectorRegistry   # a dependency of kvfabric
-
-        from kvfabric.server.metrics import HttpCollector
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(HttpCollector(self))
 
     def next_instances(self) -> tuple[str, str]:
         with self._lock:
@@ -179,9 +174,7 @@ class _Handler(BoundedHandler):
                 counts = dict(self.server.counts)
             self.reply(200, json.dumps(counts).encode())
         elif self.path == "/metrics":
-            from prometheus_client.exposition import choose_encoder
-            encode, ctype = choose_encoder(self.headers.get("Accept", ""))
-            self.reply(200, encode(self.server.registry), ctype)
+            self._metrics()
         elif self.path == "/v1/models":
             base = self.server.decode[0]
             try:
@@ -198,6 +191,21 @@ class _Handler(BoundedHandler):
                     self.reply(502, json.dumps({"error": f"decode instance {base}: {exc}"}).encode())
         else:
             self.reply(404, b'{"error": "not found"}')
+
+    def _metrics(self) -> None:
+        """The HTTP server's refusals and drops in Prometheus's text format (501 without prometheus-client)."""
+        try:
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.exposition import choose_encoder
+        except ImportError as exc:
+            self.reply(501, json.dumps({"error": f"/metrics needs prometheus-client: {exc}"}).encode())
+            return
+        from kvfabric.server.metrics import HttpCollector
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(HttpCollector(self.server))
+        encode, ctype = choose_encoder(self.headers.get("Accept", ""))
+        self.reply(200, encode(registry), ctype)
 
     def admit_body(self, n: int) -> bool:
         if not self.server.take_body(n):
