@@ -111,7 +111,7 @@ class FuzzServer:
 
 
 @contextmanager
-def start_fuzz_server(workdir: str, *, token: str | None = TOKEN, capacity: str = "16MiB",
+def start_fuzz_server(workdir: str, *, token: str | None = TOKEN, capacity: str = "4MiB",
                       budget: str = "8MiB", stall_timeout_s: float = 2.0) -> Iterator[FuzzServer]:
     """``kvfabric serve`` with ``--auth-token``, tcp+native+shm, an SSD tier and a shared tier under
     ``workdir``, small budgets (so the memory bound is tight) and a short stall timeout (so held and
@@ -123,7 +123,7 @@ def start_fuzz_server(workdir: str, *, token: str | None = TOKEN, capacity: str 
     sock = os.path.join(workdir, "shm.sock")
     args = (["--auth-token", token] if token else []) + [
             "--transports", "tcp,native,shm", "--shm-socket", sock,
-            "--ssd-path", ssd, "--ssd-capacity", "32MiB", "--ssd-write-queue", budget, "--shared-path", shared,
+            "--ssd-path", ssd, "--ssd-capacity", "8MiB", "--ssd-write-queue", budget, "--shared-path", shared,
             "--reply-budget", budget, "--request-budget", budget, "--stall-timeout", str(stall_timeout_s),
             "--idle-timeout", "60", "--max-lease-ms", "2000", "--log-level", "warning"]
     with start_server(capacity=capacity, extra_args=args) as proc:
@@ -478,6 +478,7 @@ class Report:
     closed_by_reset: int = 0
     handshake_drops: int = 0    # connections the server closed during our HELLO/AUTH or shm PUT
     seconds: float = 0.0
+    tiers: dict = field(default_factory=dict)   # the server's ssd_* / shared_* / shm_* STATS at the end
     failures: list = field(default_factory=list)   # the first few, with seed and session to reproduce
 
     def fail(self, what: str, limit: int = 20) -> None:
@@ -772,7 +773,9 @@ class Fuzzer:
         while self.held:
             self.held.popleft().close()
         if self.server.proc.alive:
-            self.probe()
+            st = self.probe() or {}
+            rep.tiers = {k: v for k, v in sorted(st.items()) if k.startswith(("ssd_", "shared_", "shm_"))
+                         and isinstance(v, int) and not k.endswith("_us_total")}
         rep.good_keys = len(self.gen.good)
         rep.seconds = time.monotonic() - t0
         return rep
@@ -785,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=100_000, help="frames to send in all (default 100000)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long even if frames remain")
-    ap.add_argument("--capacity", default="16MiB")
+    ap.add_argument("--capacity", default="4MiB", help="the arena (default 4MiB: small, so objects move to the tiers)")
     ap.add_argument("--restarts", type=int, default=3, help="servers started again after a crash (default 3)")
     ap.add_argument("--json", default=None, help="write the report(s) here as JSON")
     args = ap.parse_args(argv)
@@ -799,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
             rep = fz.run(left, None if deadline is None else deadline - (time.monotonic() - t0))
             reports.append(rep)
             print(rep.summary(), flush=True)
-            print(f"  answered: {rep.answered}\n  errors: {rep.errors}", flush=True)
+            print(f"  answered: {rep.answered}\n  errors: {rep.errors}\n  tiers: {rep.tiers}", flush=True)
             for f in rep.failures:
                 print("  " + f, flush=True)
         left -= rep.frames

@@ -38,6 +38,9 @@ def test_protocol3_frames_never_hurt_the_server(tmp_path, seed):
         assert rep.objects_checked > 0 and rep.shm_puts > 0, detail
         assert {"PUT", "GET", "SHM_RESERVE", "SHM_LEASE"} <= set(rep.answered), rep.answered
         assert rep.errors.get("AUTH_FAILED", 0) > 0, rep.errors
+        # the 4 MiB arena overflowed into the SSD tier, and committed PUTs were written through
+        assert rep.tiers["ssd_writes"] > 0 and rep.tiers["shared_writes"] > 0, rep.tiers
+        assert not any(rep.tiers[k] for k in ("ssd_corrupt", "ssd_errors", "shared_corrupt", "shared_errors")), rep.tiers
         # nothing left held once the fuzzer's connections are gone (our probe is the one connection)
         last: dict = {}
 
