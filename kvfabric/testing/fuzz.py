@@ -71,7 +71,7 @@ from ..sizes import parse_size
 from ..transport import tcp
 from .servers import ServerProcess, start_server
 
-__all__ = ["FuzzServer", "Fuzzer", "Report", "KINDS", "start_fuzz_server", "main"]
+__all__ = ["FuzzServer", "Fuzzer", "Report", "KINDS", "asan_preloaded", "start_fuzz_server", "main"]
 
 TOKEN = "fuzz-pool-token-v3"
 KINDS = ("auth", "auth", "auth", "preauth", "preauth", "unix", "unix-preauth", "trickle", "hold")
@@ -134,6 +134,11 @@ def start_fuzz_server(workdir: str, *, token: str | None = TOKEN, capacity: str 
     with start_server(capacity=capacity, extra_args=args) as proc:
         b = parse_size(budget)
         yield FuzzServer(proc, token, sock, parse_size(capacity), b, b, b)
+
+
+def asan_preloaded() -> bool:
+    """Whether AddressSanitizer is preloaded here (and so in the servers started from here)."""
+    return "libasan" in os.environ.get("LD_PRELOAD", "")
 
 
 # ------------------------------------------------------------------ keys the fuzzer owns
@@ -805,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     left, t0, seed = args.frames, time.monotonic(), args.seed
     deadline = None if args.minutes is None else args.minutes * 60.0
-    asan = "libasan" in os.environ.get("LD_PRELOAD", "")
+    asan = asan_preloaded()
     if asan:
         print("AddressSanitizer preloaded: RSS is reported, not held against the bound (ASan's shadow memory "
               "and quarantine are outside it)", flush=True)

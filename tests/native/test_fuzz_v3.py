@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.testing.fuzz import Fuzzer, start_fuzz_server
+from kvfabric.testing.fuzz import Fuzzer, asan_preloaded, start_fuzz_server
 from kvfabric.testing.poll import wait_for
 
 pytest.importorskip("kvfabric._native")
@@ -25,14 +25,15 @@ FRAMES = 2500
 def test_protocol3_frames_never_hurt_the_server(tmp_path, seed):
     # stall timeout 10 s: at load 20 our own HELLO + AUTH must not be taken for a stalled peer
     with start_fuzz_server(str(tmp_path), stall_timeout_s=10.0) as srv:
-        fz = Fuzzer(srv, seed, session_timeout_s=120.0, probe_every=100)
+        # under ASan (scripts/ci-native.sh) the server's RSS holds ASan's shadow memory: not held to the bound
+        fz = Fuzzer(srv, seed, session_timeout_s=120.0, probe_every=100, check_rss=not asan_preloaded())
         rep = fz.run(FRAMES)
         detail = f"{rep.summary()}\n" + "\n".join(rep.failures) + f"\nlog tail:\n{srv.proc.stderr_text()[-3000:]}"
         assert rep.frames >= FRAMES, detail
         assert srv.proc.alive and rep.crashes == 0, detail
         assert rep.hangs == 0 and rep.unresponsive == 0, detail
         assert rep.violations == 0, detail
-        assert rep.over_bound == 0 and rep.rss_peak <= rep.rss_bound_at_peak, detail
+        assert rep.over_bound == 0 and (not fz.check_rss or rep.rss_peak <= rep.rss_bound_at_peak), detail
         # every kind of session ran, and the oracles had something to check
         assert set(rep.by_kind) == {"auth", "preauth", "unix", "unix-preauth", "trickle", "hold"}, rep.by_kind
         assert rep.objects_checked > 0 and rep.shm_puts > 0, detail
