@@ -32,7 +32,7 @@ handshake aside), so `--seed S` replays a finding.
 
 The suite runs a bounded campaign (tests/native/test_fuzz_v3.py); a long one::
 
-    python -m kvfabric.testing.fuzz --frames 200000 --seed 1 [--minutes 10] [--json out.json]
+    python -m kvfabric.testing.fuzz --frames 200000 --seed 1 [--minutes 10] [--workers 4] [--json out.json]
 
 Under AddressSanitizer (an ASan build of the extension first on ``PYTHONPATH``, ``LD_PRELOAD`` of
 libasan, as scripts/ci-native.sh does; the server subprocess inherits both) a memory error aborts the
@@ -71,7 +71,7 @@ from ..sizes import parse_size
 from ..transport import tcp
 from .servers import ServerProcess, start_server
 
-__all__ = ["FuzzServer", "Fuzzer", "Report", "KINDS", "asan_preloaded", "start_fuzz_server", "main"]
+__all__ = ["FuzzServer", "Fuzzer", "Report", "KINDS", "asan_preloaded", "run_workers", "start_fuzz_server", "main"]
 
 TOKEN = "fuzz-pool-token-v3"
 KINDS = ("auth", "auth", "auth", "preauth", "preauth", "unix", "unix-preauth", "trickle", "hold")
@@ -796,6 +796,24 @@ class Fuzzer:
         return rep
 
 
+def run_workers(server: FuzzServer, seed: int, frames: int, deadline_s: float | None, workers: int,
+                **kw: Any) -> list[Report]:
+    """``workers`` fuzzers at once against one server, each on a thread with its own seed (the first
+    ``seed``, the others ``seed + 100000 * i``: their keys and frames are their own) and its share of
+    ``frames``; their sessions interleave as the scheduler likes, so only each one's frames replay."""
+    import threading
+
+    fuzzers = [Fuzzer(server, seed + 100_000 * i, **kw) for i in range(workers)]
+    share = -(-frames // workers)
+    threads = [threading.Thread(target=fz.run, args=(share, deadline_s), name=f"fuzz-{i}", daemon=True)
+               for i, fz in enumerate(fuzzers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [fz.report for fz in fuzzers]
+
+
 # ------------------------------------------------------------------ command line
 
 def main(argv: list[str] | None = None) -> int:
@@ -805,6 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long even if frames remain")
     ap.add_argument("--capacity", default="4MiB", help="the arena (default 4MiB: small, so objects move to the tiers)")
     ap.add_argument("--restarts", type=int, default=3, help="servers started again after a crash (default 3)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="fuzzers at once against the server, one thread each (default 1: fully reproducible)")
     ap.add_argument("--json", default=None, help="write the report(s) here as JSON")
     args = ap.parse_args(argv)
     reports = []
@@ -817,25 +837,32 @@ def main(argv: list[str] | None = None) -> int:
     for attempt in range(args.restarts + 1):
         with tempfile.TemporaryDirectory(prefix="kvfabric-fuzz-") as work, start_fuzz_server(work, capacity=args.capacity) as srv:
             crash_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else os.getcwd()
-            fz = Fuzzer(srv, seed, crash_dir=crash_dir, check_rss=not asan)
-            rep = fz.run(left, None if deadline is None else deadline - (time.monotonic() - t0))
-            reports.append(rep)
-            print(rep.summary(), flush=True)
-            print(f"  answered: {rep.answered}\n  errors: {rep.errors}\n  tiers: {rep.tiers}", flush=True)
-            for f in rep.failures:
-                print("  " + f, flush=True)
-        left -= rep.frames
-        if not rep.crashes or left <= 0 or (deadline is not None and time.monotonic() - t0 >= deadline):
+            run = run_workers(srv, seed, left, None if deadline is None else deadline - (time.monotonic() - t0),
+                              max(1, args.workers), crash_dir=crash_dir, check_rss=not asan)
+            for rep in run:
+                print(rep.summary(), flush=True)
+                print(f"  answered: {rep.answered}\n  errors: {rep.errors}\n  tiers: {rep.tiers}", flush=True)
+                for f in rep.failures:
+                    print("  " + f, flush=True)
+            reports.append(run)
+        left -= sum(r.frames for r in run)
+        crashed = any(r.crashes for r in run)
+        if not crashed or left <= 0 or (deadline is not None and time.monotonic() - t0 >= deadline):
             break
         seed += 1000   # the crashed session is reproducible from the report; go on with fresh frames
-    total = {k: sum(getattr(r, k) for r in reports) for k in ("frames", "sessions", "crashes", "hangs",
-                                                                "unresponsive", "violations", "over_bound")}
-    total["rss_peak_mib"] = round(max(r.rss_peak for r in reports) / (1 << 20), 1)
+    flat = [r for run in reports for r in run]
+    total = {k: sum(getattr(r, k) for r in flat) for k in ("frames", "sessions", "hangs", "unresponsive",
+                                                             "violations", "over_bound", "objects_checked")}
+    total["crashes"] = sum(max(r.crashes for r in run) for run in reports)   # the workers of a run share a server
+    total["servers"] = len(reports)
+    total["workers"] = max(1, args.workers)
+    total["rss_peak_mib"] = round(max(r.rss_peak for r in flat) / (1 << 20), 1)
+    total["seconds"] = round(time.monotonic() - t0, 1)
     print("total: " + ", ".join(f"{k} {v}" for k, v in total.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"total": total, "runs": [asdict(r) for r in reports]}, f, indent=1)
-    return 0 if all(r.ok for r in reports) else 1
+            json.dump({"total": total, "runs": [[asdict(r) for r in run] for run in reports]}, f, indent=1)
+    return 0 if all(r.ok for r in flat) else 1
 
 
 if __name__ == "__main__":
