@@ -3,11 +3,11 @@
 Seeded, so every finding reproduces (``--seed`` and the session number are printed with it). Each
 *session* is one connection of one kind (:data:`KINDS`):
 
-* ``auth``: a valid HELLO + AUTH with the token first, then 1-8 pipelined frames of every opcode
+* ``auth``: a valid HELLO + AUTH with the token first, then 1-12 pipelined frames of every opcode
   (HELLO, AUTH, PING, EXISTS, LOOKUP, GET, PUT, DELETE, STATS, the shm ops, unknown ones): structured
-  (real keys, PUTs with right and wrong sizes, checksums and parents, leases) and, a third of them,
-  mutated (metadata cut, flipped or replaced; header bits flipped; ``meta_len`` / ``payload_len`` lying,
-  up to 2**32-1 / 2**64-1; payloads cut or padded);
+  (real keys, PUTs with right and wrong sizes, checksums and parents, leases) and, per session none,
+  5%, a third or 70% of them, mutated (metadata cut, flipped or replaced; header bits flipped;
+  ``meta_len`` / ``payload_len`` lying, up to 2**32-1 / 2**64-1; payloads cut or padded);
 * ``preauth``: the same frames with no AUTH (sometimes after a HELLO, sometimes after a wrong AUTH),
   then a PING: the pre-auth rule must hold, nothing but HELLO and AUTH answered (and a HELLO only
   within the pre-auth limits: 4 KiB of metadata, no payload);
