@@ -187,6 +187,7 @@ class Generator:
         self.good: list[bytes] = []
         self.rid = 1
         self.mutate_p = 0.33      # chance that a frame is mutated; set per session
+        self.aliased: set[int] = set()   # request ids a flipped header bit gave a mutated frame
 
     def next_rid(self) -> int:
         self.rid += 1
@@ -327,8 +328,11 @@ class Generator:
         data = _frame(op, rid, body, payload, **kw)
         if r.random() < 0.03:                       # a bit flipped anywhere in the header
             b = bytearray(data)
-            b[r.randrange(HEADER_SIZE)] ^= 1 << r.randrange(8)
+            at = r.randrange(HEADER_SIZE)
+            b[at] ^= 1 << r.randrange(8)
             data, sent.intact = bytes(b), False
+            if 8 <= at < 16:                          # the request id: now maybe another frame's
+                self.aliased.add(struct.unpack_from("<Q", data, 8)[0])
         sent.op = op
         sent.meta_len = kw.get("meta_len", len(body))
         sent.payload_len = kw.get("payload_len", len(payload))
@@ -689,7 +693,7 @@ class Fuzzer:
                     rep.fail(f"session {rep.sessions} ({kind}): a HELLO of {s.meta_len}+{s.payload_len} bytes "
                              "answered before AUTH (pre-auth limits)")
                 continue
-            if s is None or not s.intact or op != Op.GET or s.op != Op.GET:
+            if s is None or not s.intact or op != Op.GET or s.op != Op.GET or rid in self.gen.aliased:
                 continue
             self._check_get(s, meta, payload, kind)
 
