@@ -11,6 +11,8 @@ it:
   holds the keys and their meanings; here they get their Prometheus type and
   label) plus the service-time histogram, exported by ``kvfabric serve
   --metrics-port`` as ``kvfabric_<name>`` (see ``kvfabric/server/metrics.py``);
+- :data:`HTTP`: the bounded HTTP server's refusals and drops (``kvfabric/server/httpd.py``), exported
+  by the metrics endpoint and the PD example proxy as ``kvfabric_http_<name>``;
 - :data:`CLIENT`: ``Client.stats()["client"]`` (``kvfabric/_shard.py``);
 - :data:`VLLM`: the vLLM connector's counters (``connectors/kvfabric_vllm/metrics.py``),
   exported through vLLM's own ``/metrics`` as ``kvfabric_vllm_<name>``;
@@ -123,6 +125,22 @@ def _server_metrics() -> list[Metric]:
 
 #: The pool server's metric families (``kvfabric serve --metrics-port``).
 SERVER: dict[str, Metric] = _table(*_server_metrics())
+
+# ------------------------------------------------------------------ bounded HTTP servers
+
+#: The bounded HTTP server's counts (``BoundedHTTPServer.limit_counts``, kvfabric/server/httpd.py),
+#: exported as ``kvfabric_<name>`` by the metrics endpoint (``kvfabric serve --metrics-port``: the
+#: endpoint's own connections) and by the PD example proxy's ``/metrics`` (its clients' connections).
+HTTP: dict[str, Metric] = _table(
+    Metric("http_connections_refused", COUNTER, "HTTP connections over the connection cap, answered 503 and "
+                                                "closed by the accepting thread"),
+    Metric("http_timeouts", COUNTER, "HTTP connections dropped because a request head or body did not arrive "
+                                     "within its deadline (half-sent, trickled, idle keep-alive)"),
+    Metric("http_error_answers", COUNTER, "HTTP answers with a status of 400 or more, by status (refusals: 400 "
+                                          "bad Content-Length, 411, 413 over the body cap, 431 over the head cap, "
+                                          "501, 503 no body budget; and 404, 502, ...)", ("status",)),
+    Metric("http_connections", GAUGE, "HTTP connections being served now (at most the connection cap)"),
+)
 
 # ------------------------------------------------------------------ client
 
@@ -264,5 +282,5 @@ def lat_quantile(buckets: list[int], q: float) -> float | None:
     return float("inf")
 
 
-__all__ = ["CLIENT", "LAT_BOUNDS_US", "LAT_BUCKETS", "LAT_OPS", "LMCACHE", "Metric", "SERVER", "VLLM",
+__all__ = ["CLIENT", "HTTP", "LAT_BOUNDS_US", "LAT_BUCKETS", "LAT_OPS", "LMCACHE", "Metric", "SERVER", "VLLM",
            "lat_histogram", "lat_quantile", "names"]

@@ -173,6 +173,8 @@ class _Handler(BoundedHandler):
             with self.server._lock:
                 counts = dict(self.server.counts)
             self.reply(200, json.dumps(counts).encode())
+        elif self.path == "/metrics":
+            self._metrics()
         elif self.path == "/v1/models":
             base = self.server.decode[0]
             try:
@@ -189,6 +191,21 @@ class _Handler(BoundedHandler):
                     self.reply(502, json.dumps({"error": f"decode instance {base}: {exc}"}).encode())
         else:
             self.reply(404, b'{"error": "not found"}')
+
+    def _metrics(self) -> None:
+        """The HTTP server's refusals and drops in Prometheus's text format (501 without prometheus-client)."""
+        try:
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.exposition import choose_encoder
+        except ImportError as exc:
+            self.reply(501, json.dumps({"error": f"/metrics needs prometheus-client: {exc}"}).encode())
+            return
+        from kvfabric.server.metrics import HttpCollector
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(HttpCollector(self.server))
+        encode, ctype = choose_encoder(self.headers.get("Accept", ""))
+        self.reply(200, encode(registry), ctype)
 
     def admit_body(self, n: int) -> bool:
         if not self.server.take_body(n):
@@ -268,6 +285,7 @@ class _Handler(BoundedHandler):
         except UpstreamTooLarge as exc:
             self.reply(502, json.dumps({"error": f"decode instance {base}: {exc}"}).encode())
             return
+        self.server.count_answer(upstream.status)
         self.send_response(upstream.status)
         self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
         if length is not None:

@@ -83,9 +83,14 @@ _BUSY = _canned(503, "Service Unavailable", "too many connections\n")
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` with :class:`Limits`; ``limit_counts`` says what was refused or dropped:
-    ``connections_refused`` (over the cap, answered 503), ``timeouts`` (dropped at a deadline),
-    ``refused_requests`` (answered 4xx/5xx by :meth:`BoundedHandler.refuse`)."""
+    """``ThreadingHTTPServer`` with :class:`Limits`. :meth:`limit_counts` says what was refused or dropped
+    since start: ``connections_refused`` (over the cap, answered 503 by the accepting thread),
+    ``timeouts`` (dropped at a header or body deadline, or when a socket operation waited
+    ``io_timeout_s``: a read or a write to a client that stopped reading), ``error_answers`` (answers with a status of 400
+    or more sent by a handler, :meth:`BoundedHandler.reply`, by status: the refusals 400 / 411 / 413 /
+    431 / 501 / 503 and a handler's own, such as 404 or the proxy's 502); and ``connections``, those
+    served now. :mod:`kvfabric.server.metrics` exports them (``kvfabric_http_*``, declared in
+    :data:`kvfabric.metrics.HTTP`)."""
 
     daemon_threads = True
 
@@ -94,7 +99,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self.request_queue_size = limits.backlog
         self._conns: dict[socket.socket, float | None] = {}   # served connection -> read deadline
         self._conns_lock = threading.Lock()
-        self.limit_counts = {"connections_refused": 0, "timeouts": 0, "refused_requests": 0}
+        self._counts = {"connections_refused": 0, "timeouts": 0}
+        self._error_answers: dict[int, int] = {}   # status -> answers sent with it
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         super().__init__(addr, handler)
@@ -103,7 +109,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._conns_lock:
             full = len(self._conns) >= self.limits.max_connections
             if full:
-                self.limit_counts["connections_refused"] += 1
+                self._counts["connections_refused"] += 1
             else:
                 self._conns[request] = time.monotonic() + self.limits.header_timeout_s
         if full:
@@ -141,7 +147,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             late = [c for c, d in self._conns.items() if d is not None and d < now]
             for c in late:
                 self._conns[c] = None
-            self.limit_counts["timeouts"] += len(late)
+            self._counts["timeouts"] += len(late)
         for c in late:
             try:
                 c.shutdown(socket.SHUT_RDWR)   # the handler's blocked read returns at once
@@ -159,9 +165,21 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._conns_lock:
             return len(self._conns)
 
-    def count_limit(self, name: str) -> None:
+    def count_timeout(self) -> None:
         with self._conns_lock:
-            self.limit_counts[name] += 1
+            self._counts["timeouts"] += 1
+
+    def count_answer(self, status: int) -> None:
+        """Count an answer of ``status`` (only those of 400 or more are kept)."""
+        if status >= 400:
+            with self._conns_lock:
+                self._error_answers[status] = self._error_answers.get(status, 0) + 1
+
+    def limit_counts(self) -> dict:
+        """A snapshot: ``connections_refused``, ``timeouts`` (ints since start), ``error_answers``
+        ({status: answers since start}) and ``connections`` (served now)."""
+        with self._conns_lock:
+            return {**self._counts, "error_answers": dict(self._error_answers), "connections": len(self._conns)}
 
 
 class BoundedHandler(BaseHTTPRequestHandler):
@@ -202,6 +220,8 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except OSError as e:             # timed out, shut down at a deadline, or reset by the peer
             log.debug("HTTP connection %s dropped: %s", self.client_address, e)
+            if isinstance(e, TimeoutError):   # the socket's own timeout came before the loop's deadline
+                self.server.count_timeout()
             self.close_connection = True
 
     def _read_head(self) -> bytes | None:
@@ -264,6 +284,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
         return True
 
     def reply(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.server.count_answer(status)
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -272,10 +293,14 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's error answer (a malformed request line, an unsupported HTTP version), counted."""
+        self.server.count_answer(code)
+        super().send_error(code, message, explain)
+
     def refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with ``{"error": message}`` and close the connection (its unread
         bytes must not be taken for the next request)."""
-        self.server.count_limit("refused_requests")
         self.close_connection = True
         self.reply(status, json.dumps({"error": message}).encode())
         self._linger()

@@ -25,7 +25,10 @@ accepting thread), a request head of at most 16 KiB that must arrive within
 idle keep-alive connections), no request body (a request with one is answered
 413 and closed), and a client that stops reading its answer is dropped after
 the same timeout. So the endpoint's threads are at most 1 + the cap and its
-memory :func:`kvfabric.server.memory.metrics_bytes`. It binds loopback unless
+memory :func:`kvfabric.server.memory.metrics_bytes`. What it refused or dropped
+is exported beside STATS (:class:`HttpCollector`): ``kvfabric_http_connections_refused_total``,
+``kvfabric_http_timeouts_total``, ``kvfabric_http_error_answers_total{status}`` and
+``kvfabric_http_connections`` (declared in :data:`kvfabric.metrics.HTTP`). It binds loopback unless
 ``--metrics-host`` says otherwise; the metrics carry no keys or values, only
 counts.
 """
@@ -37,7 +40,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..metrics import LAT_KEYS, LAT_OPS, SERVER, SERVER_PROM_NAMES, lat_histogram
+from ..metrics import HTTP, LAT_KEYS, LAT_OPS, SERVER, SERVER_PROM_NAMES, lat_histogram
 from ..metrics import SERVER_GAUGES as GAUGES
 from ..metrics import SERVER_LABELS as LABELS
 from .httpd import BoundedHandler, BoundedHTTPServer, Limits
@@ -108,6 +111,35 @@ class StatsCollector:
         yield from families(stats)
 
 
+def http_families(counts: Mapping[str, Any]) -> Iterator[Any]:
+    """Prometheus families for one :meth:`BoundedHTTPServer.limit_counts` snapshot (kvfabric/server/httpd.py):
+    ``kvfabric_http_connections_refused_total``, ``kvfabric_http_timeouts_total``,
+    ``kvfabric_http_error_answers_total{status}`` and the gauge ``kvfabric_http_connections``; names, types
+    and help from :data:`kvfabric.metrics.HTTP`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for key in ("connections_refused", "timeouts"):
+        m = HTTP["http_" + key]
+        yield CounterMetricFamily(PREFIX + m.name, m.help, value=counts[key])
+    m = HTTP["http_error_answers"]
+    fam = CounterMetricFamily(PREFIX + m.name, m.help, labels=list(m.labels))
+    for status, n in sorted(counts["error_answers"].items()):
+        fam.add_metric([str(status)], n)
+    yield fam
+    m = HTTP["http_connections"]
+    yield GaugeMetricFamily(PREFIX + m.name, m.help, value=counts["connections"])
+
+
+class HttpCollector:
+    """A ``prometheus_client`` collector of a :class:`BoundedHTTPServer`'s refusals and drops."""
+
+    def __init__(self, httpd: BoundedHTTPServer) -> None:
+        self._httpd = httpd
+
+    def collect(self) -> Iterator[Any]:
+        yield from http_families(self._httpd.limit_counts())
+
+
 #: Scrapes served at once (Prometheus scrapes one target with one connection; a few more leave room
 #: for a second Prometheus, an agent and a person with curl), and how long a request may take to
 #: arrive; docs/operations.md.
@@ -159,6 +191,7 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(stats_fn))
         self._httpd = _HTTPServer((host, port), _Handler, lim)
+        self.registry.register(HttpCollector(self._httpd))   # the endpoint's own refusals and drops
         self._httpd.registry, self._httpd.choose_encoder = self.registry, choose_encoder
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvfabric-metrics", daemon=True)
         self._thread.start()

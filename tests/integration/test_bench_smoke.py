@@ -110,13 +110,16 @@ def test_redis_smoke(tmp_path, capsys):
 def test_shared_tier_smoke(tmp_path, capsys):
     out = tmp_path / "shared_tier.json"
     rc = shared_tier.main(["--dir", str(tmp_path), "--sizes", "64KiB", "--count", "4", "--fsync", "never",
-                           "--json", str(out)])
+                           "--token", "off,on", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
-    (row,) = json.loads(out.read_text())
-    assert (row["size"], row["count"], row["fsync"]) == (64 << 10, 4, "never"), row
-    assert row["shared_hits"] == 4 and row["shared_write_drops"] == 0, row
-    assert row["put_mb_s_shared"] > 0 and row["get_mb_s_from_shared"] > 0 and row["get_mb_s_from_dram"] > 0, row
+    rows = json.loads(out.read_text())
+    assert [r["token"] for r in rows] == [False, True], rows
+    for row in rows:
+        assert (row["size"], row["count"], row["fsync"]) == (64 << 10, 4, "never"), row
+        assert row["shared_hits"] == 4 and row["shared_write_drops"] == 0 and row["shared_mac_refused"] == 0, row
+        assert row["put_mb_s_shared"] > 0 and row["get_mb_s_from_shared"] > 0 and row["get_mb_s_from_dram"] > 0, row
+        assert row["hmac_us"] > 0 and row["hmac_us_openssl"] > 0, row
     assert [p.name for p in tmp_path.iterdir()] == ["shared_tier.json"], "the shared directory was left behind"
 
 

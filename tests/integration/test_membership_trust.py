@@ -7,6 +7,9 @@
 * A server whose key is overwritten (no lease) or deleted puts its record back and logs an ERROR naming what
   it found; a client without a token, which follows the forged entry meanwhile, routes back to the real server.
 * A server whose HELLO id differs from its verified record's id takes no keys (counted, logged).
+* Two servers started with one ``--server-id`` take turns at the key under the guard's doubling back-off:
+  their etcd writes over a run are counted and held against the most that back-off allows in the time
+  the run took (a bound a slower machine only makes looser), never a hot loop.
 
 Nothing waits a fixed time: every change is awaited with ``wait_for`` and a generous deadline.
 """
@@ -17,13 +20,14 @@ import json
 import logging
 import socket
 import threading
+import time
 
 import pytest
 
 from kvfabric import Client, ClientConfig
 from kvfabric.membership import Member
 from kvfabric.membership.etcd import EtcdClient
-from kvfabric.membership.registry import encode_member, member_key, read_member
+from kvfabric.membership.registry import Registration, encode_member, member_key, read_member
 from kvfabric.testing.etcd import etcd  # noqa: F401  (the fixture)
 from kvfabric.testing.poll import wait_for
 from kvfabric.testing.servers import ServerPool, start_server
@@ -231,3 +235,62 @@ def test_a_server_whose_hello_id_differs_from_its_verified_record_takes_no_keys(
         st = c.stats()["servers"][other.address]
     assert (st["puts"], st["hits"] + st["misses"], st["objects"]) == (0, 0, 0), st
     admin.lease_revoke(lease)
+
+
+def _put_backs_at_most(seconds: float) -> int:
+    """The most put-backs one server's key guard makes in ``seconds`` (kvfabric/membership/registry.py
+    ``Registration``): the guard puts back one at a time, and the k-th of a run of hijacks each within
+    REPEAT_S of the last waits ``min(0.05 * 2 ** (k - 2), MAX_DELAY_S)`` first (the first none); a run
+    starts afresh only after REPEAT_S without a hijack, so at most ``1 + seconds // REPEAT_S`` runs fit."""
+    delays, waited = [0.0], 0.0
+    while True:
+        nxt = min(max(delays[-1] * 2, 0.05), Registration.MAX_DELAY_S)
+        if waited + nxt > seconds:
+            break
+        waited += nxt
+        delays.append(nxt)
+    return len(delays) * (1 + int(seconds // Registration.REPEAT_S))
+
+
+def test_two_servers_with_one_id_take_turns_under_the_back_off_not_a_hot_loop(etcd, servers):
+    """Two servers claim one id (an operator error): each sees the other's record as a hijack and puts its
+    own back. The guard's back-off doubles the wait each time, so 16 writes take seconds; without it the
+    two rewrite etcd as fast as it answers (hundreds a second). Counted from etcd's own history: every
+    write to the key after the first server registered, up to the revision read when the 16th was seen,
+    against what the back-off allows in the wall time that took. No timing is asserted: a slower
+    machine takes longer and so is allowed more, while a hot loop exceeds the bound at any speed."""
+    cluster, sid = "twins", "pool-twin"
+    admin = EtcdClient(etcd.url)
+    key = member_key(cluster, sid)
+    servers.append(_serve(etcd.url, cluster, sid, ttl=30))   # a long lease: no re-registration in the run
+    assert wait_for(lambda: _record(admin, cluster, sid), WAIT_S)
+    rev0 = admin.range(key)[1]
+    t0 = time.monotonic()
+    servers.append(_serve(etcd.url, cluster, sid, ttl=30))
+    target = 16
+    assert wait_for(lambda: admin.range(key)[1] - rev0 >= target, 300, 0.05), \
+        (admin.range(key)[1] - rev0, servers[0].stderr_text()[-2000:], servers[1].stderr_text()[-2000:])
+    rev_end = admin.range(key)[1]
+    elapsed = time.monotonic() - t0
+    history: list = []
+    stop = threading.Event()
+    for events in admin.watch(key, None, rev0 + 1, stop, idle_timeout_s=30.0):
+        history += events
+        if history[-1].mod_revision >= rev_end:
+            break
+    stop.set()
+    writes = [e for e in history if e.kind == "PUT" and e.mod_revision <= rev_end]
+    by = {s.address: 0 for s in servers}
+    for e in writes:
+        by[json.loads(e.value)["addresses"]["tcp"]] += 1
+    # per server: its put-backs + its registration + one re-registration (a lease lost to a stall)
+    bound = 2 * (_put_backs_at_most(elapsed) + 2)
+    assert len(writes) == rev_end - rev0 >= target, (len(writes), rev_end - rev0)
+    assert len(writes) <= bound, (f"{len(writes)} writes of {key!r} in {elapsed:.2f} s: the back-off allows at "
+                                  f"most {bound}", by)
+    assert all(n >= 4 for n in by.values()), f"both servers take turns: {by}"
+    # turns, not a tie: no server writes twice in a row (each put-back answers the other's write)
+    owners = [json.loads(e.value)["addresses"]["tcp"] for e in writes]
+    assert all(a != b for a, b in zip(owners, owners[1:])), owners
+    for srv in servers:
+        assert "our member key" in srv.stderr_text(), srv.stderr_text()[-2000:]

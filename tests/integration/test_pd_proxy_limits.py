@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvfabric.testing import stop_process_group, wait_for
-from kvfabric.testing.rawhttp import closed_by_peer, read_answer, thread_count
+from kvfabric.testing.rawhttp import ask, closed_by_peer, hold_silent, read_answer, thread_count
 
 PROXY = Path(__file__).resolve().parents[2] / "examples" / "pd" / "proxy.py"
 MiB = 1 << 20
@@ -308,3 +308,43 @@ def test_bad_options_are_refused():
         r = subprocess.run([sys.executable, str(PROXY), "--prefill", "http://x", "--decode", "http://y", *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "error" in r.stderr, (args, r.returncode, r.stderr)
+
+
+def test_refusals_and_drops_are_exported_at_metrics(proxy_factory):
+    """``GET /metrics`` (Prometheus text, names from kvfabric.metrics.HTTP): each connection over the cap
+    answered 503, each client dropped at a deadline, each 400 / 404 / 411 / 413 / 431 / 501 by status.
+    Three silent connections against a cap of 2: at least one refused, the others dropped. The refused
+    count lies between the 503s read and those plus the connections that ended with no byte (a refusal
+    whose answer a reset discarded); a request that meets a slot still held by a finishing handler is
+    refused and asked again (kvfabric.testing.rawhttp.ask)."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    p = proxy_factory("--max-connections", "2", "--header-timeout-s", "2", "--max-body-bytes", "1MiB",
+                      "--max-header-bytes", "4KiB")
+    seen = {"503": 0, "lost": 0}
+    dropped = hold_silent(p.connect, 3, seen)
+    assert seen["503"] >= 1 and dropped >= 1, (seen, dropped)
+    for request, status in ((post_head("/v1/completions", "Content-Length: -1"), 400),
+                            (post_head("/v1/completions", f"Content-Length: {2 * MiB}"), 413),
+                            (post_head("/v1/completions"), 411),
+                            (post_head("/v1/completions", "Transfer-Encoding: chunked"), 501),
+                            (b"GET /stats HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8192 + b"\r\n\r\n", 431),
+                            (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+                            (post_head("/v1/completions", "Content-Length: 5") + b"[1,2]", 400)):   # not an object
+        got, data = ask(p.connect, request, seen)
+        assert got == status, f"{request[:60]!r}: {data[:300]!r}"
+
+    def alone() -> dict | None:
+        status, data = ask(p.connect, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", seen)
+        assert status == 200, data[:300]
+        fams = {f.name: f for f in parser.text_string_to_metric_families(data.partition(b"\r\n\r\n")[2].decode())}
+        return fams if fams["kvfabric_http_connections"].samples[0].value == 1 else None
+
+    fams = wait_for(alone, 120, 0.2)
+    assert fams, "no /metrics answer served alone"
+    one = {n: f.samples[0].value for n, f in fams.items() if n.startswith("kvfabric_http_") and not f.samples[0].labels}
+    assert fams["kvfabric_http_connections_refused"].type == "counter", one
+    assert seen["503"] <= one["kvfabric_http_connections_refused"] <= seen["503"] + seen["lost"], (one, seen)
+    assert one["kvfabric_http_timeouts"] >= dropped, (one, dropped)
+    by_status = {s.labels["status"]: s.value for s in fams["kvfabric_http_error_answers"].samples
+                 if s.name.endswith("_total")}
+    assert by_status == {"400": 2, "404": 1, "411": 1, "413": 1, "431": 1, "501": 1}, by_status

@@ -9,7 +9,7 @@ import pytest
 
 from kvfabric import Client, ClientConfig
 from kvfabric.testing import start_server, wait_for
-from kvfabric.testing.rawhttp import closed_by_peer, read_answer, thread_count
+from kvfabric.testing.rawhttp import ask, closed_by_peer, hold_silent, read_answer, thread_count
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
 pytest.importorskip("kvfabric._native", reason="the C extension is not built")
@@ -150,18 +150,21 @@ def test_metrics_connection_cap_refuses_with_503_and_no_thread():
     srv, url, addr = _metrics_server("--metrics-max-connections", str(cap), "--metrics-timeout", "600")
     held = []
     try:
-        base = thread_count(srv.pid)
+        base = thread_count(srv.pid)   # may count the thread that faults the arena in; it ends on its own
         for _ in range(cap):
             s = socket.create_connection(addr, timeout=60)
             s.sendall(HALF_SENT)
             held.append(s)
-        assert wait_for(lambda: thread_count(srv.pid) >= base + cap, 120), \
-            f"{thread_count(srv.pid)} threads, expected {base} + {cap} for the half-sent requests"
         most = 0
         for i in range(200):
             with socket.create_connection(addr, timeout=60) as s:   # sends nothing: the 503 comes first
                 status = read_answer(s)[0]
                 assert status == 503, f"connection {cap + i + 1} over the cap of {cap}: answered {status}"
+            if i == 0:   # accepted in order: each held request's thread was started before this accept
+                first = thread_count(srv.pid)
+                assert first >= base + cap - 1, \
+                    f"{first} threads, expected {base} + {cap} for the half-sent requests (less one if the " \
+                    "arena's populate thread ended meanwhile)"
             if i % 20 == 0:
                 most = max(most, thread_count(srv.pid))
         most = max(most, thread_count(srv.pid))
@@ -231,3 +234,46 @@ def test_metrics_limits_must_be_positive():
     for args in (["--metrics-max-connections", "0"], ["--metrics-timeout", "0"]):
         with pytest.raises(RuntimeError, match="exited with status 2"):
             start_server("16MiB", extra_args=["--metrics-port", "0", *args], timeout_s=60)
+
+
+def test_metrics_endpoint_exports_its_own_refusals_and_drops():
+    """What the bounded HTTP server refused or dropped is in the exposition (kvfabric.metrics.HTTP): each
+    connection answered 503 over the cap, each connection dropped at --metrics-timeout, each 404 / 413 /
+    431 / 501 answer by status; the gauge counts the scrape itself. Three connections that send nothing
+    against a cap of 2: at least one is refused, the others are dropped at the deadline. Every 503 this
+    test reads is a refused connection, and so may be one that ended with no byte (a refusal whose
+    answer a reset discarded), which bounds the count from both sides; a handler ends a moment after
+    its client saw the close, so a request may meet a slot still taken and be refused: it is asked again."""
+    import socket
+
+    srv, url, addr = _metrics_server("--metrics-max-connections", "2", "--metrics-timeout", "2")
+    seen = {"503": 0, "lost": 0}
+    connect = lambda: socket.create_connection(addr, timeout=120)  # noqa: E731
+    try:
+        dropped = hold_silent(connect, 3, seen)
+        assert seen["503"] >= 1 and dropped >= 1, (seen, dropped)
+        for request, status in ((b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+                                (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n", 413),
+                                (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n", 431),
+                                (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n", 501),
+                                (b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n", 404)):
+            assert ask(connect, request, seen)[0] == status, request[:60]
+        dropped += hold_silent(connect, 3, seen)
+
+        def alone() -> dict | None:
+            status, data = ask(connect, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", seen)
+            assert status == 200, data[:300]
+            fams = {f.name: f for f in parser.text_string_to_metric_families(data.partition(b"\r\n\r\n")[2].decode())}
+            return fams if fams["kvfabric_http_connections"].samples[0].value == 1 else None
+
+        fams = wait_for(alone, 120, 0.2)
+        assert fams, "no scrape served alone"
+    finally:
+        srv.stop()
+    one = {n: f.samples[0].value for n, f in fams.items() if n.startswith("kvfabric_http_") and not f.samples[0].labels}
+    assert fams["kvfabric_http_connections_refused"].type == "counter" and fams["kvfabric_http_connections"].type == "gauge"
+    assert seen["503"] <= one["kvfabric_http_connections_refused"] <= seen["503"] + seen["lost"], (one, seen)
+    assert one["kvfabric_http_timeouts"] >= dropped >= 2, (one, dropped)
+    by_status = {s.labels["status"]: s.value for s in fams["kvfabric_http_error_answers"].samples
+                 if s.name.endswith("_total")}
+    assert by_status == {"404": 2, "413": 1, "431": 1, "501": 1}, by_status
