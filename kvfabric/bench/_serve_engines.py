@@ -18,7 +18,9 @@ pool_servers`` per server):
 
 * ``vllm``: vLLM alone, its prefix cache on, nothing beneath;
 * ``vllm-offload``: vLLM's own CPU offload (``--kv-offloading-size``, the
-  ``native`` backend: vLLM's ``OffloadingConnector``);
+  ``native`` backend: vLLM's ``OffloadingConnector``; :data:`OFFLOAD_VARIANTS`
+  lists the environments tried in turn, the second selecting its
+  ``SimpleCPUOffloadConnector``);
 * ``kvfabric``: the kvfabric connector over a DRAM-only pool, vLLM's
   prefix cache on above it;
 * ``kvfabric-ssd``: the same pool with an SSD tier of ``ssd_bytes`` in all;
@@ -40,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..testing.servers import ServerPool, start_pool, stop_process_group
+from ..testing.servers import ServerPool, start_server, stop_process_group
 from ._servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +55,10 @@ LABELS = {"vllm": "(a) vLLM alone, prefix cache, KV limited",
           "lmcache": "(c) vLLM + LMCache remote server (peer L2)",
           "kvfabric": "(d) vLLM + kvfabric pool, DRAM",
           "kvfabric-ssd": "(e) vLLM + kvfabric pool, DRAM + SSD"}
+
+
+# vllm-offload is tried with each of these environments until one starts
+OFFLOAD_VARIANTS = ({}, {"VLLM_USE_SIMPLE_KV_OFFLOAD": "1"})
 
 
 class NotRunnable(RuntimeError):
@@ -140,11 +146,14 @@ class Deployment:
     settings: dict = field(default_factory=dict)
 
     def stop(self) -> None:
+        """Stop the engines, then the L2; remove the SSD tier directories the pool had."""
         for p in [*self.procs, *self.l2_procs]:
             if p.poll() is None:
                 stop_process_group(p)
         if self.pool is not None:
             self.pool.stop()
+            for d in self.settings.get("ssd_paths", []):
+                shutil.rmtree(d, ignore_errors=True)
 
     def dead(self) -> list[str]:
         """One line per engine that exited, with its log's tail."""
@@ -166,38 +175,56 @@ def _kvfabric_flag(servers: list[str]) -> list[str]:
     return ["--kv-transfer-config", json.dumps(flag)]
 
 
+def _start_pool(opt: Options, ssd: bool) -> ServerPool:
+    """``opt.pool_servers`` servers sharing ``opt.dram_bytes`` (and ``opt.ssd_bytes`` of SSD tier, one fresh
+    directory each under ``opt.ssd_dir``: a tier file belongs to one server); all or none."""
+    pool = ServerPool()
+    pool.ssd_paths = []
+    try:
+        for i in range(opt.pool_servers):
+            args = ["--transports", opt.server_transports]
+            if ssd:
+                d = Path(opt.ssd_dir) / f"kvf-serve-bench-{os.getpid()}-{i}"
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
+                pool.ssd_paths.append(str(d))
+                args += ["--ssd-path", str(d), "--ssd-capacity", str(opt.ssd_bytes // opt.pool_servers)]
+            pool.append(start_server(capacity=opt.dram_bytes // opt.pool_servers, extra_args=args, timeout_s=120))
+    except BaseException:
+        pool.stop()
+        for d in pool.ssd_paths:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+    return pool
+
+
 def _start_lmcache_server(opt: Options) -> tuple[subprocess.Popen, str, Path]:
-    """LMCache's remote server (``python -m lmcache.v1.server HOST PORT``) from its own installation."""
+    """LMCache's remote server (``python -m lmcache.v1.server HOST PORT cpu``) from its own installation."""
     if not opt.lmcache_python or not opt.lmcache_site:
         raise NotRunnable("no LMCache installation given (--lmcache-python / --lmcache-site)")
     port = free_port()
     log = opt.workdir / "lmcache-server.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([opt.lmcache_python, "-m", "lmcache.v1.server", "127.0.0.1", str(port)],
+        proc = subprocess.Popen([opt.lmcache_python, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"lm://127.0.0.1:{port}", log
 
 
-def start(config: str, opt: Options) -> Deployment:
-    """Start ``config``'s L2 and engines and wait until all answer; :class:`NotRunnable` (with the engine's
-    own error) when the configuration cannot run here, RuntimeError for anything else."""
+def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) -> Deployment:
+    """Start ``config``'s L2 and engines (``env_extra`` added to their environment) and wait until all
+    answer; :class:`NotRunnable` (with the engine's own error) when the configuration cannot run here,
+    RuntimeError for anything else."""
     pool = None
     l2: list[subprocess.Popen] = []
     extra: list[str] = []
-    env_extra: dict[str, str] = {}
+    env_extra = dict(env_extra or {})
     path_extra: list[str] = []
     settings: dict = {"kv_bytes_per_instance": opt.kv_bytes}
     try:
         if config in ("kvfabric", "kvfabric-ssd"):
-            per = opt.dram_bytes // opt.pool_servers
-            args = ["--transports", opt.server_transports]
+            pool = _start_pool(opt, ssd=config == "kvfabric-ssd")
             if config == "kvfabric-ssd":
-                ssd = Path(opt.ssd_dir) / f"serve-bench-{os.getpid()}"
-                shutil.rmtree(ssd, ignore_errors=True)
-                ssd.mkdir(parents=True)
-                args += ["--ssd-path", str(ssd), "--ssd-capacity", str(opt.ssd_bytes // opt.pool_servers)]
-                settings.update(ssd_bytes=opt.ssd_bytes, ssd_path=str(ssd))
-            pool = start_pool(opt.pool_servers, capacity=per, extra_args=args, timeout_s=120)
+                settings.update(ssd_bytes=opt.ssd_bytes, ssd_paths=pool.ssd_paths)
             extra = _kvfabric_flag(pool.addresses)
             settings.update(pool=pool.addresses, dram_bytes=opt.dram_bytes, server_transports=opt.server_transports)
         elif config == "vllm-offload":
@@ -208,7 +235,7 @@ def start(config: str, opt: Options) -> Deployment:
             proc, url, _ = _start_lmcache_server(opt)
             l2.append(proc)
             path_extra = [opt.lmcache_site]
-            env_extra = {"LMCACHE_CHUNK_SIZE": str(CHUNK_TOKENS), "LMCACHE_LOCAL_CPU": "False",
+            env_extra |= {"LMCACHE_CHUNK_SIZE": str(CHUNK_TOKENS), "LMCACHE_LOCAL_CPU": "False",
                          "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "naive"}
             extra = ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
             settings.update(remote=url, dram_bytes=opt.dram_bytes)
@@ -224,7 +251,7 @@ def start(config: str, opt: Options) -> Deployment:
                                               stderr=subprocess.STDOUT, start_new_session=True))
             urls.append(f"http://127.0.0.1:{port}")
             logs.append(log)
-        dep = Deployment(config, urls, procs, logs, pool, l2, settings)
+        dep = Deployment(config, urls, procs, logs, pool, l2, dict(settings, env=env_extra))
     except BaseException:
         for p in l2:
             stop_process_group(p)
@@ -233,10 +260,28 @@ def start(config: str, opt: Options) -> Deployment:
         raise
     try:
         _wait_healthy(dep, opt.start_timeout_s)
+        _check_connector_started(dep)
     except BaseException:
         dep.stop()
         raise
     return dep
+
+
+# A connector that logs one of these at start and lets vLLM run on without it: the engine answers, but the
+# configuration would be vLLM alone under another name.
+_CONNECTOR_FAILED = {"lmcache": "LMCache ERROR"}
+
+
+def _check_connector_started(dep: Deployment) -> None:
+    """:class:`NotRunnable` when the configuration's connector logged that it failed to start."""
+    mark = _CONNECTOR_FAILED.get(dep.config)
+    for url, log in zip(dep.urls, dep.logs):
+        text = log.read_text(errors="replace")
+        at = text.find(mark) if mark else -1
+        if at >= 0:
+            raise NotRunnable(f"{dep.config}: the vLLM server at {url} started, but its connector did not (vLLM "
+                              f"runs on without it): {root_cause(text[at:])}\nits log from there:\n"
+                              f"{text[at:at + 4000]}")
 
 
 def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
@@ -265,7 +310,7 @@ def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
             time.sleep(1.0)
 
 
-_ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
+_ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (.+)")
 
 
 def root_cause(log: str) -> str:
@@ -290,5 +335,5 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
     return str(py), str(sites[0])
 
 
-__all__ = ["CONFIGS", "LABELS", "Deployment", "NotRunnable", "Options", "Shape", "build_model", "engine_env",
+__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "Deployment", "NotRunnable", "Options", "Shape", "build_model", "engine_env",
            "lmcache_installation", "start"]

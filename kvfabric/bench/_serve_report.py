@@ -150,9 +150,8 @@ def print_table(report: dict[str, Any], out=sys.stdout) -> None:
           "tokens vLLM reports loaded by its KV connector / computed; pool hit: GET keys hit in the pool's STATS; "
           "loadavg: 1-minute load average at the run's end", file=out)
     for cfg in report["configs"]:
-        if cfg.get("not_runnable"):
-            first = cfg["not_runnable"].strip().splitlines()
-            print(f"NOT RUN {cfg['label']}: {first[0] if first else ''}", file=out)
+        for line in (cfg.get("not_runnable") or "").strip().splitlines():
+            print(f"NOT RUN {cfg['label']}: {line}", file=out)
     slo = report.get("slo_ttft_ms")
     if slo:
         print(f"best output tok/s with TTFT p99 <= {slo:.0f} ms: " + ", ".join(

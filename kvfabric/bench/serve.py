@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from . import write_json
-from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, NotRunnable, Options, Shape, build_model,
-                             lmcache_installation, start)
+from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, NotRunnable, Options, Shape,
+                             build_model, lmcache_installation, start)
 from ._serve_load import Result, complete, run
 from ._serve_report import delta, plot, pool_counters, print_table, summarize, vllm_counters
 from ._serve_workload import Workload, build_workload
@@ -138,11 +138,20 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
     """Start ``config``, run every load level on it, stop it; its report entry."""
     entry: dict[str, Any] = {"config": config, "label": LABELS[config], "runs": []}
     t0 = time.monotonic()
-    try:
-        dep = start(config, opt)
-    except NotRunnable as e:
-        entry["not_runnable"] = str(e)
-        print(f"{config}: NOT RUNNABLE here: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+    failures: list[str] = []
+    dep = None
+    for env in (OFFLOAD_VARIANTS if config == "vllm-offload" else ({},)):
+        try:
+            dep = start(config, opt, env)
+            break
+        except NotRunnable as e:
+            failures.append((f"with {env}: " if env else "") + str(e))
+            print(f"{config}: NOT RUNNABLE here{f' (with {env})' if env else ''}: "
+                  f"{str(e).strip().splitlines()[0]}", file=sys.stderr)
+    if failures:
+        entry["attempts"] = failures
+    if dep is None:
+        entry["not_runnable"] = "\n".join(f.strip().splitlines()[0] for f in failures)
         return entry
     entry["start_s"] = time.monotonic() - t0
     entry["settings"] = dep.settings
@@ -214,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--out", default="bench-results/serve.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    ap.add_argument("--logs", default=None, help="folder for the engines' and L2 servers' logs "
+                                                 "(default: --out without .json, plus -logs)")
     args = ap.parse_args(argv)
 
     configs = [c for c in args.configs.split(",") if c]
@@ -257,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                               "mode": args.mode, "slo_ttft_ms": args.slo_ttft_ms, "configs": [],
                               "load_axis": ("sessions in flight (closed loop)" if args.mode == "closed"
                                             else "speed-up over the trace's arrivals (open loop)")}
+    logs = Path(args.logs or Path(args.out).with_suffix("").as_posix() + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    report["logs"] = str(logs)
     with tempfile.TemporaryDirectory(prefix="kvf-serve-bench-") as tmp:
         model = args.model or str(build_model(args.engine_python, Path(tmp) / "model", shape))
         calib = calibrate_transport(shape, args.pool_servers, args.server_transports, CHUNK_TOKENS)
@@ -266,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         opt = Options(python=args.engine_python, model=model, instances=args.instances, kv_bytes=_mib(args.kv_mib),
                       dram_bytes=_mib(args.dram_mib), ssd_bytes=_mib(args.ssd_mib), ssd_dir=args.ssd_dir,
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
-                      max_batched_tokens=args.max_model_len, workdir=Path(tmp),
+                      max_batched_tokens=args.max_model_len, workdir=logs,
                       server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py)
         todo = configs[:1] if args.calibrate_only else configs
         for config in todo:
