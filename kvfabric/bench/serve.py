@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..testing.poll import wait_for
 from . import write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, NotRunnable, Options, Shape,
                              build_model, lmcache_installation, start)
@@ -105,22 +106,48 @@ def calibrate_transport(shape: Shape, servers_n: int, transports: str, chunk_tok
             "object_bytes": obj, "objects": n}
 
 
-def calibrate_prefill(url: str, vocab: int, repeats: int = 2) -> dict[str, Any]:
-    """Prefill seconds per token on one engine: the TTFT slope between two cold prompts (fresh random ids)."""
+def calib_lengths(max_model_len: int) -> tuple[int, int]:
+    """The two prompt lengths of :func:`calibrate_prefill`: :data:`CALIB_LENGTHS`, or shorter ones (same ratio)
+    that leave room for the output in ``max_model_len``."""
+    hi = min(CALIB_LENGTHS[1], max_model_len // 2)
+    return max(1, hi * CALIB_LENGTHS[0] // CALIB_LENGTHS[1]), hi
+
+
+def calibrate_prefill(url: str, vocab: int, lengths: tuple[int, int], repeats: int = 2) -> dict[str, Any]:
+    """Prefill seconds per token on one engine: the TTFT slope between two cold prompts (fresh random ids)
+    of ``lengths`` tokens (best of ``repeats`` each)."""
     import random
 
     rng = random.Random(12345)
     ttft: dict[int, float] = {}
-    for n in CALIB_LENGTHS:
+    for n in lengths:
         best = None
         for _ in range(repeats):
             prompt = [rng.randrange(8, vocab - 8) for _ in range(n)]
             t, _, _ = complete(url, prompt, 1)
             best = t if best is None else min(best, t)
         ttft[n] = best
-    lo, hi = CALIB_LENGTHS
+    lo, hi = lengths
     slope = (ttft[hi] - ttft[lo]) / (hi - lo)
-    return {"prefill_s_per_token": slope, "ttft_s": ttft, "prefill_s_per_token_at_max": ttft[hi] / hi}
+    return {"prefill_s_per_token": slope, "ttft_s": ttft, "prefill_s_per_token_at_max": ttft[hi] / hi,
+            "lengths": list(lengths)}
+
+
+def settled_vllm_counters(urls: list[str], before: dict[str, float], generated: int,
+                          timeout_s: float = 60.0) -> dict[str, float]:
+    """The run's vLLM counters (``after - before``) once vLLM has recorded them: its metrics are updated
+    after each engine step, so read until they count every generated token and two reads agree (up to
+    ``timeout_s``; then the last read, which the report shows as it is)."""
+    last: list[dict[str, float]] = [{}]
+
+    def settled() -> bool:
+        now = delta(before, vllm_counters(urls))
+        same = now == last[0]
+        last[0] = now
+        return same and now["generation_tokens"] >= generated
+
+    wait_for(settled, timeout_s=timeout_s, interval_s=0.2)
+    return last[0]
 
 
 def _bar(total: int, desc: str, on: bool):
@@ -157,7 +184,7 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
     entry["settings"] = dep.settings
     try:
         if "prefill_s_per_token" not in calib:
-            calib.update(calibrate_prefill(dep.urls[0], vocab))
+            calib.update(calibrate_prefill(dep.urls[0], vocab, calib_lengths(opt.max_model_len)))
             calib["prefill_config"] = config
         for url in dep.urls:                       # warm-up: each instance's first request
             complete(url, list(range(8, 8 + 2 * workload.block_tokens)), 2)
@@ -176,7 +203,7 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
             dead = dep.dead()
             if dead:
                 raise RuntimeError(f"{config}: an engine died during the run:\n" + "\n".join(dead))
-            v = delta(v0, vllm_counters(dep.urls))
+            v = settled_vllm_counters(dep.urls, v0, sum(r.output_tokens for r in results if not r.error))
             p = delta(p0, pool_counters(dep.pool.addresses)) if dep.pool else None
             row = summarize(results, wall, reuse, v, p)
             row["load"] = load
@@ -306,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     report["loadavg"] = os.getloadavg()
     if "r" in calib:
         print(f"calibration: prefill {1e6 * calib['prefill_s_per_token']:.1f} us/token (slope "
-              f"{CALIB_LENGTHS[0]}->{CALIB_LENGTHS[1]} tokens on {calib['prefill_config']}), transfer "
+              f"{calib['lengths'][0]}->{calib['lengths'][1]} tokens on {calib['prefill_config']}), transfer "
               f"{1e6 * calib['transfer_s_per_token']:.2f} us/token: r = {calib['r']:.1f}"
               + (f"; over the connector's own load time r = {calib['r_engine_load']:.1f}"
                  if "r_engine_load" in calib else ""))
