@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..testing.servers import ServerPool, start_server, stop_process_group
+from . import proc_cpu_s
 from ._servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +155,12 @@ class Deployment:
             self.pool.stop()
             for d in self.settings.get("ssd_paths", []):
                 shutil.rmtree(d, ignore_errors=True)
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds used so far by the engines (each with the processes it started: vLLM's engine core)
+        and by the L2 servers."""
+        l2 = [p.pid for p in self.l2_procs] + ([s.pid for s in self.pool] if self.pool is not None else [])
+        return {"engines": sum(tree_cpu_s(p.pid) for p in self.procs), "l2": sum(tree_cpu_s(pid) for pid in l2)}
 
     def dead(self) -> list[str]:
         """One line per engine that exited, with its log's tail."""
@@ -310,6 +317,37 @@ def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
             time.sleep(1.0)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its live descendants, from /proc (0 for a process
+    that is gone)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += proc_cpu_s(p)
+        except (OSError, ValueError, IndexError):
+            continue
+        todo.extend(children.get(p, []))
+    return total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every process on this machine has used since boot (all CPUs: /proc/stat, not idle)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 _ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (.+)")
 
 
@@ -335,5 +373,5 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
     return str(py), str(sites[0])
 
 
-__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "Deployment", "NotRunnable", "Options", "Shape", "build_model", "engine_env",
+__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "machine_busy_s", "tree_cpu_s", "Deployment", "NotRunnable", "Options", "Shape", "build_model", "engine_env",
            "lmcache_installation", "start"]

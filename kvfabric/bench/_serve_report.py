@@ -127,11 +127,15 @@ def _f(v: Any, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
 
+def _cpu(c: dict | None) -> str:
+    return "-" if not c else f"{c['engines_s']:.0f}/{c['l2_s']:.0f}/{c['others_s']:.0f}"
+
+
 def print_table(report: dict[str, Any], out=sys.stdout) -> None:
     """The per-run table, then the configurations that did not run and why."""
     hdr = (f"{'configuration':<44} {'load':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
            f"{'reuse p50':>9} {'E2E p50':>8} {'p99':>8} {'vLLM hit':>8} {'loaded':>7} {'computed':>8} "
-           f"{'pool hit':>8} {'err':>4} {'loadavg':>7}")
+           f"{'pool hit':>8} {'err':>4} {'loadavg':>7} {'CPU s eng/L2/other':>19}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for cfg in report["configs"]:
@@ -144,11 +148,12 @@ def print_table(report: dict[str, Any], out=sys.stdout) -> None:
                   f"{_f(run['e2e_ms_p50'], '8.0f'):>8} {_f(run['e2e_ms_p99'], '8.0f'):>8} "
                   f"{_f(run['vllm_prefix_hit_rate'], '8.1%'):>8} {_f(run['prefill_loaded_fraction'], '7.1%'):>7} "
                   f"{_f(run['prefill_computed_fraction'], '8.1%'):>8} {_f(run['pool_get_hit_rate'], '8.1%'):>8} "
-                  f"{run['errors']:>4} {run['loadavg'][0]:>7.1f}", file=out)
+                  f"{run['errors']:>4} {run['loadavg'][0]:>7.1f} {_cpu(run.get('cpu')):>19}", file=out)
     print("load: closed-loop sessions in flight (or open-loop speed-up); TTFT/E2E in ms; reuse p50: TTFT of "
           "later turns of a session; vLLM hit: its local prefix cache (hits/queries); loaded / computed: prompt "
           "tokens vLLM reports loaded by its KV connector / computed; pool hit: GET keys hit in the pool's STATS; "
-          "loadavg: 1-minute load average at the run's end", file=out)
+          "loadavg: 1-minute load average at the run's end; CPU s: CPU seconds the level took in this "
+          "configuration's engines / its L2 servers / everything else on the machine", file=out)
     for cfg in report["configs"]:
         for line in (cfg.get("not_runnable") or "").strip().splitlines():
             print(f"NOT RUN {cfg['label']}: {line}", file=out)
@@ -187,7 +192,8 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     a2.legend(fontsize=7)
     w = report["workload"]
     fig.suptitle(f"{w['trace']}: {w['requests']} requests in {w['sessions']} sessions, scale {w['scale']:g}, "
-                 f"{report['instances']} vLLM instances (CPU); r = {_f(report['calibration'].get('r'), '.1f')}; "
+                 f"{report['instances']} vLLM instances (CPU); r = {_f(report['calibration'].get('r'), '.1f')} "
+                 f"(whole prompt {_f(report['calibration'].get('r_at_max'), '.1f')}); "
                  f"load average {report['loadavg'][0]:.1f}", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

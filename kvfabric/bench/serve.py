@@ -55,9 +55,9 @@ from pathlib import Path
 from typing import Any
 
 from ..testing.poll import wait_for
-from . import write_json
+from . import proc_cpu_s, write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, NotRunnable, Options, Shape,
-                             build_model, lmcache_installation, start)
+                             build_model, lmcache_installation, machine_busy_s, start)
 from ._serve_load import Result, complete, run
 from ._serve_report import delta, plot, pool_counters, print_table, summarize, vllm_counters
 from ._serve_workload import Workload, build_workload
@@ -113,7 +113,7 @@ def calib_lengths(max_model_len: int) -> tuple[int, int]:
     return max(1, hi * CALIB_LENGTHS[0] // CALIB_LENGTHS[1]), hi
 
 
-def calibrate_prefill(url: str, vocab: int, lengths: tuple[int, int], repeats: int = 2) -> dict[str, Any]:
+def calibrate_prefill(url: str, vocab: int, lengths: tuple[int, int], repeats: int = 3) -> dict[str, Any]:
     """Prefill seconds per token on one engine: the TTFT slope between two cold prompts (fresh random ids)
     of ``lengths`` tokens (best of ``repeats`` each)."""
     import random
@@ -183,14 +183,15 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
     entry["start_s"] = time.monotonic() - t0
     entry["settings"] = dep.settings
     try:
+        for url in dep.urls:                       # warm-up: each instance's first request
+            complete(url, list(range(8, 8 + 2 * workload.block_tokens)), 2)
         if "prefill_s_per_token" not in calib:
             calib.update(calibrate_prefill(dep.urls[0], vocab, calib_lengths(opt.max_model_len)))
             calib["prefill_config"] = config
-        for url in dep.urls:                       # warm-up: each instance's first request
-            complete(url, list(range(8, 8 + 2 * workload.block_tokens)), 2)
         for li, load in enumerate(loads):
             v0 = vllm_counters(dep.urls)
             p0 = pool_counters(dep.pool.addresses) if dep.pool else None
+            c0, m0, b0 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
             bar = _bar(len(workload.requests), f"{config} load {load:g}", progress)
 
             def done(r: Result, bar=bar) -> None:
@@ -205,7 +206,14 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
                 raise RuntimeError(f"{config}: an engine died during the run:\n" + "\n".join(dead))
             v = settled_vllm_counters(dep.urls, v0, sum(r.output_tokens for r in results if not r.error))
             p = delta(p0, pool_counters(dep.pool.addresses)) if dep.pool else None
+            c1, m1, b1 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
             row = summarize(results, wall, reuse, v, p)
+            # where the machine's CPU went during the level: this configuration's engines, its L2 servers,
+            # the load generator, and everything else on the machine (other users)
+            cpu = {"engines_s": c1["engines"] - c0["engines"], "l2_s": c1["l2"] - c0["l2"], "bench_s": b1 - b0,
+                   "machine_busy_s": m1 - m0, "machine_capacity_s": wall * (os.cpu_count() or 1)}
+            cpu["others_s"] = max(0.0, cpu["machine_busy_s"] - cpu["engines_s"] - cpu["l2_s"] - cpu["bench_s"])
+            row["cpu"] = cpu
             row["load"] = load
             row["loadavg"] = os.getloadavg()
             row["results"] = [r.to_json() for r in results]
@@ -321,20 +329,28 @@ def main(argv: list[str] | None = None) -> int:
             if entry.get("runs"):
                 entry["saturation_output_tokens_per_s"] = max(r["output_tokens_per_s"] for r in entry["runs"])
     if "prefill_s_per_token" in calib:
-        calib["r"] = calib["prefill_s_per_token"] / calib["transfer_s_per_token"]
+        # the slope excludes the fixed cost of a request; on a loaded machine it can come out <= 0, and then
+        # only the whole-prompt figure (TTFT / tokens at the longer prompt, an upper bound) is reported
+        calib["r_at_max"] = calib["prefill_s_per_token_at_max"] / calib["transfer_s_per_token"]
+        if calib["prefill_s_per_token"] > 0:
+            calib["r"] = calib["prefill_s_per_token"] / calib["transfer_s_per_token"]
     for entry in report["configs"]:
         for row in entry.get("runs", []):
             v = row["vllm"]
-            if entry["config"].startswith("kvfabric") and v["kvfabric_load_tokens"] > 0 and "r" in calib:
+            if entry["config"].startswith("kvfabric") and v["kvfabric_load_tokens"] > 0 and "r" in calib \
+                    and v["kvfabric_load_seconds"] > 0:
                 calib.setdefault("engine_load_s_per_token", v["kvfabric_load_seconds"] / v["kvfabric_load_tokens"])
     if "engine_load_s_per_token" in calib and calib["engine_load_s_per_token"] > 0:
         calib["r_engine_load"] = calib["prefill_s_per_token"] / calib["engine_load_s_per_token"]
     report["calibration"] = calib
     report["loadavg"] = os.getloadavg()
-    if "r" in calib:
-        print(f"calibration: prefill {1e6 * calib['prefill_s_per_token']:.1f} us/token (slope "
-              f"{calib['lengths'][0]}->{calib['lengths'][1]} tokens on {calib['prefill_config']}), transfer "
-              f"{1e6 * calib['transfer_s_per_token']:.2f} us/token: r = {calib['r']:.1f}"
+    if "r_at_max" in calib:
+        lo, hi = calib["lengths"]
+        r = f"r = {calib['r']:.1f}" if "r" in calib else "r not measured (the slope was <= 0: load swamped it)"
+        print(f"calibration: prefill {1e6 * calib['prefill_s_per_token']:.1f} us/token (slope {lo}->{hi} tokens "
+              f"on {calib['prefill_config']}; {1e6 * calib['prefill_s_per_token_at_max']:.1f} us/token over the "
+              f"whole {hi}-token prompt), transfer {1e6 * calib['transfer_s_per_token']:.2f} us/token: {r}"
+              f" (whole prompt: {calib['r_at_max']:.1f})"
               + (f"; over the connector's own load time r = {calib['r_engine_load']:.1f}"
                  if "r_engine_load" in calib else ""))
     print(f"load average {report['loadavg'][0]:.1f} {report['loadavg'][1]:.1f} on {os.cpu_count()} CPUs")

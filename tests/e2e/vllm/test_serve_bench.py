@@ -39,7 +39,8 @@ def test_serve_bench_smoke(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["workload"]["requests"] == 4 and rep["workload"]["scale"] == 32 / 512, rep["workload"]
     calib = rep["calibration"]
-    assert calib["transfer_s_per_token"] > 0 and "r" in calib, calib   # r itself is a measurement: no bound
+    # r is a measurement: no bound (and only its whole-prompt form when load swamps the prefill slope)
+    assert calib["transfer_s_per_token"] > 0 and calib["r_at_max"] > 0, calib
     by = {c["config"]: c for c in rep["configs"]}
     assert set(by) == {"vllm", "kvfabric"}, list(by)
     for name, cfg in by.items():
@@ -47,6 +48,7 @@ def test_serve_bench_smoke(tmp_path):
         (run,) = cfg["runs"]
         assert run["requests"] == 4 and run["errors"] == 0, (name, run["errors_sample"])
         assert all(r["output_tokens"] >= 1 and r["ttft_s"] > 0 for r in run["results"]), run["results"]
+        assert run["cpu"]["engines_s"] > 0, run["cpu"]          # the engines' process trees were found
         v = run["vllm"]
         # vLLM's prompt tokens by source add up to its prompt tokens, and the usage it answered agrees
         assert v["tokens_local_compute"] + v["tokens_local_cache_hit"] + v["tokens_external_kv_transfer"] \
