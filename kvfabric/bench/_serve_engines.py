@@ -373,5 +373,5 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
     return str(py), str(sites[0])
 
 
-__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "machine_busy_s", "tree_cpu_s", "Deployment", "NotRunnable", "Options", "Shape", "build_model", "engine_env",
-           "lmcache_installation", "start"]
+__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "Deployment", "NotRunnable", "Options", "Shape", "build_model",
+           "engine_env", "lmcache_installation", "machine_busy_s", "start", "tree_cpu_s"]

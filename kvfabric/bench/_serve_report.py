@@ -128,14 +128,14 @@ def _f(v: Any, fmt: str, none: str = "-") -> str:
 
 
 def _cpu(c: dict | None) -> str:
-    return "-" if not c else f"{c['engines_s']:.0f}/{c['l2_s']:.0f}/{c['others_s']:.0f}"
+    return "-" if not c else f"{c['engines_s']:.0f}/{c['l2_s']:.1f}/{c['others_s']:.0f}"
 
 
 def print_table(report: dict[str, Any], out=sys.stdout) -> None:
     """The per-run table, then the configurations that did not run and why."""
     hdr = (f"{'configuration':<44} {'load':>5} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
            f"{'reuse p50':>9} {'E2E p50':>8} {'p99':>8} {'vLLM hit':>8} {'loaded':>7} {'computed':>8} "
-           f"{'pool hit':>8} {'err':>4} {'loadavg':>7} {'CPU s eng/L2/other':>19}")
+           f"{'pool hit':>8} {'err':>4} {'loadavg':>7} {'CPU s eng/L2/other':>19} {'tok/CPU s':>9}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for cfg in report["configs"]:
@@ -148,12 +148,14 @@ def print_table(report: dict[str, Any], out=sys.stdout) -> None:
                   f"{_f(run['e2e_ms_p50'], '8.0f'):>8} {_f(run['e2e_ms_p99'], '8.0f'):>8} "
                   f"{_f(run['vllm_prefix_hit_rate'], '8.1%'):>8} {_f(run['prefill_loaded_fraction'], '7.1%'):>7} "
                   f"{_f(run['prefill_computed_fraction'], '8.1%'):>8} {_f(run['pool_get_hit_rate'], '8.1%'):>8} "
-                  f"{run['errors']:>4} {run['loadavg'][0]:>7.1f} {_cpu(run.get('cpu')):>19}", file=out)
+                  f"{run['errors']:>4} {run['loadavg'][0]:>7.1f} {_cpu(run.get('cpu')):>19} "
+                  f"{_f(run.get('output_tokens_per_cpu_s'), '9.1f'):>9}", file=out)
     print("load: closed-loop sessions in flight (or open-loop speed-up); TTFT/E2E in ms; reuse p50: TTFT of "
           "later turns of a session; vLLM hit: its local prefix cache (hits/queries); loaded / computed: prompt "
           "tokens vLLM reports loaded by its KV connector / computed; pool hit: GET keys hit in the pool's STATS; "
           "loadavg: 1-minute load average at the run's end; CPU s: CPU seconds the level took in this "
-          "configuration's engines / its L2 servers / everything else on the machine", file=out)
+          "configuration's engines / its L2 servers / everything else on the machine; tok/CPU s: output tokens "
+          "per CPU second of the engines and L2 servers (moved less by other users' load)", file=out)
     for cfg in report["configs"]:
         for line in (cfg.get("not_runnable") or "").strip().splitlines():
             print(f"NOT RUN {cfg['label']}: {line}", file=out)

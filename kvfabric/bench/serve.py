@@ -214,6 +214,10 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
                    "machine_busy_s": m1 - m0, "machine_capacity_s": wall * (os.cpu_count() or 1)}
             cpu["others_s"] = max(0.0, cpu["machine_busy_s"] - cpu["engines_s"] - cpu["l2_s"] - cpu["bench_s"])
             row["cpu"] = cpu
+            # a figure other users' load moves less: output tokens per CPU second this configuration used
+            used = cpu["engines_s"] + cpu["l2_s"]
+            out_tokens = sum(r.output_tokens for r in results if not r.error)
+            row["output_tokens_per_cpu_s"] = out_tokens / used if used else None
             row["load"] = load
             row["loadavg"] = os.getloadavg()
             row["results"] = [r.to_json() for r in results]
