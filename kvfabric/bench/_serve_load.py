@@ -12,8 +12,8 @@ Two ways to offer load:
 * **closed** (``concurrency`` C): C workers, each takes the next whole
   session and sends its turns one after the other, the next turn once the
   previous answer is complete;
-* **open** (``speedup`` S, set when the workload was built): each request
-  is sent at its trace arrival time over S, whatever is still running.
+* **open** (``speedup`` S): each request is sent at its arrival time in the
+  workload over S, whatever is still running.
 
 A request that fails (HTTP error, connection reset, a stream with no
 usage) is recorded with its error and counted, never retried.
@@ -97,9 +97,9 @@ class _RoundRobin:
 
 
 def run(workload: Workload, urls: list[str], *, concurrency: int | None, epoch: int, vocab: int,
-        on_done: Callable[[Result], None] = lambda r: None) -> tuple[list[Result], float]:
+        speedup: float = 1.0, on_done: Callable[[Result], None] = lambda r: None) -> tuple[list[Result], float]:
     """Replay ``workload`` against ``urls``: closed loop with ``concurrency`` workers, or open loop at the
-    workload's arrival times when ``concurrency`` is None; prompt token ids stay below ``vocab``.
+    workload's arrival times over ``speedup`` when ``concurrency`` is None; prompt token ids stay below ``vocab``.
     Returns (results in request order, wall s)."""
     rr = _RoundRobin(len(urls))
     results: list[Result | None] = [None] * len(workload.requests)
@@ -139,7 +139,7 @@ def run(workload: Workload, urls: list[str], *, concurrency: int | None, epoch: 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
     else:
         def at(r: ServeRequest) -> None:
-            delay = r.arrival_s - (time.perf_counter() - t_start)
+            delay = r.arrival_s / speedup - (time.perf_counter() - t_start)
             if delay > 0:
                 time.sleep(delay)        # pacing to the trace's arrival time, not synchronisation
             send(r)

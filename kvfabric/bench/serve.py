@@ -4,7 +4,7 @@ One command starts everything it measures (engines and pools; all stopped
 on exit) and replays a Mooncake trace against each configuration in turn::
 
     kvfabric bench serve --engine-python .venvs/vllm/bin/python [--trace mooncake-conversation]
-        [--sessions 12] [--loads 2,6] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd]
+        [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd]
         [--instances 2] [--kv-mib 128] [--dram-mib 256] [--ssd-mib 1024] [--out bench-results/serve.json]
 
 The parts (each a module beside this one):
@@ -198,7 +198,7 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
                 if bar is not None:
                     bar.update(1)
             results, wall = run(workload, dep.urls, concurrency=int(load) if mode == "closed" else None,
-                                epoch=li + 1, vocab=vocab, on_done=done)
+                                speedup=load, epoch=li + 1, vocab=vocab, on_done=done)
             if bar is not None:
                 bar.close()
             dead = dep.dead()
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-scale", type=float, default=None, help="output length scale (default: the scale)")
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--mode", choices=["closed", "open"], default="closed")
-    ap.add_argument("--loads", default="2,6", help="closed: sessions in flight; open: speed-ups (comma list)")
+    ap.add_argument("--loads", default="1,4", help="closed: sessions in flight; open: speed-ups (comma list)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {','.join(CONFIGS)}")
     ap.add_argument("--instances", type=int, default=2, help="vLLM instances behind round-robin routing")
     ap.add_argument("--pool-servers", type=int, default=2)
@@ -287,7 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_trace(args.trace)
         workload = build_workload(trace, sessions=args.sessions, seed=args.seed, block_tokens=args.block_tokens,
                                   max_model_len=args.max_model_len, output_scale=args.output_scale,
-                                  speedup=loads[0] if args.mode == "open" else 1.0,
                                   max_requests=args.max_requests)
     except (TraceError, ValueError) as e:
         print(f"kvfabric bench serve: {e}", file=sys.stderr)
