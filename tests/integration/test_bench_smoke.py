@@ -38,6 +38,7 @@ SMOKED = {
     "ragdata": "tests/unit/test_ragdata.py::test_cli_writes_loadable_traces_byte_for_byte_again",
     "redis": "tests/integration/test_bench_smoke.py::test_redis_smoke",
     "replay": "tests/integration/test_replay.py::test_replay_cli_against_running_servers",
+    "serve": "tests/e2e/vllm/test_serve_bench.py::test_serve_bench_smoke",
     "shared_tier": "tests/integration/test_bench_smoke.py::test_shared_tier_smoke",
     "startup": "tests/integration/test_bench_server.py::test_bench_startup_races_a_client_against_a_fresh_server",
     "sweep": "tests/integration/test_replay.py::test_sweep_cli_small",

@@ -1,0 +1,65 @@
+"""``kvfabric bench serve`` at its smallest on real vLLM: vLLM alone (a) and vLLM + a kvfabric pool (d).
+
+Run as the README runs it (``python benchmarks/serve.py``, a subprocess from
+the repository root, the engines in this interpreter): two sessions of the
+Mooncake conversation trace, four requests, two vLLM instances behind
+round-robin routing, one pool server, a 2-layer random Llama the benchmark
+builds. Asserted: exit 0, every request answered, the JSON's structure, and
+that the hit counts agree with each other: the pool's GET hits (its STATS)
+are the chunks the connector loaded times the layers, and vLLM's own
+counters (prompt tokens by source, its external prefix-cache hits) say the
+same tokens were loaded. Never a speed: whether a turn finds its previous
+turn's saves in the pool depends on timing, so the test asserts agreement,
+not how many hits.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+LAYERS = 2
+BENCH_TIMEOUT_S = 1200
+
+
+def test_serve_bench_smoke(tmp_path):
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--engine-python", sys.executable,
+           "--configs", "vllm,kvfabric", "--sessions", "2", "--max-requests", "4", "--loads", "1",
+           "--block-tokens", "32", "--max-model-len", "1024", "--instances", "2", "--pool-servers", "1",
+           "--layers", str(LAYERS), "--heads", "2", "--kv-heads", "2", "--head-dim", "64", "--hidden", "128",
+           "--kv-mib", "16", "--dram-mib", "64", "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                                  f"--- stderr\n{proc.stderr[-6000:]}")
+    assert f"wrote {out}" in proc.stdout, proc.stdout[-6000:]
+    rep = json.loads(out.read_text())
+    assert rep["workload"]["requests"] == 4 and rep["workload"]["scale"] == 32 / 512, rep["workload"]
+    calib = rep["calibration"]
+    # r is a measurement: no bound (and only its whole-prompt form when load swamps the prefill slope)
+    assert calib["transfer_s_per_token"] > 0 and calib["r_at_max"] > 0, calib
+    by = {c["config"]: c for c in rep["configs"]}
+    assert set(by) == {"vllm", "kvfabric"}, list(by)
+    for name, cfg in by.items():
+        assert not cfg.get("not_runnable"), (name, cfg.get("not_runnable"))
+        (run,) = cfg["runs"]
+        assert run["requests"] == 4 and run["errors"] == 0, (name, run["errors_sample"])
+        assert all(r["output_tokens"] >= 1 and r["ttft_s"] > 0 for r in run["results"]), run["results"]
+        assert run["cpu"]["engines_s"] > 0, run["cpu"]          # the engines' process trees were found
+        v = run["vllm"]
+        # vLLM's prompt tokens by source add up to its prompt tokens, and the usage it answered agrees
+        assert v["tokens_local_compute"] + v["tokens_local_cache_hit"] + v["tokens_external_kv_transfer"] \
+            == v["prompt_tokens"] == sum(r["prompt_tokens"] for r in run["results"]), v
+        assert run["cached_tokens_usage"] == v["tokens_local_cache_hit"] + v["tokens_external_kv_transfer"], run
+    a, d = by["vllm"]["runs"][0], by["kvfabric"]["runs"][0]
+    assert a["pool"] is None and a["vllm"]["tokens_external_kv_transfer"] == 0, a["vllm"]
+    v, pool = d["vllm"], d["pool"]
+    assert v["kvfabric_save_chunks"] > 0 and pool["puts"] > 0, (v, pool)       # the pool got the prompts' KV
+    # every chunk the connector loaded is one GET hit per layer in the pool's STATS, and nothing else read it
+    assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS, (pool, v)
+    assert v["kvfabric_load_errors"] == 0, v
+    # what the connector loaded is what vLLM counts as loaded by a connector and as external hits
+    assert v["tokens_external_kv_transfer"] == v["kvfabric_load_tokens"] == v["external_hits"], v
