@@ -29,6 +29,7 @@ needs_native = pytest.mark.skipif(not NATIVE, reason=f"the C extension: {transpo
 #: benchmarks/<name>.py -> the test that runs it small ("path::function", from the repository root)
 SMOKED = {
     "get_cpu": "tests/integration/test_bench_get_cpu.py::test_get_cpu_quick_writes_table_and_json",
+    "gpu_transfer": "tests/e2e/vllm/test_bench_smoke.py::test_gpu_transfer_smoke",
     "keys": "tests/integration/test_bench_smoke.py::test_keys_smoke",
     "lmcache_backend": "tests/e2e/lmcache/test_bench_smoke.py::test_lmcache_backend_smoke",
     "lookup": "tests/integration/test_bench_server.py::test_bench_lookup_measures_both_servers_beside_ping",

@@ -1,4 +1,5 @@
-"""The vLLM benchmarks (``benchmarks/vllm_ttft.py``, ``benchmarks/pd.py``) run at their smallest on real vLLM.
+"""The vLLM benchmarks (``benchmarks/vllm_ttft.py``, ``benchmarks/pd.py``) run at their smallest on real vLLM;
+``benchmarks/gpu_transfer.py`` (the connector's transfer core, torch only) on host tensors.
 
 Smoke runs for ``tests/integration/test_bench_smoke.py``'s ``SMOKED`` table:
 each benchmark is run as the README runs it (``python benchmarks/<name>.py``,
@@ -69,3 +70,16 @@ def test_pd_smoke(tiny_model, tmp_path):
     assert rep["producer"]["counters"]["save_jobs"] > 0, rep["producer"]["counters"]
     (c,) = rep["consumer"]["samples"]
     assert c["pd_s"] > 0 and c["local_s"] > 0, c
+
+
+def test_gpu_transfer_smoke(tmp_path):
+    """The GPU transfer benchmark's cells on host tensors (``--device cpu``; no GPU here): the pool path
+    saves and loads, and the loaded blocks are byte-identical to the saved ones."""
+    rep = _run("gpu_transfer", ["--device", "cpu", "--layers", "2", "--blocks", "16", "--chunks", "4",
+                                "--heads", "2", "--head-size", "16", "--repeat", "1", "--capacity", "16MiB"],
+               tmp_path / "gpu_transfer.json")
+    assert rep["device_kind"] == "cpu" and rep["bytes_exact_after_load"] is True, rep
+    assert set(rep["gbps"]) == {"memcpy-d2h", "memcpy-h2d", "gather", "scatter", "save", "load", "cpu-put",
+                                "cpu-get"}, rep
+    assert all(v > 0 for v in rep["gbps"].values()), rep
+    assert rep["batch_bytes"] == 4 * 2 * rep["page_bytes"] and rep["transport"] not in ("-", "?"), rep
