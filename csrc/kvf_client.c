@@ -494,7 +494,8 @@ static int find_int_array(const uint8_t *meta, size_t len, const char *name, int
 
 int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
                 uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
-                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err)
+                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
+                const void *const *keys, const size_t *key_lens, uint64_t *digests)
 {
     *meta = NULL;
     int rc = kvf_send_frame(fd, KVF_OP_SHM_LEASE, 0, rid, lease_meta, lease_meta_len, NULL, 0);
@@ -515,8 +516,29 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
         else if ((uint64_t)sizes[i] > buf_lens[i]) { *bad_index = i; rc = -EMSGSIZE; }
     }
     if (rc == -EPROTO) *wire_err = KVF_E_MALFORMED;
-    for (uint32_t i = 0; !rc && i < n; i++)
-        if (sizes[i] >= 0) memcpy(bufs[i], arena + offs[i], (size_t)sizes[i]);
+    struct kvf_rxhash oh, *hh = NULL;
+    if (!rc && keys) {
+        if (kvf_rxhash_open(&oh, sizes, bufs, buf_lens, NULL, n, keys, key_lens, digests)) rc = -ENOMEM;
+        else hh = &oh;
+    }
+    for (uint32_t i = 0; !rc && i < n; i++) {
+        if (sizes[i] < 0) continue;
+        if (!hh) {
+            memcpy(bufs[i], arena + offs[i], (size_t)sizes[i]);
+            continue;
+        }
+        /* copy a slice, hash it while it is in cache: one pass over memory, not two */
+        for (size_t off = 0, len = (size_t)sizes[i]; off < len;) {
+            size_t take = len - off < KVF_HASH_SLICE ? len - off : KVF_HASH_SLICE;
+            memcpy((char *)bufs[i] + off, arena + offs[i] + off, take);
+            kvf_rxhash_feed(hh, take);
+            off += take;
+        }
+    }
+    if (hh) {
+        if (!rc) kvf_rxhash_finish(hh); /* objects of 0 bytes after the last byte */
+        kvf_rxhash_close(hh);
+    }
     free(offs);
     free(sizes);
     /* release the lease whatever happened to the copy (not awaited) */

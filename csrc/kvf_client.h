@@ -91,10 +91,14 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
  * hold the LEASE reply; an error reply (h->flags & ERROR) returns 0 with
  * nothing copied. -EMSGSIZE: an object did not fit its buffer (*bad_index;
  * nothing copied, lease released). -EPROTO: a malformed lease reply (the
- * lease is released when its id could be read). */
+ * lease is released when its id could be read). With keys (key_lens, digests:
+ * n each; NULL: none) each copied object's checksum under keys[i] goes to
+ * digests[i] (misses left alone), hashed slice by slice right after each
+ * slice is copied, while it is still in cache (as kvf_recv_objects does). */
 int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
                 uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
-                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err);
+                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
+                const void *const *keys, const size_t *key_lens, uint64_t *digests);
 
 /* PUT through the arena: send SHM_RESERVE (reserve_meta = {"keys", "sizes"}),
  * copy the payload parts (any split) into the reserved slots, send
