@@ -106,8 +106,9 @@ __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_n
            "weights_fingerprint", "KV_LAYOUT_VERSION"]
 
 # Bumped whenever the byte layout of the pool objects changes (see layout.py).
-# 2: one object per (chunk, layer) (1: one object per chunk, layer-major).
-KV_LAYOUT_VERSION = 2
+# 3: one object per (chunk, layer, KV head), keys without the TP rank and size (MLA: per (chunk, layer));
+# 2: one object per (chunk, layer) of one TP rank; 1: one object per chunk, layer-major.
+KV_LAYOUT_VERSION = 3
 
 # every ClientConfig setting is a connector setting too (kvfabric.config.client_settings); the
 # membership ones (servers, etcd, cluster) are parsed on their own below
@@ -252,13 +253,15 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
 
 
 def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dtype: str, kv_layout: str,
-                   tp_rank: int, tp_size: int, weights: str = "") -> Namespace:
-    """The namespace of one TP rank: binds model, dtype, KV layout, chunk size and TP coordinates.
+                   weights: str = "") -> Namespace:
+    """The namespace of an engine: binds model, dtype, KV layout and chunk size, not the TP rank or size.
 
-    ``kv_layout`` describes the bytes of one chunk object (vLLM layout name,
-    heads, head size, block size, layer count, connector layout version), so
-    engines whose KV bytes differ can never exchange chunks. ``weights`` is
-    ``weights_fingerprint`` of a local model directory (empty for a hub id,
+    ``kv_layout`` describes the bytes of the pool objects (``kv_layout_name``:
+    vLLM layout name, the model's KV heads, head size, block size, layer
+    count, object split, connector layout version), so engines whose KV bytes
+    differ can never exchange chunks, while engines of different TP sizes,
+    whose objects are the same (``layout``, layout version 3), do. ``weights``
+    is ``weights_fingerprint`` of a local model directory (empty for a hub id,
     whose ``revision`` is bound instead): weights replaced under the same path
     get other keys.
     """
@@ -268,8 +271,6 @@ def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dt
         dtype=dtype,
         kv_layout=kv_layout,
         block_tokens=cfg.chunk_tokens,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
         tenant=cfg.tenant,
         extras={"weights": weights} if weights else {},
     )
@@ -324,7 +325,11 @@ def weights_fingerprint(model: str) -> str:
 
 
 def kv_layout_name(layout: str, *, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int,
-                   num_layers: int) -> str:
-    """The namespace's ``kv_layout``: everything that shapes the bytes of one chunk object."""
+                   num_layers: int, split_heads: bool = True) -> str:
+    """The namespace's ``kv_layout``: everything that shapes the bytes of the pool objects.
+
+    ``num_kv_heads`` is the model's total (all TP ranks; 1 for MLA), never a rank's
+    share, so it is the same for every TP size; ``split_heads`` False: objects are whole
+    pages (MLA, ``layout.HeadSplit``)."""
     return (f"vllm/{layout}/heads={num_kv_heads}/head={head_size}/head_v={head_size_v}/block={block_size}"
-            f"/layers={num_layers}/v{KV_LAYOUT_VERSION}")
+            f"/layers={num_layers}/{'per-head' if split_heads else 'per-layer'}/v{KV_LAYOUT_VERSION}")

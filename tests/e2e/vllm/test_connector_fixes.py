@@ -11,7 +11,7 @@ import pytest
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 
-from conftest import BUSY_LOADABLE, CHUNK, LAYERS, PROMPT_TOKENS
+from conftest import BUSY_LOADABLE, CHUNK, PARTS, PROMPT_TOKENS
 
 SAVED = PROMPT_TOKENS // CHUNK     # whole chunks of a 1500-token prompt
 
@@ -51,7 +51,7 @@ def test_cache_salt_isolation_no_resend_of_local_hits_and_logs_in_vllm_output(ru
     assert r["cached"][2] == 0, r["cached"]
     assert delta(c2, c1, "scheduled_load_tokens") == 0 and delta(c2, c1, "lookup_hit_tokens") == 0
     assert delta(c2, c1, "save_chunks") == SAVED
-    assert objects == 2 * SAVED * LAYERS        # one pool object per (chunk, layer)
+    assert objects == 2 * SAVED * PARTS         # one pool object per (chunk, layer, KV head)
     # vLLM's log output (its handler, its format) carries the connector's INFO lines
     out = r["stdout"] + r["log"]
     assert "kvfabric connector (SCHEDULER)" in out and "kvfabric connector (WORKER)" in out, out[-3000:]
