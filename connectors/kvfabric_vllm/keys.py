@@ -19,8 +19,8 @@ from typing import Any
 
 from kvfabric import KeyHasher, Namespace
 
-from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, request_namespace, \
-    weights_fingerprint
+from .config import (ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, request_namespace,
+                     weights_fingerprint)
 from .layout import HeadSplit, chunk_object_keys, chunk_placement, object_placement
 
 __all__ = ["EngineKeys", "PromptKeys", "prompt_keys"]

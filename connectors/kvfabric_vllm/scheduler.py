@@ -2,8 +2,8 @@
 
 Per request the scheduler keeps the chunk keys of its prompt (computed once by
 ``keys.prompt_keys`` over the prompt token ids, the same for every TP rank and
-every TP size: ``layout``, layout version 3; never vLLM's own block hashes) and a lookup of how many leading chunks the pool
-holds. The request's namespace binds vLLM's per-request ``cache_salt``
+every TP size: ``layout``, layout version 3; never vLLM's own block hashes) and
+a lookup of how many leading chunks the pool holds. The request's namespace binds vLLM's per-request ``cache_salt``
 (``config.request_namespace``): salted requests never share KV with requests
 of another salt or none, as in vLLM's own prefix cache.
 

@@ -235,7 +235,8 @@ class WorkerSide:
 
     def _start_transfer(self, layers: list[torch.Tensor], on_gpu: bool) -> None:
         """KV on a GPU, or pages of several runs: saves and loads go through a bounded transfer
-        buffer (pinned on a GPU) with batched gathers / scatters (``transfer``)."""
+        buffer (pinned on a GPU) with batched gathers / scatters (``transfer``); ``layers``: the
+        parts (a layer's tensor with one KV head selected, or the layer's whole)."""
         n_slots = self.cfg.transfer_buffer_bytes // self.obj_bytes
         if n_slots < 1:
             raise ConfigError(f"kvfabric: transfer_buffer_mb ({self.cfg.transfer_buffer_bytes >> 20} MiB) is "
@@ -250,8 +251,8 @@ class WorkerSide:
                 self.client.register_buffers([self._pool.slab.numpy()])
             except ValueError as e:   # over the registration limits: loads use recvmsg
                 log.warning("kvfabric: transfer buffer not registered (%s); loads use recvmsg", e)
-        log.info("kvfabric: %d layers on %s, page %s %s (%d runs of %d bytes), %d bytes per %d-token chunk; "
-                 "saves and loads through a %d MiB %stransfer buffer (%d objects), %s", len(layers),
+        log.info("kvfabric: %d objects per chunk on %s, page %s %s (%d runs of %d bytes), %d bytes per "
+                 "%d-token chunk; saves and loads through a %d MiB %stransfer buffer (%d objects), %s", len(layers),
                  layers[0].device, self.page_shape, self.dtype, self._xfer.layout.runs_per_page,
                  self._xfer.layout.run_bytes, self.chunk_bytes, self.cfg.chunk_tokens, self._pool.nbytes >> 20,
                  "pinned " if on_gpu else "", n_slots,

@@ -7,11 +7,10 @@ without the connector.
 
 from __future__ import annotations
 
-from kvfabric import KeyHasher
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
-from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
-from kvfabric_vllm.layout import chunk_major_layer_keys
+from kvfabric_vllm.keys import prompt_keys
+from kvfabric_vllm.tinymodel import tiny_engine_keys
 
 from conftest import CHUNK, LOADABLE, LONG_LOADABLE, PARTS, PROMPTS
 
