@@ -63,6 +63,11 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              prompt's hit only at a segment boundary. = chunk_tokens: each
                              chunk placed by its own key; 0: every object routed by its own
                              key (the layout before issue 23, no server groups)
+ kv_heads_per_object 1        KV heads per pool object (layout.py, layout 3): 1, one object per
+                              (chunk, layer, KV head), works for every TP size; g > 1 (dividing
+                              the heads a rank holds at every TP size that shares the pool)
+                              stores 1/g of the objects; bound into the keys (engines with
+                              different values never share)
  register_load_buffer true    register what loads receive into with the client
                               (``Client.register_buffers``): the KV layer tensors (one
                               block per chunk), the staging buffer or the transfer buffer;
@@ -146,6 +151,7 @@ class ConnectorConfig:
     pd_wait_ms: int = 1000
     hold_until_saved: bool = False
     segment_chunks: int = DEFAULT_SEGMENT_TOKENS // 128   # segment_tokens // chunk_tokens (0: per object)
+    kv_heads_per_object: int = 1
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -175,7 +181,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
              "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "transfer_buffer_mb",
-             "pd_wait_ms", "hold_until_saved", "segment_tokens", *_CLIENT_KEYS}
+             "pd_wait_ms", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -249,6 +255,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
         hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
         segment_chunks=segment // chunk,
+        kv_heads_per_object=_int(extra, "kv_heads_per_object", 1, 1, 1 << 16),
     )
 
 
@@ -325,11 +332,13 @@ def weights_fingerprint(model: str) -> str:
 
 
 def kv_layout_name(layout: str, *, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int,
-                   num_layers: int, split_heads: bool = True) -> str:
+                   num_layers: int, split_heads: bool = True, heads_per_object: int = 1) -> str:
     """The namespace's ``kv_layout``: everything that shapes the bytes of the pool objects.
 
     ``num_kv_heads`` is the model's total (all TP ranks; 1 for MLA), never a rank's
     share, so it is the same for every TP size; ``split_heads`` False: objects are whole
-    pages (MLA, ``layout.HeadSplit``)."""
+    pages (MLA, ``layout.HeadSplit``); ``heads_per_object``: KV heads per object."""
+    split = ("per-head" if heads_per_object == 1 else f"heads-per-object={heads_per_object}") if split_heads \
+        else "per-layer"
     return (f"vllm/{layout}/heads={num_kv_heads}/head={head_size}/head_v={head_size_v}/block={block_size}"
-            f"/layers={num_layers}/{'per-head' if split_heads else 'per-layer'}/v{KV_LAYOUT_VERSION}")
+            f"/layers={num_layers}/{split}/v{KV_LAYOUT_VERSION}")

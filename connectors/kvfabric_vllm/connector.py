@@ -101,13 +101,15 @@ class KVFabricConnector(KVConnectorBase_V1):
         # MLA: whole pages (every rank holds the same latent)
         tp = par.tensor_parallel_size
         heads = HeadSplit.for_model(mc.get_total_num_kv_heads(), tp,
-                                    mla=bool(mc.use_mla) or isinstance(spec, MLAAttentionSpec))
+                                    mla=bool(mc.use_mla) or isinstance(spec, MLAAttentionSpec),
+                                    per_object=self._cfg.kv_heads_per_object)
         if heads.split and spec.num_kv_heads != len(heads.heads(0)):
             raise ConfigError(f"kvfabric: a TP rank holds {spec.num_kv_heads} KV heads, but {heads.total_heads} "
                               f"heads over tensor_parallel_size {tp} give {len(heads.heads(0))}")
         layout = kv_layout_name(str(kv_cache_config.kv_cache_layout), num_kv_heads=heads.total_heads,
                                 head_size=spec.head_size, head_size_v=spec.head_size_v,
-                                block_size=spec.block_size, num_layers=len(layer_names), split_heads=heads.split)
+                                block_size=spec.block_size, num_layers=len(layer_names), split_heads=heads.split,
+                                heads_per_object=heads.per_object)
         namespace = make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),
                                    kv_layout=layout, weights=weights_fingerprint(mc.model))
         self._counters = Counters()
@@ -125,7 +127,8 @@ class KVFabricConnector(KVConnectorBase_V1):
                                       layer_names, self._counters, heads=heads)
         log.info("kvfabric connector (%s): servers %s, chunk %d tokens, %s, namespace %s", role.name,
                  ",".join(self._cfg.client.servers), self._cfg.chunk_tokens,
-                 f"one object per layer and KV head ({heads.total_heads} heads, TP {tp})" if heads.split
+                 f"one object per layer and {heads.per_object} KV head(s) ({heads.total_heads} heads, TP {tp})"
+                 if heads.split
                  else "one object per layer (MLA)", namespace)
 
     @property

@@ -54,10 +54,11 @@ class EngineKeys:
         ``LBHNC``); ``total_num_kv_heads`` the model's (all ranks; any value with ``use_mla``);
         ``weights`` defaults to ``config.weights_fingerprint(model)`` (a local directory's)."""
         cfg = parse_extra_config(extra_config, "kv_both", block_size)
-        split = HeadSplit.for_model(total_num_kv_heads, 1, mla=use_mla)
+        split = HeadSplit.for_model(total_num_kv_heads, 1, mla=use_mla, per_object=cfg.kv_heads_per_object)
         layout = kv_layout_name(kv_cache_layout, num_kv_heads=split.total_heads, head_size=head_size,
                                 head_size_v=head_size if head_size_v is None else head_size_v,
-                                block_size=block_size, num_layers=num_layers, split_heads=split.split)
+                                block_size=block_size, num_layers=num_layers, split_heads=split.split,
+                                heads_per_object=split.per_object)
         ns = make_namespace(cfg, model=model, revision=revision, dtype=dtype, kv_layout=layout,
                             weights=weights_fingerprint(model) if weights is None else weights)
         return cls.from_config(cfg, ns, num_layers, split)

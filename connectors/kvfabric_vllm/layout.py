@@ -22,7 +22,11 @@ holds part of a head), so every TP size vLLM accepts for the model works, withou
 a setting that all engines sharing a pool would have to agree on. Cost: ``T`` times
 the objects of layout 2 at ``1/T`` the size each (Llama-3-8B, 128-token chunks,
 bf16: 32 x 8 = 256 objects of 64 KiB per chunk instead of 32 of 512 KiB); a
-lookup names ``L * T`` keys per chunk and a rank's load ``L * T / tp``.
+lookup names ``L * T`` keys per chunk and a rank's load ``L * T / tp``. A
+deployment that runs only some TP sizes sets ``kv_heads_per_object = g`` (``g``
+consecutive heads per object, ``h`` below the group's first head; ``g`` must
+divide ``T / tp`` for each of its TP sizes, and is bound into the namespace's
+``kv_layout``): ``L * T / g`` objects per chunk.
 
 Where the heads cannot be split (``HeadSplit.split`` False), the object is the
 whole page, one per (chunk, layer), keyed as in layout 2 (``layer_keys``):
@@ -99,24 +103,34 @@ class HeadSplit:
     ``total_heads``: the model's KV heads, all ranks together (1 for MLA);
     ``split`` False: one object per (chunk, layer), the whole page, that every
     rank holds (MLA). ``HeadSplit()`` is that for one rank: the layout-2 objects.
+    ``per_object``: KV heads per object (``kv_heads_per_object``; 1: one per head).
     """
 
     total_heads: int = 1
     tp_size: int = 1
     split: bool = False
+    per_object: int = 1
 
     def __post_init__(self) -> None:
-        t, tp = self.total_heads, self.tp_size
-        if type(t) is not int or type(tp) is not int or t < 1 or tp < 1:
-            raise ConfigError(f"KV heads and TP size must be positive ints, got {t!r}, {tp!r}")
-        if self.split and t % tp and tp % t:
+        t, tp, g = self.total_heads, self.tp_size, self.per_object
+        if any(type(v) is not int or v < 1 for v in (t, tp, g)):
+            raise ConfigError(f"KV heads, TP size and KV heads per object must be positive ints, got {t!r}, "
+                              f"{tp!r}, {g!r}")
+        if not self.split:
+            return
+        if t % tp and tp % t:
             raise ConfigError(f"{t} KV heads cannot be split over tensor_parallel_size {tp} (neither divides "
                               "the other)")
+        if max(1, t // tp) % g:
+            raise ConfigError(f"kv_connector_extra_config.kv_heads_per_object={g} does not divide the "
+                              f"{max(1, t // tp)} KV heads a rank holds at tensor_parallel_size {tp} ({t} heads); "
+                              "use a value that divides the heads per rank of every TP size sharing the pool")
 
     @classmethod
-    def for_model(cls, total_heads: int, tp_size: int, *, mla: bool = False) -> HeadSplit:
-        """The split vLLM makes: per head, or (MLA) the whole latent page on every rank."""
-        return cls(1, tp_size, False) if mla else cls(total_heads, tp_size, True)
+    def for_model(cls, total_heads: int, tp_size: int, *, mla: bool = False, per_object: int = 1) -> HeadSplit:
+        """The split vLLM makes: per head (``per_object`` heads per object), or (MLA) the whole latent
+        page on every rank."""
+        return cls(1, tp_size, False) if mla else cls(total_heads, tp_size, True, per_object)
 
     def heads(self, rank: int) -> list[int]:
         """Global KV head indices rank ``rank`` holds, in its page order ([0] unsplit: the page)."""
@@ -137,17 +151,19 @@ class HeadSplit:
         return self.total_heads >= self.tp_size or rank % (self.tp_size // self.total_heads) == 0
 
     def parts(self, n_layers: int, rank: int | None = None) -> list[tuple[int, int | None]]:
-        """A chunk's objects as ``(layer, head)`` (head None: the whole page), layer-major: of rank
-        ``rank``, or (None) every object of the chunk, what an engine's ranks need together."""
+        """A chunk's objects as ``(layer, head)`` (head: the first of the object's ``per_object``
+        heads; None: the whole page), layer-major: of rank ``rank``, or (None) every object of the
+        chunk, what an engine's ranks need together."""
         if not self.split:
             return [(l, None) for l in range(n_layers)]
         heads = range(self.total_heads) if rank is None else self.heads(rank)
-        return [(l, h) for l in range(n_layers) for h in heads]
+        return [(l, h) for l in range(n_layers) for h in heads if h % self.per_object == 0]
 
 
 def chunk_object_keys(hasher: KeyHasher, chunk_keys: Sequence[bytes], parts: Sequence[tuple[int, int | None]]
                       ) -> list[bytes]:
-    """The object keys of ``parts`` (``HeadSplit.parts``) of every chunk, chunk-major."""
+    """The object keys of ``parts`` (``HeadSplit.parts``) of every chunk, chunk-major (the heads per
+    object are bound in the namespace's ``kv_layout``, not here)."""
     tags = [(LAYER_DOMAIN, l.to_bytes(4, "little")) if h is None
             else (HEAD_DOMAIN, l.to_bytes(4, "little") + h.to_bytes(4, "little")) for l, h in parts]
     return [hasher.hash(k, d, t) for k in chunk_keys for d, t in tags]

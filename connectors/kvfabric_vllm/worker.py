@@ -195,12 +195,12 @@ class WorkerSide:
                                   f"{tuple(first.shape)}/{first.dtype}; mixed layouts are not supported")
             if kv.stride() != first.stride():
                 raise ConfigError(f"kvfabric: layer {name} KV strides {kv.stride()} differ from {first.stride()}")
-        if self.heads.split:      # vLLM's per-layer view is [B, H, N, C]: one part per head of this rank
-            nh = len(self.heads.heads(self.tp_rank))
+        if self.heads.split:      # vLLM's per-layer view is [B, H, N, C]: one part per head group of this rank
+            nh, g = len(self.heads.heads(self.tp_rank)), self.heads.per_object
             if first.dim() != 4 or first.shape[1] != nh:
                 raise ConfigError(f"kvfabric: expected KV tensors [blocks, {nh} heads, tokens, bytes], got "
                                   f"{tuple(first.shape)}")
-            parts = [kv.select(1, j) for kv in layers for j in range(nh)]
+            parts = [kv.narrow(1, j, g) for kv in layers for j in range(0, nh, g)]
         else:
             parts = list(layers)
         try:

@@ -142,3 +142,26 @@ def test_object_placement_with_part_groups():
     assert place == [k[0]] * 4 and groups == [b"g" * 16] * 2 + [b"h" * 16] * 2
     with pytest.raises(ValueError, match="group keys"):
         object_placement(k, k, 2, groups=k[:1])
+
+
+def test_heads_per_object_groups_consecutive_heads():
+    s = HeadSplit.for_model(8, 2, per_object=2)      # ranks hold 4 heads: 2 objects per layer each
+    assert s.parts(2, 1) == [(0, 4), (0, 6), (1, 4), (1, 6)]
+    assert s.parts(1) == [(0, 0), (0, 2), (0, 4), (0, 6)]
+    # the object of heads 4..5 has the key a one-head object of head 4 would have: the group size is
+    # bound in the namespace's kv_layout instead, so engines of different sizes never share
+    h = KeyHasher()
+    assert chunk_object_keys(h, [CHUNK_KEY], s.parts(1))[2] == h.hash(CHUNK_KEY, HEAD_DOMAIN, _le(0), _le(4))
+    assert kv_layout_name("LBHNC", num_kv_heads=8, head_size=128, head_size_v=128, block_size=16, num_layers=32,
+                          heads_per_object=2).endswith("/heads-per-object=2/v3")
+    e1, e2 = _engine(), _engine(extra={"kv_heads_per_object": 2})
+    assert len(e2.parts()) == len(e1.parts()) // 2 == 128
+    assert prompt_keys(e1, list(range(40))).chunk_keys != prompt_keys(e2, list(range(40))).chunk_keys
+    # a rank holding fewer heads than an object (TP 8 of 8 heads) refuses to start
+    with pytest.raises(ConfigError, match="kv_heads_per_object=2"):
+        HeadSplit.for_model(8, 8, per_object=2)
+    with pytest.raises(ConfigError, match="kv_heads_per_object=3"):
+        _engine(extra={"kv_heads_per_object": 3})
+    with pytest.raises(ConfigError, match="kv_heads_per_object=2"):   # replicated heads: one per object
+        HeadSplit.for_model(2, 4, per_object=2)
+    assert HeadSplit.for_model(8, 4, mla=True, per_object=2).parts(1) == [(0, None)]   # MLA: whole pages

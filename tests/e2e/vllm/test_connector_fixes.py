@@ -106,7 +106,8 @@ def _connector_for(model_dir: str):
                             kv_role="kv_both", kv_connector_extra_config={"servers": ["127.0.0.1:1"]})
     vc = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
                     kv_transfer_config=xfer)
-    spec = FullAttentionSpec(block_size=CHUNK, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    # the tiny Llama's KV heads (the connector checks a rank's heads against the model's, layout 3)
+    spec = FullAttentionSpec(block_size=CHUNK, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kvc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
     return KVFabricConnector(vc, KVConnectorRole.SCHEDULER, kvc)
 

@@ -184,3 +184,27 @@ def test_replicated_heads_are_saved_once_and_loaded_by_every_rank():
             one.shutdown()
             for w, _ in ranks:
                 w.shutdown()
+
+
+def test_two_heads_per_object_between_tp1_and_tp2():
+    """``kv_heads_per_object: 2`` on a 4-head model: a TP=2 rank's 2 heads are one object per layer,
+    a TP=1 worker's 4 heads two; each loads what the other saved."""
+    g = 2
+    with start_pool(1, capacity="16MiB") as pool:
+        one, kv1 = _worker(pool.addresses, HeadSplit.for_model(4, 1, per_object=g), 0, "LBHNC", 1)
+        ranks = [_worker(pool.addresses, HeadSplit.for_model(4, 2, per_object=g), r, "LBHNC", 1) for r in range(2)]
+        try:
+            assert len(one.parts) == 2 * NL and all(len(w.parts) == NL for w, _ in ranks)
+            for t in kv1:
+                t.copy_(torch.randn_like(t))
+            keys = [os.urandom(16) for _ in range(CHUNKS)]
+            _save(one, keys, _blocks(1, 1))
+            assert _groups(pool.addresses)["objects"] == CHUNKS * NL * 2
+            for r, (w, kv) in enumerate(ranks):
+                assert _load(w, keys, _blocks(12, 1)) == set()
+                for li in range(NL):
+                    assert torch.equal(kv[li][12:15], kv1[li][1:4, 2 * r:2 * r + 2]), (r, li)
+        finally:
+            one.shutdown()
+            for w, _ in ranks:
+                w.shutdown()
