@@ -5,9 +5,10 @@ head ``h``'s share of the chunk's pages in that layer, keys derived from the
 chunk's prefix key, the layer and the model's head index, never the TP rank), so
 a rank saves and loads exactly its own heads' objects, and ranks of engines of
 any TP size find the same objects. Internally each (layer, head of this rank)
-is a *part*: the per-layer KV tensor ``[B, H, N, C]`` with one head selected
-(``kv[:, j]``: on the CPU backend one contiguous run of each page, so loads
-still receive in place), and everything below moves parts as it moved layers.
+is a *part* (each group of ``kv_heads_per_object`` heads, 1 by default): the
+per-layer KV tensor ``[B, H, N, C]`` narrowed to those heads (``kv.narrow(1, j,
+g)``: on the CPU backend one contiguous run of each page, so loads still
+receive in place), and everything below moves parts as it moved layers.
 MLA (``layout.HeadSplit`` unsplit): the parts are the layers, whole pages, which
 every rank holds; rank 0 saves them. Replicated KV heads (fewer heads than
 ranks): only the first rank holding a head saves it. The namespace binds the
@@ -151,7 +152,7 @@ class WorkerSide:
         # a chunk's objects of this rank as (layer, global head), layer-major: one part each
         self.parts = self.heads.parts(len(self.layer_names), tp_rank)
         self._saves = self.heads.saves(tp_rank)    # False: another rank saves this rank's (replicated) heads
-        self.layers: list[torch.Tensor] = []       # per part: its KV tensor (the layer's, one head selected)
+        self.layers: list[torch.Tensor] = []       # per part: its KV tensor (the layer's, narrowed to its heads)
         self._kv: list[torch.Tensor] = []          # per layer: vLLM's KV tensor
         per_layer = len(self.parts) // max(1, len(self.layer_names))
         self._index = {name: list(range(i * per_layer, (i + 1) * per_layer)) for i, name in enumerate(self.layer_names)}
@@ -230,13 +231,13 @@ class WorkerSide:
         log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk (%d %d-byte objects, one per "
                  "%s), loads %s", len(layers), self.page_shape, self.dtype, self.chunk_bytes,
                  self.cfg.chunk_tokens, len(parts), self.obj_bytes,
-                 "layer and KV head" if self.heads.split else "layer",
+                 f"layer and {self.heads.per_object} KV head(s)" if self.heads.split else "layer",
                  "straight into the KV blocks" if self._direct else "through a staging buffer")
 
     def _start_transfer(self, layers: list[torch.Tensor], on_gpu: bool) -> None:
         """KV on a GPU, or pages of several runs: saves and loads go through a bounded transfer
         buffer (pinned on a GPU) with batched gathers / scatters (``transfer``); ``layers``: the
-        parts (a layer's tensor with one KV head selected, or the layer's whole)."""
+        parts (a layer's tensor narrowed to a part's KV heads, or the layer's whole)."""
         n_slots = self.cfg.transfer_buffer_bytes // self.obj_bytes
         if n_slots < 1:
             raise ConfigError(f"kvfabric: transfer_buffer_mb ({self.cfg.transfer_buffer_bytes >> 20} MiB) is "
