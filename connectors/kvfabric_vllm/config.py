@@ -56,8 +56,9 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
                              ``kv_producer``, false otherwise
- segment_tokens    8192      placement (layout.py, issue 23): a chunk's layer objects always
-                             live together (one group, one owner set); runs of this many
+ segment_tokens    8192      placement (layout.py, issue 23): a chunk's objects (every layer
+                             and KV head, every rank's) always live on one owner set, each
+                             rank's part one server group; runs of this many
                              prompt tokens (from the start; a multiple of chunk_tokens) are
                              placed by their first chunk's key, so a dead server of N cuts a
                              prompt's hit only at a segment boundary. = chunk_tokens: each
@@ -216,7 +217,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     if type(block_size) is not int or block_size < 1:
         raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")
     # One block per chunk by default: at most one partial block is recomputed on a
-    # hit, and each (chunk, layer) object is one page, received in place (layout.py).
+    # hit, and each object is one page's share of its KV heads, received in place (layout.py).
     chunk = _int(extra, "chunk_tokens", block_size, 1, 1 << 16)
     if chunk % block_size:
         raise ConfigError(f"kv_connector_extra_config.chunk_tokens={chunk} must be a multiple of "

@@ -39,7 +39,7 @@ Saves: ``gather_layer`` copies the chunks completed by this step out of a
 layer's blocks right after that layer's attention wrote them
 (``save_kv_layer``), straight into the objects' layout; ``submit_saves``
 (``wait_for_save``) gathers any layer not seen yet and hands the staging
-tensors to one background thread that ``put``s the per-layer objects
+tensors to one background thread that ``put``s the per-part objects
 from them (no further copy). Since the bytes are copied out during the step,
 vLLM may free or reuse the blocks as soon as the step ends: putting straight
 from the blocks would need every request (also a preempted one, whose blocks
@@ -720,8 +720,8 @@ class WorkerSide:
                 groups=[part_group(self._hasher, k, self.heads, self.tp_rank) for k in spec.keys])
             res = self.client.put(keys, values, parents=parents, placement=place, groups=groups,
                                   timeout_s=self.cfg.save_timeout_s)
-            # Counted in chunks: a chunk is dropped when any of its layer objects is; the
-            # result counts objects only, so d dropped objects count as ceil(d / layers)
+            # Counted in chunks: a chunk is dropped when any of its objects is; the
+            # result counts objects only, so d dropped objects count as ceil(d / parts)
             # chunks (exact when whole chunks are dropped, as with a dead shard or pool).
             dropped = -(-res.dropped // nl)
             self.counters.add("save_chunks", len(spec.block_ids) - dropped)
