@@ -56,13 +56,19 @@ hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_f
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
                              ``kv_producer``, false otherwise
- segment_tokens    8192      placement (layout.py, issue 23): a chunk's layer objects always
-                             live together (one group, one owner set); runs of this many
+ segment_tokens    8192      placement (layout.py, issue 23): a chunk's objects (every layer
+                             and KV head, every rank's) always live on one owner set, each
+                             rank's part one server group; runs of this many
                              prompt tokens (from the start; a multiple of chunk_tokens) are
                              placed by their first chunk's key, so a dead server of N cuts a
                              prompt's hit only at a segment boundary. = chunk_tokens: each
                              chunk placed by its own key; 0: every object routed by its own
                              key (the layout before issue 23, no server groups)
+ kv_heads_per_object 1        KV heads per pool object (layout.py, layout 3): 1, one object per
+                              (chunk, layer, KV head), works for every TP size; g > 1 (dividing
+                              the heads a rank holds at every TP size that shares the pool)
+                              stores 1/g of the objects; bound into the keys (engines with
+                              different values never share)
  register_load_buffer true    register what loads receive into with the client
                               (``Client.register_buffers``): the KV layer tensors (one
                               block per chunk), the staging buffer or the transfer buffer;
@@ -106,8 +112,9 @@ __all__ = ["ConnectorConfig", "parse_extra_config", "make_namespace", "request_n
            "weights_fingerprint", "KV_LAYOUT_VERSION"]
 
 # Bumped whenever the byte layout of the pool objects changes (see layout.py).
-# 2: one object per (chunk, layer) (1: one object per chunk, layer-major).
-KV_LAYOUT_VERSION = 2
+# 3: one object per (chunk, layer, KV head), keys without the TP rank and size (MLA: per (chunk, layer));
+# 2: one object per (chunk, layer) of one TP rank; 1: one object per chunk, layer-major.
+KV_LAYOUT_VERSION = 3
 
 # every ClientConfig setting is a connector setting too (kvfabric.config.client_settings); the
 # membership ones (servers, etcd, cluster) are parsed on their own below
@@ -145,6 +152,7 @@ class ConnectorConfig:
     pd_wait_ms: int = 1000
     hold_until_saved: bool = False
     segment_chunks: int = DEFAULT_SEGMENT_TOKENS // 128   # segment_tokens // chunk_tokens (0: per object)
+    kv_heads_per_object: int = 1
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -174,7 +182,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
              "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "transfer_buffer_mb",
-             "pd_wait_ms", "hold_until_saved", "segment_tokens", *_CLIENT_KEYS}
+             "pd_wait_ms", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -209,7 +217,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     if type(block_size) is not int or block_size < 1:
         raise ConfigError(f"vLLM block size must be a positive int, got {block_size!r}")
     # One block per chunk by default: at most one partial block is recomputed on a
-    # hit, and each (chunk, layer) object is one page, received in place (layout.py).
+    # hit, and each object is one page's share of its KV heads, received in place (layout.py).
     chunk = _int(extra, "chunk_tokens", block_size, 1, 1 << 16)
     if chunk % block_size:
         raise ConfigError(f"kv_connector_extra_config.chunk_tokens={chunk} must be a multiple of "
@@ -248,17 +256,20 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
         hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
         segment_chunks=segment // chunk,
+        kv_heads_per_object=_int(extra, "kv_heads_per_object", 1, 1, 1 << 16),
     )
 
 
 def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dtype: str, kv_layout: str,
-                   tp_rank: int, tp_size: int, weights: str = "") -> Namespace:
-    """The namespace of one TP rank: binds model, dtype, KV layout, chunk size and TP coordinates.
+                   weights: str = "") -> Namespace:
+    """The namespace of an engine: binds model, dtype, KV layout and chunk size, not the TP rank or size.
 
-    ``kv_layout`` describes the bytes of one chunk object (vLLM layout name,
-    heads, head size, block size, layer count, connector layout version), so
-    engines whose KV bytes differ can never exchange chunks. ``weights`` is
-    ``weights_fingerprint`` of a local model directory (empty for a hub id,
+    ``kv_layout`` describes the bytes of the pool objects (``kv_layout_name``:
+    vLLM layout name, the model's KV heads, head size, block size, layer
+    count, object split, connector layout version), so engines whose KV bytes
+    differ can never exchange chunks, while engines of different TP sizes,
+    whose objects are the same (``layout``, layout version 3), do. ``weights``
+    is ``weights_fingerprint`` of a local model directory (empty for a hub id,
     whose ``revision`` is bound instead): weights replaced under the same path
     get other keys.
     """
@@ -268,8 +279,6 @@ def make_namespace(cfg: ConnectorConfig, *, model: str, revision: str | None, dt
         dtype=dtype,
         kv_layout=kv_layout,
         block_tokens=cfg.chunk_tokens,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
         tenant=cfg.tenant,
         extras={"weights": weights} if weights else {},
     )
@@ -324,7 +333,13 @@ def weights_fingerprint(model: str) -> str:
 
 
 def kv_layout_name(layout: str, *, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int,
-                   num_layers: int) -> str:
-    """The namespace's ``kv_layout``: everything that shapes the bytes of one chunk object."""
+                   num_layers: int, split_heads: bool = True, heads_per_object: int = 1) -> str:
+    """The namespace's ``kv_layout``: everything that shapes the bytes of the pool objects.
+
+    ``num_kv_heads`` is the model's total (all TP ranks; 1 for MLA), never a rank's
+    share, so it is the same for every TP size; ``split_heads`` False: objects are whole
+    pages (MLA, ``layout.HeadSplit``); ``heads_per_object``: KV heads per object."""
+    split = ("per-head" if heads_per_object == 1 else f"heads-per-object={heads_per_object}") if split_heads \
+        else "per-layer"
     return (f"vllm/{layout}/heads={num_kv_heads}/head={head_size}/head_v={head_size_v}/block={block_size}"
-            f"/layers={num_layers}/v{KV_LAYOUT_VERSION}")
+            f"/layers={num_layers}/{split}/v{KV_LAYOUT_VERSION}")

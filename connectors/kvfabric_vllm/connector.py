@@ -28,12 +28,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
 from kvfabric import ConfigError, KVFabricError
 from kvfabric import Client
 
 from .config import ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
+from .keys import EngineKeys
+from .layout import HeadSplit
 from .meta import KVFabricMetadata
 from .metrics import Counters, log
 from .scheduler import SchedulerSide
@@ -76,6 +78,9 @@ class KVFabricConnector(KVConnectorBase_V1):
         par = vllm_config.parallel_config
         if par.pipeline_parallel_size != 1:
             raise ConfigError("kvfabric: pipeline parallelism is not supported yet")
+        if getattr(par, "decode_context_parallel_size", 1) != 1:
+            raise ConfigError("kvfabric: decode context parallelism is not supported (a rank's pages hold "
+                              "only some of a block's tokens)")
         mc = vllm_config.model_config
         if vllm_config.lora_config is not None:
             raise ConfigError("kvfabric: LoRA is not supported (an adapter changes the KV of the same tokens "
@@ -92,29 +97,39 @@ class KVFabricConnector(KVConnectorBase_V1):
                         "to load from the cache pool is recomputed, never fatal", xfer.kv_load_failure_policy)
             xfer.kv_load_failure_policy = "recompute"
         layer_names = list(groups[0].layer_names)
-        layout = kv_layout_name(str(kv_cache_config.kv_cache_layout), num_kv_heads=spec.num_kv_heads,
+        # Layout 3 (layout.py): objects per KV head of the model, keys without the TP rank or size;
+        # MLA: whole pages (every rank holds the same latent)
+        tp = par.tensor_parallel_size
+        heads = HeadSplit.for_model(mc.get_total_num_kv_heads(), tp,
+                                    mla=bool(mc.use_mla) or isinstance(spec, MLAAttentionSpec),
+                                    per_object=self._cfg.kv_heads_per_object)
+        if heads.split and spec.num_kv_heads != len(heads.heads(0)):
+            raise ConfigError(f"kvfabric: a TP rank holds {spec.num_kv_heads} KV heads, but {heads.total_heads} "
+                              f"heads over tensor_parallel_size {tp} give {len(heads.heads(0))}")
+        layout = kv_layout_name(str(kv_cache_config.kv_cache_layout), num_kv_heads=heads.total_heads,
                                 head_size=spec.head_size, head_size_v=spec.head_size_v,
-                                block_size=spec.block_size, num_layers=len(layer_names))
-        weights = weights_fingerprint(mc.model)
-        namespaces = [
-            make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),
-                           kv_layout=layout, tp_rank=r, tp_size=par.tensor_parallel_size, weights=weights)
-            for r in range(par.tensor_parallel_size)
-        ]
+                                block_size=spec.block_size, num_layers=len(layer_names), split_heads=heads.split,
+                                heads_per_object=heads.per_object)
+        namespace = make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),
+                                   kv_layout=layout, weights=weights_fingerprint(mc.model))
         self._counters = Counters()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         client = _open_client(self._cfg, self._counters)
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._cfg, client, namespaces, spec.block_size, self._counters,
-                                        lambda: self._kv_cache_manager, n_layers=len(layer_names))
+            self._sched = SchedulerSide(self._cfg, client,
+                                        EngineKeys.from_config(self._cfg, namespace, len(layer_names), heads),
+                                        spec.block_size, self._counters, lambda: self._kv_cache_manager)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(self._cfg, client, get_tensor_model_parallel_rank(), spec.block_size,
-                                      layer_names, self._counters)
-        log.info("kvfabric connector (%s): servers %s, chunk %d tokens, namespace %s", role.name,
-                 ",".join(self._cfg.client.servers), self._cfg.chunk_tokens, namespaces[0])
+                                      layer_names, self._counters, heads=heads)
+        log.info("kvfabric connector (%s): servers %s, chunk %d tokens, %s, namespace %s", role.name,
+                 ",".join(self._cfg.client.servers), self._cfg.chunk_tokens,
+                 f"one object per layer and {heads.per_object} KV head(s) ({heads.total_heads} heads, TP {tp})"
+                 if heads.split
+                 else "one object per layer (MLA)", namespace)
 
     @property
     def requires_kv_delivery(self) -> bool:

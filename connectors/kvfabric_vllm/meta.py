@@ -1,9 +1,9 @@
 """What the scheduler-side connector tells the worker-side connector each step.
 
 Plain dataclasses of ints and bytes, so they pickle across processes (vLLM's
-multi-process executor sends them to every worker). Keys are per TP rank:
-``keys[r][i]`` is chunk ``i``'s key in rank ``r``'s namespace, because each
-rank stores only its own KV heads.
+multi-process executor sends them to every worker). ``keys[i]`` is chunk
+``i``'s key, the same for every TP rank (``layout``, layout version 3): each
+rank derives from it the object keys of its own KV heads.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ class LoadSpec:
     """
 
     req_id: str
-    keys: list[list[bytes]]
+    keys: list[bytes]
     block_ids: list[list[int]]
     skip_blocks: int = 0
     async_load: bool = False      # load between steps, report through get_finished
-    placement: list[list[bytes]] | None = None  # [rank][chunk] placement keys (layout.py); None: per object
+    placement: list[bytes] | None = None  # per chunk: its placement key (layout.py); None: per object
 
 
 @dataclass
@@ -40,10 +40,10 @@ class SaveSpec:
     """Gather chunks completed by this step from vLLM blocks and put them in the pool."""
 
     req_id: str
-    keys: list[list[bytes]]
-    parents: list[list[bytes | None]]
+    keys: list[bytes]
+    parents: list[bytes | None]   # per chunk: the previous chunk's key (None for chunk 0)
     block_ids: list[list[int]]
-    placement: list[list[bytes]] | None = None  # [rank][chunk] placement keys (layout.py); None: per object
+    placement: list[bytes] | None = None  # per chunk: its placement key (layout.py); None: per object
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Scheduler side: pool lookups, and per request which chunks to load and to save.
 
-Per request the scheduler keeps the chunk keys of its prompt (computed once,
-for every TP rank, by ``kvfabric.KeyHasher`` over the prompt token ids; never
-vLLM's own block hashes) and a lookup of how many leading chunks the pool
-holds. The request's namespace binds vLLM's per-request ``cache_salt``
+Per request the scheduler keeps the chunk keys of its prompt (computed once by
+``keys.prompt_keys`` over the prompt token ids, the same for every TP rank and
+every TP size: ``layout``, layout version 3; never vLLM's own block hashes) and
+a lookup of how many leading chunks the pool holds. The request's namespace binds vLLM's per-request ``cache_salt``
 (``config.request_namespace``): salted requests never share KV with requests
 of another salt or none, as in vLLM's own prefix cache.
 
@@ -13,13 +13,14 @@ loopback lookup answers well within that); if it has not answered, vLLM is
 told "ask again later" (``None``) and skips the request for this step (each
 later call waits at most 2 ms more); past ``lookup_timeout_ms`` the answer
 is "no hit". A lookup that fails is "no hit" too (counted, warned once). The
-lookup asks for every layer object of every chunk (``layout``: one object per
-(chunk, layer), chunk-major), so a chunk counts only when the pool holds all
-its layers, and takes a lease so the objects found are not evicted before the
-load. Each chunk's objects are routed by its placement key (``layout``:
-segments of ``segment_tokens``), so the lookup of a prompt is one
-request per shard and rank, and the plan sent to the workers carries the
-placement keys with the chunk keys.
+lookup asks for every object of every chunk that the engine's ranks need
+together (``layout``: one object per (chunk, layer, KV head), chunk-major), so
+a chunk counts only when the pool holds all its layers and heads, whatever TP
+size saved them, and takes a lease so the objects found are not evicted before
+the load. Each chunk's objects are routed by its placement key (``layout``:
+segments of ``segment_tokens``), so the lookup of a prompt is one request per
+shard, and the plan sent to the workers carries the placement keys with the
+chunk keys.
 Every request is looked up, also when vLLM's local prefix cache covers all
 it could load and in save-only roles: then only to learn what the pool
 already holds (no lease), so nothing it holds is gathered and sent again.
@@ -47,7 +48,7 @@ then goes out unchecked (counted: ``save_unchecked_jobs``).
 Prefill/decode disaggregation (PD): a producer's ``request_finished``
 returns ``kv_transfer_params`` ``{"kvfabric": {"chunks": N, "chunk_tokens":
 C, "key": hex}}``: N leading chunks of the prompt are in the pool or being
-put, ``key`` is chunk N-1's key (rank 0). vLLM puts them in the producer's
+put, ``key`` is chunk N-1's key. vLLM puts them in the producer's
 response before the puts are acknowledged (its output is emitted when the
 request stops; ``delay_free_blocks`` only holds the blocks), so a proxy that
 passes them to the consumer lets the consumer tell "not there yet" from "not
@@ -75,15 +76,13 @@ scheduler call: vLLM asks again every step a request waits), and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfabric import KeyHasher, Namespace
-
-from .config import ConnectorConfig, request_namespace
-from .layout import chunk_major_layer_keys, chunk_placement, object_placement
+from .config import ConnectorConfig
+from .keys import EngineKeys, PromptKeys, prompt_keys
 from .meta import KVFabricMetadata, LoadSpec, SaveSpec
 from .metrics import Counters, log
 
@@ -103,8 +102,8 @@ _PD_BATCH_MAX = 1024   # PD consumer: entries of a batch's kv_transfer_params lo
 @dataclass
 class _Req:
     prompt_len: int
-    keys: list[list[bytes]]          # [rank][chunk] for every whole chunk of the prompt
-    placement: list[list[bytes]] | None = None  # [rank][chunk] placement keys (layout.chunk_placement)
+    keys: list[bytes]                # per whole chunk of the prompt (the same for every TP rank)
+    placement: list[bytes] | None = None  # per chunk: its placement key (layout.chunk_placement)
     lookup: Future | None = None
     lookup_t0: float = 0.0
     lookup_epoch: int = -1           # request.num_preemptions when the lookup was started
@@ -129,17 +128,15 @@ def _skips_prefix_cache(request: Request) -> bool:
 class SchedulerSide:
     """The connector's scheduler half (see the module docstring)."""
 
-    def __init__(self, cfg: ConnectorConfig, client: Client | None, namespaces: Sequence[Namespace],
+    def __init__(self, cfg: ConnectorConfig, client: Client | None, keys: EngineKeys | None,
                  block_size: int, counters: Counters,
-                 cache_manager: Callable[[], KVCacheManager | None], n_layers: int = 1) -> None:
+                 cache_manager: Callable[[], KVCacheManager | None]) -> None:
         self.cfg = cfg
-        self.n_layers = n_layers      # pool objects per chunk (one per layer, ``layout``)
+        self.keys = keys              # what the prompts' keys depend on (None: only for tests without prompts)
         self.client = client
-        self.namespaces = list(namespaces)
         self.block_size = block_size
         self.counters = counters
         self._cache_manager = cache_manager
-        self._hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
         self._reqs: dict[str, _Req] = {}
         self._loading: set[str] = set()   # requests whose async load has not reported yet
         self._hold: list[str] = []        # finished, blocks held: sent to the workers next step
@@ -155,14 +152,11 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         if tokens is None:           # prompt embeddings: no token ids to key on
             return None
-        n_chunks = len(tokens) // self.cfg.chunk_tokens
-        salt = getattr(request, "cache_salt", None)
-        keys = [self._hasher.prefix_keys(request_namespace(ns, salt), tokens[: n_chunks * self.cfg.chunk_tokens])
-                for ns in self.namespaces]
-        placement = [chunk_placement(k, self.cfg.segment_chunks) for k in keys]
-        st = _Req(prompt_len=len(tokens), keys=keys, placement=None if placement[0] is None else placement)
+        assert self.keys is not None
+        pk = prompt_keys(self.keys, tokens, getattr(request, "cache_salt", None))
+        st = _Req(prompt_len=len(tokens), keys=pk.chunk_keys, placement=pk.placement)
         if self.cfg.load and request.kv_transfer_params and not _skips_prefix_cache(request):
-            st.expect_chunks = self._expected_chunks(request.kv_transfer_params, keys[0])
+            st.expect_chunks = self._expected_chunks(request.kv_transfer_params, st.keys)
         self._reqs[request.request_id] = st
         return st
 
@@ -197,22 +191,15 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ lookup
 
-    def _lookup_all_ranks(self, keys: list[list[bytes]], lease_ms: int,
-                          placement: list[list[bytes]] | None = None) -> int:
-        """Leading chunks whose every layer object (``layout``) every rank's pool holds (with placement:
-        each chunk's objects routed by its placement key, one request per shard per rank)."""
-        assert self.client is not None
-        timeout = self.cfg.lookup_timeout_ms / 1000
-        nl = self.n_layers
-        run = len(keys[0])
-        for r, rank_keys in enumerate(keys):  # every rank must hold a chunk for it to be a hit
-            objs = chunk_major_layer_keys(self._hasher, rank_keys[:run], nl)
-            place, groups = object_placement(rank_keys[:run], None if placement is None else placement[r][:run], nl)
-            run = min(run, self.client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
-                                              timeout_s=timeout) // nl)
-            if run == 0:
-                break
-        return run
+    def _lookup_all_parts(self, keys: list[bytes], lease_ms: int, placement: list[bytes] | None = None) -> int:
+        """Leading chunks the pool holds whole: every object (``layout``: every layer and KV head) that
+        the engine's ranks need together (with placement: each chunk's objects routed by its placement
+        key and counted as one group, one request per shard)."""
+        assert self.client is not None and self.keys is not None
+        objs, place, groups = PromptKeys(keys, placement).objects(self.keys)
+        found = self.client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
+                                   timeout_s=self.cfg.lookup_timeout_ms / 1000)
+        return found // len(self.keys.parts())
 
     def _start_lookup(self, st: _Req, epoch: int, lease: bool) -> bool:
         """Start (again, after a preemption) the lookup of every whole prompt chunk; True if started."""
@@ -227,7 +214,7 @@ class SchedulerSide:
         st.pool_run = None
         st.hit_counted = False
         st.lookup_t0 = time.monotonic()
-        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms if lease else 0, st.placement)
+        st.lookup = self._pool.submit(self._lookup_all_parts, st.keys, self.cfg.lease_ms if lease else 0, st.placement)
         return True
 
     def _pool_run(self, st: _Req, wait_s: float) -> int | None:
@@ -257,11 +244,10 @@ class SchedulerSide:
         return st.pool_run
 
     def _unreachable(self, st: _Req, chunk: int) -> bool:
-        """Whether some object of prompt chunk ``chunk`` (any rank, any layer object) has every owner down."""
-        assert self.client is not None
-        nl = self.n_layers
-        objs = [k for rank_keys in st.keys for k in chunk_major_layer_keys(self._hasher, rank_keys[chunk:chunk + 1], nl)]
-        place = None if st.placement is None else [p[chunk] for p in st.placement for _ in range(nl)]
+        """Whether some object of prompt chunk ``chunk`` (any layer, any head) has every owner down."""
+        assert self.client is not None and self.keys is not None
+        objs, place, _ = PromptKeys(st.keys[chunk:chunk + 1],
+                                    None if st.placement is None else st.placement[chunk:chunk + 1]).objects(self.keys)
         return any(self.client.unreachable(objs, placement=place))
 
     def _pd_wait(self, st: _Req, run: int, n_load: int) -> bool:
@@ -290,14 +276,14 @@ class SchedulerSide:
         self.counters.add("pd_relookups")
         st.pool_run = None
         st.lookup_t0 = now
-        st.lookup = self._pool.submit(self._lookup_all_ranks, st.keys, self.cfg.lease_ms, st.placement)
+        st.lookup = self._pool.submit(self._lookup_all_parts, st.keys, self.cfg.lease_ms, st.placement)
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.client is None:
             return 0, False
         st = self._state(request)       # also for save-only roles: saves need the keys
-        if st is None or not st.keys[0]:
+        if st is None or not st.keys:
             return 0, False
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
@@ -340,9 +326,9 @@ class SchedulerSide:
         per = chunk // bs
         st.load = LoadSpec(
             req_id=request.request_id,
-            keys=[k[c0:c1] for k in st.keys],
+            keys=st.keys[c0:c1],
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
-            placement=None if st.placement is None else [p[c0:c1] for p in st.placement],
+            placement=None if st.placement is None else st.placement[c0:c1],
             skip_blocks=(start - c0 * chunk) // bs,
             async_load=self.cfg.load_async,
         )
@@ -410,10 +396,10 @@ class SchedulerSide:
         per = self.cfg.chunk_tokens // self.block_size
         return SaveSpec(
             req_id=rid,
-            keys=[k[c0:c1] for k in st.keys],
-            parents=[[k[c - 1] if c else None for c in range(c0, c1)] for k in st.keys],
+            keys=st.keys[c0:c1],
+            parents=[st.keys[c - 1] if c else None for c in range(c0, c1)],
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
-            placement=None if st.placement is None else [p[c0:c1] for p in st.placement],
+            placement=None if st.placement is None else st.placement[c0:c1],
         )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -438,7 +424,7 @@ class SchedulerSide:
         if st is None or not self.cfg.save or not st.saved_upto:
             return False, None
         params = {"kvfabric": {"chunks": st.saved_upto, "chunk_tokens": self.cfg.chunk_tokens,
-                               "key": st.keys[0][st.saved_upto - 1].hex()}}
+                               "key": st.keys[st.saved_upto - 1].hex()}}
         hold = self.cfg.hold_until_saved and st.saves_sent
         if hold:
             self._hold.append(rid)

@@ -20,7 +20,7 @@ import os
 import random
 from pathlib import Path
 
-__all__ = ["TINY_LLAMA", "build_tiny_llama", "random_prompt"]
+__all__ = ["TINY_LLAMA", "build_tiny_llama", "random_prompt", "tiny_engine_keys"]
 
 # hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64, vocab 2048
 TINY_LLAMA = dict(
@@ -95,3 +95,15 @@ def random_prompt(n_tokens: int, *, seed: int, vocab: int = TINY_LLAMA["vocab_si
     """``n_tokens`` token ids drawn uniformly from the regular vocabulary (ids >= 8)."""
     rng = random.Random(seed)
     return [rng.randrange(8, vocab - 8) for _ in range(n_tokens)]
+
+
+def tiny_engine_keys(model: str, extra_config: dict, *, block_size: int = 128):
+    """The keys (``keys.EngineKeys``) of vLLM CPU engines (float32, ``LBHNC``, ``block_size``) serving
+    the tiny Llama built at ``model`` with ``kv_connector_extra_config = extra_config``: the same for
+    every TP size (layout version 3)."""
+    from .keys import EngineKeys
+
+    return EngineKeys.for_model(extra_config, model=model, dtype="torch.float32",
+                                num_layers=TINY_LLAMA["num_hidden_layers"],
+                                total_num_kv_heads=TINY_LLAMA["num_key_value_heads"],
+                                head_size=TINY_LLAMA["head_dim"], block_size=block_size)

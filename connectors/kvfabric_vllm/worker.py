@@ -1,9 +1,19 @@
 """Worker side: move KV between vLLM's paged blocks and pool objects.
 
-Pool objects are one per (chunk, layer) (``layout``: the chunk's pages in that
-layer, keys derived from the chunk's prefix key). The namespace binds the
-layout name, heads, head sizes, block size and layer count, so engines whose
-pages differ never share keys.
+Pool objects are one per (chunk, layer, KV head) (``layout``, layout version 3:
+head ``h``'s share of the chunk's pages in that layer, keys derived from the
+chunk's prefix key, the layer and the model's head index, never the TP rank), so
+a rank saves and loads exactly its own heads' objects, and ranks of engines of
+any TP size find the same objects. Internally each (layer, head of this rank)
+is a *part* (each group of ``kv_heads_per_object`` heads, 1 by default): the
+per-layer KV tensor ``[B, H, N, C]`` narrowed to those heads (``kv.narrow(1, j,
+g)``: on the CPU backend one contiguous run of each page, so loads still
+receive in place), and everything below moves parts as it moved layers.
+MLA (``layout.HeadSplit`` unsplit): the parts are the layers, whole pages, which
+every rank holds; rank 0 saves them. Replicated KV heads (fewer heads than
+ranks): only the first rank holding a head saves it. The namespace binds the
+layout name, the model's KV heads, head sizes, block size and layer count, so
+engines whose pages differ never share keys.
 
 Loads (``load``): an async spec (``load_async``, the default) is queued on
 one loader thread and reported through ``finished_loads`` (vLLM's
@@ -29,7 +39,7 @@ Saves: ``gather_layer`` copies the chunks completed by this step out of a
 layer's blocks right after that layer's attention wrote them
 (``save_kv_layer``), straight into the objects' layout; ``submit_saves``
 (``wait_for_save``) gathers any layer not seen yet and hands the staging
-tensors to one background thread that ``put``s the per-layer objects
+tensors to one background thread that ``put``s the per-part objects
 from them (no further copy). Since the bytes are copied out during the step,
 vLLM may free or reuse the blocks as soon as the step ends: putting straight
 from the blocks would need every request (also a preempted one, whose blocks
@@ -86,7 +96,7 @@ import torch
 from kvfabric import ConfigError, KeyHasher, KVFabricError
 
 from .config import ConnectorConfig
-from .layout import chunk_major_layer_keys, object_placement
+from .layout import HeadSplit, chunk_object_keys, object_placement, part_group
 from .meta import LoadSpec, SaveSpec
 from .metrics import Counters, log
 from .transfer import CudaLane, HostLane, Lease, PagedKV, SlotPool, layer_layout, page_rows
@@ -102,8 +112,8 @@ class _Staged:
 
     def __init__(self, spec: SaveSpec, data: torch.Tensor) -> None:
         self.spec = spec
-        self.data = data              # uint8 [n_chunks, L, P, page_bytes]: object (c, l) is data[c, l]
-        self.layers: set[int] = set()
+        self.data = data              # uint8 [n_chunks, parts, P, page_bytes]: object (c, part) is data[c, part]
+        self.layers: set[int] = set()  # parts gathered
 
 
 class _StepSave:
@@ -127,7 +137,9 @@ class WorkerSide:
     """The connector's worker half for one TP rank (see the module docstring)."""
 
     def __init__(self, cfg: ConnectorConfig, client: Client | None, tp_rank: int, block_size: int,
-                 layer_names: Sequence[str], counters: Counters) -> None:
+                 layer_names: Sequence[str], counters: Counters, heads: HeadSplit | None = None) -> None:
+        """``heads``: the engine's KV head split (``layout.HeadSplit``; default: one rank, whole pages,
+        one object per (chunk, layer))."""
         if cfg.chunk_tokens % block_size:
             raise ConfigError(f"chunk_tokens {cfg.chunk_tokens} is not a multiple of block size {block_size}")
         self.cfg = cfg
@@ -136,8 +148,14 @@ class WorkerSide:
         self.per_chunk = cfg.chunk_tokens // block_size
         self.layer_names = list(layer_names)
         self.counters = counters
-        self.layers: list[torch.Tensor] = []
-        self._index = {name: i for i, name in enumerate(self.layer_names)}
+        self.heads = heads if heads is not None else HeadSplit()
+        # a chunk's objects of this rank as (layer, global head), layer-major: one part each
+        self.parts = self.heads.parts(len(self.layer_names), tp_rank)
+        self._saves = self.heads.saves(tp_rank)    # False: another rank saves this rank's (replicated) heads
+        self.layers: list[torch.Tensor] = []       # per part: its KV tensor (the layer's, narrowed to its heads)
+        self._kv: list[torch.Tensor] = []          # per layer: vLLM's KV tensor
+        per_layer = len(self.parts) // max(1, len(self.layer_names))
+        self._index = {name: list(range(i * per_layer, (i + 1) * per_layer)) for i, name in enumerate(self.layer_names)}
         self._failed: set[int] = set()
         self._staged: dict[int, _Staged] = {}   # id(spec) -> staging, for this step only
         self._pending_bytes = 0
@@ -178,36 +196,48 @@ class WorkerSide:
                                   f"{tuple(first.shape)}/{first.dtype}; mixed layouts are not supported")
             if kv.stride() != first.stride():
                 raise ConfigError(f"kvfabric: layer {name} KV strides {kv.stride()} differ from {first.stride()}")
+        if self.heads.split:      # vLLM's per-layer view is [B, H, N, C]: one part per head group of this rank
+            nh, g = len(self.heads.heads(self.tp_rank)), self.heads.per_object
+            if first.dim() != 4 or first.shape[1] != nh:
+                raise ConfigError(f"kvfabric: expected KV tensors [blocks, {nh} heads, tokens, bytes], got "
+                                  f"{tuple(first.shape)}")
+            parts = [kv.narrow(1, j, g) for kv in layers for j in range(0, nh, g)]
+        else:
+            parts = list(layers)
         try:
-            layout = layer_layout(first)      # a page as byte runs (pages.py)
+            layout = layer_layout(parts[0])      # a part's page as byte runs (pages.py)
         except ValueError as e:
             raise ConfigError(f"kvfabric: KV layout not supported: {e}") from e
-        self.layers = layers
+        self._kv = layers
+        self.layers = parts
+        first = parts[0]
         self.page_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
         self.page_bytes = layout.page_bytes
         self.obj_bytes = self.per_chunk * layout.page_bytes
-        self.chunk_bytes = len(layers) * self.obj_bytes
+        self.chunk_bytes = len(parts) * self.obj_bytes
         on_gpu = first.device.type == "cuda"
         if first.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"kvfabric: KV cache on {first.device} is not supported (CPU and CUDA only)")
         if on_gpu or not layout.contiguous:
-            self._start_transfer(layers, on_gpu)
+            self._start_transfer(parts, on_gpu)
             return
-        # Each layer's pages as uint8 rows [blocks, page_bytes] (a page is one run of
+        # Each part's pages as uint8 rows [blocks, page_bytes] (a page is one run of
         # the tensor), so a page is a writable buffer the client can receive into.
-        self._rows = [page_rows(kv, layout) for kv in layers]
+        self._rows = [page_rows(kv, layout) for kv in parts]
         self._page_bytes = [r.numpy() for r in self._rows]
         self._direct = self.per_chunk == 1
         self._register_receive_buffers()
-        log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk (%d-byte objects, one per "
-                 "layer), loads %s", len(layers), self.page_shape, self.dtype, self.chunk_bytes,
-                 self.cfg.chunk_tokens, self.obj_bytes,
+        log.info("kvfabric: %d layers, page %s %s, %d bytes per %d-token chunk (%d %d-byte objects, one per "
+                 "%s), loads %s", len(layers), self.page_shape, self.dtype, self.chunk_bytes,
+                 self.cfg.chunk_tokens, len(parts), self.obj_bytes,
+                 f"layer and {self.heads.per_object} KV head(s)" if self.heads.split else "layer",
                  "straight into the KV blocks" if self._direct else "through a staging buffer")
 
     def _start_transfer(self, layers: list[torch.Tensor], on_gpu: bool) -> None:
         """KV on a GPU, or pages of several runs: saves and loads go through a bounded transfer
-        buffer (pinned on a GPU) with batched gathers / scatters (``transfer``)."""
+        buffer (pinned on a GPU) with batched gathers / scatters (``transfer``); ``layers``: the
+        parts (a layer's tensor narrowed to a part's KV heads, or the layer's whole)."""
         n_slots = self.cfg.transfer_buffer_bytes // self.obj_bytes
         if n_slots < 1:
             raise ConfigError(f"kvfabric: transfer_buffer_mb ({self.cfg.transfer_buffer_bytes >> 20} MiB) is "
@@ -222,8 +252,8 @@ class WorkerSide:
                 self.client.register_buffers([self._pool.slab.numpy()])
             except ValueError as e:   # over the registration limits: loads use recvmsg
                 log.warning("kvfabric: transfer buffer not registered (%s); loads use recvmsg", e)
-        log.info("kvfabric: %d layers on %s, page %s %s (%d runs of %d bytes), %d bytes per %d-token chunk; "
-                 "saves and loads through a %d MiB %stransfer buffer (%d objects), %s", len(layers),
+        log.info("kvfabric: %d objects per chunk on %s, page %s %s (%d runs of %d bytes), %d bytes per "
+                 "%d-token chunk; saves and loads through a %d MiB %stransfer buffer (%d objects), %s", len(layers),
                  layers[0].device, self.page_shape, self.dtype, self._xfer.layout.runs_per_page,
                  self._xfer.layout.run_bytes, self.chunk_bytes, self.cfg.chunk_tokens, self._pool.nbytes >> 20,
                  "pinned " if on_gpu else "", n_slots,
@@ -235,7 +265,7 @@ class WorkerSide:
         if not self.cfg.register_load_buffer or self.client is None:
             return
         if self._direct:
-            bufs = [kv.view(torch.uint8).view(-1).numpy() if kv.is_contiguous() else None for kv in self.layers]
+            bufs = [kv.view(torch.uint8).view(-1).numpy() if kv.is_contiguous() else None for kv in self._kv]
         else:
             bufs = [] if self._load_buf is None else [self._load_buf.numpy()]
         if not bufs:
@@ -282,16 +312,16 @@ class WorkerSide:
         nl = len(self.layers)
         good_specs = []
         for spec in specs:
-            keys = spec.keys[self.tp_rank]
+            keys = spec.keys
             if len(keys) != len(spec.block_ids) or any(len(b) != 1 for b in spec.block_ids):
                 self.counters.fail("load_errors", "malformed load spec for %s", spec.req_id)
                 with self._lock:
                     self._failed.update(self._blocks_to_write(spec, range(len(spec.block_ids))))
                 continue
             good_specs.append(spec)
-        keys = [chunk_major_layer_keys(self._hasher, s.keys[self.tp_rank], nl) for s in good_specs]
+        keys = [chunk_object_keys(self._hasher, s.keys, self.parts) for s in good_specs]
         place = None if any(s.placement is None for s in good_specs) else [
-            p for s in good_specs for p in s.placement[self.tp_rank]]   # one per chunk: a layer's objects
+            p for s in good_specs for p in s.placement]   # one per chunk: a part's objects
         deadline = time.monotonic() + self.cfg.load_timeout_s
 
         def one_layer(li: int) -> list[int | None]:
@@ -300,22 +330,23 @@ class WorkerSide:
             bufs = [self._page_bytes[li][b[0]] for s in good_specs for b in s.block_ids]
             return self.client.get_into(ks, bufs, placement=place, timeout_s=max(0.001, deadline - time.monotonic()))
 
-        futs = {self.layer_names[li]: self._loader.submit(one_layer, li) for li in range(nl)}
+        futs = {li: self._loader.submit(one_layer, li) for li in range(nl)}   # part order
         self._layerwise = (good_specs, futs)
 
     def wait_layer(self, layer_name: str) -> None:
         """Block until this step's layer-by-layer load of ``layer_name`` is received (or failed).
         Through the transfer buffer: this layer's attention (vLLM's compute stream) waits for the
         layer's scatter of this step's sync loads, the CPU does not (later layers' copies overlap it)."""
+        parts = self._index.get(layer_name, ())
         if self._xfer is not None and self._load_marks:
-            li = self._index.get(layer_name)
-            for mark in self._load_marks.pop(li, ()):
-                self._xfer.lane.compute_wait(mark)
+            for li in parts:
+                for mark in self._load_marks.pop(li, ()):
+                    self._xfer.lane.compute_wait(mark)
         if self._layerwise is None:
             return
-        fut = self._layerwise[1].get(layer_name)
-        if fut is not None:
-            wait_futures([fut])
+        futs = [f for li in parts if (f := self._layerwise[1].get(li)) is not None]
+        if futs:
+            wait_futures(futs)
 
     def _finish_layerwise(self) -> None:
         """Wait for every layer of this step's layer-by-layer load; chunks whose objects did not
@@ -408,11 +439,11 @@ class WorkerSide:
             return
         if self.client is None:
             raise KVFabricError("no pool client (the pool was unusable at start)")
-        keys = spec.keys[self.tp_rank]
+        keys = spec.keys
         if len(keys) != n or any(len(b) != self.per_chunk for b in spec.block_ids):
             raise ValueError(f"malformed load spec for {spec.req_id}: {len(keys)} keys, {n} chunks")
         nl = len(self.layers)
-        okeys = chunk_major_layer_keys(self._hasher, keys, nl)
+        okeys = chunk_object_keys(self._hasher, keys, self.parts)
         lease = None
         if self._direct:      # object (i, l) is block_ids[i][0]'s page in layer l: receive in place
             bufs = [self._page_bytes[li][spec.block_ids[i][0]] for i in range(n) for li in range(nl)]
@@ -425,7 +456,7 @@ class WorkerSide:
         else:
             raw = self._load_staging(n * nl)
             bufs = [raw[j].numpy() for j in range(n * nl)]
-        place, _ = object_placement(keys, None if spec.placement is None else spec.placement[self.tp_rank], nl)
+        place, _ = object_placement(keys, spec.placement, nl)
         try:
             sizes = self.client.get_into(okeys, bufs, placement=place, timeout_s=self.cfg.load_timeout_s)
         except BaseException:
@@ -530,19 +561,22 @@ class WorkerSide:
         return st
 
     def gather_layer(self, layer_name: str, specs: Iterable[SaveSpec]) -> None:
-        """Copy this step's completed chunks of one layer into staging (called per layer)."""
-        li = self._index.get(layer_name)
-        if li is None:
+        """Copy this step's completed chunks of one layer (its parts) into staging (called per layer)."""
+        parts = self._index.get(layer_name)
+        if parts is None or not self._saves:
             return
+        specs = list(specs)
         if self._xfer is not None:
             try:
-                self._gather_step(li, specs)
+                for li in parts:
+                    self._gather_step(li, specs)
             except Exception as exc:  # noqa: BLE001
                 self.counters.fail("save_errors", "gathering KV for a save failed: %r", exc, exc=exc)
             return
         for spec in specs:
             try:
-                self._gather(self._staging(spec), li)
+                for li in parts:
+                    self._gather(self._staging(spec), li)
             except Exception as exc:  # noqa: BLE001
                 self.counters.fail("save_errors", "gathering KV for a save failed: %r", exc, exc=exc)
 
@@ -617,7 +651,10 @@ class WorkerSide:
             self._queue_put(spec, values, k * self.chunk_bytes, ready, done)
 
     def submit_saves(self, specs: Iterable[SaveSpec]) -> None:
-        """Finish gathering and hand this step's chunks to the background putter."""
+        """Finish gathering and hand this step's chunks to the background putter (nothing on a rank
+        whose heads another rank saves)."""
+        if not self._saves:
+            return
         specs = list(specs)
         if self._xfer is not None:
             try:
@@ -635,7 +672,7 @@ class WorkerSide:
                 nbytes = st.data.numel() * st.data.element_size()
                 if not self._reserve_pending(spec, nbytes):
                     continue
-                raw = st.data.view(len(spec.block_ids) * len(self.layers), -1)   # one row per (chunk, layer)
+                raw = st.data.view(len(spec.block_ids) * len(self.layers), -1)   # one row per (chunk, part)
                 self._queue_put(spec, [raw[j].numpy() for j in range(raw.shape[0])], nbytes)
         except Exception as exc:  # noqa: BLE001
             self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
@@ -667,23 +704,24 @@ class WorkerSide:
         self._track_save(spec.req_id, fut)
 
     def _put(self, spec: SaveSpec, values: list, nbytes: int, ready: Callable[[], None] | None = None) -> None:
-        """Put one spec's objects (``values``: chunk-major, layer order), after ``ready`` (the
-        transfer buffer's gathers are complete)."""
+        """Put one spec's objects (``values``: chunk-major, part order), after ``ready`` (the
+        transfer buffer's gathers are complete): each chunk's parts one group (``layout.part_group``)."""
         t0 = time.monotonic()
         try:
             assert self.client is not None
             nl = len(self.layers)
             if ready is not None:
                 ready()
-            keys = chunk_major_layer_keys(self._hasher, spec.keys[self.tp_rank], nl)
-            parents = [p for c in spec.parents[self.tp_rank]
-                       for p in ([None] * nl if c is None else chunk_major_layer_keys(self._hasher, [c], nl))]
-            place, groups = object_placement(spec.keys[self.tp_rank],
-                                             None if spec.placement is None else spec.placement[self.tp_rank], nl)
+            keys = chunk_object_keys(self._hasher, spec.keys, self.parts)
+            parents = [p for c in spec.parents
+                       for p in ([None] * nl if c is None else chunk_object_keys(self._hasher, [c], self.parts))]
+            place, groups = object_placement(
+                spec.keys, spec.placement, nl,
+                groups=[part_group(self._hasher, k, self.heads, self.tp_rank) for k in spec.keys])
             res = self.client.put(keys, values, parents=parents, placement=place, groups=groups,
                                   timeout_s=self.cfg.save_timeout_s)
-            # Counted in chunks: a chunk is dropped when any of its layer objects is; the
-            # result counts objects only, so d dropped objects count as ceil(d / layers)
+            # Counted in chunks: a chunk is dropped when any of its objects is; the
+            # result counts objects only, so d dropped objects count as ceil(d / parts)
             # chunks (exact when whole chunks are dropped, as with a dead shard or pool).
             dropped = -(-res.dropped // nl)
             self.counters.add("save_chunks", len(spec.block_ids) - dropped)

@@ -156,7 +156,7 @@ class _Trace:
                 self.events.append((t0, name, {"t1": t1, **{k: f(self_, a, out) for k, f in info.items()}}))
             return rec
 
-        wrap(scheduler.SchedulerSide, "_lookup_all_ranks", ev("lookup", run=lambda s, a, o: o))
+        wrap(scheduler.SchedulerSide, "_lookup_all_parts", ev("lookup", run=lambda s, a, o: o))
         wrap(scheduler.SchedulerSide, "get_num_new_matched_tokens", ev("match", ext=lambda s, a, o: o[0]))
         wrap(worker.WorkerSide, "_load_one", ev(
             "load", chunks=lambda s, a, o: len(a[0].block_ids),

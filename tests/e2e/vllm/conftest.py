@@ -31,7 +31,9 @@ HERE = Path(__file__).parent
 # The connector's default chunk: vLLM's CPU block size (issue 13: at most one partial
 # block recomputed; every pool object is one KV page, loaded in place).
 CHUNK = 128
-LAYERS = 4          # the tiny Llama's layers: one pool object per (chunk, layer)
+LAYERS = 4          # the tiny Llama's layers
+KV_HEADS = 2        # ... and KV heads
+PARTS = LAYERS * KV_HEADS   # pool objects per chunk: one per (layer, KV head), layout 3 (layout.py)
 PROMPT_TOKENS = 1500
 # whole chunks that can be loaded: the last prompt token is always computed
 LOADABLE = (PROMPT_TOKENS - 1) // CHUNK * CHUNK

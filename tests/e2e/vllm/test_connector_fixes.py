@@ -11,7 +11,7 @@ import pytest
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
 
-from conftest import BUSY_LOADABLE, CHUNK, LAYERS, PROMPT_TOKENS
+from conftest import BUSY_LOADABLE, CHUNK, PARTS, PROMPT_TOKENS
 
 SAVED = PROMPT_TOKENS // CHUNK     # whole chunks of a 1500-token prompt
 
@@ -51,7 +51,7 @@ def test_cache_salt_isolation_no_resend_of_local_hits_and_logs_in_vllm_output(ru
     assert r["cached"][2] == 0, r["cached"]
     assert delta(c2, c1, "scheduled_load_tokens") == 0 and delta(c2, c1, "lookup_hit_tokens") == 0
     assert delta(c2, c1, "save_chunks") == SAVED
-    assert objects == 2 * SAVED * LAYERS        # one pool object per (chunk, layer)
+    assert objects == 2 * SAVED * PARTS         # one pool object per (chunk, layer, KV head)
     # vLLM's log output (its handler, its format) carries the connector's INFO lines
     out = r["stdout"] + r["log"]
     assert "kvfabric connector (SCHEDULER)" in out and "kvfabric connector (WORKER)" in out, out[-3000:]
@@ -106,7 +106,8 @@ def _connector_for(model_dir: str):
                             kv_role="kv_both", kv_connector_extra_config={"servers": ["127.0.0.1:1"]})
     vc = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
                     kv_transfer_config=xfer)
-    spec = FullAttentionSpec(block_size=CHUNK, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    # the tiny Llama's KV heads (the connector checks a rank's heads against the model's, layout 3)
+    spec = FullAttentionSpec(block_size=CHUNK, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kvc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
     return KVFabricConnector(vc, KVConnectorRole.SCHEDULER, kvc)
 

@@ -12,7 +12,7 @@ import time
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool, stop_process_group
 
-from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS, free_port, metric_total, post_json, scrape_metrics, wait_healthy
+from conftest import CHUNK, LOADABLE, PARTS, PROMPTS, free_port, metric_total, post_json, scrape_metrics, wait_healthy
 
 START_TIMEOUT_S = 300
 
@@ -58,7 +58,7 @@ def test_openai_completions_hit_the_pool(tiny_model, cold):
             stop_process_group(proc)
     assert first["choices"][0]["token_ids"] == cold["openai"]
     assert second["choices"][0]["token_ids"] == cold["openai"]
-    assert before["objects"] == len(prompt) // CHUNK * LAYERS    # one object per (chunk, layer)
+    assert before["objects"] == len(prompt) // CHUNK * PARTS     # one object per (chunk, layer, KV head)
     assert after["hits"] - before["hits"] >= LOADABLE // CHUNK        # hits visible in the pool's stats
     details = second["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens", 0) >= LOADABLE

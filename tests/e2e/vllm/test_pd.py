@@ -54,13 +54,15 @@ import torch
 
 from kvfabric import Client, KeyHasher
 from kvfabric.testing.servers import ServerPool, start_pool, stop_process_group
-from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
+from kvfabric_vllm.config import parse_extra_config
+from kvfabric_vllm.keys import prompt_keys
 from kvfabric_vllm.meta import SaveSpec
 from kvfabric_vllm.metrics import Counters
-from kvfabric_vllm.layout import chunk_major_layer_keys
+from kvfabric_vllm.layout import chunk_major_layer_keys, chunk_object_keys
+from kvfabric_vllm.tinymodel import tiny_engine_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import LAYERS, PROMPTS, metric_total, post_json, scrape_metrics, wait_healthy
+from conftest import PARTS, PROMPTS, metric_total, post_json, scrape_metrics, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
@@ -98,7 +100,7 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
         kv = [torch.randn((8, 2, block, 16)) for _ in range(layers)]
         w.register(dict(zip(names, kv)))
         keys = [os.urandom(16), os.urandom(16)]
-        spec = SaveSpec("p1", [keys], [[None, keys[0]]], [[1], [5]])
+        spec = SaveSpec("p1", keys, [None, keys[0]], [[1], [5]])
         try:
             assert w.client.lookup(keys) == 0                # connected before the server stops
             os.kill(pool[0].pid, signal.SIGSTOP)          # the put cannot be acknowledged now
@@ -227,7 +229,7 @@ def test_pd_proxy_decodes_from_the_pool(pd, cold):
     assert pd.proxy_counts() == {"requests": 2, "prefill_failures": 0, "with_params": 2}
     assert _get(pd.proxy + "/health") == {"unhealthy": []}
     whole = sum(len(PROMPTS[n]) // VLLM_BLOCK for n in names)
-    assert stats["objects"] == whole * LAYERS            # the producer saved every whole block (per layer)
+    assert stats["objects"] == whole * PARTS             # the producer saved every whole block (per layer, head)
     assert stats["hits"] >= sum(_loadable(n) // VLLM_BLOCK for n in names)
     assert "kvfabric connector (SCHEDULER)" in pd.consumer_log.read_text()
 
@@ -325,15 +327,17 @@ def test_pd_example_runs_against_the_engines(pd):
 
 
 def _chunk_keys(pd: PD, name: str) -> list[bytes]:
-    """The keys the engines give PROMPTS[name]'s whole chunks (rank 0), computed here as the connector does."""
-    cfg = parse_extra_config({"servers": pd.pool.addresses, "chunk_tokens": VLLM_BLOCK}, "kv_consumer", VLLM_BLOCK)
-    layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=VLLM_BLOCK,
-                            num_layers=LAYERS)
-    ns = make_namespace(cfg, model=pd.model, revision=None, dtype="torch.float32", kv_layout=layout,
-                        tp_rank=0, tp_size=1, weights=weights_fingerprint(pd.model))
-    tokens = PROMPTS[name]
-    return KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret).prefix_keys(
-        ns, tokens[: len(tokens) // VLLM_BLOCK * VLLM_BLOCK])
+    """The keys the engines give PROMPTS[name]'s whole chunks, computed here as the connector does."""
+    engine = tiny_engine_keys(pd.model, {"servers": pd.pool.addresses, "chunk_tokens": VLLM_BLOCK},
+                              block_size=VLLM_BLOCK)
+    return prompt_keys(engine, PROMPTS[name]).chunk_keys
+
+
+def _objects(pd: PD, keys: list[bytes]) -> list[bytes]:
+    """Every pool object of the chunks ``keys`` (each layer, each KV head: layout 3)."""
+    engine = tiny_engine_keys(pd.model, {"servers": pd.pool.addresses, "chunk_tokens": VLLM_BLOCK},
+                              block_size=VLLM_BLOCK)
+    return chunk_object_keys(engine.hasher, keys, engine.parts())
 
 
 def test_pd_consumer_waits_for_the_producers_late_puts(pd, cold):
@@ -342,8 +346,8 @@ def test_pd_consumer_waits_for_the_producers_late_puts(pd, cold):
     name = "pd_stream"                         # its chunks are in the pool since the streamed test
     keys = _chunk_keys(pd, name)
     with Client(pd.pool.addresses) as c:       # take them out: the producer's puts have "not landed"
-        deleted = c.delete(chunk_major_layer_keys(KeyHasher(), keys, LAYERS))
-    assert deleted == len(keys) * LAYERS, "the keys computed here are no longer the connector's"
+        deleted = c.delete(_objects(pd, keys))
+    assert deleted == len(keys) * PARTS, "the keys computed here are no longer the connector's"
     params = {"kvfabric": {"chunks": len(keys), "chunk_tokens": VLLM_BLOCK, "key": keys[-1].hex()}}
     body = {"model": pd.model, "prompt": PROMPTS[name], "max_tokens": 12, "temperature": 0.0,
             "ignore_eos": True}
@@ -370,8 +374,8 @@ def test_pd_consumer_does_not_wait_for_a_request_that_reads_no_prefix(pd, cold):
     name = "pd_stream"
     keys = _chunk_keys(pd, name)
     with Client(pd.pool.addresses) as c:       # not in the pool (the late-puts test checks these keys)
-        c.delete(chunk_major_layer_keys(KeyHasher(), keys, LAYERS))
-        assert c.lookup(chunk_major_layer_keys(KeyHasher(), keys, LAYERS)) == 0
+        c.delete(_objects(pd, keys))
+        assert c.lookup(_objects(pd, keys)) == 0
     params = {"kvfabric": {"chunks": len(keys), "chunk_tokens": VLLM_BLOCK, "key": keys[-1].hex()}}
     body = {"model": pd.model, "prompt": PROMPTS[name], "max_tokens": 12, "temperature": 0.0,
             "ignore_eos": True, "prompt_logprobs": 1, "kv_transfer_params": params}

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from kvfabric import Client, KeyHasher
 from kvfabric.testing.servers import start_pool
-from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
+from kvfabric_vllm.keys import prompt_keys
 from kvfabric_vllm.layout import chunk_placement
+from kvfabric_vllm.tinymodel import tiny_engine_keys
 
-from conftest import CHUNK, LAYERS, LONG_LOADABLE, PROMPTS
+from conftest import CHUNK, LONG_LOADABLE, PARTS, PROMPTS
 
 SEGMENT = 8 * CHUNK
 EXTRA = ["--extra", f'{{"segment_tokens": {SEGMENT}}}']
@@ -25,14 +26,10 @@ EXTRA = ["--extra", f'{{"segment_tokens": {SEGMENT}}}']
 
 def _chunk_owners(tiny_model: str, prompt: list[int], addresses: list[str]) -> list[str]:
     """The address of the server that owns each whole chunk of ``prompt`` (segments of ``SEGMENT`` tokens)."""
-    cfg = parse_extra_config({"servers": addresses, "chunk_tokens": CHUNK, "segment_tokens": SEGMENT}, "kv_both", 128)
-    layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=128, num_layers=LAYERS)
-    ns = make_namespace(cfg, model=tiny_model, revision=None, dtype="torch.float32", kv_layout=layout,
-                        tp_rank=0, tp_size=1, weights=weights_fingerprint(tiny_model))
-    hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
-    keys = hasher.prefix_keys(ns, prompt[: len(prompt) // CHUNK * CHUNK])
-    placement = chunk_placement(keys, cfg.segment_chunks)
-    assert cfg.segment_chunks == SEGMENT // CHUNK and placement is not None
+    engine = tiny_engine_keys(tiny_model, {"servers": addresses, "chunk_tokens": CHUNK, "segment_tokens": SEGMENT})
+    pk = prompt_keys(engine, prompt)
+    keys, placement = pk.chunk_keys, pk.placement
+    assert engine.segment_chunks == SEGMENT // CHUNK and placement is not None
     with Client(addresses) as c:
         by_id = {s["route_id"]: addr for addr, s in c.stats()["client"]["shards"].items()}
         return [by_id[row[0]] for row in c.route(keys, placement=placement)]
@@ -46,7 +43,7 @@ def _objects(addresses: list[str]) -> dict[str, int]:
     for a, s in stats.items():
         assert (s["group_objects"], s["groups_incomplete"]) == (s["objects"], 0), (a, s["objects"], s["group_objects"],
                                                                                    s["groups_incomplete"])
-        assert s["groups"] * LAYERS == s["objects"], (a, s["groups"], s["objects"])
+        assert s["groups"] * PARTS == s["objects"], (a, s["groups"], s["objects"])
     return {a: s["objects"] for a, s in stats.items()}
 
 
@@ -64,7 +61,7 @@ def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model
         assert a["outputs"] == [cold["killed"]]
         assert a["counters"]["save_chunks"] == len(owners)
         held = _objects(addrs)
-        want = {addr: LAYERS * owners.count(addr) for addr in addrs}
+        want = {addr: PARTS * owners.count(addr) for addr in addrs}
         assert held == want, f"objects per server {held}, whole chunks by placement would be {want}"
 
         pool[addrs.index(victim)].kill()                          # SIGKILL, reaped
@@ -79,7 +76,7 @@ def test_a_dead_server_of_two_costs_only_its_chunks(run_engine, cold, tiny_model
         lost = owners[run:].count(victim) + spread.count(victim)
         assert b["counters"].get("save_dropped_chunks", 0) == lost, (b["counters"], owners, spread)
         after = _objects([survivor])[survivor]
-        assert after == LAYERS * (owners.count(survivor) + spread.count(survivor)), (after, owners, spread)
+        assert after == PARTS * (owners.count(survivor) + spread.count(survivor)), (after, owners, spread)
 
 
 def test_worker_saves_a_chunks_layers_on_one_server_and_loads_them_by_placement():
@@ -95,18 +92,18 @@ def test_worker_saves_a_chunks_layers_on_one_server_and_loads_them_by_placement(
     from kvfabric_vllm.metrics import Counters
     from kvfabric_vllm.scheduler import SchedulerSide
 
-    from test_zero_copy import BLOCK, NAMES, NL, make_worker
+    from test_zero_copy import BLOCK, NAMES, NL, engine_keys, make_worker
 
     with start_pool(2, capacity="16MiB") as pool:
         a, kv_a = make_worker(pool.addresses)
         b, kv_b = make_worker(pool.addresses, load_async=False, load_layerwise=True)
-        sched = SchedulerSide(a.cfg, Client(config=a.cfg.client), [], BLOCK, Counters(), lambda: None, n_layers=NL)
+        sched = SchedulerSide(a.cfg, Client(config=a.cfg.client), engine_keys(a.cfg), BLOCK, Counters(), lambda: None)
         try:
             for t in kv_a:
                 t.copy_(torch.randn_like(t))
             keys = [os.urandom(16) for _ in range(6)]
             place = chunk_placement(keys, 2)
-            spec = SaveSpec("r", [keys], [[None, *keys[:-1]]], [[blk] for blk in range(1, 7)], placement=[place])
+            spec = SaveSpec("r", keys, [None, *keys[:-1]], [[blk] for blk in range(1, 7)], placement=place)
             a.gather_layer(NAMES[0], [spec])
             a.submit_saves([spec])
             deadline = time.monotonic() + 60
@@ -123,11 +120,11 @@ def test_worker_saves_a_chunks_layers_on_one_server_and_loads_them_by_placement(
                         held = one.exists(layer_keys(hasher, k, NL))
                         mine = sharding.owners(place[ci], members)[0] == pos
                         assert held == [mine] * NL, (addr, ci, held)
-            assert sched._lookup_all_ranks([keys], 0, [place]) == 6
+            assert sched._lookup_all_parts(keys, 0, place) == 6
             with Client(pool.addresses) as c:   # one layer of chunk 3 deleted: the server drops its whole group
                 assert c.delete([layer_keys(hasher, keys[3], NL)[1]], placement=[place[3]]) == NL
-            assert sched._lookup_all_ranks([keys], 0, [place]) == 3
-            b.load([LoadSpec("r", [keys[:4]], [[9], [10], [11], [12]], placement=[place[:4]])])
+            assert sched._lookup_all_parts(keys, 0, place) == 3
+            b.load([LoadSpec("r", keys[:4], [[9], [10], [11], [12]], placement=place[:4])])
             for li, name in enumerate(NAMES):
                 b.wait_layer(name)
                 for dst, src in ((9, 1), (10, 2), (11, 3)):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = 2
+KV_HEADS = 2
 BENCH_TIMEOUT_S = 1200
 
 
@@ -30,7 +31,7 @@ def test_serve_bench_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--engine-python", sys.executable,
            "--configs", "vllm,kvfabric", "--sessions", "2", "--max-requests", "4", "--loads", "1",
            "--block-tokens", "32", "--max-model-len", "1024", "--instances", "2", "--pool-servers", "1",
-           "--layers", str(LAYERS), "--heads", "2", "--kv-heads", "2", "--head-dim", "64", "--hidden", "128",
+           "--layers", str(LAYERS), "--heads", "2", "--kv-heads", str(KV_HEADS), "--head-dim", "64", "--hidden", "128",
            "--kv-mib", "16", "--dram-mib", "64", "--no-progress", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
@@ -58,8 +59,9 @@ def test_serve_bench_smoke(tmp_path):
     assert a["pool"] is None and a["vllm"]["tokens_external_kv_transfer"] == 0, a["vllm"]
     v, pool = d["vllm"], d["pool"]
     assert v["kvfabric_save_chunks"] > 0 and pool["puts"] > 0, (v, pool)       # the pool got the prompts' KV
-    # every chunk the connector loaded is one GET hit per layer in the pool's STATS, and nothing else read it
-    assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS, (pool, v)
+    # every chunk the connector loaded is one GET hit per layer and KV head in the pool's STATS (layout 3),
+    # and nothing else read it
+    assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS * KV_HEADS, (pool, v)
     assert v["kvfabric_load_errors"] == 0, v
     # what the connector loaded is what vLLM counts as loaded by a connector and as external hits
     assert v["tokens_external_kv_transfer"] == v["kvfabric_load_tokens"] == v["external_hits"], v

@@ -1,61 +1,80 @@
-"""Issue 13 item 4: tensor parallel (TP=2) on vLLM's CPU backend through the pool.
+"""Tensor parallelism through the pool, and KV shared between engines of different TP sizes
+(issue 13 item 4; issue 23 part 4, layout version 3: ``kvfabric_vllm/layout.py``).
 
 vLLM 0.32's CPU build runs TP=2 here only with ``VLLM_CPU_OMP_THREADS_BIND=nobind``:
 its automatic binding asserts "Not enough allowed NUMA nodes to bind threads of 2 local
 CPUWorkers. Allowed NUMA nodes are [0]" on a one-NUMA-node machine. Each rank is a
-worker process holding its own share of the KV heads (the tiny Llama's 2 KV heads: one
-per rank), saving and loading its own objects under its own namespace (``tp_rank``,
-``tp_size`` bound in it); a chunk is a hit only if every rank holds it.
+worker process holding its share of the tiny Llama's 2 KV heads (one per rank); the pool
+objects are one per (chunk, layer, KV head), keyed without the TP rank or size, so a
+TP=2 engine loads what a TP=1 engine saved, and back, each rank exactly its own head.
 """
 
 from __future__ import annotations
 
-import time
-
-from kvfabric import Client, KeyHasher
+from kvfabric import Client
+from kvfabric.testing.poll import wait_for
 from kvfabric.testing.servers import start_pool
-from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
-from kvfabric_vllm.layout import chunk_major_layer_keys
+from kvfabric_vllm.keys import prompt_keys
+from kvfabric_vllm.tinymodel import tiny_engine_keys
 
-from conftest import CHUNK, LAYERS, LOADABLE, PROMPTS
+from conftest import CHUNK, LOADABLE, PARTS, PROMPTS
 
 TP = 2
+TP_ARGS = ["--tp", str(TP), "--kv-cache-mb", "64", "--max-model-len", "2048"]
+CHUNKS = len(PROMPTS["single"]) // CHUNK     # whole chunks of a 1500-token prompt, saved
 
 
-def rank_keys(model: str, rank: int, tokens: list[int]) -> list[bytes]:
-    """The object keys rank ``rank`` of a TP=2 engine uses for ``tokens`` (its own namespace)."""
-    cfg = parse_extra_config({"servers": ["127.0.0.1:1"], "chunk_tokens": CHUNK}, "kv_both", 128)
-    layout = kv_layout_name("LBHNC", num_kv_heads=2 // TP, head_size=64, head_size_v=64, block_size=128,
-                            num_layers=LAYERS)
-    ns = make_namespace(cfg, model=model, revision=None, dtype="torch.float32", kv_layout=layout,
-                        tp_rank=rank, tp_size=TP, weights=weights_fingerprint(model))
-    hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
-    return chunk_major_layer_keys(hasher, hasher.prefix_keys(ns, tokens), LAYERS)
+def _pool_objects(tiny_model: str, addresses: list[str], name: str) -> list[bool]:
+    """Which of PROMPTS[name]'s pool objects (every chunk, layer and KV head) the pool holds, keys
+    derived here by the connector's public function, with no TP rank or size anywhere."""
+    engine = tiny_engine_keys(tiny_model, {"servers": addresses, "chunk_tokens": CHUNK})
+    keys, place, _ = prompt_keys(engine, PROMPTS[name]).objects(engine)
+    assert len(keys) == CHUNKS * PARTS
+    with Client(addresses) as c:
+        return c.exists(keys, placement=place)
 
 
-def test_tp2_engine_saves_and_loads_each_ranks_share(run_engine, tiny_model, monkeypatch):
-    """One TP=2 engine (vLLM's local prefix cache off, so the second run can only hit the pool):
-    the prompt cold, then again: both ranks load their own share. That the shares are found by
-    their keys alone, not by anything this engine kept, is checked in between: the test derives
-    each rank's keys itself (namespace with ``tp_rank``/``tp_size``) and finds them all in the
-    pool. (One engine instead of two: a TP=2 start costs ~100 s of CI time on 2 cores.)"""
+def _groups(addresses: list[str]) -> dict[str, int]:
+    """The pool's group gauges (server-side groups, issue 23 part 2), summed over servers."""
+    with Client(addresses) as c:
+        servers = c.stats()["servers"].values()
+    return {k: sum(s[k] for s in servers) for k in ("objects", "groups", "group_objects", "groups_incomplete")}
+
+
+def test_tp1_and_tp2_engines_load_each_others_kv(run_engine, tiny_model, monkeypatch):
+    """TP=1 saves "single"; a TP=2 engine loads it (each rank its own head's objects) and saves
+    "mp_new" (each rank its own part, one server group per rank and chunk); a TP=1 engine loads
+    that. Every loaded run is token-identical to a cold run of the same prompt on the loading
+    engine (the same prompt under a ``cache_salt``, so its keys differ: computed, not loaded)
+    and to the saving engine's cold run. vLLM's local prefix cache is off: hits are the pool's."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    prompt = PROMPTS["single"]
-    chunks = len(prompt) // CHUNK
-    tp = ["--tp", str(TP), "--kv-cache-mb", "64", "--max-model-len", "2048"]
     with start_pool(1, capacity="64MiB") as pool:
-        def saves_landed(_i: int) -> None:
-            with Client(pool.addresses) as c:
-                deadline = time.monotonic() + 120  # the saves are asynchronous: wait for them, generously
-                while c.stats()["servers"][pool.addresses[0]]["objects"] < TP * LAYERS * chunks:
-                    assert time.monotonic() < deadline, "the TP=2 engine's saves did not reach the pool"
-                    time.sleep(0.1)
-                assert c.stats()["servers"][pool.addresses[0]]["objects"] == TP * LAYERS * chunks
-                # each rank stored its own objects under its own namespace (tp_rank bound in the keys)
-                for r in range(TP):
-                    assert all(c.exists(rank_keys(tiny_model, r, prompt))), f"rank {r}'s objects are missing"
+        addrs = pool.addresses
+        tp1_save = run_engine(["single"], addrs)
+        assert tp1_save["cached"] == [0]
+        assert wait_for(lambda: all(_pool_objects(tiny_model, addrs, "single")), timeout_s=120), \
+            "the TP=1 engine's objects are not all in the pool under the TP-independent keys"
+        g = _groups(addrs)   # TP=1: one group per chunk holding every layer and head
+        assert g == {"objects": CHUNKS * PARTS, "groups": CHUNKS, "group_objects": CHUNKS * PARTS,
+                     "groups_incomplete": 0}, g
 
-        res = run_engine(["single", "single"], pool.addresses, args=tp, between=saves_landed)
-    assert res["cached"] == [0, LOADABLE], res["cached"]           # cold (empty pool), then both shares loaded
-    assert res["counters"]["scheduled_load_tokens"] == LOADABLE    # scheduler side (this process)
-    assert res["outputs"][1] == res["outputs"][0]                  # token-identical to the TP=2 cold run
+        def tp2_saved(i: int) -> None:
+            if i != 1:
+                return
+            held = wait_for(lambda: all(_pool_objects(tiny_model, addrs, "mp_new")), timeout_s=120)
+            assert held, "the TP=2 engine's saves of mp_new did not all reach the pool"
+            g = _groups(addrs)   # TP=2: each rank put its head's objects as its own group
+            assert g == {"objects": 2 * CHUNKS * PARTS, "groups": CHUNKS + TP * CHUNKS,
+                         "group_objects": 2 * CHUNKS * PARTS, "groups_incomplete": 0}, g
+
+        tp2 = run_engine(["mp_new", "single", "single"], addrs, args=TP_ARGS, between=tp2_saved,
+                         salts=[None, None, "tp2-cold"])
+        assert tp2["cached"] == [0, LOADABLE, 0], tp2["cached"]      # "single" loaded from TP=1's KV
+        assert tp2["outputs"][1] == tp2["outputs"][2] == tp1_save["outputs"][0], tp2["outputs"]
+        assert tp2["counters"]["scheduled_load_tokens"] == LOADABLE   # scheduler side (this process)
+
+        tp1_load = run_engine(["mp_new", "mp_new"], addrs, salts=[None, "tp1-cold"])
+    assert tp1_load["cached"] == [LOADABLE, 0], tp1_load["cached"]   # "mp_new" loaded from TP=2's KV
+    assert tp1_load["outputs"][0] == tp1_load["outputs"][1] == tp2["outputs"][0], tp1_load["outputs"]
+    c = tp1_load["counters"]   # TP=1 runs its worker in this engine's process: every chunk loaded whole
+    assert c["load_chunks"] == LOADABLE // CHUNK and c["load_failed_chunks"] == 0, c

@@ -190,8 +190,8 @@ def test_worker_saves_and_loads_through_the_transfer_buffer(chunk, async_load):
             assert a.counters.snapshot()["transfer_buffer_bytes"] == a._pool.nbytes == 8 << 20
             keys = [os.urandom(16) for _ in range(3)]
             src = [[3 + i * per + j for j in range(per)] for i in range(3)]
-            spec_a = SaveSpec("r1", [keys[:2]], [[None, keys[0]]], src[:2])
-            spec_b = SaveSpec("r2", [keys[2:]], [[keys[1]]], src[2:])
+            spec_a = SaveSpec("r1", keys[:2], [None, keys[0]], src[:2])
+            spec_b = SaveSpec("r2", keys[2:], [keys[1]], src[2:])
             a.gather_layer(NAMES[0], [spec_a, spec_b])          # the others are gathered at wait_for_save
             a.submit_saves([spec_a, spec_b])
             wait_saves(a)
@@ -199,7 +199,7 @@ def test_worker_saves_and_loads_through_the_transfer_buffer(chunk, async_load):
             wait_leases_back(a)
 
             dst = [[NBLOCKS - 1 - (i * per + j) for j in range(per)] for i in range(3)]
-            b.load([LoadSpec("r", [keys], dst, skip_blocks=1, async_load=async_load)])
+            b.load([LoadSpec("r", keys, dst, skip_blocks=1, async_load=async_load)])
             if async_load:
                 deadline = time.monotonic() + 30
                 while not b.finished_loads():
@@ -231,25 +231,25 @@ def test_full_transfer_buffer_skips_saves_and_recomputes_loads():
             too_many = n_slots // LAYERS + 1
             keys = [os.urandom(16) for _ in range(too_many)]
             blocks = [[i % NBLOCKS] for i in range(too_many)]
-            spec = SaveSpec("big", [keys], [[None, *keys[:-1]]], blocks)
+            spec = SaveSpec("big", keys, [None, *keys[:-1]], blocks)
             w.gather_layer(NAMES[0], [spec])
             w.submit_saves([spec])
             snap = w.counters.snapshot()
             assert (snap["save_no_buffer_chunks"], snap["save_jobs"]) == (too_many, 0), snap
 
             # a small save fits, and while a held lease fills the buffer a load recomputes
-            small = SaveSpec("small", [keys[:1]], [[None]], [[2]])
+            small = SaveSpec("small", keys[:1], [None], [[2]])
             w.submit_saves([small])
             wait_saves(w)
             assert w.counters.snapshot()["save_chunks"] == 1
             wait_leases_back(w)
             held = w._pool.take(n_slots)
             assert held is not None
-            w.load([LoadSpec("r", [keys[:1]], [[5]])])
+            w.load([LoadSpec("r", keys[:1], [[5]])])
             assert w.take_failed_block_ids() == {5}
             assert w.counters.snapshot()["load_no_buffer_chunks"] == 1
             w._pool.give_back(held)
-            w.load([LoadSpec("r", [keys[:1]], [[5]])])
+            w.load([LoadSpec("r", keys[:1], [[5]])])
             assert w.take_failed_block_ids() == set()
             assert all(torch.equal(layer[2], layer[5]) for layer in kv)
         finally:
@@ -302,7 +302,7 @@ def test_a_steps_saves_wait_for_the_forward_and_hold_their_blocks_until_gathered
         try:
             lane = recorded(w)
             keys = [os.urandom(16) for _ in range(2)]
-            spec = SaveSpec("r", [keys], [[None, keys[0]]], [[1], [2]])
+            spec = SaveSpec("r", keys, [None, keys[0]], [[1], [2]])
             w.gather_layer(NAMES[0], [spec])            # save_kv_layer after layer 0's attention
             assert lane.calls == [("mark", 1), ("launch", 1, 2)]
             w.submit_saves([spec])                      # wait_for_save: layers 1, 2, then compute waits all
@@ -327,11 +327,11 @@ def test_a_loads_attention_waits_for_its_layers_scatter(async_load):
         b = make_worker(pool.addresses, lhbnc_layers(False), BLOCK, transfer_buffer_mb=8)
         try:
             keys = [os.urandom(16) for _ in range(2)]
-            spec = SaveSpec("r", [keys], [[None, keys[0]]], [[1], [2]])
+            spec = SaveSpec("r", keys, [None, keys[0]], [[1], [2]])
             a.submit_saves([spec])
             wait_saves(a)
             lane = recorded(b)
-            b.load([LoadSpec("r", [keys], [[7], [8]], async_load=async_load)])
+            b.load([LoadSpec("r", keys, [[7], [8]], async_load=async_load)])
             if async_load:                              # waited on the loader thread, before it is reported
                 deadline = time.monotonic() + 30
                 while not b.finished_loads():

@@ -7,13 +7,12 @@ without the connector.
 
 from __future__ import annotations
 
-from kvfabric import KeyHasher
 from kvfabric import Client
 from kvfabric.testing.servers import start_pool
-from kvfabric_vllm.config import kv_layout_name, make_namespace, parse_extra_config, weights_fingerprint
-from kvfabric_vllm.layout import chunk_major_layer_keys
+from kvfabric_vllm.keys import prompt_keys
+from kvfabric_vllm.tinymodel import tiny_engine_keys
 
-from conftest import CHUNK, LAYERS, LOADABLE, LONG_LOADABLE, PROMPTS
+from conftest import CHUNK, LOADABLE, LONG_LOADABLE, PARTS, PROMPTS
 
 SAVED = len(PROMPTS["single"]) // CHUNK   # whole chunks a 1500-token prompt saves
 LOADED = LOADABLE // CHUNK                # whole chunks it can load (last token computed)
@@ -44,7 +43,7 @@ def test_second_engine_loads_prefix_then_multiprocess_engine(run_engine, cold):
         assert m["outputs"] == [cold["single"], cold["mp_new"]]
         after = pool_stats(pool.addresses)[pool.addresses[0]]
         assert after["hits"] - before["hits"] >= LOADED
-        assert after["objects"] - before["objects"] == SAVED * LAYERS   # it saved its new prompt too
+        assert after["objects"] - before["objects"] == SAVED * PARTS    # it saved its new prompt too
         # the engine core process drained its saves on the SIGTERM of its shutdown, within the bound
         assert "kvfabric worker shut down" in m["stdout"] + m["log"]
         assert "0 abandoned" in m["stdout"] + m["log"]
@@ -60,7 +59,7 @@ def test_two_servers_chunks_spread_then_shard_killed_mid_run(run_engine, cold):
         assert a["counters"]["scheduled_load_tokens"] == 0 and a["counters"]["save_known_chunks"] == 0
         stats = pool_stats(pool.addresses)
         assert all(s["objects"] > 0 for s in stats.values()), stats   # chunks on both servers
-        assert sum(s["objects"] for s in stats.values()) == LAYERS * sum(len(PROMPTS[n]) // CHUNK
+        assert sum(s["objects"] for s in stats.values()) == PARTS * sum(len(PROMPTS[n]) // CHUNK
                                                                          for n in ("spread", "killed"))
 
         hits: dict[str, int] = {}
@@ -94,15 +93,12 @@ def test_pool_down_serves_identically(run_engine, cold):
 def test_chunks_that_fail_to_load_are_recomputed(run_engine, cold, tiny_model):
     """The pool answers the lookup but the chunks it returns are unusable (wrong size):
     vLLM must recompute them (sync-load invalid blocks -> recompute), with identical output."""
-    cfg = parse_extra_config({"servers": ["127.0.0.1:1"], "chunk_tokens": CHUNK}, "kv_both", 128)
-    layout = kv_layout_name("LBHNC", num_kv_heads=2, head_size=64, head_size_v=64, block_size=128, num_layers=4)
-    ns = make_namespace(cfg, model=tiny_model, revision=None, dtype="torch.float32", kv_layout=layout,
-                        tp_rank=0, tp_size=1, weights=weights_fingerprint(tiny_model))
-    hasher = KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret)
-    keys = chunk_major_layer_keys(hasher, hasher.prefix_keys(ns, PROMPTS["corrupt"][:LOADABLE]), LAYERS)
+    engine = tiny_engine_keys(tiny_model, {"servers": ["127.0.0.1:1"], "chunk_tokens": CHUNK})
+    keys = prompt_keys(engine, PROMPTS["corrupt"][:LOADABLE]).objects(engine)[0]
+    parts = len(engine.parts())          # each layer, each KV head (layout 3)
     with start_pool(1, capacity="16MiB") as pool:
-        with Client(pool.addresses) as c:   # every layer object of every loadable chunk
-            assert c.put(keys, [b"not a KV chunk"] * len(keys)).stored == LOADED * LAYERS
+        with Client(pool.addresses) as c:   # every object of every loadable chunk
+            assert c.put(keys, [b"not a KV chunk"] * len(keys)).stored == LOADED * parts
         r = run_engine(["corrupt"], pool.addresses)
     assert r["counters"]["scheduled_load_tokens"] == LOADABLE   # the engine's keys matched ours
     assert r["counters"]["load_failed_chunks"] == LOADED

@@ -35,7 +35,7 @@ def make_worker(servers: list[str], client: Client | None = None, **extra) -> tu
 
 
 def save(w: WorkerSide, keys: list[bytes], block_ids: list[list[int]]) -> None:
-    spec = SaveSpec("r", [keys], [[None, *keys[:-1]]], block_ids)
+    spec = SaveSpec("r", keys, [None, *keys[:-1]], block_ids)
     for name in NAMES[:2]:                  # the last layer is gathered by submit_saves
         w.gather_layer(name, [spec])
     w.submit_saves([spec])
@@ -58,7 +58,7 @@ def test_save_then_load_into_other_blocks_is_exact():
             assert a.counters.snapshot()["save_chunks"] == 3
 
             dst_blocks = [[0, 2], [5, 6], [8, 10]]
-            b.load([LoadSpec("r", [keys], dst_blocks, skip_blocks=1)])
+            b.load([LoadSpec("r", keys, dst_blocks, skip_blocks=1)])
             assert b.take_failed_block_ids() == set()
             for la, lb in zip(kv_a, kv_b):
                 pairs = [(s, d) for sb, db in zip(src_blocks, dst_blocks) for s, d in zip(sb, db)]
@@ -88,7 +88,7 @@ def test_missing_or_malformed_chunks_are_reported_not_used():
                 c.put([short], [b"x" * 100])          # right key length, wrong size
             for t in kv:
                 t.zero_()
-            w.load([LoadSpec("r", [[good, short, os.urandom(16)]], [[3, 4], [5, 6], [7, 8]])])
+            w.load([LoadSpec("r", [good, short, os.urandom(16)], [[3, 4], [5, 6], [7, 8]])])
             assert w.take_failed_block_ids() == {5, 6, 7, 8}
             assert all(torch.all(t[3] == 1.0) and torch.count_nonzero(t[5]) == 0 for t in kv)
             assert w.counters.snapshot()["load_failed_chunks"] == 2
@@ -103,7 +103,7 @@ def test_dead_pool_degrades_without_raising():
         pool[0].kill()
         try:
             keys = [os.urandom(16), os.urandom(16)]
-            w.load([LoadSpec("r", [keys], [[1, 2], [3, 4]], skip_blocks=1)])
+            w.load([LoadSpec("r", keys, [[1, 2], [3, 4]], skip_blocks=1)])
             assert w.take_failed_block_ids() == {2, 3, 4}
             save(w, keys, [[1, 2], [3, 4]])
             c = w.counters.snapshot()
@@ -116,7 +116,7 @@ def test_no_client_means_every_load_fails_cleanly():
     w = WorkerSide(parse_extra_config({"servers": ["127.0.0.1:9"], "chunk_tokens": CHUNK}, "kv_both", BLOCK),
                    None, 0, BLOCK, NAMES, Counters())
     w.register({n: torch.zeros((NBLOCKS, *PAGE)) for n in NAMES})
-    w.load([LoadSpec("r", [[os.urandom(16)]], [[1, 2]])])
+    w.load([LoadSpec("r", [os.urandom(16)], [[1, 2]])])
     assert w.take_failed_block_ids() == {1, 2}
     assert w.counters.snapshot()["load_errors"] == 1
 
@@ -168,7 +168,7 @@ def test_async_load_leaves_the_step_free_while_the_pool_stalls():
             save(w, keys, [[1, 2], [3, 4]])
             os.kill(pool[0].pid, signal.SIGSTOP)
             try:
-                w.load([LoadSpec("r", [keys], [[5, 6], [7, 8]], async_load=True)])   # queued, not run
+                w.load([LoadSpec("r", keys, [[5, 6], [7, 8]], async_load=True)])   # queued, not run
                 assert w.finished_loads() == set()   # the pool is stopped: nothing done, the step goes on
                 assert w.take_failed_block_ids() == set()
             finally:
@@ -178,7 +178,7 @@ def test_async_load_leaves_the_step_free_while_the_pool_stalls():
             assert all(torch.all(t[5] == 1.0) and torch.all(t[8] == 1.0) for t in kv)
             assert w.counters.snapshot()["async_loads"] == 1
             # a failed async load: its blocks are reported with (never after) the request
-            w.load([LoadSpec("m", [[os.urandom(16)]], [[9, 10]], async_load=True)])
+            w.load([LoadSpec("m", [os.urandom(16)], [[9, 10]], async_load=True)])
             assert _wait_loads(w, 1) == {"m"}
             assert w.take_failed_block_ids() == {9, 10}
         finally:
@@ -193,7 +193,7 @@ def test_shutdown_drains_saves_within_its_bound():
     with start_pool(1, capacity="16MiB") as pool:
         keys = [os.urandom(16), os.urandom(16)]
         w, kv = make_worker(pool.addresses, shutdown_drain_s=60.0)
-        spec = SaveSpec("r", [keys], [[None, keys[0]]], [[1, 2], [3, 4]])
+        spec = SaveSpec("r", keys, [None, keys[0]], [[1, 2], [3, 4]])
         w.submit_saves([spec])
         w.shutdown()                      # at once: the queued put still lands
         with Client(pool.addresses) as c:
@@ -203,7 +203,7 @@ def test_shutdown_drains_saves_within_its_bound():
         stalled, _ = make_worker(pool.addresses, shutdown_drain_s=0.5, save_timeout_s=120.0)
         os.kill(pool[0].pid, signal.SIGSTOP)
         try:
-            stalled.submit_saves([SaveSpec("s", [[os.urandom(16)]], [[None]], [[5, 6]])])
+            stalled.submit_saves([SaveSpec("s", [os.urandom(16)], [None], [[5, 6]])])
             stalled.shutdown()            # returns after the drain bound, not the 120 s put deadline
         finally:
             os.kill(pool[0].pid, signal.SIGCONT)

@@ -15,16 +15,17 @@ import pytest
 import torch
 import xxhash
 
-from kvfabric import Client, KeyHasher
+from kvfabric import Client, KeyHasher, Namespace
 from kvfabric.testing.servers import start_pool
-from kvfabric_vllm.config import parse_extra_config
+from kvfabric_vllm.config import ConnectorConfig, parse_extra_config
+from kvfabric_vllm.keys import EngineKeys
 from kvfabric_vllm.layout import LAYER_DOMAIN, chunk_major_layer_keys, layer_keys
 from kvfabric_vllm.meta import LoadSpec, SaveSpec
 from kvfabric_vllm.metrics import LOGGER_NAME, Counters
 from kvfabric_vllm.scheduler import SchedulerSide
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import LAYERS, PROMPT_TOKENS
+from conftest import PARTS, PROMPT_TOKENS
 
 BLOCK, NL, NBLOCKS = 32, 3, 16
 PAGE = (2, BLOCK, 16)   # [heads, tokens, K|V channels], like the CPU backend's per-layer view
@@ -42,8 +43,14 @@ def make_worker(servers: list[str], dtype=torch.float32, **extra) -> tuple[Worke
     return w, kv
 
 
+def engine_keys(cfg: ConnectorConfig) -> EngineKeys:
+    """What the scheduler's lookup keys depend on, for these workers: ``NL`` layers, one object per
+    layer (``make_worker``'s default ``HeadSplit``: whole pages)."""
+    return EngineKeys(Namespace("test"), KeyHasher(), cfg.chunk_tokens, cfg.segment_chunks, NL)
+
+
 def save(w: WorkerSide, keys: list[bytes], blocks: list[int]) -> None:
-    spec = SaveSpec("r", [keys], [[None, *keys[:-1]]], [[b] for b in blocks])
+    spec = SaveSpec("r", keys, [None, *keys[:-1]], [[b] for b in blocks])
     w.gather_layer(NAMES[0], [spec])                 # the others are gathered by submit_saves
     w.submit_saves([spec])
     deadline = time.monotonic() + 30
@@ -86,7 +93,7 @@ def test_default_chunk_loads_straight_into_the_blocks(dtype):
             assert a.counters.snapshot()["save_chunks"] == 4
             assert objects(pool.addresses) == 4 * NL          # one object per (chunk, layer)
 
-            b.load([LoadSpec("r", [keys], [[d] for d in dst])])
+            b.load([LoadSpec("r", keys, [[d] for d in dst])])
             assert b.take_failed_block_ids() == set()
             for la, lb in zip(kv_a, kv_b):
                 for s, d in zip(src, dst):
@@ -122,7 +129,7 @@ def test_a_chunk_with_one_bad_layer_object_is_recomputed_alone():
                 assert c.put([k20], [b"x" * 100]).stored == 1                # chunk 2: a wrong-size layer 0
             for t in kv:
                 t.zero_()
-            w.load([LoadSpec("r", [keys], [[4], [5], [6]])])
+            w.load([LoadSpec("r", keys, [[4], [5], [6]])])
             assert w.take_failed_block_ids() == {5, 6}
             assert all(torch.all(t[4] == 1.0) for t in kv)
             assert w.counters.snapshot()["load_failed_chunks"] == 2
@@ -143,7 +150,7 @@ def test_layerwise_load_is_exact_and_reports_failed_chunks_after_the_forward():
             keys = [os.urandom(16) for _ in range(3)]
             save(a, keys, [2, 4, 6])
             missing = os.urandom(16)
-            b.load([LoadSpec("r", [[*keys, missing]], [[1], [3], [5], [7]])])
+            b.load([LoadSpec("r", [*keys, missing], [[1], [3], [5], [7]])])
             for li, name in enumerate(NAMES):
                 b.wait_layer(name)
                 assert torch.equal(kv_b[li][1], kv_a[li][2]) and torch.equal(kv_b[li][5], kv_a[li][6])
@@ -160,14 +167,14 @@ def test_lookup_counts_only_chunks_held_in_every_layer():
     with start_pool(2, capacity="16MiB") as pool:
         w, kv = make_worker(pool.addresses)
         cfg = w.cfg
-        sched = SchedulerSide(cfg, Client(config=cfg.client), [], BLOCK, Counters(), lambda: None, n_layers=NL)
+        sched = SchedulerSide(cfg, Client(config=cfg.client), engine_keys(cfg), BLOCK, Counters(), lambda: None)
         try:
             keys = [os.urandom(16) for _ in range(4)]
             save(w, keys, [1, 2, 3, 4])
-            assert sched._lookup_all_ranks([keys], 0) == 4
+            assert sched._lookup_all_parts(keys, 0) == 4
             with Client(pool.addresses) as c:
                 assert c.delete([layer_keys(KeyHasher(), keys[2], NL)[1]]) == 1
-            assert sched._lookup_all_ranks([keys], 0) == 2
+            assert sched._lookup_all_parts(keys, 0) == 2
         finally:
             w.shutdown()
             sched.shutdown()
@@ -204,7 +211,7 @@ def test_loads_from_a_server_on_this_host_use_shm_when_offered(offer_shm):
             keys = [os.urandom(16) for _ in range(3)]
             save(a, keys, [2, 4, 6])
             for dst in ([1, 3, 5], [7, 8, 9]):     # twice: the transport is logged once
-                b.load([LoadSpec("r", [keys], [[d] for d in dst])])
+                b.load([LoadSpec("r", keys, [[d] for d in dst])])
                 assert b.take_failed_block_ids() == set()
                 for la, lb in zip(kv_a, kv_b):
                     assert all(torch.equal(la[s], lb[d]) for s, d in zip([2, 4, 6], dst))
@@ -235,7 +242,7 @@ def test_engines_with_the_default_chunk_load_in_place_token_identical(run_engine
         a = run_engine(["single"], pool.addresses, args=default_chunk)
         assert a["cached"] == [0] and a["outputs"] == [cold["single"]]
         assert a["counters"]["save_chunks"] == PROMPT_TOKENS // 128
-        assert objects(pool.addresses) == PROMPT_TOKENS // 128 * LAYERS
+        assert objects(pool.addresses) == PROMPT_TOKENS // 128 * PARTS
         b = run_engine(["single"], pool.addresses, args=default_chunk)
         assert b["outputs"] == [cold["single"]]
         assert b["cached"][0] == (PROMPT_TOKENS - 1) // 128 * 128 > PROMPT_TOKENS - 128, b["cached"]

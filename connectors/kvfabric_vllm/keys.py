@@ -1,0 +1,96 @@
+"""The keys an engine derives from a prompt: one public function for the connector and for routers.
+
+``prompt_keys(engine, token_ids, cache_salt=None) -> PromptKeys`` maps a
+prompt's token ids to the chunk keys, placement keys and pool object keys a
+loading engine looks up (``layout``, layout version 3). ``EngineKeys`` is
+everything those keys depend on, built once per engine: by the connector from
+vLLM's configuration (``connector``), or by anything else that must compute the
+same keys without vLLM (a router choosing the engine that holds a prompt's
+prefix) with ``EngineKeys.for_model`` from the connector's
+``kv_connector_extra_config`` and the model's facts. No TP rank or size enters:
+every engine of one model (any TP size) derives the same keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfabric import KeyHasher, Namespace
+
+from .config import (ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, request_namespace,
+                     weights_fingerprint)
+from .layout import HeadSplit, chunk_object_keys, chunk_placement, object_placement
+
+__all__ = ["EngineKeys", "PromptKeys", "prompt_keys"]
+
+
+@dataclass(frozen=True, eq=False)
+class EngineKeys:
+    """What an engine's keys depend on: namespace (model, dtype, KV layout, chunk size, tenant), key
+    algorithm and secret, chunk and segment size, layers and KV heads (``layout.HeadSplit``)."""
+
+    namespace: Namespace
+    hasher: KeyHasher
+    chunk_tokens: int
+    segment_chunks: int
+    n_layers: int
+    heads: HeadSplit = field(default_factory=HeadSplit)
+
+    @classmethod
+    def from_config(cls, cfg: ConnectorConfig, namespace: Namespace, n_layers: int, heads: HeadSplit) -> EngineKeys:
+        return cls(namespace, KeyHasher(cfg.client.key_algorithm, cfg.client.key_secret), cfg.chunk_tokens,
+                   cfg.segment_chunks, n_layers, heads)
+
+    @classmethod
+    def for_model(cls, extra_config: Mapping[str, Any], *, model: str, dtype: str, num_layers: int,
+                  total_num_kv_heads: int, head_size: int, block_size: int, head_size_v: int | None = None,
+                  kv_cache_layout: str = "LBHNC", use_mla: bool = False, revision: str | None = None,
+                  weights: str | None = None) -> EngineKeys:
+        """The keys of engines started with ``kv_connector_extra_config = extra_config`` on ``model``,
+        without vLLM. ``dtype`` as vLLM names the KV cache's (``"torch.bfloat16"``); ``block_size``,
+        ``head_size(_v)``, ``kv_cache_layout`` as the engine's KV cache spec (the CPU backend: block 128,
+        ``LBHNC``); ``total_num_kv_heads`` the model's (all ranks; any value with ``use_mla``);
+        ``weights`` defaults to ``config.weights_fingerprint(model)`` (a local directory's)."""
+        cfg = parse_extra_config(extra_config, "kv_both", block_size)
+        split = HeadSplit.for_model(total_num_kv_heads, 1, mla=use_mla, per_object=cfg.kv_heads_per_object)
+        layout = kv_layout_name(kv_cache_layout, num_kv_heads=split.total_heads, head_size=head_size,
+                                head_size_v=head_size if head_size_v is None else head_size_v,
+                                block_size=block_size, num_layers=num_layers, split_heads=split.split,
+                                heads_per_object=split.per_object)
+        ns = make_namespace(cfg, model=model, revision=revision, dtype=dtype, kv_layout=layout,
+                            weights=weights_fingerprint(model) if weights is None else weights)
+        return cls.from_config(cfg, ns, num_layers, split)
+
+    def parts(self) -> list[tuple[int, int | None]]:
+        """The ``(layer, head)`` objects of one chunk that an engine's ranks need together."""
+        return self.heads.parts(self.n_layers)
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """One prompt's keys (``prompt_keys``): per whole chunk its key and placement key (None: each
+    object routed by its own key, ``segment_tokens`` 0)."""
+
+    chunk_keys: list[bytes]
+    placement: list[bytes] | None
+
+    def objects(self, engine: EngineKeys, upto: int | None = None
+                ) -> tuple[list[bytes], list[bytes] | None, list[bytes] | None]:
+        """``(keys, placement, groups)`` for ``Client.lookup``/``exists`` of the first ``upto`` chunks
+        (default all): every object an engine needs, chunk-major, each chunk one group, so the run
+        the pool holds, divided by ``len(engine.parts())``, is the chunks a loading engine finds whole."""
+        ck = self.chunk_keys[:upto]
+        parts = engine.parts()
+        place, groups = object_placement(ck, None if self.placement is None else self.placement[:upto], len(parts))
+        return chunk_object_keys(engine.hasher, ck, parts), place, groups
+
+
+def prompt_keys(engine: EngineKeys, token_ids: Sequence[int], cache_salt: str | None = None) -> PromptKeys:
+    """The keys of ``token_ids``'s whole chunks as the engine's scheduler derives them (vLLM's
+    per-request ``cache_salt`` bound as the connector binds it)."""
+    n = len(token_ids) // engine.chunk_tokens
+    keys = engine.hasher.prefix_keys(request_namespace(engine.namespace, cache_salt),
+                                     token_ids[: n * engine.chunk_tokens])
+    return PromptKeys(list(keys), chunk_placement(keys, engine.segment_chunks))
