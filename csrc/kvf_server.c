@@ -245,10 +245,12 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
 
 /* ---------------------------------------------------------------- loop */
 
-/* A request parked on a tier's reads has them (promoted into DRAM): run it
- * again, from its metadata still in c->meta; it now finds the promoted keys. */
+/* A request parked on a tier's reads has them (promoted into DRAM), or a
+ * streamed GET has its slots, or a request waited for the connection's
+ * streamed reads: run it again, from its metadata still in c->meta. */
 static void rerun(struct conn *c)
 {
+    kvf_tier_rerun_begin(c);
     if (!c->closing) kvf_ops_request(c);
     kvf_tier_rerun_done(c);
 }
@@ -258,7 +260,10 @@ static void tier_reap(struct kvf_server *s)
     for (struct conn *c = kvf_tier_reap(s), *n; c; c = n) {
         n = c->tier_next;
         c->tier_next = NULL;
-        rerun(c);
+        if (c->tier_run) {
+            c->tier_run = 0;
+            rerun(c);
+        }
         conn_check(c);
     }
 }
