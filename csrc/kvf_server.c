@@ -260,6 +260,7 @@ static void tier_reap(struct kvf_server *s)
     for (struct conn *c = kvf_tier_reap(s), *n; c; c = n) {
         n = c->tier_next;
         c->tier_next = NULL;
+        c->tier_listed = 0;
         if (c->tier_run) {
             c->tier_run = 0;
             rerun(c);

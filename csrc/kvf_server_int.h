@@ -188,9 +188,11 @@ struct conn {
     uint32_t resv_expired;         /* id of the last reservation that expired (for COMMIT's answer) */
     /* tiers (kvf_tier_ops.c) */
     struct kvf_tier_req *treq;     /* reads in flight for the parked request, or NULL */
-    struct kvf_tier_req *tstream;  /* reads in flight for a streamed GET reply already queued, or NULL */
-    int tier_wait;                 /* RS_TIER: this request waits for tstream's reads (one at a time) */
+    struct kvf_tier_req *tstream;  /* streamed GET replies already queued whose reads are in flight (a list) */
+    uint64_t tstream_bytes;        /* the arena slots those reads fill: at most the tier's promotion cap */
+    int tier_wait;                 /* RS_TIER: this request waits for tstream's reads (over the cap) */
     int tier_run;                  /* on kvf_tier_reap's list: its request runs again (else only checked) */
+    int tier_listed;               /* on kvf_tier_reap's list (once, however many reads of it came back) */
     int tier_pass;                 /* the request is being re-dispatched: never to a tier again */
     struct conn *tier_next;        /* kvf_tier_reap's list of requests to dispatch again */
 };

@@ -30,10 +30,13 @@
  * back, its slot the reply's until then. A read that fails (corrupt, deleted
  * or overwritten meanwhile, I/O error) cannot be answered as a miss any more
  * (the size went out in the metadata): the connection is closed before any
- * of its bytes, which the client sees as a miss. A connection streams one
- * GET's reads at a time: a later request that needs a tier waits (RS_TIER,
- * tier_wait) until they are back, so what one connection holds reserved is
- * bounded by one request's promotion cap, plus what its queued replies pin.
+ * of its bytes, which the client sees as a miss. A connection may have
+ * several streamed GETs' reads in flight (a client pipelining its GETs) while
+ * their slots stay within one request's promotion cap (c->tstream_bytes); a
+ * request over it, or one that needs a tier otherwise (LOOKUP, DELETE, a
+ * shared-tier read), waits (RS_TIER, tier_wait) until reads come back. So
+ * what one connection holds reserved for reads is bounded by one request's
+ * promotion cap, plus what its queued replies pin, as for DRAM GETs.
  *
  * A connection with jobs in flight holds one ref per job, so it is not
  * destroyed under them; a closing one gives its slots back when they return.
@@ -60,6 +63,8 @@ struct kvf_tier_req {
     uint64_t fin_ns;                      /* promotion done, second pass next (trace) */
     uint32_t space_parks;                 /* times it parked for the control thread's eviction */
     int stream;                   /* a GET served as its reads complete (all jobs SSD_READ) */
+    uint64_t bytes;               /* stream: arena slot bytes of its reads (whole pages) */
+    struct kvf_tier_req *snext;   /* stream: the connection's list (c->tstream) */
     int rerun;                    /* kvf_tier_rerun_begin: its request is running again */
     struct reply *rp;             /* stream: the reply queued for it */
     uint32_t *seg;                /* stream: each job's segment of rp (SEG_NONE: none) */
@@ -435,7 +440,15 @@ int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
  * out of memory (the jobs freed; the request then runs without the tier). */
 static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t cnt)
 {
-    if (c->tstream) { /* a streamed GET's reads are in flight: this request waits for them */
+    int stream = op == KVF_OP_GET;
+    uint64_t bytes = 0;
+    for (struct kvf_tier_job *j = head; j; j = j->next) {
+        stream &= j->op == KVF_JOB_SSD_READ;
+        bytes += (j->size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
+    }
+    /* streamed GETs' reads in flight on this connection: another streamed GET joins them while
+     * their slots stay within one request's promotion cap; anything else waits for them all */
+    if (c->tstream && (!stream || c->tstream_bytes + bytes > kvf_tier_promote_max(c->srv->tier))) {
         for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; kvf_tier_job_free(j); }
         c->tier_wait = 1;
         c->rs = RS_TIER;
@@ -443,8 +456,6 @@ static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t
     }
     struct kvf_tier_req *r = calloc(1, sizeof *r + sizeof(struct kvf_tier_job *) * cnt);
     uint8_t *state = calloc(cnt, 1);
-    int stream = op == KVF_OP_GET;
-    for (struct kvf_tier_job *j = head; j; j = j->next) stream &= j->op == KVF_JOB_SSD_READ;
     uint32_t *seg = stream ? malloc(sizeof *seg * cnt) : NULL;
     if (!r || !state || (stream && !seg)) {
         free(r);
@@ -457,6 +468,7 @@ static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t
     r->n = cnt;
     r->state = state;
     r->stream = stream;
+    r->bytes = bytes;
     r->seg = seg;
     uint32_t k = 0;
     for (struct kvf_tier_job *j = head, *nx; j; j = nx) {
@@ -551,8 +563,13 @@ static void stream_end(struct conn *c, struct kvf_tier_req *r)
         r->jobs[i]->dst = NULL; /* a slot not promoted is the reply's (KVF_SEG_SLOT), given back with it */
         kvf_tier_job_release(s->tier, r->jobs[i]);
     }
+    struct kvf_tier_req **pp = &c->tstream;
+    while (*pp && *pp != r) pp = &(*pp)->snext;
+    if (*pp) {
+        *pp = r->snext;
+        c->tstream_bytes -= r->bytes;
+    }
     req_free(r);
-    c->tstream = NULL;
 }
 
 void kvf_tier_stream_start(struct conn *c, struct reply *rp)
@@ -582,7 +599,9 @@ void kvf_tier_stream_start(struct conn *c, struct reply *rp)
         c->refs++;
         r->state[i] = J_POSTED;
     }
+    r->snext = c->tstream;
     c->tstream = r;
+    c->tstream_bytes += r->bytes;
     if (post) kvf_tier_post(s->tier, post);
     if (trace_fp) r->posted_ns = now_ns();
     if (r->done == r->n) stream_end(c, r);
@@ -638,16 +657,18 @@ struct conn *kvf_tier_reap(struct kvf_server *s)
                 if (trace_fp) r->reap_ns = r->fin_ns = now_ns();
                 stream_end(c, r);
                 /* a request waiting for these reads runs now (a fresh pass); a closing one is checked */
-                c->tier_run = c->tier_wait;
+                c->tier_run |= c->tier_wait;
                 c->tier_wait = 0;
-                c->tier_next = ready;
-                ready = c;
+                if (!c->tier_listed) { c->tier_listed = 1; c->tier_next = ready; ready = c; }
             }
             continue;
         }
         if (r->done == r->n) {
             if (trace_fp) r->reap_ns = now_ns();
-            if (finish(c)) { c->tier_run = 1; c->tier_next = ready; ready = c; }
+            if (finish(c)) {
+                c->tier_run = 1;
+                if (!c->tier_listed) { c->tier_listed = 1; c->tier_next = ready; ready = c; }
+            }
         }
     }
     return ready;
@@ -656,13 +677,14 @@ struct conn *kvf_tier_reap(struct kvf_server *s)
 /* The connection is being destroyed (no job of it in flight: each holds a ref). */
 void kvf_tier_conn_gone(struct conn *c)
 {
-    if (c->tstream) { /* only at server teardown (each read in flight holds a ref) */
+    while (c->tstream) { /* only at server teardown (each read in flight holds a ref) */
         struct kvf_tier_req *r = c->tstream;
+        c->tstream = r->snext;
         for (uint32_t i = 0; i < r->n; i++)
             if (r->state[i] != J_POSTED) kvf_tier_job_release(c->srv->tier, r->jobs[i]);
         req_free(r);
-        c->tstream = NULL;
     }
+    c->tstream_bytes = 0;
     struct kvf_tier_req *r = c->treq;
     if (!r) return;
     for (uint32_t i = 0; i < r->n; i++) {
