@@ -271,6 +271,10 @@ static void start_send(struct conn *c)
             if (!c->q_head) c->q_tail = NULL;
             c->nreplies--;
             c->reply_mem -= r->mem;
+            if (r->tier_bytes) { /* its SSD slots no longer count against the connection's read-ahead */
+                c->tstream_bytes -= r->tier_bytes;
+                c->tier_kick = 1;
+            }
             r->done = 1;
             r->conn = NULL;
             kvf_reply_try_free(s, r);

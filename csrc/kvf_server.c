@@ -255,6 +255,17 @@ static void rerun(struct conn *c)
     kvf_tier_rerun_done(c);
 }
 
+/* A streamed GET's reply was sent: a request waiting for its share of the read-ahead tries again. */
+static void tier_kicked(struct conn *c)
+{
+    if (!c->tier_kick) return;
+    c->tier_kick = 0;
+    if (c->tier_wait && !c->closing && !c->tier_listed) {
+        c->tier_wait = 0;
+        rerun(c);
+    }
+}
+
 static void tier_reap(struct kvf_server *s)
 {
     for (struct conn *c = kvf_tier_reap(s), *n; c; c = n) {
@@ -312,6 +323,7 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
         struct conn *c = p;
         c->refs--;
         kvf_conn_sent(c, cqe->res);
+        tier_kicked(c);
         conn_check(c);
         break;
     }
@@ -326,6 +338,7 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
         struct conn *c = r->conn;
         c->refs--;
         kvf_conn_sent(c, cqe->res);
+        tier_kicked(c);
         conn_check(c);
         break;
     }

@@ -99,6 +99,8 @@ struct reply {
     int pass_fd;         /* >= 0: send with SCM_RIGHTS (shm attach) */
     int64_t deadline_ms; /* min_rate bound, set when it starts going out; 0: none */
     size_t mem;          /* bytes allocated for it (the reply budgets count these) */
+    uint64_t tier_bytes; /* arena slots of its objects streamed from the SSD tier: counted in the
+                            connection's tstream_bytes until it is sent (then tier_kick) */
     struct msghdr mh;
     struct iovec *iovs;  /* KVF_SEND_IOV entries, for SENDMSG */
     union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } cmsg;
@@ -189,7 +191,9 @@ struct conn {
     /* tiers (kvf_tier_ops.c) */
     struct kvf_tier_req *treq;     /* reads in flight for the parked request, or NULL */
     struct kvf_tier_req *tstream;  /* streamed GET replies already queued whose reads are in flight (a list) */
-    uint64_t tstream_bytes;        /* the arena slots those reads fill: at most the tier's promotion cap */
+    uint64_t tstream_bytes;        /* arena slots of its streamed GET replies not yet sent (reads in flight or
+                                      bytes unsent): at most the tier's promotion cap */
+    int tier_kick;                 /* a streamed reply was sent: a request in tier_wait may go on (the loop) */
     int tier_wait;                 /* RS_TIER: this request waits for tstream's reads (over the cap) */
     int tier_run;                  /* on kvf_tier_reap's list: its request runs again (else only checked) */
     int tier_listed;               /* on kvf_tier_reap's list (once, however many reads of it came back) */

@@ -10,7 +10,8 @@
  * loop thread reserved), runs shared-tier jobs synchronously meanwhile, then
  * reaps every completion: a written record is indexed (unless deleted
  * meanwhile), a read record is verified (header, key, seq, value checksum);
- * finished reads go to the done list and the loop thread is woken.
+ * finished reads go to the done list after each round of completions (not
+ * at the end of the batch) and the loop thread is woken.
  *
  * Failures are values: an I/O error is counted (ssd_errors) and the write
  * dropped (ssd_write_drops) or the read a miss; a record that fails its
@@ -345,6 +346,20 @@ static unsigned take_late_reads(struct kvf_tier *t, unsigned inflight, struct kv
     return added;
 }
 
+/* Give the finished read jobs to the loop thread and wake it. Called after each round of
+ * completions, not once per batch: a batch that keeps taking late reads (a client pipelining its
+ * GETs) would otherwise hold every finished read back until its last one completed. */
+static void hand_back(struct kvf_tier *t, struct kvf_tier_job **done, struct kvf_tier_job **done_tail)
+{
+    if (!*done) return;
+    pthread_mutex_lock(&t->mu);
+    /* t->done is newest first (kvf_tier_take_done reverses it) */
+    for (struct kvf_tier_job *j = *done, *n; j; j = n) { n = j->next; j->next = t->done; t->done = j; }
+    pthread_mutex_unlock(&t->mu);
+    *done = *done_tail = NULL;
+    if (t->wake) t->wake(t->wake_arg);
+}
+
 static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
 {
     struct kvf_tier_job *done = NULL, *done_tail = NULL;
@@ -520,17 +535,12 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
                 kvf_tier_job_free(j);
             }
         }
+        hand_back(t, &done, &done_tail);
     }
     pthread_mutex_lock(&t->mu);
     t->in_io = 0;
     pthread_mutex_unlock(&t->mu);
-    if (done) {
-        pthread_mutex_lock(&t->mu);
-        /* t->done is newest first (kvf_tier_take_done reverses it) */
-        for (struct kvf_tier_job *j = done, *n; j; j = n) { n = j->next; j->next = t->done; t->done = j; }
-        pthread_mutex_unlock(&t->mu);
-        if (t->wake) t->wake(t->wake_arg);
-    }
+    hand_back(t, &done, &done_tail);
 }
 
 static void *tier_main(void *arg)

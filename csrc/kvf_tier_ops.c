@@ -31,12 +31,14 @@
  * or overwritten meanwhile, I/O error) cannot be answered as a miss any more
  * (the size went out in the metadata): the connection is closed before any
  * of its bytes, which the client sees as a miss. A connection may have
- * several streamed GETs' reads in flight (a client pipelining its GETs) while
- * their slots stay within one request's promotion cap (c->tstream_bytes); a
- * request over it, or one that needs a tier otherwise (LOOKUP, DELETE, a
- * shared-tier read), waits (RS_TIER, tier_wait) until reads come back. So
- * what one connection holds reserved for reads is bounded by one request's
- * promotion cap, plus what its queued replies pin, as for DRAM GETs.
+ * several streamed GETs in flight (a client pipelining its GETs) while the
+ * slots of its streamed replies not yet sent stay within one request's
+ * promotion cap (c->tstream_bytes, given back as each reply is sent); a
+ * streamed GET over it waits (RS_TIER, tier_wait) until a reply is sent, and
+ * a request that needs a tier otherwise (LOOKUP, DELETE, a shared-tier read)
+ * until the reads are back. So what one connection holds of the arena for
+ * streamed reads is bounded by one request's promotion cap, whether or not
+ * its peer reads (plus what its DRAM GET replies pin, as before).
  *
  * A connection with jobs in flight holds one ref per job, so it is not
  * destroyed under them; a closing one gives its slots back when they return.
@@ -446,9 +448,10 @@ static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t
         stream &= j->op == KVF_JOB_SSD_READ;
         bytes += (j->size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
     }
-    /* streamed GETs' reads in flight on this connection: another streamed GET joins them while
-     * their slots stay within one request's promotion cap; anything else waits for them all */
-    if (c->tstream && (!stream || c->tstream_bytes + bytes > kvf_tier_promote_max(c->srv->tier))) {
+    /* streamed GETs of this connection not yet sent: another streamed GET joins them while their
+     * slots stay within one request's promotion cap; anything else waits until their reads are back */
+    if ((c->tstream && !stream) ||
+        (stream && c->tstream_bytes && c->tstream_bytes + bytes > kvf_tier_promote_max(c->srv->tier))) {
         for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; kvf_tier_job_free(j); }
         c->tier_wait = 1;
         c->rs = RS_TIER;
@@ -565,10 +568,7 @@ static void stream_end(struct conn *c, struct kvf_tier_req *r)
     }
     struct kvf_tier_req **pp = &c->tstream;
     while (*pp && *pp != r) pp = &(*pp)->snext;
-    if (*pp) {
-        *pp = r->snext;
-        c->tstream_bytes -= r->bytes;
-    }
+    if (*pp) *pp = r->snext;
     req_free(r);
 }
 
@@ -601,6 +601,7 @@ void kvf_tier_stream_start(struct conn *c, struct reply *rp)
     }
     r->snext = c->tstream;
     c->tstream = r;
+    rp->tier_bytes = r->bytes; /* until the reply is sent (kvf_send.c gives them back) */
     c->tstream_bytes += r->bytes;
     if (post) kvf_tier_post(s->tier, post);
     if (trace_fp) r->posted_ns = now_ns();
