@@ -194,7 +194,7 @@ static void req_done(struct conn *c)
  * the policy again, as when they were PUT. */
 struct promo {
     uint8_t *ok, *status;
-    uint32_t *idx;
+    uint32_t *idx, *job, *ids; /* commit's part order (identity); the job of each part; pinned entries */
     const uint8_t **keys;
     uint8_t *klens;
     uint64_t *offs, *sizes, *csums;
@@ -203,7 +203,7 @@ struct promo {
 static struct promo *promo_new(uint32_t n)
 {
     size_t m = n ? n : 1;
-    struct promo *p = calloc(1, sizeof *p + m * (2 + sizeof(uint32_t) + sizeof(uint8_t *) + 1 + 3 * sizeof(uint64_t)));
+    struct promo *p = calloc(1, sizeof *p + m * (3 * sizeof(uint64_t) + sizeof(uint8_t *) + 3 * sizeof(uint32_t) + 3));
     if (!p) return NULL; /* then each object is promoted alone */
     uint8_t *q = (uint8_t *)(p + 1);
     p->offs = (uint64_t *)q; q += m * sizeof(uint64_t);
@@ -211,10 +211,34 @@ static struct promo *promo_new(uint32_t n)
     p->csums = (uint64_t *)q; q += m * sizeof(uint64_t);
     p->keys = (const uint8_t **)q; q += m * sizeof(uint8_t *);
     p->idx = (uint32_t *)q; q += m * sizeof(uint32_t);
+    p->job = (uint32_t *)q; q += m * sizeof(uint32_t);
+    p->ids = (uint32_t *)q; q += m * sizeof(uint32_t);
     p->ok = q; q += m;
     p->status = q; q += m;
     p->klens = q;
     return p;
+}
+
+/* The parts of job i's group marked in pr->ok (i first), taken out of it into the
+ * commit arrays: returns how many. */
+static uint32_t gather_group(struct kvf_tier_req *r, struct promo *pr, uint32_t i)
+{
+    struct kvf_tier_job *g = r->jobs[i];
+    uint32_t m = 0;
+    for (uint32_t k = i; k < r->n; k++) {
+        struct kvf_tier_job *j = r->jobs[k];
+        if (!pr->ok[k] || j->glen != g->glen || memcmp(j->gkey, g->gkey, g->glen)) continue;
+        pr->ok[k] = 0;
+        pr->keys[m] = j->key;
+        pr->klens[m] = j->klen;
+        pr->offs[m] = j->slot_off;
+        pr->sizes[m] = j->size;
+        pr->csums[m] = j->csum;
+        pr->idx[m] = m;
+        pr->job[m] = k;
+        m++;
+    }
+    return m;
 }
 
 /* Commit the jobs marked in pr->ok, a group at a time; returns the objects stored. */
@@ -224,20 +248,9 @@ static uint64_t promote_groups(struct kvf_server *s, struct kvf_tier_req *r, str
     for (uint32_t i = 0; i < r->n; i++) {
         if (!pr->ok[i]) continue;
         struct kvf_tier_job *g = r->jobs[i];
-        uint32_t m = 0;
-        for (uint32_t k = i; k < r->n; k++) {
-            struct kvf_tier_job *j = r->jobs[k];
-            if (!pr->ok[k] || j->glen != g->glen || memcmp(j->gkey, g->gkey, g->glen)) continue;
-            pr->ok[k] = 0;
-            pr->keys[m] = j->key;
-            pr->klens[m] = j->klen;
-            pr->offs[m] = j->slot_off;
-            pr->sizes[m] = j->size;
-            pr->csums[m] = j->csum;
-            pr->idx[m] = m;
-            m++;
-            j->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
-        }
+        uint32_t m = gather_group(r, pr, i);
+        for (uint32_t k = 0; k < m; k++)
+            r->jobs[pr->job[k]]->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
         /* commit frees the slots of keys that arrived meanwhile, and every slot on ENOMEM */
         if (kvf_store_commit_group(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums, NULL, 0,
                                    g->gkey, g->glen, g->gparts, pr->status) == 0)
@@ -300,6 +313,19 @@ void kvf_tier_rerun_done(struct conn *c)
     c->tier_pass = 0;
 }
 
+/* Job i of r goes on the list to post (*post .. *tail); it holds a ref on c until it is back. */
+static void add_post(struct conn *c, struct kvf_tier_req *r, uint32_t i, struct kvf_tier_job **post,
+                     struct kvf_tier_job **tail)
+{
+    struct kvf_tier_job *j = r->jobs[i];
+    j->owner = r;
+    j->next = NULL;
+    if (*tail) (*tail)->next = j; else *post = j;
+    *tail = j;
+    c->refs++;
+    r->state[i] = J_POSTED;
+}
+
 /* Reserve slots and post the jobs not posted yet; park for space when the
  * arena is full. 1 when every job is back already (finish's value), else 0. */
 int kvf_tier_step(struct conn *c)
@@ -349,12 +375,7 @@ int kvf_tier_step(struct conn *c)
             r->state[r->posted++] = J_WAIT;
             continue;
         }
-        j->owner = r;
-        j->next = NULL;
-        if (tail) tail->next = j; else post = j;
-        tail = j;
-        c->refs++;
-        r->state[r->posted++] = J_POSTED;
+        add_post(c, r, r->posted++, &post, &tail);
     }
     if (post) kvf_tier_post(s->tier, post);
     if (trace_fp) r->posted_ns = now_ns();
@@ -526,38 +547,17 @@ static void stream_end(struct conn *c, struct kvf_tier_req *r)
     for (uint32_t i = 0; pr && i < r->n; i++) {
         if (!pr->ok[i]) continue;
         struct kvf_tier_job *g = r->jobs[i];
-        uint32_t m = 0;
-        for (uint32_t k = i; k < r->n; k++) {
-            struct kvf_tier_job *j = r->jobs[k];
-            if (!pr->ok[k] || j->glen != g->glen || memcmp(j->gkey, g->gkey, g->glen)) continue;
-            pr->ok[k] = 0;
-            pr->keys[m] = j->key;
-            pr->klens[m] = j->klen;
-            pr->offs[m] = j->slot_off;
-            pr->sizes[m] = j->size;
-            pr->csums[m] = j->csum;
-            pr->idx[m] = k; /* status and ids by job index */
-            m++;
+        uint32_t m = gather_group(r, pr, i);
+        if (kvf_store_commit_group_pinned(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums,
+                                          g->gkey, g->glen, g->gparts, pr->status, pr->ids))
+            continue; /* out of memory: not promoted, the reply keeps the slots */
+        for (uint32_t k = 0; k < m; k++) {
+            if (pr->status[k]) continue; /* held already: the slot stays the reply's */
+            struct kvf_tier_job *j = r->jobs[pr->job[k]];
+            r->rp->segs[r->seg[pr->job[k]]].entry = pr->ids[k]; /* promoted, pinned until the reply is done */
+            j->dst = NULL;
+            r->prom++;
         }
-        /* the ids: pr->offs is per part, so the pinned ids go to a scratch array by job index */
-        uint32_t *ids = malloc(sizeof *ids * r->n);
-        uint32_t *idx = malloc(sizeof *idx * m);
-        uint8_t *st = malloc(r->n);
-        if (ids && idx && st) {
-            for (uint32_t k = 0; k < m; k++) idx[k] = k;
-            if (kvf_store_commit_group_pinned(s->st, m, idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums,
-                                              g->gkey, g->glen, g->gparts, st, ids) == 0)
-                for (uint32_t k = 0; k < m; k++) {
-                    if (st[k]) continue; /* held already: the slot stays the reply's */
-                    struct kvf_tier_job *j = r->jobs[pr->idx[k]];
-                    r->rp->segs[r->seg[pr->idx[k]]].entry = ids[k];
-                    j->dst = NULL;
-                    r->prom++;
-                }
-        }
-        free(ids);
-        free(idx);
-        free(st);
     }
     free(pr);
     if (s->tier) kvf_tier_count(s->tier, r->hits, r->misses, r->prom);
@@ -592,12 +592,7 @@ void kvf_tier_stream_start(struct conn *c, struct reply *rp)
             r->done++;
             continue;
         }
-        j->owner = r;
-        j->next = NULL;
-        if (tail) tail->next = j; else post = j;
-        tail = j;
-        c->refs++;
-        r->state[i] = J_POSTED;
+        add_post(c, r, i, &post, &tail);
     }
     r->snext = c->tstream;
     c->tstream = r;
