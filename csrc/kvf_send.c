@@ -224,7 +224,6 @@ static void post_sendmsg(struct conn *c, struct reply *r, struct io_uring_sqe *q
     for (uint32_t k = r->seg; k < r->nseg && n < KVF_SEND_IOV && total < (1u << 30); k++) {
         struct seg *g = &r->segs[k];
         uint64_t from = k == r->seg ? r->seg_off : 0;
-        if (g->wait) break; /* still being read from the SSD tier */
         if (c->zc && g->len >= ZC_MIN) break; /* goes out zero-copy, on its own */
         if (g->hashed > from) {
             r->iovs[n].iov_base = s->base + g->off + from;
@@ -290,8 +289,8 @@ static void start_send(struct conn *c)
         }
         struct seg *g = r->seg < r->nseg ? &r->segs[r->seg] : NULL;
         if (g && g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
-        if (g && g->wait && r->head_off == r->head_len)
-            return; /* its bytes are still being read from the SSD tier: kvf_conn_send_more */
+        if (g && g->wait && g->hashed <= r->seg_off && r->head_off == r->head_len)
+            return; /* its next bytes are still being read from the SSD tier: kvf_conn_send_more */
         if (!r->iovs && !(r->iovs = malloc(sizeof(struct iovec) * KVF_SEND_IOV))) { kvf_conn_close(c); return; }
         struct io_uring_sqe *q = kvf_sqe_get(s);
         if (!q) { kvf_conn_close(c); return; }

@@ -80,8 +80,8 @@ struct seg {
     int verify;      /* large object: checksum verified chunk by chunk while it is sent */
     uint64_t csum;   /* expected checksum when verify is set */
     uint64_t hashed; /* bytes hashed so far; never more than this is sent */
-    int wait;        /* its bytes are still being read from the SSD tier: the reply stops
-                        before it until kvf_conn_send_more */
+    int wait;        /* its bytes are still being read from the SSD tier: the reply sends up to
+                        `hashed` (the chunks checked so far) and waits there (kvf_conn_send_more) */
 };
 
 /* One queued reply. Freed when fully sent (or orphaned by a closed

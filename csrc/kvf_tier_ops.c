@@ -29,8 +29,11 @@
  * committed with its group's other parts when the request's last read is
  * back, its slot the reply's until then. A read that fails (corrupt, deleted
  * or overwritten meanwhile, I/O error) cannot be answered as a miss any more
- * (the size went out in the metadata): the connection is closed before any
- * of its bytes, which the client sees as a miss. A connection may have
+ * (the size went out in the metadata): the connection is closed before the
+ * object's last chunk, which the client sees as a miss. A value over two
+ * KVF_TIER_CHUNKs is read in up to 8 chunks at once and sent chunk by chunk
+ * as the tier thread checks them (stream_progress), its last chunk held back
+ * until the whole checksum matched, as a large DRAM object is sent. A connection may have
  * several streamed GETs in flight (a client pipelining its GETs) while the
  * slots of its streamed replies not yet sent stay within one request's
  * promotion cap (c->tstream_bytes, given back as each reply is sent); a
@@ -592,6 +595,7 @@ void kvf_tier_stream_start(struct conn *c, struct reply *rp)
             r->done++;
             continue;
         }
+        j->stream = 1; /* a large value is read in chunks, each sent as it is checked (kvf_tier_io.c) */
         add_post(c, r, i, &post, &tail);
     }
     r->snext = c->tstream;
@@ -614,7 +618,7 @@ static void stream_job(struct conn *c, struct kvf_tier_req *r, uint32_t i)
         r->misses++;
         j->result = j->result ? j->result : -ESTALE;
         /* its size and checksum went out in the metadata: the bytes cannot follow. Closed before
-         * any of them is sent, the whole reply is a miss for the client, never wrong bytes. */
+         * its last chunk is sent, the whole reply is a miss for the client, never wrong bytes. */
         kvf_conn_close(c);
         return;
     }
@@ -627,14 +631,34 @@ static void stream_job(struct conn *c, struct kvf_tier_req *r, uint32_t i)
             r->prom++;
         } /* else held already (or out of memory): the slot stays the reply's */
     }
-    g->hashed = g->len; /* verified by the tier thread (header, key, seq, checksum) */
+    g->hashed = g->len; /* verified by the tier thread (header, key, seq, whole checksum) */
     g->wait = 0;
+    kvf_conn_send_more(c);
+}
+
+/* A streamed read's chunks were checked: send them (the job is still the tier thread's). */
+static void stream_progress(struct kvf_tier_job *j)
+{
+    struct kvf_tier_req *r = j->owner;
+    struct conn *c = r->conn;
+    uint32_t i = 0;
+    while (i < r->n && r->jobs[i] != j) i++;
+    if (i == r->n || r->seg[i] == SEG_NONE || c->closing) return;
+    struct seg *g = &r->rp->segs[r->seg[i]];
+    uint64_t n = __atomic_load_n(&j->sendable, __ATOMIC_ACQUIRE);
+    if (n <= g->hashed || !g->wait) return;
+    g->hashed = n; /* the rest (its last chunk at least) waits for the whole checksum */
     kvf_conn_send_more(c);
 }
 
 struct conn *kvf_tier_reap(struct kvf_server *s)
 {
     struct conn *ready = NULL;
+    /* progress first: a job on both lists is freed with its request once done */
+    for (struct kvf_tier_job *p = kvf_tier_take_progress(s->tier), *nx; p; p = nx) {
+        nx = p->prog_next;
+        stream_progress(p);
+    }
     struct kvf_tier_job *d = kvf_tier_take_done(s->tier);
     while (d) {
         struct kvf_tier_job *j = d;

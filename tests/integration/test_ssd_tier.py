@@ -416,6 +416,39 @@ def test_pipelined_gets_mixing_dram_and_ssd_keys_are_exact_and_in_order(tier_dir
         assert stats(c)["ssd_reads"] == st["ssd_reads"]
 
 
+def test_large_objects_stream_chunk_by_chunk_and_a_bad_chunk_is_never_served(tier_dir):
+    """Values over 512 KiB are read in chunks and sent as each is checked, the last one held back until
+    the whole checksum matched: exact bytes alone and next to DRAM keys; a record flipped in its first,
+    a middle or its last chunk is dropped and counted, the GET a miss (the connection closed before the
+    object's last chunk), never wrong bytes."""
+    big = 1536 * 1024 + 100  # not a multiple of a chunk or a page
+    keys = [b"big%04d" % i for i in range(20)]
+    with start_server("16MiB", extra_args=tier_args(tier_dir, "128MiB")) as srv, \
+            tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys, big)
+        st = settled(c)
+        on_tier = keys[:st["evictions"]]
+        assert len(on_tier) >= 9 and st["ssd_objects"] == len(on_tier), st
+        hot = keys[-1]
+        r = c.request(p.GetRequest([on_tier[0], hot, on_tier[1]]))
+        assert list(r.msg.sizes) == [big] * 3
+        assert bytes(r.payload) == value(on_tier[0], big) + value(hot, big) + value(on_tier[1], big)
+        for k in on_tier[2:5]:
+            assert get_one(c, k) == value(k, big)
+        path = os.path.join(tier_dir, TIER_FILE)
+        offs = record_offsets(path)
+        bad = {on_tier[5]: 4096 + 10, on_tier[6]: 4096 + 700 * 1024, on_tier[7]: 4096 + big - 5}
+        for k, at in bad.items():
+            flip(path, offs[k] + at)
+        for n, k in enumerate(bad, 1):
+            c, _ = get_streamed_miss(c, srv.address, k)
+            st = stats(c)
+            assert st["ssd_corrupt"] == n and st["checksum_failures"] == 0, (k, st)
+            assert get_one(c, k) is None  # dropped: a plain miss now
+        assert get_one(c, on_tier[8]) == value(on_tier[8], big)
+        c.close()
+
+
 def test_a_reader_that_stops_holds_at_most_one_request_of_slots_and_gives_them_back(tier_dir):
     """A peer pipelines GETs of SSD keys and never reads: its streamed replies not yet sent (reads in
     flight, promoted objects pinned) stay within one request's promotion cap (a quarter of the arena),
