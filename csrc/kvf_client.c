@@ -14,6 +14,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -222,6 +223,120 @@ int kvf_send_frame(int fd, uint8_t opcode, uint8_t flags, uint64_t request_id, c
     int rc = kvf_sendv_all(fd, iov, n);
     if (iov != small) free(iov);
     return rc;
+}
+
+/* ---------------------------------------------------------------- batched sends */
+
+/* This thread's ring for kvf_send_frames: made on first use, closed by the
+ * key's destructor when the thread exits. A forked child does not use its
+ * parent's ring (the pid is checked): it makes its own. */
+static pthread_key_t send_ring_key;
+static pthread_once_t send_ring_once = PTHREAD_ONCE_INIT;
+static int send_ring_key_ok;
+static __thread struct kvf_ring *tl_send_ring;
+static __thread pid_t tl_send_ring_pid;
+static __thread int tl_send_ring_failed;
+
+static void send_ring_free(void *p)
+{
+    struct kvf_ring *r = p;
+    if (r && tl_send_ring_pid == getpid()) kvf_ring_exit(r);
+    free(r);
+}
+
+static void send_ring_key_init(void)
+{
+    send_ring_key_ok = pthread_key_create(&send_ring_key, send_ring_free) == 0;
+}
+
+static struct kvf_ring *send_ring(void)
+{
+    pid_t pid = getpid();
+    if (tl_send_ring && tl_send_ring_pid == pid) return tl_send_ring;
+    if (tl_send_ring_failed == pid) return NULL;
+    tl_send_ring = NULL; /* a parent's ring, inherited by fork: left alone */
+    pthread_once(&send_ring_once, send_ring_key_init);
+    struct kvf_ring *r = send_ring_key_ok ? calloc(1, sizeof *r) : NULL;
+    if (!r || kvf_ring_init(r, KVF_SEND_FRAMES_MAX)) {
+        free(r);
+        tl_send_ring_failed = pid;
+        return NULL;
+    }
+    if (pthread_setspecific(send_ring_key, r)) {
+        kvf_ring_exit(r);
+        free(r);
+        tl_send_ring_failed = pid;
+        return NULL;
+    }
+    tl_send_ring = r;
+    tl_send_ring_pid = pid;
+    return r;
+}
+
+int kvf_send_frames(uint32_t n, const int *fds, const uint8_t *opcodes, const uint64_t *rids,
+                    const void *const *metas, const uint32_t *meta_lens, int *rcs)
+{
+    if (n > KVF_SEND_FRAMES_MAX) return -EINVAL;
+    if (!n) return 0;
+    struct kvf_header hs[KVF_SEND_FRAMES_MAX];
+    struct iovec iov[2 * KVF_SEND_FRAMES_MAX];
+    struct msghdr mh[KVF_SEND_FRAMES_MAX];
+    for (uint32_t i = 0; i < n; i++) {
+        kvf_header_pack(&hs[i], opcodes[i], 0, rids[i], meta_lens[i], 0);
+        iov[2 * i].iov_base = &hs[i];
+        iov[2 * i].iov_len = sizeof hs[i];
+        iov[2 * i + 1].iov_base = (void *)metas[i];
+        iov[2 * i + 1].iov_len = meta_lens[i];
+        memset(&mh[i], 0, sizeof mh[i]);
+        mh[i].msg_iov = &iov[2 * i];
+        mh[i].msg_iovlen = 2;
+        rcs[i] = 1; /* not sent yet */
+    }
+    struct kvf_ring *r = n > 1 ? send_ring() : NULL;
+    if (r) {
+        uint32_t queued = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            struct io_uring_sqe *sqe = kvf_ring_sqe(r);
+            if (!sqe) break; /* (the ring holds KVF_SEND_FRAMES_MAX): the rest go below */
+            sqe->opcode = IORING_OP_SENDMSG;
+            sqe->fd = fds[i];
+            sqe->addr = (uint64_t)(uintptr_t)&mh[i];
+            sqe->len = 1;
+            /* MSG_DONTWAIT: each send completes within the submission (a full socket answers
+             * -EAGAIN instead of arming a poll that would outlive this call's buffers) */
+            sqe->msg_flags = MSG_NOSIGNAL | MSG_DONTWAIT;
+            sqe->user_data = i;
+            queued++;
+        }
+        uint32_t got = 0;
+        while (got < queued) {
+            int rc = kvf_ring_submit_wait(r, queued - got, -1);
+            struct io_uring_cqe *cqe;
+            while ((cqe = kvf_ring_peek(r)) != NULL) {
+                uint64_t i = cqe->user_data;
+                int res = cqe->res;
+                kvf_ring_cqe_seen(r);
+                if (i >= n || rcs[i] != 1) continue;
+                got++;
+                size_t total = iov[2 * i].iov_len + iov[2 * i + 1].iov_len;
+                if (res == -EAGAIN) res = 0;
+                if (res < 0) {
+                    rcs[i] = res == -EPIPE ? -ECONNRESET : res;
+                } else if ((size_t)res < total) {
+                    struct iovec *v = &iov[2 * i];
+                    int k = 2;
+                    advance(&v, &k, (size_t)res);
+                    rcs[i] = kvf_sendv_all(fds[i], v, k); /* the rest, blocking, under the deadline */
+                } else {
+                    rcs[i] = 0;
+                }
+            }
+            if (rc && got < queued) return rc; /* the ring failed: nothing in flight can be told apart */
+        }
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (rcs[i] == 1) rcs[i] = kvf_sendv_all(fds[i], &iov[2 * i], 2);
+    return 0;
 }
 
 int kvf_recv_header(int fd, struct kvf_header *h, uint32_t max_meta, uint64_t max_payload, int *wire_err)
@@ -494,7 +609,8 @@ static int find_int_array(const uint8_t *meta, size_t len, const char *name, int
 
 int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
                 uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
-                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err)
+                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
+                const void *const *keys, const size_t *key_lens, uint64_t *digests)
 {
     *meta = NULL;
     int rc = kvf_send_frame(fd, KVF_OP_SHM_LEASE, 0, rid, lease_meta, lease_meta_len, NULL, 0);
@@ -515,8 +631,29 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
         else if ((uint64_t)sizes[i] > buf_lens[i]) { *bad_index = i; rc = -EMSGSIZE; }
     }
     if (rc == -EPROTO) *wire_err = KVF_E_MALFORMED;
-    for (uint32_t i = 0; !rc && i < n; i++)
-        if (sizes[i] >= 0) memcpy(bufs[i], arena + offs[i], (size_t)sizes[i]);
+    struct kvf_rxhash oh, *hh = NULL;
+    if (!rc && keys) {
+        if (kvf_rxhash_open(&oh, sizes, bufs, buf_lens, NULL, n, keys, key_lens, digests)) rc = -ENOMEM;
+        else hh = &oh;
+    }
+    for (uint32_t i = 0; !rc && i < n; i++) {
+        if (sizes[i] < 0) continue;
+        if (!hh) {
+            memcpy(bufs[i], arena + offs[i], (size_t)sizes[i]);
+            continue;
+        }
+        /* copy a slice, hash it while it is in cache: one pass over memory, not two */
+        for (size_t off = 0, len = (size_t)sizes[i]; off < len;) {
+            size_t take = len - off < KVF_HASH_SLICE ? len - off : KVF_HASH_SLICE;
+            memcpy((char *)bufs[i] + off, arena + offs[i] + off, take);
+            kvf_rxhash_feed(hh, take);
+            off += take;
+        }
+    }
+    if (hh) {
+        if (!rc) kvf_rxhash_finish(hh); /* objects of 0 bytes after the last byte */
+        kvf_rxhash_close(hh);
+    }
     free(offs);
     free(sizes);
     /* release the lease whatever happened to the copy (not awaited) */

@@ -35,6 +35,25 @@ int kvf_drain(int fd, uint64_t n);
 int kvf_send_frame(int fd, uint8_t opcode, uint8_t flags, uint64_t request_id, const void *meta,
                    uint32_t meta_len, const struct iovec *parts, int nparts);
 
+/* Most frames one kvf_send_frames call takes. */
+#define KVF_SEND_FRAMES_MAX 64
+
+/* Send n (<= KVF_SEND_FRAMES_MAX) metadata-only frames (header + metas[i]),
+ * frame i on its own socket fds[i], with as few syscalls as the kernel
+ * allows: all of them are handed to one io_uring_enter (a ring of this
+ * thread's, made on first use, closed when the thread exits) as non-blocking
+ * sendmsg, so every server is woken before this thread can be preempted by
+ * the first one it woke (sending one after another, a loaded machine runs
+ * each woken server in between, and the calling thread waits its turn
+ * again after every send). A frame the socket could not take whole is
+ * finished with blocking sends under the thread's deadline; without
+ * io_uring (or for one frame) every frame is sent that way. rcs[i] gets
+ * frame i's result (0 or -errno, as kvf_send_frame); the function returns
+ * 0, -EINVAL (n too large, nothing sent) or the ring's -errno when it fails
+ * mid-way (which frames went out is then unknown: the caller closes them all). */
+int kvf_send_frames(uint32_t n, const int *fds, const uint8_t *opcodes, const uint64_t *rids,
+                    const void *const *metas, const uint32_t *meta_lens, int *rcs);
+
 /* Receive and check a header. */
 int kvf_recv_header(int fd, struct kvf_header *h, uint32_t max_meta, uint64_t max_payload, int *wire_err);
 
@@ -91,10 +110,14 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
  * hold the LEASE reply; an error reply (h->flags & ERROR) returns 0 with
  * nothing copied. -EMSGSIZE: an object did not fit its buffer (*bad_index;
  * nothing copied, lease released). -EPROTO: a malformed lease reply (the
- * lease is released when its id could be read). */
+ * lease is released when its id could be read). With keys (key_lens, digests:
+ * n each; NULL: none) each copied object's checksum under keys[i] goes to
+ * digests[i] (misses left alone), hashed slice by slice right after each
+ * slice is copied, while it is still in cache (as kvf_recv_objects does). */
 int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
                 uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
-                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err);
+                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
+                const void *const *keys, const size_t *key_lens, uint64_t *digests);
 
 /* PUT through the arena: send SHM_RESERVE (reserve_meta = {"keys", "sizes"}),
  * copy the payload parts (any split) into the reserved slots, send

@@ -8,6 +8,7 @@
 #include "kvf_protocol.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -470,6 +471,70 @@ static PyObject *py_send_frame(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(send_frames_doc,
+"send_frames(fds, opcodes, request_ids, metas, deadline=0) -> list[int]\n"
+"Send frame i (opcode, request id, metadata bytes; no payload) on socket fds[i], every frame\n"
+"handed to the kernel in one io_uring submission (see kvf_send_frames), GIL released. Returns\n"
+"each frame's result: 0, or the -errno that frame's socket failed with (the others are sent).\n"
+"At most 64 frames; ValueError for lists of different lengths or a bad opcode.");
+
+static PyObject *py_send_frames(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fds_o, *ops_o, *rids_o, *metas_o;
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "OOOO|d", &fds_o, &ops_o, &rids_o, &metas_o, &deadline)) return NULL;
+    Py_ssize_t n = PySequence_Size(fds_o);
+    if (n < 0) return NULL;
+    if (n > KVF_SEND_FRAMES_MAX || PySequence_Size(ops_o) != n || PySequence_Size(rids_o) != n ||
+        PySequence_Size(metas_o) != n) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "send_frames: 0..%d frames, the four lists of one length",
+                         KVF_SEND_FRAMES_MAX);
+        return NULL;
+    }
+    int fds[KVF_SEND_FRAMES_MAX], rcs[KVF_SEND_FRAMES_MAX];
+    uint8_t ops[KVF_SEND_FRAMES_MAX];
+    uint64_t rids[KVF_SEND_FRAMES_MAX];
+    const void *metas[KVF_SEND_FRAMES_MAX];
+    uint32_t lens[KVF_SEND_FRAMES_MAX];
+    struct bufset mb;
+    if (bufset_get(&mb, metas_o, 0, "metas")) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *f = PySequence_GetItem(fds_o, i), *o = PySequence_GetItem(ops_o, i), *r = PySequence_GetItem(rids_o, i);
+        long fd = f ? PyLong_AsLong(f) : -1, op = o ? PyLong_AsLong(o) : -1;
+        unsigned long long rid = r ? PyLong_AsUnsignedLongLong(r) : 0;
+        Py_XDECREF(f);
+        Py_XDECREF(o);
+        Py_XDECREF(r);
+        if (PyErr_Occurred()) { bufset_release(&mb); return NULL; }
+        if (fd < 0 || fd > INT_MAX || op < 0 || op > 255 || mb.views[i].len > UINT32_MAX) {
+            bufset_release(&mb);
+            return PyErr_Format(PyExc_ValueError, "send_frames: frame %zd has a bad fd, opcode or metadata", i);
+        }
+        fds[i] = (int)fd;
+        ops[i] = (uint8_t)op;
+        rids[i] = rid;
+        metas[i] = mb.views[i].buf;
+        lens[i] = (uint32_t)mb.views[i].len;
+    }
+    int rc;
+    kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_send_frames((uint32_t)n, fds, ops, rids, metas, lens, rcs);
+    Py_END_ALLOW_THREADS
+    bufset_release(&mb);
+    if (rc) return raise_errno(rc, 0, "sending frames");
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(rcs[i]);
+        if (!v) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 PyDoc_STRVAR(recv_frame_doc,
 "recv_frame(fd, recv, max_meta, max_payload, deadline=0, ring=None, hash_keys=None, digests=None)\n"
 "Receive one frame; same result and errors as request().");
@@ -512,6 +577,7 @@ static PyObject *py_recv_frame(PyObject *self, PyObject *args)
 PyMethodDef kvf_py_client_methods[] = {
     {"request", (PyCFunction)(void (*)(void))py_request, METH_VARARGS | METH_KEYWORDS, request_doc},
     {"send_frame", py_send_frame, METH_VARARGS, send_frame_doc},
+    {"send_frames", py_send_frames, METH_VARARGS, send_frames_doc},
     {"recv_frame", py_recv_frame, METH_VARARGS, recv_frame_doc},
     {NULL, NULL, 0, NULL},
 };

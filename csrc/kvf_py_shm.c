@@ -138,9 +138,13 @@ static PyObject *shm_result(int rc, struct kvf_header *h, uint8_t *meta, int wir
 }
 
 PyDoc_STRVAR(shm_get_doc,
-"shm_get(fd, arena, request_id, lease_meta, bufs, max_meta, deadline=0) -> (opcode, flags, rid, meta)\n"
+"shm_get(fd, arena, request_id, lease_meta, bufs, max_meta, deadline=0, hash_keys=None, digests=None)\n"
+"    -> (opcode, flags, rid, meta)\n"
 "SHM_LEASE + one copy per found object into bufs + SHM_RELEASE (uses request ids rid and rid+1),\n"
 "GIL released. meta is the LEASE reply's metadata (an error reply comes back as is, nothing copied).\n"
+"hash_keys, digests: the objects' keys (bytes, one per buf) and a writable 8-byte aligned buffer of one\n"
+"uint64 per key: each copied object's checksum (kvfabric.protocol.checksum) goes to its slot, computed\n"
+"slice by slice as it is copied (a miss's slot is left alone).\n"
 "ValueError when an object does not fit its buffer (nothing copied, lease released).");
 
 static PyObject *py_shm_get(PyObject *self, PyObject *args)
@@ -152,8 +156,14 @@ static PyObject *py_shm_get(PyObject *self, PyObject *args)
     PyObject *bufs_o;
     unsigned int max_meta;
     double deadline = 0;
-    if (!PyArg_ParseTuple(args, "iw*Ky*OI|d", &fd, &arena, &rid, &lm, &bufs_o, &max_meta, &deadline)) return NULL;
-    struct bufset bs;
+    PyObject *keys_o = Py_None, *digests_o = Py_None;
+    if (!PyArg_ParseTuple(args, "iw*Ky*OI|dOO", &fd, &arena, &rid, &lm, &bufs_o, &max_meta, &deadline, &keys_o,
+                          &digests_o))
+        return NULL;
+    struct bufset bs, ks = {NULL, 0};
+    Py_buffer dg = {0};
+    const void **kptrs = NULL;
+    size_t *klens = NULL;
     if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); PyBuffer_Release(&lm); return NULL; }
     uint32_t n = (uint32_t)bs.n;
     void **ptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
@@ -161,6 +171,23 @@ static PyObject *py_shm_get(PyObject *self, PyObject *args)
     PyObject *out = NULL;
     if (!ptrs || !lens) { PyErr_NoMemory(); goto done; }
     for (uint32_t i = 0; i < n; i++) { ptrs[i] = bs.views[i].buf; lens[i] = (size_t)bs.views[i].len; }
+    if ((keys_o == Py_None) != (digests_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "hash_keys and digests go together");
+        goto done;
+    }
+    if (keys_o != Py_None) {
+        if (bufset_get(&ks, keys_o, 0, "hash_keys")) goto done;
+        if (PyObject_GetBuffer(digests_o, &dg, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) { dg.obj = NULL; goto done; }
+        if ((uint64_t)ks.n != n || dg.len < (Py_ssize_t)(sizeof(uint64_t) * n) ||
+            ((uintptr_t)dg.buf % sizeof(uint64_t))) {
+            PyErr_SetString(PyExc_ValueError, "hash_keys: one per buf; digests: 8-byte aligned, 8 bytes per key");
+            goto done;
+        }
+        kptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
+        klens = PyMem_Malloc(sizeof(size_t) * (n + 1));
+        if (!kptrs || !klens) { PyErr_NoMemory(); goto done; }
+        for (uint32_t i = 0; i < n; i++) { kptrs[i] = ks.views[i].buf; klens[i] = (size_t)ks.views[i].len; }
+    }
     struct kvf_header h;
     uint8_t *meta = NULL;
     uint32_t bad = 0;
@@ -168,12 +195,16 @@ static PyObject *py_shm_get(PyObject *self, PyObject *args)
     kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
     Py_BEGIN_ALLOW_THREADS
     rc = kvf_shm_get(fd, arena.buf, (uint64_t)arena.len, rid, lm.buf, (uint32_t)lm.len, n, ptrs, lens, max_meta, &h,
-                     &meta, &bad, &wire_err);
+                     &meta, &bad, &wire_err, kptrs, klens, kptrs ? (uint64_t *)dg.buf : NULL);
     Py_END_ALLOW_THREADS
     out = shm_result(rc, &h, meta, wire_err, bad, "shm GET");
 done:
     PyMem_Free(ptrs);
     PyMem_Free(lens);
+    PyMem_Free(kptrs);
+    PyMem_Free(klens);
+    if (dg.obj) PyBuffer_Release(&dg);
+    if (ks.views) bufset_release(&ks);
     bufset_release(&bs);
     PyBuffer_Release(&arena);
     PyBuffer_Release(&lm);

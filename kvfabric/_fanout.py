@@ -24,6 +24,7 @@ from . import protocol, transport
 from ._shard import _Busy, _Down, _Shard
 from .errors import FATAL_CODES, DeadlineExceeded, KVFabricError, RemoteError
 from .transport.base import SocketConnection
+from .transport.native import NativeConnection, send_requests
 
 log = logging.getLogger("kvfabric.client")
 
@@ -219,10 +220,9 @@ class _FanOut:
         partial: dict[int, _Flight] = {}  # fd -> flight whose reply has partly arrived
         poller = select.poll()
         try:
-            for f in flights:
-                if self._advance(f, None, deadline, results):
-                    waiting[f.fd] = f
-                    poller.register(f.fd, select.POLLIN)
+            for f in self._start(flights, deadline, results):
+                waiting[f.fd] = f
+                poller.register(f.fd, select.POLLIN)
             while waiting or partial:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -264,6 +264,51 @@ class _FanOut:
                             f"{f.msg.op.name if f.msg else 'request'} to {f.shard.address} ran past its deadline"),
                             deadline)
                 f.finish()
+
+    def _start(self, flights: list[_Flight], deadline: float, results: list[bool]) -> list[_Flight]:
+        """Send every flight's first request; the flights now awaiting a reply. The requests on
+        native connections (``native``, and ``shm``'s unix socket) go out in one submission
+        (:func:`transport.native.send_requests`): sent one by one, each send wakes a server that a
+        loaded machine runs at once, in place of this thread, which then waits its turn again
+        before it can send the next (four shards: four extra waits in every call's tail)."""
+        batch: list[_Flight] = []
+        out: list[_Flight] = []
+        for f in flights:
+            if not isinstance(f.conn, NativeConnection):
+                if self._advance(f, None, deadline, results):
+                    out.append(f)
+                continue
+            try:
+                f.msg = f.talk.send(None)
+            except StopIteration:
+                results[f.pos] = True
+                f.finish()
+                continue
+            batch.append(f)
+        if len(batch) == 1:  # nothing to batch: the plain send
+            f = batch.pop()
+            if self._send(f, deadline):
+                out.append(f)
+        sent = send_requests([f.conn for f in batch], [f.msg for f in batch], deadline=deadline) if batch else []
+        for f, rid in zip(batch, sent):
+            if isinstance(rid, KVFabricError):
+                self._shard_failed(f.shard, rid, deadline)
+                f.finish()
+            else:
+                f.rid = rid
+                out.append(f)
+        return out
+
+    def _send(self, f: _Flight, deadline: float) -> bool:
+        """Send ``f.msg``; False (the shard failed, the flight finished) when that fails."""
+        try:
+            f.rid = f.conn.send_request(f.msg, deadline=deadline)
+            return True
+        except KVFabricError as e:
+            f.rid = 0
+            self._shard_failed(f.shard, e, deadline)
+        f.finish()
+        return False
 
     def _advance(self, f: _Flight, reply: transport.Reply | None, deadline: float, results: list[bool]) -> bool:
         """Give ``reply`` (None: start) to a flight's conversation and send its next request.

@@ -3,7 +3,7 @@
 
 A GET asks each key's owners in replica order, then (during a hand-off) its
 previous owners; each object's checksum is checked as it lands (in C on the
-native transport, else here) when ``verify_checksums`` is on, in which case
+native and shm transports, else here) when ``verify_checksums`` is on, in which case
 the request says ``client_verifies`` so the server skips its own pass, and a
 mismatch is asked once more without it (the server then checks, and drops a
 corrupt stored copy). Routing, fan-out and deadlines come from the other

@@ -44,6 +44,16 @@ paths (each against a fresh server process)
     (one staging buffer, ``NativeConnection.register_buffers``), so GET
     objects arrive through READ_FIXED instead of recvmsg.
 
+client paths (issue 20): the same requests through ``kvfabric.Client``, as
+an engine makes them: ``get_into`` of the block(s) into a caller-owned
+buffer and ``put`` of fresh keys, checksums on (``verify_checksums``, the
+default: the client hashes every PUT object and checks every GET object, and
+that time is counted), routing, pooling and deadlines included; each
+against a fresh native server that offers every transport:
+
+  * ``client-tcp`` / ``client-native`` / ``client-shm``: a Client forced to
+    that transport.
+
 reference (issue 14)
   * ``redis``: Redis's C client ``redis-benchmark`` (one connection, no
     pipelining) against a ``redis-server`` this run starts on loopback and
@@ -96,7 +106,12 @@ PATHS = {
     "shm": ("kvfabric", "shm", ["--transports", "tcp,native,shm"]),
     "native+reg": ("kvfabric", "native", []),
     "native>py+reg": (REFERENCE, "native", []),
+    "client-tcp": ("kvfabric", "tcp", ["--transports", "tcp,native,shm"]),
+    "client-native": ("kvfabric", "native", ["--transports", "tcp,native,shm"]),
+    "client-shm": ("kvfabric", "shm", ["--transports", "tcp,native,shm"]),
 }
+#: paths measured through ``kvfabric.Client`` (checksums on) instead of one ``Connection``
+CLIENT = ("client-tcp", "client-native", "client-shm")
 #: paths whose GET buffers are registered; run only when asked (``--registered`` or ``--paths``)
 REGISTERED = ("native+reg", "native>py+reg")
 
@@ -117,7 +132,8 @@ class Row:
 
 
 class _Path:
-    """A server process and one connection to it with the path's transport."""
+    """A server process and one connection to it with the path's transport (a ``kvfabric.Client``
+    forced to that transport for the :data:`CLIENT` paths)."""
 
     def __init__(self, name: str, size: int, batch: int, capacity: str, native_args: Sequence[str] = ()) -> None:
         from .. import transport
@@ -128,8 +144,15 @@ class _Path:
             extra = [*extra, *native_args]
         self.name, self.size, self.batch = name, size, batch
         self.server = start_server(capacity=capacity, module=module, extra_args=extra)
+        self.client = None
         try:
-            self.conn = transport.connect(tname, self.server.address, ClientConfig(connect_timeout_s=10))
+            if name in CLIENT:
+                from ..client import Client
+
+                self.client = Client([self.server.address], config=ClientConfig(
+                    transport=tname, connect_timeout_s=10, timeout_s=30, connections_per_server=1))
+            else:
+                self.conn = transport.connect(tname, self.server.address, ClientConfig(connect_timeout_s=10))
         except BaseException:
             self.server.kill()
             raise
@@ -147,9 +170,16 @@ class _Path:
     def _fresh(self, keys: list[bytes] | None = None) -> tuple[list[bytes], list[int]]:
         """Keys (fresh random ones unless given) and the checksums of the values under them."""
         keys = keys or [os.urandom(16) for _ in range(self.batch)]
+        if self.client is not None:
+            return keys, None  # the Client's own hashing is part of what is measured
         return keys, [protocol.checksum(k, v) for k, v in zip(keys, self.values)]
 
-    def _put(self, keys: list[bytes], sums: list[int]) -> int:
+    def _put(self, keys: list[bytes], sums: list[int] | None) -> int:
+        if self.client is not None:  # the Client hashes the values itself (``sums`` is None)
+            res = self.client.put(keys, self.values[: len(keys)])
+            if res.dropped:
+                raise RuntimeError(f"{self.name}: PUT dropped {res.dropped} blocks")
+            return self.size * len(keys)
         msg = protocol.PutRequest(keys=keys, sizes=[self.size] * len(keys), checksums=sums)
         status = self.conn.request(msg, self.values[: len(keys)]).msg.status
         if any(s not in (0, 1) for s in status):
@@ -171,7 +201,11 @@ class _Path:
                 fresh = self._fresh()
                 prep += time.perf_counter() - p0
             a = time.perf_counter()
-            if op == "get":
+            if op == "get" and self.client is not None:
+                if None in self.client.get_into(self.get_keys, self.dest):
+                    raise RuntimeError(f"{self.name}: GET missed")
+                moved += self.size * self.batch
+            elif op == "get":
                 rep = self.conn.request(get, recv_buffers=self.dest).msg
                 if min(rep.sizes) < 0:
                     raise RuntimeError(f"{self.name}: GET missed")
@@ -189,7 +223,7 @@ class _Path:
 
     def close(self) -> None:
         try:
-            self.conn.close()
+            (self.client or self.conn).close()
         finally:
             self.server.stop()
 
@@ -337,6 +371,7 @@ def run(args: argparse.Namespace) -> dict:
                     ok = by[(n, op)].gbps > by[("tcp", op)].gbps
                     targets.append({"cell": f"{n} {op}", "vs": "tcp", "ratio": by[(n, op)].gbps / by[("tcp", op)].gbps,
                                     "goal": ">1", "met": ok})
+    targets += _client_targets(by)
     return {
         "benchmark": "transport-native",
         "meta": {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": platform.python_version(),
@@ -346,6 +381,24 @@ def run(args: argparse.Namespace) -> dict:
         "rows": [asdict(r) for r in rows],
         "targets": targets,
     }
+
+
+#: issue 20: (client path, op, ceiling or path it is divided by, goal)
+CLIENT_GOALS = (
+    ("client-native", "get", "c-socket", 0.9), ("client-native", "put", "c-socket", 0.9),
+    ("client-native", "get", "client-tcp", 1.0), ("client-native", "put", "client-tcp", 1.0),
+    ("client-shm", "get", "memcpy-cold", 0.5), ("client-shm", "put", "c-socket", 0.9),
+)
+
+
+def _client_targets(by: dict[tuple[str, str], Row]) -> list[dict]:
+    """The Client's goals (:data:`CLIENT_GOALS`) among the rows measured."""
+    out = []
+    for name, op, vs, goal in CLIENT_GOALS:
+        if (name, op) in by and (vs, op) in by and by[(vs, op)].gbps > 0:
+            r = by[(name, op)].gbps / by[(vs, op)].gbps
+            out.append({"cell": f"{name} {op}", "vs": vs, "ratio": r, "goal": goal, "met": r >= goal})
+    return out
 
 
 def print_table(report: dict) -> None:

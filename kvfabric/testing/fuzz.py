@@ -64,7 +64,7 @@ from typing import Any
 import msgpack
 
 from .. import protocol as p
-from ..errors import ErrorCode
+from ..errors import ConnectionClosed, ErrorCode
 from ..protocol.wire import FLAG_ERROR, FLAG_REPLY, HEADER, HEADER_SIZE, MAGIC, VERSION, Op, ShmOp
 from ..server.memory import dram_needs
 from ..sizes import parse_size
@@ -99,6 +99,7 @@ class FuzzServer:
     reply_budget: int
     request_budget: int
     ssd_write_queue: int
+    preauth_s: float | None = None   # with a token: a connection not authenticated this long after accept is closed
 
     def rss_bound(self, objects: int, connections: int) -> int:
         """docs/operations.md "Memory bound": capacity + page map + 48 MiB + the budgets + the tier's
@@ -108,8 +109,18 @@ class FuzzServer:
                 + objects * _OBJ_BYTES + connections * _CONN_BYTES)
 
     def probe(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        """A fresh authenticated client's PING, then STATS (raises when the server does not answer)."""
-        with tcp.connect(self.proc.address, timeout_s=timeout_s, auth_token=self.token) as c:
+        """A fresh authenticated client's PING, then STATS (raises when the server does not answer;
+        :class:`SlowHandshake` when it closed a handshake that had run past its pre-auth limit, as it
+        must: on a loaded machine the fuzzer's own threads can hold the probe's up that long)."""
+        t0 = time.monotonic()
+        try:
+            c = tcp.connect(self.proc.address, timeout_s=timeout_s, auth_token=self.token)
+        except ConnectionClosed as e:
+            took = time.monotonic() - t0
+            if self.preauth_s is not None and took >= self.preauth_s:
+                raise SlowHandshake(f"handshake closed after {took:.1f} s (pre-auth limit {self.preauth_s} s)") from e
+            raise
+        with c:
             if c.request(p.PingRequest()).msg != p.PingReply():
                 raise AssertionError("PING not answered with PING")
             return c.request(p.StatsRequest()).msg.stats
@@ -133,7 +144,12 @@ def start_fuzz_server(workdir: str, *, token: str | None = TOKEN, capacity: str 
             "--idle-timeout", "60", "--max-lease-ms", "2000", "--log-level", "warning"]
     with start_server(capacity=capacity, extra_args=args) as proc:
         b = parse_size(budget)
-        yield FuzzServer(proc, token, sock, parse_size(capacity), b, b, b)
+        yield FuzzServer(proc, token, sock, parse_size(capacity), b, b, b,
+                         preauth_s=stall_timeout_s if token else None)   # server/native.py: preauth = stall
+
+
+class SlowHandshake(Exception):
+    """The server closed a probe's HELLO/AUTH that had taken longer than its pre-auth limit."""
 
 
 def asan_preloaded() -> bool:
@@ -491,6 +507,7 @@ class Report:
     shm_puts: int = 0
     closed_by_reset: int = 0
     handshake_drops: int = 0    # connections the server closed during our HELLO/AUTH or shm PUT
+    slow_probes: int = 0        # probes whose handshake overran the pre-auth limit (the retry answered)
     seconds: float = 0.0
     tiers: dict = field(default_factory=dict)   # the server's ssd_* / shared_* / shm_* STATS at the end
     failures: list = field(default_factory=list)   # the first few, with seed and session to reproduce
@@ -510,7 +527,9 @@ class Report:
                 f"{self.violations} oracle violations; RSS {self.rss_start / mib:.1f} -> peak "
                 f"{self.rss_peak / mib:.1f} MiB (bound there {self.rss_bound_at_peak / mib:.1f} MiB, "
                 f"{self.over_bound} samples over); {self.replies} replies ({self.error_replies} errors), "
-                f"{self.objects_checked} objects checked, {self.shm_puts} shm PUTs, {self.good_keys} keys")
+                f"{self.objects_checked} objects checked, {self.shm_puts} shm PUTs, {self.good_keys} keys"
+                + (f", {self.slow_probes} probe handshakes over the pre-auth limit (retried)" if self.slow_probes
+                   else ""))
 
 
 class Fuzzer:
@@ -748,11 +767,17 @@ class Fuzzer:
 
     def probe(self) -> dict | None:
         try:
-            st = self.server.probe()
+            try:
+                st = self.server.probe()
+            except SlowHandshake:
+                self.report.slow_probes += 1   # the limit at work, not a finding, if the retry is answered
+                st = self.server.probe()
         except Exception as e:  # noqa: BLE001 - any failure to answer is the finding
             if self.server.proc.alive:
                 self.report.unresponsive += 1
-                self.report.fail(f"session {self.report.sessions}: a fresh client's PING failed: {e!r}")
+                tail = "\n    ".join(self.server.proc.stderr_text().splitlines()[-8:])
+                self.report.fail(f"session {self.report.sessions}: a fresh client's PING failed: {e!r}; "
+                                 f"the server's log ends:\n    {tail}")
             return None
         self._sample_rss(st)
         return st
@@ -856,7 +881,8 @@ def main(argv: list[str] | None = None) -> int:
         seed += 1000   # the crashed session is reproducible from the report; go on with fresh frames
     flat = [r for run in reports for r in run]
     total = {k: sum(getattr(r, k) for r in flat) for k in ("frames", "sessions", "hangs", "unresponsive",
-                                                             "violations", "over_bound", "objects_checked")}
+                                                             "violations", "over_bound", "objects_checked",
+                                                             "slow_probes")}
     total["crashes"] = sum(max(r.crashes for r in run) for run in reports)   # the workers of a run share a server
     total["servers"] = len(reports)
     total["workers"] = max(1, args.workers)

@@ -36,6 +36,8 @@ io_uring native server): the wire is identical.
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import time
 from array import array
@@ -47,6 +49,7 @@ from ..errors import (
     FATAL_CODES,
     ConnectionClosed,
     DeadlineExceeded,
+    KVFabricError,
     NativeError,
     ProtocolError,
     RemoteError,
@@ -63,7 +66,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 else:
     _IMPORT_ERROR = None
 
-__all__ = ["NativeConnection", "connect", "probe"]
+__all__ = ["NativeConnection", "connect", "probe", "send_requests"]
 
 #: Defaults of :meth:`NativeConnection.register_buffers`' limits.
 MAX_REGISTERED_BUFFERS = 64
@@ -117,6 +120,54 @@ def connect(
         conn.close()
         raise
     return conn
+
+
+def send_requests(conns: Sequence[NativeConnection], msgs: Sequence[Message], *,
+                  deadline: float | None = None) -> list[int | KVFabricError]:
+    """:meth:`NativeConnection.send_request` of ``msgs[i]`` on ``conns[i]`` (each a different connection),
+    all of them handed to the kernel in one io_uring submission (``_native.send_frames``, up to 64 per
+    submission): every server is woken before this thread can be preempted by the first one it woke,
+    so a loaded machine does not run each server in between the sends and make this thread wait its
+    turn again after every one (what sending them one by one costs a fan-out's tail).
+
+    Returns, per request, its request id, or the ``KVFabricError`` its connection failed with (that
+    connection is then closed; the others are sent). Programming errors (a GET/PUT, which carry a
+    payload) raise before anything is sent.
+    """
+    out: list[int | KVFabricError] = []
+    frames: dict[int, tuple[int, bytes]] = {}
+    late = deadline is not None and deadline <= time.monotonic()
+    for i, (c, m) in enumerate(zip(conns, msgs, strict=True)):
+        try:
+            frames[i] = c._frame(m)
+        except ConnectionClosed as e:
+            out.append(e)
+            continue
+        if late:
+            c.close()
+            out.append(DeadlineExceeded(f"deadline passed before talking to {c.address}"))
+            del frames[i]
+        else:
+            out.append(frames[i][0])
+    dl = 0.0 if deadline is None else deadline
+    todo = list(frames)
+    for lo in range(0, len(todo), 64):
+        part = todo[lo:lo + 64]
+        try:
+            rcs = _native.send_frames([conns[i]._fd for i in part], [int(msgs[i].op) for i in part],
+                                      [frames[i][0] for i in part], [frames[i][1] for i in part], dl)
+        except NativeError as e:  # the ring itself failed: which frames went out is unknown
+            rcs = [-(e.errno or errno.EIO)] * len(part)
+        except BaseException:
+            for i in part:
+                conns[i].close()
+            raise
+        for i, rc in zip(part, rcs):
+            if rc:
+                conns[i].close()
+                what = f"request to {conns[i].address} failed: {os.strerror(-rc)}"
+                out[i] = DeadlineExceeded(what) if rc == -errno.ETIMEDOUT else TransportError(what)
+    return out
 
 
 MAX_SCATTER_PARTS = 64  # buffers one GET object may be scattered over (KVF_MAX_SEGMENTS in C)
@@ -317,16 +368,12 @@ class NativeConnection(SocketConnection):
         return replies
 
     def send_request(self, msg: Message, *, deadline: float | None = None) -> int:
-        if self._sock is None:
-            raise ConnectionClosed(f"connection to {self.address} is closed")
-        if isinstance(msg, (GetRequest, PutRequest)):  # shm moves those through the arena
-            raise ValueError("send_request is for requests without payload (not GET/PUT)")
-        _, rid, meta, parts, _ = self._prepare(msg, (), None)
+        rid, meta = self._frame(msg)
         if deadline is not None and deadline <= time.monotonic():
             self.close()
             raise DeadlineExceeded(f"deadline passed before talking to {self.address}")
         try:
-            _native.send_frame(self._fd, int(msg.op), 0, rid, meta, parts, 0.0 if deadline is None else deadline)
+            _native.send_frame(self._fd, int(msg.op), 0, rid, meta, [], 0.0 if deadline is None else deadline)
         except NativeError as e:
             self.close()
             raise TransportError(f"request to {self.address} failed: {e}") from e
@@ -355,6 +402,15 @@ class NativeConnection(SocketConnection):
             raise
 
     # ------------------------------------------------------------------ internals
+
+    def _frame(self, msg: Message) -> tuple[int, bytes]:
+        """(request id, metadata) of a request without payload, checked as :meth:`send_request` checks it."""
+        if self._sock is None:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        if isinstance(msg, (GetRequest, PutRequest)):  # shm moves those through the arena
+            raise ValueError("send_request is for requests without payload (not GET/PUT)")
+        _, rid, meta, _, _ = self._prepare(msg, (), None)
+        return rid, meta
 
     def _prepare(self, msg: Message, payload_parts: Sequence[Any], recv_buffers: Sequence[Any] | None):
         parts = [memoryview(p).cast("B") for p in payload_parts]

@@ -15,8 +15,12 @@ typed message of :mod:`kvfabric.protocol` (``Shm*Request`` / ``Shm*Reply``).
 
 * GET = ``SHM_LEASE`` (the server pins the found objects and answers their
   offsets, sizes and checksums), one ``memcpy`` per object from the arena
-  into the caller's buffer with the GIL released (``_native.copy_out``), then
-  ``SHM_RELEASE`` (no reply awaited). One round trip plus one copy.
+  into the caller's buffer with the GIL released (``_native.shm_get``), then
+  ``SHM_RELEASE`` (no reply awaited). One round trip plus one copy. Asked for
+  checksums (``request(..., checksums=True)``, what a verifying Client does),
+  the copy runs slice by slice and each slice is hashed right after it is
+  copied, while it is still in cache: one pass over the bytes, not a copy
+  and then a second pass over the buffer.
 * PUT = ``SHM_RESERVE`` (slots reserved for the objects that are not held
   yet; a reserved slot is in no index, so nobody can read it; ``parents``
   ride along for the eviction policy), one copy per object into its slot
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import ipaddress
 import mmap
+from array import array
 import socket
 import threading
 import time
@@ -279,10 +284,13 @@ class ShmConnection(NativeConnection):
         recv_buffers: Sequence[Any] | None = None,
         *,
         deadline: float | None = None,
-        checksums: bool = False,  # not computed here: Reply.checksums stays None
+        checksums: bool = False,
     ) -> Reply:
+        """``checksums``: a GET into plain buffers (no scatter entries) has its objects hashed in C
+        slice by slice as they are copied out of the arena (``Reply.checksums``), not in a second
+        pass over the buffers; other calls leave ``Reply.checksums`` None."""
         if isinstance(msg, GetRequest):
-            return self._get(msg, recv_buffers, deadline)
+            return self._get(msg, recv_buffers, deadline, checksums)
         if isinstance(msg, PutRequest):
             return self._put(msg, payload_parts, deadline)
         return super().request(msg, payload_parts, recv_buffers, deadline=deadline)
@@ -362,9 +370,10 @@ class ShmConnection(NativeConnection):
             sock.settimeout(None)
         self._view = memoryview(self._arena)
 
-    def _fused(self, fn, op: ShmOp, *args: Any, deadline: float | None) -> Message:
+    def _fused(self, fn, op: ShmOp, *args: Any, deadline: float | None, hashing: tuple | None = None) -> Message:
         """Run a one-call shm operation in C (two frames: request ids rid and rid + 1); returns the typed
-        reply to ``op`` (LEASE for a GET, COMMIT for a PUT)."""
+        reply to ``op`` (LEASE for a GET, COMMIT for a PUT). ``hashing``: ``(keys, digests)`` for a GET
+        that hashes what it copies."""
         if self._sock is None or self._view is None:
             from ..errors import ConnectionClosed
 
@@ -374,7 +383,7 @@ class ShmConnection(NativeConnection):
         lim = self._limits
         try:
             opcode, flags, got, mbytes = fn(self._fd, self._view, rid, *args, lim.max_meta_bytes,
-                                            0.0 if deadline is None else deadline)
+                                            0.0 if deadline is None else deadline, *(hashing or ()))
             return protocol.decode_reply(Header(opcode, flags, got, len(mbytes), 0), mbytes, op, lim)
         except ValueError:
             raise  # a buffer too small: nothing copied, lease released, stream in step
@@ -389,7 +398,8 @@ class ShmConnection(NativeConnection):
             self.close()
             raise
 
-    def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None) -> Reply:
+    def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None,
+             checksums: bool = False) -> Reply:
         n = len(msg.keys)
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
@@ -401,13 +411,15 @@ class ShmConnection(NativeConnection):
                 v = memoryview(b)
                 if v.readonly or not v.c_contiguous:
                     raise ValueError(f"GET buffer {i} is read-only or not contiguous")
+            digests = array("Q", bytes(8 * n)) if checksums else None
             rep = self._fused(_native.shm_get, ShmOp.LEASE, protocol.encode_meta(lease_msg.to_meta()),
-                              list(recv_buffers), deadline=deadline)
+                              list(recv_buffers), deadline=deadline,
+                              hashing=(msg.keys, digests) if checksums else None)
             assert isinstance(rep, ShmLeaseReply)
             if len(rep.sizes) != n:
                 self.close()
                 raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
-            return Reply(GetReply(sizes=rep.sizes, checksums=rep.checksums))
+            return Reply(GetReply(sizes=rep.sizes, checksums=rep.checksums), None, digests)
         lease = self._control(lease_msg, deadline)
         assert isinstance(lease, ShmLeaseReply)
         try:

@@ -60,9 +60,12 @@ def test_bench_lookup_measures_both_servers_beside_ping(tmp_path, capsys):
     for r in report["rows"]:
         assert r["n"] == 3 and r["misses"] == 0 and 0 < r["p50_us"] <= r["max_us"]
         assert r["transport"] in transport.names() and r["ratio"]["p50/ping"] > 0
-    (target,) = report["targets"]
+    target, vs_ping = report["targets"]
     assert target["cell"].startswith(f"{kinds[0]} lookup of 10 keys over 2 shards")
     assert target["goal_us"] == lookup.TARGET_P99_US and target["value_us"] > 0
+    by = {(r["server"], r["op"]): r for r in report["rows"]}
+    assert vs_ping["goal_ratio"] == lookup.PING_P99_RATIO, vs_ping
+    assert vs_ping["ratio"] == by[(kinds[0], "lookup")]["p99_us"] / by[(kinds[0], "ping")]["p99_us"], (vs_ping, by)
     assert "lookup-fanout" in capsys.readouterr().out
 
 
@@ -104,3 +107,22 @@ def test_bench_transport_native_says_why_redis_is_missing(tmp_path, monkeypatch,
     assert not any(r["name"] == "redis" for r in report["rows"])
     assert ("native", "get") in {(r["name"], r["op"]) for r in report["rows"]}
     assert "skipped redis: redis-server and redis-benchmark not found" in capsys.readouterr().out
+
+
+@needs_native
+def test_bench_transport_native_measures_the_client_beside_its_ceilings(tmp_path):
+    """The client-* paths go through kvfabric.Client (checksums on) and get issue 20's goals, each
+    ratio the quotient of two rows of the same run."""
+    out = tmp_path / "tn.json"
+    rc = transport_native.main(["--paths", "client-tcp,client-native,client-shm", "--size", "64KiB", "--duration",
+                                "0.05", "--repeat", "1", "--capacity", "16MiB", "--no-redis", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    by = {(r["name"], r["op"]): r for r in report["rows"]}
+    for name in transport_native.CLIENT:
+        for op in ("get", "put"):
+            assert by[(name, op)]["gbps"] > 0 and by[(name, op)]["ratio"]["c-socket"] > 0, by[(name, op)]
+    targets = {(t["cell"], t["vs"]): t for t in report["targets"]}
+    assert {(f"{n} {op}", vs) for n, op, vs, _ in transport_native.CLIENT_GOALS} <= set(targets), targets
+    t = targets[("client-shm get", "memcpy-cold")]
+    assert t["ratio"] == by[("client-shm", "get")]["gbps"] / by[("memcpy-cold", "get")]["gbps"] and t["goal"] == 0.5

@@ -84,3 +84,29 @@ def test_digests_cover_pieces_read_with_fixed_reads_from_a_registered_buffer(add
         assert conn.registered_stats()["fixed_bytes"] - before == sum(SIZES[0::2])
         assert list(reply.checksums) == [protocol.checksum(k, v) for k, v in zip(keys, vals)]
         assert [bytes(b) for b in bufs] == vals
+
+
+def test_shm_digests_are_computed_while_copying_out_of_the_arena(make_server):
+    """The shm GET into plain buffers hashes each object slice by slice as it copies it out of the arena
+    (``kvf_shm_get`` with keys): the digests equal ``protocol.checksum`` for objects smaller and larger
+    than a slice and of 0 bytes; a miss leaves its entry alone."""
+    from kvfabric.transport import shm
+
+    srv = make_server(capacity=64 << 20)
+    with shm.connect(srv.address, timeout_s=5) as conn:
+        sizes = [*SIZES, 0, 3 << 20]
+        rng = np.random.default_rng(3)
+        keys = [rng.bytes(16) for _ in sizes]
+        vals = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+        for k, v in zip(keys, vals):  # one by one: a 3 MiB object and the rest need not fit one request
+            reply = conn.request(protocol.PutRequest(keys=[k], sizes=[len(v)], checksums=[protocol.checksum(k, v)]),
+                                 [v], deadline=time.monotonic() + 10)
+            assert list(reply.msg.status) == [protocol.PutStatus.STORED], (len(v), reply.msg.status)
+        ks = keys[:2] + [b"not-stored-key-0"] + keys[2:]
+        bufs = [bytearray(max(n, 1)) for n in sizes[:2]] + [bytearray(8)] + [bytearray(max(n, 1)) for n in sizes[2:]]
+        reply = _get(conn, ks, bufs, checksums=True)
+        got = list(reply.checksums)
+        assert got[2] == 0, got  # the miss
+        assert got[:2] + got[3:] == [protocol.checksum(k, v) for k, v in zip(keys, vals)]
+        assert [bytes(b[:n]) for b, n in zip(bufs[:2] + bufs[3:], sizes)] == vals
+        assert _get(conn, keys, [bytearray(max(n, 1)) for n in sizes]).checksums is None
