@@ -174,9 +174,9 @@ void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t kle
 void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list);
 /* Loop thread: the read jobs finished since the last call (a list), or NULL. */
 struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t);
-/* Loop thread, BEFORE kvf_tier_take_done: streamed reads whose `sendable` grew since the last
- * call (a list through prog_next; each still the tier thread's: read `sendable` only). */
-struct kvf_tier_job *kvf_tier_take_progress(struct kvf_tier *t);
+/* Loop thread, BEFORE kvf_tier_take_done: up to max streamed reads whose `sendable` grew since
+ * the last call, into out; returns how many (each still the tier thread's: read `sendable` only). */
+uint32_t kvf_tier_take_progress(struct kvf_tier *t, struct kvf_tier_job **out, uint32_t max);
 struct kvf_tier_job *kvf_tier_job_new(void); /* zeroed, or NULL */
 void kvf_tier_job_free(struct kvf_tier_job *j); /* frees buf too */
 /* Loop thread, a read job that came back: give its shared-read staging bytes

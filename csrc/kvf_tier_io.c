@@ -125,15 +125,19 @@ struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t)
     return rev;
 }
 
-struct kvf_tier_job *kvf_tier_take_progress(struct kvf_tier *t)
+uint32_t kvf_tier_take_progress(struct kvf_tier *t, struct kvf_tier_job **out, uint32_t max)
 {
-    if (!__atomic_load_n(&t->prog, __ATOMIC_ACQUIRE)) return NULL;
+    if (!__atomic_load_n(&t->prog, __ATOMIC_ACQUIRE)) return 0;
+    uint32_t n = 0;
     pthread_mutex_lock(&t->mu);
-    struct kvf_tier_job *p = t->prog;
-    t->prog = NULL;
-    for (struct kvf_tier_job *j = p; j; j = j->prog_next) j->on_prog = 0;
+    while (t->prog && n < max) { /* copied out: the tier thread may put a job on the list again at once */
+        struct kvf_tier_job *j = t->prog;
+        t->prog = j->prog_next;
+        j->on_prog = 0;
+        out[n++] = j;
+    }
     pthread_mutex_unlock(&t->mu);
-    return p;
+    return n;
 }
 
 void kvf_tier_set_wake(struct kvf_tier *t, void (*wake)(void *), void *arg)
@@ -448,7 +452,17 @@ static void hand_back(struct kvf_tier *t, struct kvf_tier_job **done, struct kvf
     if (!*done) return;
     pthread_mutex_lock(&t->mu);
     /* t->done is newest first (kvf_tier_take_done reverses it) */
-    for (struct kvf_tier_job *j = *done, *n; j; j = n) { n = j->next; j->next = t->done; t->done = j; }
+    for (struct kvf_tier_job *j = *done, *n; j; j = n) {
+        n = j->next;
+        j->next = t->done;
+        t->done = j;
+        if (j->on_prog) { /* the loop frees it once done: never on the progress list then */
+            struct kvf_tier_job **pp = &t->prog;
+            while (*pp && *pp != j) pp = &(*pp)->prog_next;
+            if (*pp) *pp = j->prog_next;
+            j->on_prog = 0;
+        }
+    }
     pthread_mutex_unlock(&t->mu);
     *done = *done_tail = NULL;
     if (t->wake) t->wake(t->wake_arg);

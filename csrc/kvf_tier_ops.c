@@ -654,11 +654,11 @@ static void stream_progress(struct kvf_tier_job *j)
 struct conn *kvf_tier_reap(struct kvf_server *s)
 {
     struct conn *ready = NULL;
-    /* progress first: a job on both lists is freed with its request once done */
-    for (struct kvf_tier_job *p = kvf_tier_take_progress(s->tier), *nx; p; p = nx) {
-        nx = p->prog_next;
-        stream_progress(p);
-    }
+    /* progress first: a job that is done as well is freed below, and the tier thread takes a
+     * finished job off the progress list when it hands it back */
+    struct kvf_tier_job *prog[64];
+    for (uint32_t n; (n = kvf_tier_take_progress(s->tier, prog, 64));)
+        for (uint32_t k = 0; k < n; k++) stream_progress(prog[k]);
     struct kvf_tier_job *d = kvf_tier_take_done(s->tier);
     while (d) {
         struct kvf_tier_job *j = d;
