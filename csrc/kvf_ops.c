@@ -190,12 +190,11 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         return;
     }
     struct batch *b = &c->b;
-    if (s->tier && kvf_tier_park(c, op, b, n)) return; /* keys on a tier: read, promote, come back */
+    int trust = 0;
     if (op == KVF_OP_GET) {
         /* client_verifies: the client checks each object against the reply's
          * checksum itself (and asks again without the flag on a mismatch),
          * so the objects go out unchecked: one pass over the bytes fewer */
-        int trust = 0;
         struct kvf_mr fr;
         if (!kvf_mr_find(m.p, m.n, KVF_F_CLIENT_VERIFIES, &fr) && kvf_mr_bool(&fr, &trust)) {
             kvf_reject(c, KVF_E_MALFORMED, "client_verifies must be a bool");
@@ -208,6 +207,9 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
             kvf_reject(c, KVF_E_BUSY, "server busy: queued replies over their budget");
             return;
         }
+    }
+    if (s->tier && kvf_tier_park(c, op, b, n)) return; /* keys on a tier: read, promote, come back */
+    if (op == KVF_OP_GET) {
         KVF_REPLY_BEGIN(32 + (size_t)n * 20, n);
         uint32_t found = 0;
         uint64_t payload = 0;
@@ -238,6 +240,15 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
                     b->csums[i] = csum;
                     b->status[i] = 1;
                 }
+            } else if (s->tier && kvf_tier_stream_slot(c, b->keys[i], b->klens[i], found, &off, &size, &csum)) {
+                /* on the SSD tier, its slot reserved: sent as soon as its read is verified */
+                rp->segs[found] = (struct seg){.off = off, .len = size, .entry = KVF_SEG_SLOT, .csum = csum,
+                                               .wait = 1};
+                found++;
+                payload += size;
+                b->sizes[i] = size;
+                b->csums[i] = csum;
+                b->status[i] = 1;
             }
             if (b->status[i]) s->ctr.hits++; else s->ctr.misses++;
         }
@@ -250,6 +261,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         kvf_mw_array(&w, n);
         for (uint32_t i = 0; i < n; i++) kvf_mw_uint(&w, b->status[i] ? b->csums[i] : 0);
         kvf_reply_finish(c, rp, KVF_OP_GET, KVF_FLAG_REPLY, w.len, payload);
+        if (s->tier) kvf_tier_stream_start(c, rp); /* its SSD reads, if any */
     } else if (op == KVF_OP_EXISTS) {
         KVF_REPLY_BEGIN(32 + (size_t)n, 0);
         kvf_mw_map(&w, 1);

@@ -41,7 +41,10 @@ struct reply *kvf_reply_new(struct conn *c, size_t meta_cap, uint32_t nseg)
 void kvf_reply_try_free(struct kvf_server *s, struct reply *r)
 {
     if (!r->done || r->notifs) return;
-    for (uint32_t i = 0; i < r->nseg; i++) kvf_store_release(s->st, r->segs[i].entry);
+    for (uint32_t i = 0; i < r->nseg; i++) {
+        if (r->segs[i].entry == KVF_SEG_SLOT) kvf_store_unreserve(s->st, r->segs[i].off, r->segs[i].len);
+        else kvf_store_release(s->st, r->segs[i].entry);
+    }
     free(r->head);
     free(r->segs);
     free(r->iovs);
@@ -257,13 +260,20 @@ static void start_send(struct conn *c)
     struct kvf_server *s = c->srv;
     while (!c->send_posted && c->q_head && !c->closing) {
         struct reply *r = c->q_head;
-        while (r->seg < r->nseg && r->seg_off == r->segs[r->seg].len) { r->seg++; r->seg_off = 0; }
+        while (r->seg < r->nseg && !r->segs[r->seg].wait && r->seg_off == r->segs[r->seg].len) {
+            r->seg++;
+            r->seg_off = 0;
+        }
         if (r->head_off == r->head_len && r->seg >= r->nseg) {
             /* reply fully sent */
             c->q_head = r->next;
             if (!c->q_head) c->q_tail = NULL;
             c->nreplies--;
             c->reply_mem -= r->mem;
+            if (r->tier_bytes) { /* its SSD slots no longer count against the connection's read-ahead */
+                c->tstream_bytes -= r->tier_bytes;
+                c->tier_kick = 1;
+            }
             r->done = 1;
             r->conn = NULL;
             kvf_reply_try_free(s, r);
@@ -279,6 +289,8 @@ static void start_send(struct conn *c)
         }
         struct seg *g = r->seg < r->nseg ? &r->segs[r->seg] : NULL;
         if (g && g->hashed <= r->seg_off && verify_chunk(c, g)) return; /* corrupt: connection closed */
+        if (g && g->wait && g->hashed <= r->seg_off && r->head_off == r->head_len)
+            return; /* its next bytes are still being read from the SSD tier: kvf_conn_send_more */
         if (!r->iovs && !(r->iovs = malloc(sizeof(struct iovec) * KVF_SEND_IOV))) { kvf_conn_close(c); return; }
         struct io_uring_sqe *q = kvf_sqe_get(s);
         if (!q) { kvf_conn_close(c); return; }
@@ -303,7 +315,7 @@ static void start_send(struct conn *c)
         }
         c->refs++;
         c->send_posted = 1;
-        if (g && g->hashed < g->len) {
+        if (g && g->verify && g->hashed < g->len) {
             /* Hash the next KVF_HASH_AHEAD bytes while the kernel sends what
              * is verified: the next send carries them while they are still
              * in cache, and no object, however large, holds the loop for more
@@ -315,6 +327,13 @@ static void start_send(struct conn *c)
         }
         return;
     }
+}
+
+void kvf_conn_send_more(struct conn *c)
+{
+    /* the wait was the disk's, not the peer's: its min_rate bound starts again from now */
+    if (c->q_head && !c->send_posted) c->q_head->deadline_ms = 0;
+    start_send(c);
 }
 
 void kvf_conn_sent(struct conn *c, int res)

@@ -245,12 +245,25 @@ static void on_accept(struct kvf_server *s, uint64_t *tag, int res)
 
 /* ---------------------------------------------------------------- loop */
 
-/* A request parked on a tier's reads has them (promoted into DRAM): run it
- * again, from its metadata still in c->meta; it now finds the promoted keys. */
+/* A request parked on a tier's reads has them (promoted into DRAM), or a
+ * streamed GET has its slots, or a request waited for the connection's
+ * streamed reads: run it again, from its metadata still in c->meta. */
 static void rerun(struct conn *c)
 {
+    kvf_tier_rerun_begin(c);
     if (!c->closing) kvf_ops_request(c);
     kvf_tier_rerun_done(c);
+}
+
+/* A streamed GET's reply was sent: a request waiting for its share of the read-ahead tries again. */
+static void tier_kicked(struct conn *c)
+{
+    if (!c->tier_kick) return;
+    c->tier_kick = 0;
+    if (c->tier_wait && !c->closing && !c->tier_listed) {
+        c->tier_wait = 0;
+        rerun(c);
+    }
 }
 
 static void tier_reap(struct kvf_server *s)
@@ -258,7 +271,11 @@ static void tier_reap(struct kvf_server *s)
     for (struct conn *c = kvf_tier_reap(s), *n; c; c = n) {
         n = c->tier_next;
         c->tier_next = NULL;
-        rerun(c);
+        c->tier_listed = 0;
+        if (c->tier_run) {
+            c->tier_run = 0;
+            rerun(c);
+        }
         conn_check(c);
     }
 }
@@ -306,6 +323,7 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
         struct conn *c = p;
         c->refs--;
         kvf_conn_sent(c, cqe->res);
+        tier_kicked(c);
         conn_check(c);
         break;
     }
@@ -320,6 +338,7 @@ static void dispatch(struct kvf_server *s, struct io_uring_cqe *cqe)
         struct conn *c = r->conn;
         c->refs--;
         kvf_conn_sent(c, cqe->res);
+        tier_kicked(c);
         conn_check(c);
         break;
     }

@@ -69,12 +69,19 @@ enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
 #define KVF_TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
 enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
 
+/* seg.entry of a slot the reply holds reserved (no store entry): a GET object
+ * streamed from the SSD tier, unreserved when the reply is done unless it was
+ * promoted (then entry is its pinned store entry). */
+#define KVF_SEG_SLOT UINT32_MAX
+
 struct seg {
     uint64_t off, len;
-    uint32_t entry;  /* pinned store entry, released when the reply is done */
+    uint32_t entry;  /* pinned store entry, released when the reply is done; KVF_SEG_SLOT: see above */
     int verify;      /* large object: checksum verified chunk by chunk while it is sent */
     uint64_t csum;   /* expected checksum when verify is set */
     uint64_t hashed; /* bytes hashed so far; never more than this is sent */
+    int wait;        /* its bytes are still being read from the SSD tier: the reply sends up to
+                        `hashed` (the chunks checked so far) and waits there (kvf_conn_send_more) */
 };
 
 /* One queued reply. Freed when fully sent (or orphaned by a closed
@@ -92,6 +99,8 @@ struct reply {
     int pass_fd;         /* >= 0: send with SCM_RIGHTS (shm attach) */
     int64_t deadline_ms; /* min_rate bound, set when it starts going out; 0: none */
     size_t mem;          /* bytes allocated for it (the reply budgets count these) */
+    uint64_t tier_bytes; /* arena slots of its objects streamed from the SSD tier: counted in the
+                            connection's tstream_bytes until it is sent (then tier_kick) */
     struct msghdr mh;
     struct iovec *iovs;  /* KVF_SEND_IOV entries, for SENDMSG */
     union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } cmsg;
@@ -181,6 +190,13 @@ struct conn {
     uint32_t resv_expired;         /* id of the last reservation that expired (for COMMIT's answer) */
     /* tiers (kvf_tier_ops.c) */
     struct kvf_tier_req *treq;     /* reads in flight for the parked request, or NULL */
+    struct kvf_tier_req *tstream;  /* streamed GET replies already queued whose reads are in flight (a list) */
+    uint64_t tstream_bytes;        /* arena slots of its streamed GET replies not yet sent (reads in flight or
+                                      bytes unsent): at most the tier's promotion cap */
+    int tier_kick;                 /* a streamed reply was sent: a request in tier_wait may go on (the loop) */
+    int tier_wait;                 /* RS_TIER: this request waits for tstream's reads (over the cap) */
+    int tier_run;                  /* on kvf_tier_reap's list: its request runs again (else only checked) */
+    int tier_listed;               /* on kvf_tier_reap's list (once, however many reads of it came back) */
     int tier_pass;                 /* the request is being re-dispatched: never to a tier again */
     struct conn *tier_next;        /* kvf_tier_reap's list of requests to dispatch again */
 };
@@ -251,15 +267,28 @@ void kvf_op_stats(struct conn *c);             /* STATS: queue the reply, then t
 
 /* ---- kvf_tier_ops.c */
 /* GET/LOOKUP/DELETE keys missing DRAM but on a tier: park c and read them (1),
- * or 0 (serve now: nothing to read, or read already). */
+ * or 0 (serve now: nothing to read, or read already; a streamed GET: its
+ * slots are reserved, the reply is built with kvf_tier_stream_slot and
+ * started with kvf_tier_stream_start). */
 int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n);
-/* Parked for space: reserve and post the rest. 1: every read is back, the
- * request is to be dispatched again (then kvf_tier_rerun_done); 0: waiting. */
+/* Parked for space: reserve and post the rest. 1: every read is back (or, for
+ * a streamed GET, every slot reserved), the request is to be dispatched again
+ * (kvf_tier_rerun_begin, kvf_ops_request, kvf_tier_rerun_done); 0: waiting. */
 int kvf_tier_step(struct conn *c);
-/* Read jobs came back: promote. Returns the connections whose requests are
- * finished, linked by tier_next: each not closing is to be dispatched again
- * (kvf_ops_request, then kvf_tier_rerun_done); each may be destroyable. */
+/* A streamed GET being answered: the reserved slot of key (the first one not
+ * yet given to a segment): 1 and off/size/csum set, the job bound to segment
+ * seg of the reply; 0: none (a miss). */
+int kvf_tier_stream_slot(struct conn *c, const uint8_t *key, uint32_t klen, uint32_t seg, uint64_t *off,
+                         uint64_t *size, uint64_t *csum);
+/* The streamed GET's reply rp is queued: post its reads (each object goes out
+ * as its read is verified, kvf_conn_send_more), give back unused slots. */
+void kvf_tier_stream_start(struct conn *c, struct reply *rp);
+/* Read jobs came back: promote (and send a streamed GET's objects). Returns
+ * the connections whose requests are to run again, linked by tier_next: each
+ * not closing is to be dispatched again (kvf_tier_rerun_begin,
+ * kvf_ops_request, kvf_tier_rerun_done); each may be destroyable. */
 struct conn *kvf_tier_reap(struct kvf_server *s);
+void kvf_tier_rerun_begin(struct conn *c); /* the request found by kvf_tier_reap/step runs again now */
 void kvf_tier_rerun_done(struct conn *c); /* the second pass is done: free the request's reads */
 void kvf_tier_conn_gone(struct conn *c);
 
@@ -309,6 +338,8 @@ void kvf_reply_drop(struct conn *c, struct reply *r); /* never queued */
 /* Free r (releasing its slot pins) once it is done and no zero-copy
  * notification is outstanding; otherwise nothing. No return. */
 void kvf_reply_try_free(struct kvf_server *s, struct reply *r);
+/* A segment of a queued reply became sendable (its SSD read is in, hashed = len): send on. */
+void kvf_conn_send_more(struct conn *c);
 /* A SENDMSG/SEND_ZC of c's head reply completed with res (bytes or -errno):
  * account it and post the next send; closes c on error. No return. */
 void kvf_conn_sent(struct conn *c, int res);

@@ -365,27 +365,47 @@ static void index_entry(struct kvf_store *st, uint32_t id, const uint8_t *key, u
     st->bytes_used += size;
 }
 
-int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
-                     uint64_t csum, const uint8_t *parent, uint32_t plen)
+/* pins NULL: a held key's slot is freed (kvf_store_commit); else the stored entry is pinned
+ * (*pins = its id) and a held key's slot, or every slot on ENOMEM, stays the caller's. */
+static int commit_one(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
+                      uint64_t csum, const uint8_t *parent, uint32_t plen, uint32_t *pins)
 {
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     pthread_mutex_lock(&st->mu);
     if (find(st, key, klen) != NONE) {
-        kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
+        if (!pins) kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
         pthread_mutex_unlock(&st->mu);
         return 1;
     }
     if (st->objects >= st->nbuckets && grow_buckets(st)) { /* keep chains long rather than fail */ }
     uint32_t id = new_entry(st);
     if (id == NONE) {
-        kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
+        if (!pins) kvf_pages_free(&st->pages, (uint32_t)(off / KVF_PAGE), pages_for(size));
         pthread_mutex_unlock(&st->mu);
         return -ENOMEM;
     }
     index_entry(st, id, key, klen, off, size, csum, NONE);
+    if (pins) { /* pinned for the GET that read it (a hit, as kvf_store_acquire counts one) */
+        st->ents[id].pins = 1;
+        st->ents[id].hits = 1;
+        st->pinned++;
+        *pins = id;
+    }
     event(st, KVF_EV_INSERT, key, klen, size, parent, plen, NULL);
     pthread_mutex_unlock(&st->mu);
     return 0;
+}
+
+int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
+                     uint64_t csum, const uint8_t *parent, uint32_t plen)
+{
+    return commit_one(st, key, klen, off, size, csum, parent, plen, NULL);
+}
+
+int kvf_store_commit_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
+                            uint64_t csum, uint32_t *id)
+{
+    return commit_one(st, key, klen, off, size, csum, NULL, 0, id);
 }
 
 /* Room for `n` more entries and one group record, so that nothing fails halfway. */
@@ -411,16 +431,15 @@ static int ensure_room(struct kvf_store *st, uint32_t n)
     return 0;
 }
 
-int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
-                           const uint8_t *klens,
-                           const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
-                           const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
-                           uint32_t gparts, uint8_t *status)
+static int commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
+                        const uint8_t *klens, const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
+                        const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
+                        uint8_t *status, uint32_t *pins)
 {
     if (n == 0 || glen == 0 || glen > KVF_KEY_MAX || gparts == 0) return -EINVAL;
     pthread_mutex_lock(&st->mu);
     if (ensure_room(st, n)) {
-        for (uint32_t k = 0; k < n; k++)
+        for (uint32_t k = 0; k < n && !pins; k++)
             kvf_pages_free(&st->pages, (uint32_t)(offs[idx[k]] / KVF_PAGE), pages_for(sizes[idx[k]]));
         pthread_mutex_unlock(&st->mu);
         return -ENOMEM;
@@ -429,7 +448,7 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
     for (uint32_t kk = 0; kk < n; kk++) {
         uint32_t k = idx[kk];
         if (klens[k] == 0 || klens[k] > KVF_KEY_MAX || find(st, keys[k], klens[k]) != NONE) {
-            kvf_pages_free(&st->pages, (uint32_t)(offs[k] / KVF_PAGE), pages_for(sizes[k]));
+            if (!pins) kvf_pages_free(&st->pages, (uint32_t)(offs[k] / KVF_PAGE), pages_for(sizes[k]));
             status[k] = 1;
             continue;
         }
@@ -456,6 +475,12 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
         st->grps[gi].bytes += sizes[k];
         st->group_objects++;
         status[k] = 0;
+        if (pins) {
+            st->ents[id].pins = 1;
+            st->ents[id].hits = 1;
+            st->pinned++;
+            pins[k] = id;
+        }
     }
     if (gi != NONE) {
         struct group *g = &st->grps[gi];
@@ -469,6 +494,23 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
     }
     pthread_mutex_unlock(&st->mu);
     return 0;
+}
+
+int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
+                           const uint8_t *klens,
+                           const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
+                           const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
+                           uint32_t gparts, uint8_t *status)
+{
+    return commit_group(st, n, idx, keys, klens, offs, sizes, csums, parent, plen, gkey, glen, gparts, status, NULL);
+}
+
+int kvf_store_commit_group_pinned(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
+                                  const uint8_t *klens, const uint64_t *offs, const uint64_t *sizes,
+                                  const uint64_t *csums, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
+                                  uint8_t *status, uint32_t *ids)
+{
+    return commit_group(st, n, idx, keys, klens, offs, sizes, csums, NULL, 0, gkey, glen, gparts, status, ids);
 }
 
 int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,

@@ -88,6 +88,17 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
                            const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
                            const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
                            uint32_t gparts, uint8_t *status);
+/* The same, for a slot the caller keeps sending from (a GET streamed while it is read from
+ * the SSD tier): the stored entry is pinned at once (*id, kvf_store_release it), so no
+ * eviction can take the slot in between; a held key (1) or ENOMEM leaves the slot
+ * reserved, the caller's to unreserve. commit_group_pinned: ids[idx[k]] likewise, for the
+ * parts stored (status 0); held parts' slots stay the caller's, and all of them on ENOMEM. */
+int kvf_store_commit_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
+                            uint64_t csum, uint32_t *id);
+int kvf_store_commit_group_pinned(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
+                                  const uint8_t *klens, const uint64_t *offs, const uint64_t *sizes,
+                                  const uint64_t *csums, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
+                                  uint8_t *status, uint32_t *ids);
 /* Pin an entry for reading. -ENOENT on a miss. Records an ACCESS event. */
 int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,
                       uint64_t *size, uint64_t *csum);

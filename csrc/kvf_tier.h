@@ -86,7 +86,19 @@ struct kvf_tier_job {
     uint8_t gkey[KVF_KEY_MAX];
     uint8_t glen;
     uint32_t gparts;
+    /* SSD_READ of a streamed GET (stream set by the loop before posting): a value over
+     * 2 x KVF_TIER_CHUNK is read in up to 8 chunks at once; as they land in order the tier
+     * thread checks the header, hashes them and raises `sendable` (atomic: value bytes the
+     * loop may send now; never the last chunk, which waits for the whole checksum), and
+     * puts the job on the progress list (kvf_tier_take_progress) */
+    uint8_t stream, nchunks, chunks_left, hashed_chunks, on_prog, landed;
+    int cerr;              /* the first chunk's failure (-errno, -EIO short, or the header's) */
+    uint64_t chunk;        /* bytes per chunk (a multiple of KVF_TIER_BLOCK) */
+    uint64_t sendable;
+    void *xh;              /* the chunks' running checksum (kvf_hash.h) */
+    struct kvf_tier_job *prog_next;
 };
+#define KVF_TIER_CHUNK (256u << 10)
 
 /* ------------------------------------------------------------------ shared tier
  *
@@ -162,6 +174,9 @@ void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t kle
 void kvf_tier_post(struct kvf_tier *t, struct kvf_tier_job *list);
 /* Loop thread: the read jobs finished since the last call (a list), or NULL. */
 struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t);
+/* Loop thread, BEFORE kvf_tier_take_done: up to max streamed reads whose `sendable` grew since
+ * the last call, into out; returns how many (each still the tier thread's: read `sendable` only). */
+uint32_t kvf_tier_take_progress(struct kvf_tier *t, struct kvf_tier_job **out, uint32_t max);
 struct kvf_tier_job *kvf_tier_job_new(void); /* zeroed, or NULL */
 void kvf_tier_job_free(struct kvf_tier_job *j); /* frees buf too */
 /* Loop thread, a read job that came back: give its shared-read staging bytes

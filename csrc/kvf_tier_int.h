@@ -104,6 +104,7 @@ struct kvf_tier {
     /* queues */
     struct kvf_tier_job *q_head, *q_tail;
     struct kvf_tier_job *done;
+    struct kvf_tier_job *prog; /* streamed reads that progressed (prog_next), for the loop */
     int stop, started;
     pthread_t th;
     struct kvf_ring ring;

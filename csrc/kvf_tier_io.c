@@ -10,7 +10,8 @@
  * loop thread reserved), runs shared-tier jobs synchronously meanwhile, then
  * reaps every completion: a written record is indexed (unless deleted
  * meanwhile), a read record is verified (header, key, seq, value checksum);
- * finished reads go to the done list and the loop thread is woken.
+ * finished reads go to the done list after each round of completions (not
+ * at the end of the batch) and the loop thread is woken.
  *
  * Failures are values: an I/O error is counted (ssd_errors) and the write
  * dropped (ssd_write_drops) or the read a miss; a record that fails its
@@ -44,6 +45,7 @@ struct kvf_tier_job *kvf_tier_job_new(void) { return calloc(1, sizeof(struct kvf
 void kvf_tier_job_free(struct kvf_tier_job *j)
 {
     if (!j) return;
+    if (j->xh) kvf_hash_free(j->xh);
     free(j->buf);
     free(j);
 }
@@ -121,6 +123,21 @@ struct kvf_tier_job *kvf_tier_take_done(struct kvf_tier *t)
     struct kvf_tier_job *rev = NULL;
     while (d) { struct kvf_tier_job *n = d->next; d->next = rev; rev = d; d = n; }
     return rev;
+}
+
+uint32_t kvf_tier_take_progress(struct kvf_tier *t, struct kvf_tier_job **out, uint32_t max)
+{
+    if (!__atomic_load_n(&t->prog, __ATOMIC_ACQUIRE)) return 0;
+    uint32_t n = 0;
+    pthread_mutex_lock(&t->mu);
+    while (t->prog && n < max) { /* copied out: the tier thread may put a job on the list again at once */
+        struct kvf_tier_job *j = t->prog;
+        t->prog = j->prog_next;
+        j->on_prog = 0;
+        out[n++] = j;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return n;
 }
 
 void kvf_tier_set_wake(struct kvf_tier *t, void (*wake)(void *), void *arg)
@@ -256,8 +273,8 @@ static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
     j->csum = csum;
 }
 
-/* Verify a read record; 0, -ESTALE (overwritten since looked up), -EBADMSG. */
-static int verify_read(struct kvf_tier *t, struct kvf_tier_job *j)
+/* Check a read record's header block; 0, -ESTALE (overwritten since looked up), -EBADMSG. */
+static int verify_header(struct kvf_tier *t, struct kvf_tier_job *j)
 {
     const struct tier_rec *h = j->iov[0].iov_base;
     if (kvf_tier_rec_check(t, j->loc, h)) return -EBADMSG;
@@ -268,7 +285,88 @@ static int verify_read(struct kvf_tier *t, struct kvf_tier_job *j)
     if (kvf_tier_grp_get(j->iov[0].iov_base, j->gkey, &glen, &gparts)) return -EBADMSG;
     j->glen = (uint8_t)glen;
     j->gparts = gparts;
+    return 0;
+}
+
+/* Verify a read record; 0, -ESTALE (overwritten since looked up), -EBADMSG. */
+static int verify_read(struct kvf_tier *t, struct kvf_tier_job *j)
+{
+    int rc = verify_header(t, j);
+    if (rc) return rc;
     return kvf_obj_hash(j->key, j->klen, j->dst, j->size) == j->csum ? 0 : -EBADMSG;
+}
+
+/* Value bytes of chunk c of a chunked read (the last one up to the rounded value end). */
+static uint64_t chunk_len(const struct kvf_tier_job *j, unsigned c)
+{
+    uint64_t end = tier_round(j->size), from = (uint64_t)c * j->chunk;
+    return from + j->chunk < end ? j->chunk : end - from;
+}
+
+/* Chunk c of a chunked read completed with res: check the header (chunk 0), hash
+ * the chunks landed in order, and raise `sendable` (all but the last chunk, which
+ * waits for the whole checksum). 1 when the job is complete (result set), 0 when
+ * chunks are still in flight; *progressed when sendable grew. */
+static int chunk_done(struct kvf_tier *t, struct kvf_tier_job *j, unsigned c, int res, int *progressed)
+{
+    uint64_t want = chunk_len(j, c) + (c == 0 ? KVF_TIER_BLOCK : 0);
+    if (!j->cerr && (res < 0 || (uint64_t)res != want)) j->cerr = res < 0 ? res : -EIO;
+    j->landed |= (uint8_t)(1u << c);
+    if (!j->cerr && c == 0) {
+        j->cerr = verify_header(t, j);
+        if (!j->cerr && !j->xh && !(j->xh = kvf_hash_new())) j->cerr = -ENOMEM;
+        if (!j->cerr) kvf_hash_reset_key(j->xh, j->key, j->klen);
+    }
+    while (!j->cerr && j->hashed_chunks < j->nchunks && (j->landed & (1u << j->hashed_chunks))) {
+        uint64_t from = (uint64_t)j->hashed_chunks * j->chunk, n = chunk_len(j, j->hashed_chunks);
+        if (from + n > j->size) n = j->size - from; /* the record's padding is not the object's */
+        kvf_hash_update(j->xh, j->dst + from, n);
+        j->hashed_chunks++;
+        if (j->hashed_chunks < j->nchunks) { /* never the last chunk before the whole checksum */
+            __atomic_store_n(&j->sendable, from + n, __ATOMIC_RELEASE);
+            *progressed = 1;
+        }
+    }
+    if (--j->chunks_left) return 0;
+    if (!j->cerr && kvf_hash_digest(j->xh) != j->csum) j->cerr = -EBADMSG;
+    j->result = j->cerr;
+    return 1;
+}
+
+static int read_sqe(struct kvf_tier *t, struct kvf_tier_job *j, struct io_uring_sqe *q);
+
+/* Submit SSD_READ job j: one READV (read_sqe), or for a streamed GET's large value the header
+ * block + first chunk and one READ per further chunk, all at once. Returns the SQEs taken
+ * (each completes once), 0 when none could be had; -ENOMEM (q taken, nothing read). */
+static int read_sqes(struct kvf_tier *t, struct kvf_tier_job *j, struct io_uring_sqe *q)
+{
+    if (!j->stream || j->size <= 2u * KVF_TIER_CHUNK) return read_sqe(t, j, q) ? -ENOMEM : 1;
+    uint64_t per = (tier_round(j->size) + 7) / 8;
+    j->chunk = tier_round(per > KVF_TIER_CHUNK ? per : KVF_TIER_CHUNK);
+    j->nchunks = (uint8_t)((tier_round(j->size) + j->chunk - 1) / j->chunk);
+    if (read_sqe(t, j, q)) return -ENOMEM;
+    j->iov[1].iov_len = chunk_len(j, 0);
+    q->user_data = (uint64_t)(uintptr_t)j; /* chunk 0 */
+    int fd;
+    uint64_t off;
+    kvf_tier_where(t, j->loc, &fd, &off);
+    unsigned c = 1;
+    for (; c < j->nchunks; c++) {
+        struct io_uring_sqe *e = kvf_ring_sqe(&t->ring);
+        if (!e) break;
+        e->opcode = IORING_OP_READ;
+        e->fd = fd;
+        e->off = off + KVF_TIER_BLOCK + (uint64_t)c * j->chunk;
+        e->addr = (uint64_t)(uintptr_t)(j->dst + (uint64_t)c * j->chunk);
+        e->len = (uint32_t)chunk_len(j, c);
+        e->user_data = (uint64_t)(uintptr_t)j | c;
+    }
+    if (c < j->nchunks) { /* the ring is full: the rest are chunks that failed (the job completes as -EIO) */
+        j->cerr = -EIO;
+        j->landed = (uint8_t)~0u;
+    }
+    j->chunks_left = (uint8_t)c;
+    return (int)c;
 }
 
 /* Fill q with SSD_READ job j's READV (header block + value straight into dst); 0 or -ENOMEM. */
@@ -321,7 +419,8 @@ static unsigned take_late_reads(struct kvf_tier *t, unsigned inflight, struct kv
         j->next = NULL;
         j->run_ns = now;
         struct io_uring_sqe *q = kvf_ring_sqe(&t->ring);
-        if (q && !read_sqe(t, j, q)) { added++; continue; }
+        int taken = q ? read_sqes(t, j, q) : 0;
+        if (taken > 0) { added += (unsigned)taken; continue; }
         if (q) { q->opcode = IORING_OP_NOP; q->user_data = 0; added++; } /* the SQE was taken */
         j->result = -ENOMEM;
         pthread_mutex_lock(&t->mu);
@@ -345,9 +444,34 @@ static unsigned take_late_reads(struct kvf_tier *t, unsigned inflight, struct kv
     return added;
 }
 
+/* Give the finished read jobs to the loop thread and wake it. Called after each round of
+ * completions, not once per batch: a batch that keeps taking late reads (a client pipelining its
+ * GETs) would otherwise hold every finished read back until its last one completed. */
+static void hand_back(struct kvf_tier *t, struct kvf_tier_job **done, struct kvf_tier_job **done_tail)
+{
+    if (!*done) return;
+    pthread_mutex_lock(&t->mu);
+    /* t->done is newest first (kvf_tier_take_done reverses it) */
+    for (struct kvf_tier_job *j = *done, *n; j; j = n) {
+        n = j->next;
+        j->next = t->done;
+        t->done = j;
+        if (j->on_prog) { /* the loop frees it once done: never on the progress list then */
+            struct kvf_tier_job **pp = &t->prog;
+            while (*pp && *pp != j) pp = &(*pp)->prog_next;
+            if (*pp) *pp = j->prog_next;
+            j->on_prog = 0;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    *done = *done_tail = NULL;
+    if (t->wake) t->wake(t->wake_arg);
+}
+
 static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
 {
     struct kvf_tier_job *done = NULL, *done_tail = NULL;
+    int prog = 0;
     unsigned inflight = 0;
     uint64_t run_ns = kvf_tier_now_ns();
     /* The segment of the batch's first write: a batch never wraps the log back
@@ -384,14 +508,15 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
         int fd = -1;
         uint64_t off = 0;
         if (q && j->op == KVF_JOB_SSD_READ) {
-            if (read_sqe(t, j, q)) {
+            int taken = read_sqes(t, j, q);
+            if (taken < 0) {
                 q->opcode = IORING_OP_NOP; /* the SQE was taken: complete it as nothing */
                 q->user_data = 0;
                 inflight++;
                 j->result = -ENOMEM;
                 q = NULL;
             } else {
-                inflight++;
+                inflight += (unsigned)taken;
                 continue;
             }
         } else if (q) {
@@ -457,17 +582,35 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
         if (rc && rc != -ETIME && rc != -EINTR) break; /* the ring is broken: what is in flight is lost */
         struct io_uring_cqe *cqe;
         while ((cqe = kvf_ring_peek(&t->ring))) {
-            struct kvf_tier_job *j = (struct kvf_tier_job *)(uintptr_t)cqe->user_data;
+            uint64_t ud = cqe->user_data;
             int res = cqe->res;
             kvf_ring_cqe_seen(&t->ring);
-            if (j == (void *)&t->kick_val) { t->kick_armed = 0; continue; } /* a kick: late reads next round */
+            if (ud == (uint64_t)(uintptr_t)&t->kick_val) { t->kick_armed = 0; continue; } /* a kick: late reads next round */
             inflight--;
+            /* job pointers are 16-byte aligned (calloc): the low bits name a chunked read's chunk */
+            struct kvf_tier_job *j = (struct kvf_tier_job *)(uintptr_t)(ud & ~(uint64_t)15);
             if (!j) continue; /* the NOP of a deferred job */
             uint64_t us = (kvf_tier_now_ns() - j->post_ns) / 1000;
+            if (j->op == KVF_JOB_SSD_READ && j->nchunks) {
+                int progressed = 0;
+                int whole = chunk_done(t, j, (unsigned)(ud & 15), res, &progressed);
+                if (progressed && !j->on_prog) {
+                    pthread_mutex_lock(&t->mu);
+                    j->on_prog = 1;
+                    j->prog_next = t->prog;
+                    t->prog = j;
+                    pthread_mutex_unlock(&t->mu);
+                    prog = 1;
+                }
+                if (!whole) continue;
+                /* for the accounting below: the I/O's outcome (an error, or the record's bytes) */
+                res = j->result < 0 && j->result != -EBADMSG && j->result != -ESTALE
+                          ? j->result : (int)(KVF_TIER_BLOCK + tier_round(j->size));
+            }
             if (j->op == KVF_JOB_SSD_READ) {
                 j->cqe_ns = kvf_tier_now_ns();
                 uint64_t want = KVF_TIER_BLOCK + (j->size ? tier_round(j->size) : 0);
-                j->result = res < 0 ? res : (uint64_t)res != want ? -EIO : verify_read(t, j);
+                if (!j->nchunks) j->result = res < 0 ? res : (uint64_t)res != want ? -EIO : verify_read(t, j);
                 pthread_mutex_lock(&t->mu);
                 t->st.reads++;
                 t->st.read_us_total += us;
@@ -520,17 +663,16 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
                 kvf_tier_job_free(j);
             }
         }
+        hand_back(t, &done, &done_tail);
+        if (prog) { /* streamed reads' chunks: the loop sends them while the rest are read */
+            prog = 0;
+            if (t->wake) t->wake(t->wake_arg);
+        }
     }
     pthread_mutex_lock(&t->mu);
     t->in_io = 0;
     pthread_mutex_unlock(&t->mu);
-    if (done) {
-        pthread_mutex_lock(&t->mu);
-        /* t->done is newest first (kvf_tier_take_done reverses it) */
-        for (struct kvf_tier_job *j = done, *n; j; j = n) { n = j->next; j->next = t->done; t->done = j; }
-        pthread_mutex_unlock(&t->mu);
-        if (t->wake) t->wake(t->wake_arg);
-    }
+    hand_back(t, &done, &done_tail);
 }
 
 static void *tier_main(void *arg)

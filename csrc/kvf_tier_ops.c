@@ -18,6 +18,31 @@
  * prefetch, so the GET that follows is a DRAM hit). EXISTS answers from the
  * index without reading (kvf_ops.c).
  *
+ * A GET whose tier keys are all on the SSD tier is streamed instead: once
+ * every slot is reserved (the only wait, for eviction), the reply is built at
+ * once (sizes and checksums from the SSD index; the DRAM keys pinned as
+ * usual; each SSD object a segment that waits, struct seg.wait) and queued,
+ * the reads are posted, and the connection goes on to its next request. Each
+ * object is sent as soon as its read is verified (kvf_conn_send_more) and
+ * promoted then: committed and pinned at once (kvf_store_commit_pinned), so
+ * the reply sends from a slot no eviction can take; a part of a group is
+ * committed with its group's other parts when the request's last read is
+ * back, its slot the reply's until then. A read that fails (corrupt, deleted
+ * or overwritten meanwhile, I/O error) cannot be answered as a miss any more
+ * (the size went out in the metadata): the connection is closed before the
+ * object's last chunk, which the client sees as a miss. A value over two
+ * KVF_TIER_CHUNKs is read in up to 8 chunks at once and sent chunk by chunk
+ * as the tier thread checks them (stream_progress), its last chunk held back
+ * until the whole checksum matched, as a large DRAM object is sent. A connection may have
+ * several streamed GETs in flight (a client pipelining its GETs) while the
+ * slots of its streamed replies not yet sent stay within one request's
+ * promotion cap (c->tstream_bytes, given back as each reply is sent); a
+ * streamed GET over it waits (RS_TIER, tier_wait) until a reply is sent, and
+ * a request that needs a tier otherwise (LOOKUP, DELETE, a shared-tier read)
+ * until the reads are back. So what one connection holds of the arena for
+ * streamed reads is bounded by one request's promotion cap, whether or not
+ * its peer reads (plus what its DRAM GET replies pin, as before).
+ *
  * A connection with jobs in flight holds one ref per job, so it is not
  * destroyed under them; a closing one gives its slots back when they return.
  */
@@ -32,6 +57,7 @@
 #include <time.h>
 
 enum { J_WAIT = 0, J_POSTED = 1, J_DONE = 2 };
+#define SEG_NONE UINT32_MAX
 
 struct kvf_tier_req {
     struct conn *conn;
@@ -41,6 +67,13 @@ struct kvf_tier_req {
     uint64_t park_ns, posted_ns, reap_ns; /* stage trace (KVFABRIC_TIER_TRACE) */
     uint64_t fin_ns;                      /* promotion done, second pass next (trace) */
     uint32_t space_parks;                 /* times it parked for the control thread's eviction */
+    int stream;                   /* a GET served as its reads complete (all jobs SSD_READ) */
+    uint64_t bytes;               /* stream: arena slot bytes of its reads (whole pages) */
+    struct kvf_tier_req *snext;   /* stream: the connection's list (c->tstream) */
+    int rerun;                    /* kvf_tier_rerun_begin: its request is running again */
+    struct reply *rp;             /* stream: the reply queued for it */
+    uint32_t *seg;                /* stream: each job's segment of rp (SEG_NONE: none) */
+    uint64_t hits, misses, prom;  /* stream: counted as the jobs come back */
     uint8_t *state;               /* J_* per job */
     struct kvf_tier_job *jobs[];  /* n */
 };
@@ -105,6 +138,7 @@ struct kvf_tier *kvf_server_detach_tier(struct kvf_server *s)
 static void req_free(struct kvf_tier_req *r)
 {
     free(r->state);
+    free(r->seg);
     free(r);
 }
 
@@ -140,12 +174,19 @@ static int shared_slots(struct conn *c, struct kvf_tier_req *r)
     return 0;
 }
 
-/* The request is done with its reads: trace it, release its jobs, forget it. */
+/* The request is done with its reads: trace it, release its jobs (and a
+ * slot none of them handed over: a streamed GET that was never answered),
+ * forget it. */
 static void req_done(struct conn *c)
 {
     struct kvf_tier_req *r = c->treq;
     if (trace_fp && !c->closing) trace_req(r, r->n ? r->jobs[0]->op : 0, r->fin_ns, now_ns());
-    for (uint32_t i = 0; i < r->n; i++) kvf_tier_job_release(c->srv->tier, r->jobs[i]);
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        if (j->dst && r->state[i] != J_POSTED) kvf_store_unreserve(c->srv->st, j->slot_off, j->size);
+        j->dst = NULL;
+        kvf_tier_job_release(c->srv->tier, j);
+    }
     req_free(r);
     c->treq = NULL;
     c->tier_pass = 0;
@@ -156,7 +197,7 @@ static void req_done(struct conn *c)
  * the policy again, as when they were PUT. */
 struct promo {
     uint8_t *ok, *status;
-    uint32_t *idx;
+    uint32_t *idx, *job, *ids; /* commit's part order (identity); the job of each part; pinned entries */
     const uint8_t **keys;
     uint8_t *klens;
     uint64_t *offs, *sizes, *csums;
@@ -165,7 +206,7 @@ struct promo {
 static struct promo *promo_new(uint32_t n)
 {
     size_t m = n ? n : 1;
-    struct promo *p = calloc(1, sizeof *p + m * (2 + sizeof(uint32_t) + sizeof(uint8_t *) + 1 + 3 * sizeof(uint64_t)));
+    struct promo *p = calloc(1, sizeof *p + m * (3 * sizeof(uint64_t) + sizeof(uint8_t *) + 3 * sizeof(uint32_t) + 3));
     if (!p) return NULL; /* then each object is promoted alone */
     uint8_t *q = (uint8_t *)(p + 1);
     p->offs = (uint64_t *)q; q += m * sizeof(uint64_t);
@@ -173,10 +214,34 @@ static struct promo *promo_new(uint32_t n)
     p->csums = (uint64_t *)q; q += m * sizeof(uint64_t);
     p->keys = (const uint8_t **)q; q += m * sizeof(uint8_t *);
     p->idx = (uint32_t *)q; q += m * sizeof(uint32_t);
+    p->job = (uint32_t *)q; q += m * sizeof(uint32_t);
+    p->ids = (uint32_t *)q; q += m * sizeof(uint32_t);
     p->ok = q; q += m;
     p->status = q; q += m;
     p->klens = q;
     return p;
+}
+
+/* The parts of job i's group marked in pr->ok (i first), taken out of it into the
+ * commit arrays: returns how many. */
+static uint32_t gather_group(struct kvf_tier_req *r, struct promo *pr, uint32_t i)
+{
+    struct kvf_tier_job *g = r->jobs[i];
+    uint32_t m = 0;
+    for (uint32_t k = i; k < r->n; k++) {
+        struct kvf_tier_job *j = r->jobs[k];
+        if (!pr->ok[k] || j->glen != g->glen || memcmp(j->gkey, g->gkey, g->glen)) continue;
+        pr->ok[k] = 0;
+        pr->keys[m] = j->key;
+        pr->klens[m] = j->klen;
+        pr->offs[m] = j->slot_off;
+        pr->sizes[m] = j->size;
+        pr->csums[m] = j->csum;
+        pr->idx[m] = m;
+        pr->job[m] = k;
+        m++;
+    }
+    return m;
 }
 
 /* Commit the jobs marked in pr->ok, a group at a time; returns the objects stored. */
@@ -186,20 +251,9 @@ static uint64_t promote_groups(struct kvf_server *s, struct kvf_tier_req *r, str
     for (uint32_t i = 0; i < r->n; i++) {
         if (!pr->ok[i]) continue;
         struct kvf_tier_job *g = r->jobs[i];
-        uint32_t m = 0;
-        for (uint32_t k = i; k < r->n; k++) {
-            struct kvf_tier_job *j = r->jobs[k];
-            if (!pr->ok[k] || j->glen != g->glen || memcmp(j->gkey, g->gkey, g->glen)) continue;
-            pr->ok[k] = 0;
-            pr->keys[m] = j->key;
-            pr->klens[m] = j->klen;
-            pr->offs[m] = j->slot_off;
-            pr->sizes[m] = j->size;
-            pr->csums[m] = j->csum;
-            pr->idx[m] = m;
-            m++;
-            j->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
-        }
+        uint32_t m = gather_group(r, pr, i);
+        for (uint32_t k = 0; k < m; k++)
+            r->jobs[pr->job[k]]->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
         /* commit frees the slots of keys that arrived meanwhile, and every slot on ENOMEM */
         if (kvf_store_commit_group(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums, NULL, 0,
                                    g->gkey, g->glen, g->gparts, pr->status) == 0)
@@ -250,9 +304,29 @@ static int finish(struct conn *c)
     return 1;
 }
 
+void kvf_tier_rerun_begin(struct conn *c)
+{
+    if (c->treq) c->treq->rerun = 1;
+}
+
 void kvf_tier_rerun_done(struct conn *c)
 {
-    if (c->treq) req_done(c);
+    /* a request that parked during this pass (a fresh one after tier_wait) is not this one */
+    if (c->treq && c->treq->rerun) req_done(c);
+    c->tier_pass = 0;
+}
+
+/* Job i of r goes on the list to post (*post .. *tail); it holds a ref on c until it is back. */
+static void add_post(struct conn *c, struct kvf_tier_req *r, uint32_t i, struct kvf_tier_job **post,
+                     struct kvf_tier_job **tail)
+{
+    struct kvf_tier_job *j = r->jobs[i];
+    j->owner = r;
+    j->next = NULL;
+    if (*tail) (*tail)->next = j; else *post = j;
+    *tail = j;
+    c->refs++;
+    r->state[i] = J_POSTED;
 }
 
 /* Reserve slots and post the jobs not posted yet; park for space when the
@@ -300,15 +374,19 @@ int kvf_tier_step(struct conn *c)
             j->dst = s->base + off;
             j->slot_off = off;
         }
-        j->owner = r;
-        j->next = NULL;
-        if (tail) tail->next = j; else post = j;
-        tail = j;
-        c->refs++;
-        r->state[r->posted++] = J_POSTED;
+        if (r->stream) { /* posted by kvf_tier_stream_start, once the reply is queued */
+            r->state[r->posted++] = J_WAIT;
+            continue;
+        }
+        add_post(c, r, r->posted++, &post, &tail);
     }
     if (post) kvf_tier_post(s->tier, post);
     if (trace_fp) r->posted_ns = now_ns();
+    if (r->stream) { /* every slot reserved: the request runs (again) now and answers at once */
+        c->tier_pass = 1;
+        c->rs = RS_META;
+        return 1;
+    }
     return r->done == r->n ? finish(c) : 0;
 }
 
@@ -342,6 +420,7 @@ int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
     struct kvf_server *s = c->srv;
     struct kvf_tier *t = s->tier;
     if (!t || c->tier_pass) return 0;
+    if (c->treq) req_done(c); /* a streamed GET's slots left by a request that ended unanswered (out of memory) */
     if (op == KVF_OP_DELETE) return park_delete(c, b, n);
     if (op != KVF_OP_GET && op != KVF_OP_LOOKUP) return 0;
     int shared = kvf_tier_has_shared(t);
@@ -387,37 +466,199 @@ int kvf_tier_park(struct conn *c, int op, struct batch *b, uint32_t n)
  * out of memory (the jobs freed; the request then runs without the tier). */
 static int park_jobs(struct conn *c, int op, struct kvf_tier_job *head, uint32_t cnt)
 {
-    (void)op; /* (the shared tier's LOOKUP reads stop at a miss: they need it) */
+    int stream = op == KVF_OP_GET;
+    uint64_t bytes = 0;
+    for (struct kvf_tier_job *j = head; j; j = j->next) {
+        stream &= j->op == KVF_JOB_SSD_READ;
+        bytes += (j->size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
+    }
+    /* streamed GETs of this connection not yet sent: another streamed GET joins them while their
+     * slots stay within one request's promotion cap; anything else waits until their reads are back */
+    if ((c->tstream && !stream) ||
+        (stream && c->tstream_bytes && c->tstream_bytes + bytes > kvf_tier_promote_max(c->srv->tier))) {
+        for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; kvf_tier_job_free(j); }
+        c->tier_wait = 1;
+        c->rs = RS_TIER;
+        return 1;
+    }
     struct kvf_tier_req *r = calloc(1, sizeof *r + sizeof(struct kvf_tier_job *) * cnt);
     uint8_t *state = calloc(cnt, 1);
-    if (!r || !state) {
+    uint32_t *seg = stream ? malloc(sizeof *seg * cnt) : NULL;
+    if (!r || !state || (stream && !seg)) {
         free(r);
         free(state);
+        free(seg);
         for (struct kvf_tier_job *j = head, *nx; j; j = nx) { nx = j->next; kvf_tier_job_free(j); }
         return 0; /* served from DRAM alone: the tier keys are misses */
     }
     r->conn = c;
     r->n = cnt;
     r->state = state;
+    r->stream = stream;
+    r->bytes = bytes;
+    r->seg = seg;
     uint32_t k = 0;
     for (struct kvf_tier_job *j = head, *nx; j; j = nx) {
         nx = j->next;
         j->next = NULL;
         if (op == KVF_OP_LOOKUP && j->op == KVF_JOB_SHARED_READ) j->stop = &r->lookup_stop;
+        if (seg) seg[k] = SEG_NONE;
         r->jobs[k++] = j;
     }
     c->treq = r;
     if (trace_fp) r->park_ns = now_ns();
-    if (kvf_tier_step(c)) { /* nothing to wait for (no slot, nothing posted): serve it now */
+    if (kvf_tier_step(c)) {
+        if (stream) return 0; /* every slot reserved at once: answered now (kvf_tier_stream_slot) */
+        r->rerun = 1; /* nothing to wait for (no slot, nothing posted): serve it now */
         kvf_tier_rerun_done(c);
         return 0;
     }
     return 1;
 }
 
+/* ---------------------------------------------------------------- streamed GET */
+
+int kvf_tier_stream_slot(struct conn *c, const uint8_t *key, uint32_t klen, uint32_t seg, uint64_t *off,
+                         uint64_t *size, uint64_t *csum)
+{
+    struct kvf_tier_req *r = c->treq;
+    if (!r || !r->stream) return 0;
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        if (!j->dst || r->seg[i] != SEG_NONE || j->klen != klen || memcmp(j->key, key, klen)) continue;
+        r->seg[i] = seg;
+        *off = j->slot_off;
+        *size = j->size;
+        *csum = j->csum;
+        return 1;
+    }
+    return 0;
+}
+
+/* Every read of a streamed GET is back: commit its groups' parts (pinned, the
+ * reply still sends from their slots), count, forget it. */
+static void stream_end(struct conn *c, struct kvf_tier_req *r)
+{
+    struct kvf_server *s = c->srv;
+    struct promo *pr = NULL;
+    for (uint32_t i = 0; i < r->n && !c->closing && s->tier; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        if (!j->glen || !j->dst || r->seg[i] == SEG_NONE || j->result) continue;
+        if (!pr && !(pr = promo_new(r->n))) break; /* out of memory: not promoted, the reply keeps the slots */
+        pr->ok[i] = 1;
+    }
+    for (uint32_t i = 0; pr && i < r->n; i++) {
+        if (!pr->ok[i]) continue;
+        struct kvf_tier_job *g = r->jobs[i];
+        uint32_t m = gather_group(r, pr, i);
+        if (kvf_store_commit_group_pinned(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums,
+                                          g->gkey, g->glen, g->gparts, pr->status, pr->ids))
+            continue; /* out of memory: not promoted, the reply keeps the slots */
+        for (uint32_t k = 0; k < m; k++) {
+            if (pr->status[k]) continue; /* held already: the slot stays the reply's */
+            struct kvf_tier_job *j = r->jobs[pr->job[k]];
+            r->rp->segs[r->seg[pr->job[k]]].entry = pr->ids[k]; /* promoted, pinned until the reply is done */
+            j->dst = NULL;
+            r->prom++;
+        }
+    }
+    free(pr);
+    if (s->tier) kvf_tier_count(s->tier, r->hits, r->misses, r->prom);
+    if (trace_fp && !c->closing) trace_req(r, KVF_OP_GET, r->fin_ns ? r->fin_ns : now_ns(), now_ns());
+    for (uint32_t i = 0; i < r->n; i++) {
+        r->jobs[i]->dst = NULL; /* a slot not promoted is the reply's (KVF_SEG_SLOT), given back with it */
+        kvf_tier_job_release(s->tier, r->jobs[i]);
+    }
+    struct kvf_tier_req **pp = &c->tstream;
+    while (*pp && *pp != r) pp = &(*pp)->snext;
+    if (*pp) *pp = r->snext;
+    req_free(r);
+}
+
+void kvf_tier_stream_start(struct conn *c, struct reply *rp)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_tier_req *r = c->treq;
+    if (!r || !r->stream) return;
+    c->treq = NULL;
+    c->tier_pass = 0;
+    r->rp = rp;
+    r->rerun = 0;
+    struct kvf_tier_job *post = NULL, *tail = NULL;
+    for (uint32_t i = 0; i < r->n; i++) {
+        struct kvf_tier_job *j = r->jobs[i];
+        if (r->state[i] != J_WAIT) { r->misses++; continue; } /* no slot: a miss in the reply */
+        if (r->seg[i] == SEG_NONE) { /* no segment (in DRAM by now, or no reply): its slot back */
+            if (j->dst) kvf_store_unreserve(s->st, j->slot_off, j->size);
+            j->dst = NULL;
+            r->state[i] = J_DONE;
+            r->done++;
+            continue;
+        }
+        j->stream = 1; /* a large value is read in chunks, each sent as it is checked (kvf_tier_io.c) */
+        add_post(c, r, i, &post, &tail);
+    }
+    r->snext = c->tstream;
+    c->tstream = r;
+    rp->tier_bytes = r->bytes; /* until the reply is sent (kvf_send.c gives them back) */
+    c->tstream_bytes += r->bytes;
+    if (post) kvf_tier_post(s->tier, post);
+    if (trace_fp) r->posted_ns = now_ns();
+    if (r->done == r->n) stream_end(c, r);
+}
+
+/* A streamed GET's read j (job i) is back: promote it and send it, or close. */
+static void stream_job(struct conn *c, struct kvf_tier_req *r, uint32_t i)
+{
+    struct kvf_server *s = c->srv;
+    struct kvf_tier_job *j = r->jobs[i];
+    struct seg *g = &r->rp->segs[r->seg[i]];
+    int ok = j->result == 0 && !c->closing && s->tier && kvf_tier_still(s->tier, j->key, j->klen, j->seq);
+    if (!ok) {
+        r->misses++;
+        j->result = j->result ? j->result : -ESTALE;
+        /* its size and checksum went out in the metadata: the bytes cannot follow. Closed before
+         * its last chunk is sent, the whole reply is a miss for the client, never wrong bytes. */
+        kvf_conn_close(c);
+        return;
+    }
+    r->hits++;
+    if (!j->glen) {
+        uint32_t id;
+        if (kvf_store_commit_pinned(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, &id) == 0) {
+            g->entry = id; /* promoted, and pinned until the reply is done */
+            j->dst = NULL;
+            r->prom++;
+        } /* else held already (or out of memory): the slot stays the reply's */
+    }
+    g->hashed = g->len; /* verified by the tier thread (header, key, seq, whole checksum) */
+    g->wait = 0;
+    kvf_conn_send_more(c);
+}
+
+/* A streamed read's chunks were checked: send them (the job is still the tier thread's). */
+static void stream_progress(struct kvf_tier_job *j)
+{
+    struct kvf_tier_req *r = j->owner;
+    struct conn *c = r->conn;
+    uint32_t i = 0;
+    while (i < r->n && r->jobs[i] != j) i++;
+    if (i == r->n || r->seg[i] == SEG_NONE || c->closing) return;
+    struct seg *g = &r->rp->segs[r->seg[i]];
+    uint64_t n = __atomic_load_n(&j->sendable, __ATOMIC_ACQUIRE);
+    if (n <= g->hashed || !g->wait) return;
+    g->hashed = n; /* the rest (its last chunk at least) waits for the whole checksum */
+    kvf_conn_send_more(c);
+}
+
 struct conn *kvf_tier_reap(struct kvf_server *s)
 {
     struct conn *ready = NULL;
+    /* progress first: a job that is done as well is freed below, and the tier thread takes a
+     * finished job off the progress list when it hands it back */
+    struct kvf_tier_job *prog[64];
+    for (uint32_t n; (n = kvf_tier_take_progress(s->tier, prog, 64));)
+        for (uint32_t k = 0; k < n; k++) stream_progress(prog[k]);
     struct kvf_tier_job *d = kvf_tier_take_done(s->tier);
     while (d) {
         struct kvf_tier_job *j = d;
@@ -425,13 +666,29 @@ struct conn *kvf_tier_reap(struct kvf_server *s)
         j->next = NULL;
         struct kvf_tier_req *r = j->owner;
         struct conn *c = r->conn;
-        for (uint32_t i = 0; i < r->n; i++)
-            if (r->jobs[i] == j) { r->state[i] = J_DONE; break; }
+        uint32_t i = 0;
+        while (i < r->n && r->jobs[i] != j) i++;
+        if (i < r->n) r->state[i] = J_DONE;
         r->done++;
         c->refs--;
+        if (r->stream) {
+            if (i < r->n) stream_job(c, r, i);
+            if (r->done == r->n) {
+                if (trace_fp) r->reap_ns = r->fin_ns = now_ns();
+                stream_end(c, r);
+                /* a request waiting for these reads runs now (a fresh pass); a closing one is checked */
+                c->tier_run |= c->tier_wait;
+                c->tier_wait = 0;
+                if (!c->tier_listed) { c->tier_listed = 1; c->tier_next = ready; ready = c; }
+            }
+            continue;
+        }
         if (r->done == r->n) {
             if (trace_fp) r->reap_ns = now_ns();
-            if (finish(c)) { c->tier_next = ready; ready = c; }
+            if (finish(c)) {
+                c->tier_run = 1;
+                if (!c->tier_listed) { c->tier_listed = 1; c->tier_next = ready; ready = c; }
+            }
         }
     }
     return ready;
@@ -440,6 +697,14 @@ struct conn *kvf_tier_reap(struct kvf_server *s)
 /* The connection is being destroyed (no job of it in flight: each holds a ref). */
 void kvf_tier_conn_gone(struct conn *c)
 {
+    while (c->tstream) { /* only at server teardown (each read in flight holds a ref) */
+        struct kvf_tier_req *r = c->tstream;
+        c->tstream = r->snext;
+        for (uint32_t i = 0; i < r->n; i++)
+            if (r->state[i] != J_POSTED) kvf_tier_job_release(c->srv->tier, r->jobs[i]);
+        req_free(r);
+    }
+    c->tstream_bytes = 0;
     struct kvf_tier_req *r = c->treq;
     if (!r) return;
     for (uint32_t i = 0; i < r->n; i++) {

@@ -74,8 +74,13 @@ def test_bench_tier_quick_measures_real_servers(tmp_path):
         assert s["ssd_hits"] > 0 and s["gb_per_s"] > 0 and c["gb_per_s"] > 0 and c["depth"] == row["batch"]
         assert row["ratio"] == pytest.approx(s["gb_per_s"] / c["gb_per_s"])
         assert row["dram"]["ssd_hits"] == 0 and row["dram"]["gb_per_s"] > 0
+        assert len(row["repeat_ratios"]) == rep["repeat"]
+    pl = rep["get"]["pipelined"]  # one-key GETs pipelined on a native connection
+    assert pl["server"]["wrong"] == 0 and pl["server"]["missing"] == 0 and pl["server"]["ssd_hits"] > 0
+    assert pl["ceiling"]["depth"] == pl["depth"] == 32 // 4 and len(pl["repeat_ratios"]) == rep["repeat"]
     put = rep["put"]
-    assert put["off"]["n"] == put["on"]["n"] == 60 and put["ssd_writes_during"] > 0
+    assert put["off"]["n"] == put["on"]["n"] == 60 * rep["repeat"] and put["ssd_writes_during"] > 0
+    assert len(put["repeat_p99_ratios"]) == rep["repeat"] and len(put["server_p99_us_below"]["on"]) == rep["repeat"]
     drained, during = rep["restart"]
     assert drained["mode"] == "drained" and during["mode"] == "during-writes"
     for r in (drained, during):  # during: the kill may land before any write-behind finished

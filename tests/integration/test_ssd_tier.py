@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,6 +81,22 @@ def get_one(c, k: bytes) -> bytes | None:
         return None
     assert p.checksum(k, bytes(r.payload)) == r.msg.checksums[0]
     return bytes(r.payload)
+
+
+def get_streamed_miss(c, address: str, k: bytes):
+    """GET k whose SSD record is bad: a miss. The server streams an SSD object (its size is in the reply's
+    metadata before the record is read), so a record that fails its check closes the connection before
+    any of its bytes instead (what a Client counts as a miss): then a new connection. Returns
+    (connection to go on with, closed?); fails if any bytes came back."""
+    from kvfabric.errors import ConnectionClosed
+
+    try:
+        got = get_one(c, k)
+    except ConnectionClosed:
+        c.close()
+        return tcp.connect(address, timeout_s=60), True
+    assert got is None, f"a bad SSD record was served: {len(got)} bytes"
+    return c, False
 
 
 def record_offsets(path: str) -> dict[bytes, int]:
@@ -224,7 +241,7 @@ def test_corrupt_records_are_dropped_and_counted_never_served(tier_dir):
         st = stats(c2)
         assert st["ssd_corrupt"] == 1 and st["ssd_objects"] == len(on_tier) - 1
         assert get_one(c2, bad_header) is None
-        assert get_one(c2, bad_value) is None  # read, failed its checksum: dropped, a miss
+        c2, _ = get_streamed_miss(c2, srv2.address, bad_value)  # read, failed its checksum: dropped, a miss
         st = stats(c2)
         assert st["ssd_corrupt"] == 2 and st["ssd_objects"] == len(on_tier) - 2
         assert get_one(c2, bad_value) is None and stats(c2)["ssd_reads"] == st["ssd_reads"]  # not read again
@@ -234,9 +251,11 @@ def test_corrupt_records_are_dropped_and_counted_never_served(tier_dir):
         offs = record_offsets(path)
         victim = on_tier[20]
         flip(path, offs[victim] + 4096 + 7)
-        assert get_one(c2, victim) is None
+        c2, closed = get_streamed_miss(c2, srv2.address, victim)
         st = stats(c2)
-        assert st["ssd_corrupt"] == 3 and st["checksum_failures"] == 0
+        assert st["ssd_corrupt"] == 3 and st["checksum_failures"] == 0, (closed, st)
+        assert get_one(c2, victim) is None  # dropped: a plain miss now, not read again
+        c2.close()
 
 
 # ---------------------------------------------------------------- delete, lookup
@@ -362,6 +381,114 @@ def test_multi_key_gets_during_write_behind_are_exact_and_traced(tier_dir):
     for d in lines:
         assert {"space_us", "queue_us", "io_us", "verify_us", "back_us", "promote_us", "redispatch_us",
                 "total_us"} <= d.keys()
+
+
+# ---------------------------------------------------------------- streamed GETs
+
+
+def test_pipelined_gets_mixing_dram_and_ssd_keys_are_exact_and_in_order(tier_dir):
+    """A streamed GET's reply is queued before its reads are back and the connection reads on: requests
+    pipelined behind it (GETs that need the tier again wait for its reads, DRAM GETs, a DELETE of a key
+    it is reading, a miss) are answered in order with exact bytes, and every SSD object is promoted."""
+    from kvfabric.transport import native as tn
+
+    keys = [b"pip%04d" % i for i in range(40)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    with srv, c, tn.connect(srv.address, timeout_s=60) as nc:
+        hot = keys[-1]  # the last PUT: in DRAM
+        batches = [[on_tier[0], hot, on_tier[1]], on_tier[2:6], [hot], [on_tier[6], b"absent", on_tier[7]],
+                   on_tier[8:10], [on_tier[10]]]
+        reqs = [(p.GetRequest(b), (), None) for b in batches[:3]]
+        reqs.append((p.DeleteRequest([on_tier[2]]), (), None))  # behind the GET still reading it
+        reqs += [(p.GetRequest(b), (), None) for b in batches[3:]]
+        replies = nc.pipeline(reqs, deadline=time.monotonic() + 60)
+        gets = [r for r in replies if isinstance(r.msg, p.GetReply)]
+        assert replies[3].msg.deleted == 1
+        assert len(gets) == len(batches)
+        for b, r in zip(batches, gets):
+            want = [None if k == b"absent" else value(k) for k in b]
+            assert list(r.msg.sizes) == [-1 if v is None else len(v) for v in want], (b, r.msg.sizes)
+            assert bytes(r.payload) == b"".join(v for v in want if v is not None), b
+        st = settled(c)
+        assert st["ssd_corrupt"] == 0 and st["pinned"] == 0, st
+        assert get_one(c, on_tier[2]) is None  # deleted after it was sent: from DRAM and the tier
+        assert get_one(c, on_tier[0]) == value(on_tier[0])  # promoted: a DRAM hit now
+        assert stats(c)["ssd_reads"] == st["ssd_reads"]
+
+
+def test_large_objects_stream_chunk_by_chunk_and_a_bad_chunk_is_never_served(tier_dir):
+    """Values over 512 KiB are read in chunks and sent as each is checked, the last one held back until
+    the whole checksum matched: exact bytes alone and next to DRAM keys; a record flipped in its first,
+    a middle or its last chunk is dropped and counted, the GET a miss (the connection closed before the
+    object's last chunk), never wrong bytes."""
+    big = 1536 * 1024 + 100  # not a multiple of a chunk or a page
+    keys = [b"big%04d" % i for i in range(20)]
+    with start_server("16MiB", extra_args=tier_args(tier_dir, "128MiB")) as srv, \
+            tcp.connect(srv.address, timeout_s=60) as c:
+        put_all(c, keys, big)
+        st = settled(c)
+        on_tier = keys[:st["evictions"]]
+        assert len(on_tier) >= 9 and st["ssd_objects"] == len(on_tier), st
+        hot = keys[-1]
+        r = c.request(p.GetRequest([on_tier[0], hot, on_tier[1]]))
+        assert list(r.msg.sizes) == [big] * 3
+        assert bytes(r.payload) == value(on_tier[0], big) + value(hot, big) + value(on_tier[1], big)
+        for k in on_tier[2:5]:
+            assert get_one(c, k) == value(k, big)
+        path = os.path.join(tier_dir, TIER_FILE)
+        offs = record_offsets(path)
+        bad = {on_tier[5]: 4096 + 10, on_tier[6]: 4096 + 700 * 1024, on_tier[7]: 4096 + big - 5}
+        for k, at in bad.items():
+            flip(path, offs[k] + at)
+        for n, k in enumerate(bad, 1):
+            c, _ = get_streamed_miss(c, srv.address, k)
+            st = stats(c)
+            assert st["ssd_corrupt"] == n and st["checksum_failures"] == 0, (k, st)
+            assert get_one(c, k) is None  # dropped: a plain miss now
+        assert get_one(c, on_tier[8]) == value(on_tier[8], big)
+        c.close()
+
+
+def test_a_reader_that_stops_holds_at_most_one_request_of_slots_and_gives_them_back(tier_dir):
+    """A peer pipelines GETs of SSD keys and never reads: its streamed replies not yet sent (reads in
+    flight, promoted objects pinned) stay within one request's promotion cap (a quarter of the arena),
+    the later requests wait; the server keeps serving others from DRAM and SSD; once it disconnects,
+    every pin and reserved slot comes back."""
+    import socket
+
+    import msgpack
+
+    keys = [b"stp%04d" % i for i in range(48)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    with srv, c:
+        host, _, port = srv.address.rpartition(":")
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            for i in range(6):
+                m = msgpack.packb({"keys": on_tier[4 * i:4 * i + 4]}, use_bin_type=True)
+                s.sendall(p.pack_header(p.Op.GET, i + 1, len(m), 0) + m)
+            last, still = None, 0
+            while still < 4:  # the server stopped moving: its replies wait for the peer
+                st = stats(c)
+                now = (st["hits"], st["ssd_reads"], st["pinned"], st["bytes_allocated"])
+                still = still + 1 if now == last else 0
+                last = now
+                time.sleep(0.2)
+            cap = st["capacity"]
+            # slots reserved for reads plus promoted objects pinned by its unsent replies: one promotion cap
+            held = st["bytes_allocated"] - st["bytes_used"] + st["pinned"] * SZ
+            assert 0 < held <= cap // 4, st
+            # others are still served: a DRAM hit and an SSD read on another connection
+            put_all(c, [b"stp-new"])
+            assert get_one(c, b"stp-new") == value(b"stp-new")
+            assert len(on_tier) >= 32 and get_one(c, on_tier[30]) == value(on_tier[30])
+        finally:
+            s.close()
+        assert wait_for(lambda: (lambda st: st["pinned"] == 0 and st["bytes_allocated"] == st["bytes_used"])(
+            stats(c)), timeout_s=60), stats(c)
+        for k in on_tier[:24]:
+            assert get_one(c, k) == value(k)
 
 
 # ---------------------------------------------------------------- start-up errors
