@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric import Client
+from kvfabric import Client, ConfigError
 from kvfabric.testing.servers import start_server
 from kvfabric_vllm.config import parse_extra_config
 from kvfabric_vllm.keys import EngineKeys, prompt_keys
@@ -104,3 +104,11 @@ def test_a_chunk_counts_only_when_every_object_is_held(probe):
             assert lookup() == 1
         finally:
             sched.shutdown()
+
+
+def test_lookup_probe_setting():
+    base = {"servers": ["127.0.0.1:1"], "chunk_tokens": CHUNK}
+    assert parse_extra_config(base, "kv_both", CHUNK).lookup_probe is True
+    assert parse_extra_config({**base, "lookup_probe": False}, "kv_both", CHUNK).lookup_probe is False
+    with pytest.raises(ConfigError, match="lookup_probe"):
+        parse_extra_config({**base, "lookup_probe": "no"}, "kv_both", CHUNK)
