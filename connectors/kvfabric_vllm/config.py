@@ -186,8 +186,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
     extra = dict(extra or {})
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
-             "lease_ms", "lookup_probe", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
-             "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "transfer_buffer_mb",
+             "lease_ms", "lookup_probe", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms",
+             "shutdown_drain_s", "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer",
+             "transfer_buffer_mb",
              "pd_wait_ms", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:

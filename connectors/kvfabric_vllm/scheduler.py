@@ -19,10 +19,10 @@ a chunk counts only when the pool holds all its layers and heads, whatever TP
 size saved them, and takes a lease so the objects found are not evicted before
 the load. It asks for them only up to the first chunk that a cheaper probe
 (an EXISTS of the first layer's objects, one per KV-head column) finds missing
-(``lookup_probe``, ``_lookup_all_parts``). Each chunk's objects are routed by its placement key (``layout``:
-segments of ``segment_tokens``), so the lookup of a prompt is one request per
-shard, and the plan sent to the workers carries the placement keys with the
-chunk keys.
+(``lookup_probe``, ``_lookup_all_parts``). Each chunk's objects are routed by
+its placement key (``layout``: segments of ``segment_tokens``), so the lookup
+of a prompt is one request per shard (per stage), and the plan sent to the
+workers carries the placement keys with the chunk keys.
 Every request is looked up, also when vLLM's local prefix cache covers all
 it could load and in save-only roles: then only to learn what the pool
 already holds (no lease), so nothing it holds is gathered and sent again.
@@ -211,7 +211,8 @@ class SchedulerSide:
         upto = len(keys)
         if self.cfg.lookup_probe and len(probe) < len(parts):
             objs, place, groups = pk.objects(self.keys, parts=probe)
-            present = self.client.exists(objs, placement=place, groups=groups, timeout_s=deadline - time.monotonic())
+            present = self.client.exists(objs, placement=place, groups=groups,
+                                         timeout_s=max(0.001, deadline - time.monotonic()))
             upto = next((i for i, p in enumerate(present) if not p), len(objs)) // len(probe)
             if not upto:
                 return 0
