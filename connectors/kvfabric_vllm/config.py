@@ -26,6 +26,11 @@ lookup_timeout_ms  1000      after this the lookup answers "no hit" (scheduler
 lookup_wait_ms     20        how long the scheduler waits inline for a lookup
                              before answering "ask me later"
 lease_ms           30000     the pool pins what a lookup found for this long
+lookup_probe       true      look a prompt up in two stages (scheduler.py): an EXISTS of
+                             one object per KV-head column of each chunk bounds the hit,
+                             then a LOOKUP of every object of only the chunks below it.
+                             EXISTS does not read a server's shared tier (``--shared-path``):
+                             set false where chunks may be held only there
 load_timeout_s     2.0       deadline of one request's pool reads (then recompute)
 load_async         true      load between steps (vLLM's ``load_kv_async``): a slow pool
                              delays only the requests loading from it, never the batch;
@@ -138,6 +143,7 @@ class ConnectorConfig:
     lookup_timeout_ms: int = 1000
     lookup_wait_ms: int = 20
     lease_ms: int = DEFAULT_LEASE_MS
+    lookup_probe: bool = True
     load_timeout_s: float = 2.0
     load_async: bool = True
     load_poll_ms: int = 2
@@ -180,8 +186,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     """Validate vLLM's extra config; raise ``ConfigError`` naming the first bad key."""
     extra = dict(extra or {})
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
-             "lease_ms", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms", "shutdown_drain_s",
-             "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer", "transfer_buffer_mb",
+             "lease_ms", "lookup_probe", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms",
+             "shutdown_drain_s", "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer",
+             "transfer_buffer_mb",
              "pd_wait_ms", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
@@ -242,6 +249,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         lookup_timeout_ms=lookup_timeout_ms,
         lookup_wait_ms=_int(extra, "lookup_wait_ms", min(20, lookup_timeout_ms), 0, lookup_timeout_ms),
         lease_ms=_int(extra, "lease_ms", DEFAULT_LEASE_MS, 0, MAX_LEASE_MS),
+        lookup_probe=_bool(extra, "lookup_probe", True),
         load_timeout_s=_float(extra, "load_timeout_s", 2.0, 0, 600),
         load_async=_bool(extra, "load_async", True),
         load_poll_ms=_int(extra, "load_poll_ms", 2, 0, 1000),

@@ -67,6 +67,14 @@ class EngineKeys:
         """The ``(layer, head)`` objects of one chunk that an engine's ranks need together."""
         return self.heads.parts(self.n_layers)
 
+    def probe_parts(self) -> list[tuple[int, int | None]]:
+        """One object of each KV-head object column of a chunk: the first layer's (``parts()`` of layer
+        0; unsplit: ``[(0, None)]``). Every group a rank of any TP size saves holds whole columns (its
+        heads in every layer), so these name each group of the chunk whichever TP size saved it; a
+        probe of them bounds the chunks held whole from above (``SchedulerSide``'s first stage), it
+        does not prove a chunk whole: that takes every part (``parts``)."""
+        return [p for p in self.parts() if p[0] == 0]
+
 
 @dataclass(frozen=True)
 class PromptKeys:
@@ -76,13 +84,15 @@ class PromptKeys:
     chunk_keys: list[bytes]
     placement: list[bytes] | None
 
-    def objects(self, engine: EngineKeys, upto: int | None = None
+    def objects(self, engine: EngineKeys, upto: int | None = None,
+                parts: Sequence[tuple[int, int | None]] | None = None
                 ) -> tuple[list[bytes], list[bytes] | None, list[bytes] | None]:
         """``(keys, placement, groups)`` for ``Client.lookup``/``exists`` of the first ``upto`` chunks
-        (default all): every object an engine needs, chunk-major, each chunk one group, so the run
-        the pool holds, divided by ``len(engine.parts())``, is the chunks a loading engine finds whole."""
+        (default all): every object an engine needs (``parts``, default ``engine.parts()``; or
+        ``engine.probe_parts()``), chunk-major, each chunk one group, so the run the pool holds,
+        divided by ``len(parts)``, is the chunks whose ``parts`` a loading engine finds."""
         ck = self.chunk_keys[:upto]
-        parts = engine.parts()
+        parts = engine.parts() if parts is None else parts
         place, groups = object_placement(ck, None if self.placement is None else self.placement[:upto], len(parts))
         return chunk_object_keys(engine.hasher, ck, parts), place, groups
 

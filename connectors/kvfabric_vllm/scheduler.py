@@ -17,10 +17,12 @@ lookup asks for every object of every chunk that the engine's ranks need
 together (``layout``: one object per (chunk, layer, KV head), chunk-major), so
 a chunk counts only when the pool holds all its layers and heads, whatever TP
 size saved them, and takes a lease so the objects found are not evicted before
-the load. Each chunk's objects are routed by its placement key (``layout``:
-segments of ``segment_tokens``), so the lookup of a prompt is one request per
-shard, and the plan sent to the workers carries the placement keys with the
-chunk keys.
+the load. It asks for them only up to the first chunk that a cheaper probe
+(an EXISTS of the first layer's objects, one per KV-head column) finds missing
+(``lookup_probe``, ``_lookup_all_parts``). Each chunk's objects are routed by
+its placement key (``layout``: segments of ``segment_tokens``), so the lookup
+of a prompt is one request per shard (per stage), and the plan sent to the
+workers carries the placement keys with the chunk keys.
 Every request is looked up, also when vLLM's local prefix cache covers all
 it could load and in save-only roles: then only to learn what the pool
 already holds (no lease), so nothing it holds is gathered and sent again.
@@ -194,12 +196,30 @@ class SchedulerSide:
     def _lookup_all_parts(self, keys: list[bytes], lease_ms: int, placement: list[bytes] | None = None) -> int:
         """Leading chunks the pool holds whole: every object (``layout``: every layer and KV head) that
         the engine's ranks need together (with placement: each chunk's objects routed by its placement
-        key and counted as one group, one request per shard)."""
+        key and counted as one group, one request per shard).
+
+        In two stages (``lookup_probe``, default): an EXISTS of one object per KV-head column of each
+        chunk (``EngineKeys.probe_parts``: ``T / g`` keys a chunk, not ``L * T / g``) bounds the run from
+        above, without leases or tier reads; then a LOOKUP of every object of only the chunks below
+        that bound, with the lease, decides. A chunk still counts only when all its objects were found
+        (the probe never adds one); what the probe saves is the keys (hashing, wire, server) of the
+        chunks past the first one missing. The second stage is skipped when the probe finds nothing."""
         assert self.client is not None and self.keys is not None
-        objs, place, groups = PromptKeys(keys, placement).objects(self.keys)
+        deadline = time.monotonic() + self.cfg.lookup_timeout_ms / 1000
+        pk = PromptKeys(keys, placement)
+        parts, probe = self.keys.parts(), self.keys.probe_parts()
+        upto = len(keys)
+        if self.cfg.lookup_probe and len(probe) < len(parts):
+            objs, place, groups = pk.objects(self.keys, parts=probe)
+            present = self.client.exists(objs, placement=place, groups=groups,
+                                         timeout_s=max(0.001, deadline - time.monotonic()))
+            upto = next((i for i, p in enumerate(present) if not p), len(objs)) // len(probe)
+            if not upto:
+                return 0
+        objs, place, groups = pk.objects(self.keys, upto=upto)
         found = self.client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
-                                   timeout_s=self.cfg.lookup_timeout_ms / 1000)
-        return found // len(self.keys.parts())
+                                   timeout_s=max(0.001, deadline - time.monotonic()))
+        return found // len(parts)
 
     def _start_lookup(self, st: _Req, epoch: int, lease: bool) -> bool:
         """Start (again, after a preemption) the lookup of every whole prompt chunk; True if started."""
