@@ -324,7 +324,7 @@ class _Handler(BoundedHandler):
             break
         try:
             with upstream:
-                self._relay(upstream, inst.url, lambda: srv.fleet.first_token(inst, work))
+                self._relay(upstream, inst.url, lambda: srv.fleet.first_token(inst, work), pred)
         finally:
             srv.fleet.end(inst)
 
@@ -370,9 +370,11 @@ class _Handler(BoundedHandler):
             log.warning("prefill instance %s failed (%s); the decode instance computes the prompt", base, exc)
             return None
 
-    def _relay(self, upstream, base: str, on_first) -> None:
+    def _relay(self, upstream, base: str, on_first, pred: Prediction | None = None) -> None:
         """Send the instance's answer (status, type, body; streamed answers chunk by chunk); ``on_first()``
-        once its first bytes arrived (a streamed answer's first event: the first token)."""
+        once its first bytes arrived (a streamed answer's first event: the first token). Headers
+        ``X-KVFabric-Instance`` (the instance's URL) and ``X-KVFabric-Prediction`` (its prediction as
+        JSON, when there is one) say where the request went and why."""
         try:
             length = _length(upstream, self.server.max_response_bytes)
         except UpstreamTooLarge as exc:
@@ -382,6 +384,9 @@ class _Handler(BoundedHandler):
         self.server.count_answer(upstream.status)
         self.send_response(upstream.status)
         self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
+        self.send_header("X-KVFabric-Instance", base)
+        if pred is not None:
+            self.send_header("X-KVFabric-Prediction", json.dumps(pred.to_json(), separators=(",", ":")))
         first = True
         if length is not None:
             on_first()
