@@ -319,11 +319,15 @@ def _start_router(dep: Deployment, opt: Options, policy: str, timeout_s: float =
 
 
 def route_stats(dep: Deployment) -> dict | None:
-    """The router's /stats (its choices, per-instance index and rates), None without a router."""
+    """The router's ``/stats`` (as ``counts``) and ``/route`` (as ``route``: its choices, per-instance
+    index and rates), None without a router."""
     if not dep.router_url:
         return None
-    with urllib.request.urlopen(dep.router_url + "/stats", timeout=60) as r:
-        return json.loads(r.read())
+    out = {}
+    for path, key in (("/stats", "counts"), ("/route", "route")):
+        with urllib.request.urlopen(dep.router_url + path, timeout=60) as r:
+            out[key] = json.loads(r.read())
+    return out
 
 
 # A connector that logs one of these at start and lets vLLM run on without it: the engine answers, but the

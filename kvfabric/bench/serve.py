@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="mooncake-conversation", help="bundled trace name or file")
     ap.add_argument("--sessions", type=int, default=12, help="sessions drawn from the trace")
     ap.add_argument("--max-requests", type=int, default=None, help="keep the first N requests of those sessions")
+    ap.add_argument("--no-reuse", action="store_true",
+                    help="the same requests with no token block shared between prompts (a control: no reuse)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-tokens", type=int, default=32,
                     help="engine tokens per trace block (scale = this / the trace's 512)")
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_trace(args.trace)
         workload = build_workload(trace, sessions=args.sessions, seed=args.seed, block_tokens=args.block_tokens,
                                   max_model_len=args.max_model_len, output_scale=args.output_scale,
-                                  max_requests=args.max_requests)
+                                  max_requests=args.max_requests, no_reuse=args.no_reuse)
     except (TraceError, ValueError) as e:
         print(f"kvfabric bench serve: {e}", file=sys.stderr)
         return 2

@@ -39,10 +39,11 @@ fails (down, error status), the request still goes to a decode instance without
 ``kv_transfer_params``: it computes the prompt itself.
 
 ``GET /health`` answers 200 when every instance does; ``GET /v1/models`` is the first (decode)
-instance's; ``GET /stats`` gives the router's counts (requests, prefill_failures, with_params:
-decode requests sent with the producer's ``kv_transfer_params``, retries) and, under ``"route"``,
-per instance what it was chosen for and knows (index, event stream, rates, queue); ``GET
-/metrics`` the HTTP server's refusals in Prometheus's format.
+instance's; ``GET /stats`` gives the router's counts (pd mode: requests, prefill_failures,
+with_params: decode requests sent with the producer's ``kv_transfer_params``, as the PD proxy
+always did; kv mode: requests, retries, tokenized, tokenize_failures); ``GET /route`` the choice's
+state: per instance what it was chosen for and knows (index, event stream, rates, queue), and the
+pool view's counts; ``GET /metrics`` the HTTP server's refusals in Prometheus's format.
 
 Every limit is an option with a default (``--help``; docs/notes/security.md says what a hostile
 client can do within them): at most ``--max-connections`` connections are served at once, each by
@@ -119,6 +120,13 @@ class Router(BoundedHTTPServer):
     @property
     def pd(self) -> bool:
         return bool(self.prefill)
+
+    def stats(self) -> dict[str, int]:
+        """``GET /stats``: the counts of the mode (pd: those the PD proxy always gave)."""
+        names = (("requests", "prefill_failures", "with_params") if self.pd else
+                 ("requests", "retries", "tokenized", "tokenize_failures"))
+        with self._lock:
+            return {k: self.counts[k] for k in names}
 
     def count(self, name: str) -> None:
         with self._lock:
@@ -224,10 +232,9 @@ class _Handler(BoundedHandler):
                     bad.append(f"{inst.url}: {exc}")
             self.reply(503 if bad else 200, json.dumps({"unhealthy": bad}).encode())
         elif self.path == "/stats":
-            with self.server._lock:
-                counts = dict(self.server.counts)
-            counts["route"] = self.server.fleet.snapshot()
-            self.reply(200, json.dumps(counts).encode())
+            self.reply(200, json.dumps(self.server.stats()).encode())
+        elif self.path == "/route":
+            self.reply(200, json.dumps(self.server.fleet.snapshot()).encode())
         elif self.path == "/metrics":
             self._metrics()
         elif self.path == "/v1/models":

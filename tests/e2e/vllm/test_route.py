@@ -73,7 +73,7 @@ class Deployment:
         self.router, self.router_proc, self.extra = router, router_proc, extra
 
     def stats(self) -> dict:
-        return _get(self.router + "/stats")
+        return dict(_get(self.router + "/stats"), route=_get(self.router + "/route"))
 
     def index(self, url: str) -> dict:
         inst = next(i for i in self.stats()["route"]["instances"] if i["url"] == url)
