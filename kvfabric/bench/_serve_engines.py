@@ -51,16 +51,18 @@ ROOT = Path(__file__).resolve().parents[2]
 CONNECTORS = ROOT / "connectors"
 CHUNK_TOKENS = 128          # the kvfabric connector's chunk: vLLM's CPU block size
 
-CONFIGS = ("vllm", "vllm-offload", "lmcache", "kvfabric", "kvfabric-ssd", "route-rr", "route")
+CONFIGS = ("vllm", "vllm-offload", "lmcache", "kvfabric", "kvfabric-ssd", "route-rr", "route", "vllm-route")
 LABELS = {"vllm": "(a) vLLM alone, prefix cache, KV limited",
           "vllm-offload": "(b) vLLM + its CPU OffloadingConnector",
           "lmcache": "(c) vLLM + LMCache remote server (peer L2)",
           "kvfabric": "(d) vLLM + kvfabric pool, DRAM",
           "kvfabric-ssd": "(e) vLLM + kvfabric pool, DRAM + SSD",
           "route-rr": "(f) (d) behind kvfabric route, round robin",
-          "route": "(g) (d) behind kvfabric route, KV-aware"}
-# the router's policy per configuration that has one (the same deployment otherwise: (d) + KV events)
-ROUTE_POLICY = {"route-rr": "rr", "route": "kv"}
+          "route": "(g) (d) behind kvfabric route, KV-aware",
+          "vllm-route": "(h) (a) behind kvfabric route, KV-aware"}
+# the router's policy per configuration that has one (the same deployment otherwise: (d), or (a) for
+# vllm-route, plus each engine's KV events)
+ROUTE_POLICY = {"route-rr": "rr", "route": "kv", "vllm-route": "kv"}
 
 
 # vllm-offload is tried with each of these environments until one starts
@@ -242,16 +244,16 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     settings: dict = {"kv_bytes_per_instance": opt.kv_bytes}
     events: list[list[str]] = [[] for _ in range(opt.instances)]
     try:
-        if config in ("kvfabric", "kvfabric-ssd", *ROUTE_POLICY):
+        if config in ROUTE_POLICY:      # each engine publishes its KV events; the router finds them
+            events = [["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                         "endpoint": f"tcp://*:{free_port()}"})]
+                      for _ in range(opt.instances)]
+        if config in ("kvfabric", "kvfabric-ssd", "route-rr", "route"):
             pool = _start_pool(opt, ssd=config == "kvfabric-ssd")
             if config == "kvfabric-ssd":
                 settings.update(ssd_bytes=opt.ssd_bytes, ssd_paths=pool.ssd_paths)
             extra = _kvfabric_flag(pool.addresses)
             settings.update(pool=pool.addresses, dram_bytes=opt.dram_bytes, server_transports=opt.server_transports)
-            if config in ROUTE_POLICY:      # each engine publishes its KV events; the router finds them
-                events = [["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                             "endpoint": f"tcp://*:{free_port()}"})]
-                          for _ in range(opt.instances)]
         elif config == "vllm-offload":
             gib = opt.dram_bytes / opt.instances / (1 << 30)
             extra = ["--kv-offloading-size", f"{gib:.6f}", "--kv-offloading-backend", "native"]
@@ -264,7 +266,7 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
                          "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "naive"}
             extra = ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
             settings.update(remote=url, dram_bytes=opt.dram_bytes)
-        elif config != "vllm":
+        elif config not in ("vllm", "vllm-route"):
             raise ValueError(f"unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
         env = dict(engine_env(opt.python, path_extra), **env_extra)
         urls, procs, logs = [], [], []
@@ -296,15 +298,17 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
 
 def _start_router(dep: Deployment, opt: Options, policy: str, timeout_s: float = 120.0) -> None:
     """``kvfabric route`` (this interpreter: it needs pyzmq, the 'route' extra) in front of ``dep``'s
-    engines with ``policy``, asking the pool with the connector's keys; waits for its listening line."""
+    engines with ``policy``, asking the pool (if any) with the connector's keys; waits for its listening
+    line."""
     import importlib.util
 
     if importlib.util.find_spec("zmq") is None:
         raise NotRunnable("kvfabric route needs pyzmq in the benchmark's interpreter (pip install 'kvfabric[route]')")
     log = opt.workdir / f"{dep.config}-router.log"
-    cmd = [sys.executable, "-m", "kvfabric", "route", "--port", "0", "--policy", policy,
-           "--pool-config", json.dumps({"servers": dep.pool.addresses, "chunk_tokens": CHUNK_TOKENS}),
-           "--model", opt.model, "--max-connections", "1024"]
+    cmd = [sys.executable, "-m", "kvfabric", "route", "--port", "0", "--policy", policy, "--max-connections", "1024"]
+    if dep.pool is not None:
+        cmd += ["--pool-config", json.dumps({"servers": dep.pool.addresses, "chunk_tokens": CHUNK_TOKENS}),
+                "--model", opt.model]
     for u in dep.urls:
         cmd += ["--instance", u]
     with open(log, "w") as err:

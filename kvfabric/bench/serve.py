@@ -4,7 +4,7 @@ One command starts everything it measures (engines and pools; all stopped
 on exit) and replays a Mooncake trace against each configuration in turn::
 
     kvfabric bench serve --engine-python .venvs/vllm/bin/python [--trace mooncake-conversation]
-        [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd,route-rr,route]
+        [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd,route-rr,route,vllm-route]
         [--instances 2] [--kv-mib 128] [--dram-mib 256] [--ssd-mib 1024] [--out bench-results/serve.json]
 
 The parts (each a module beside this one):
@@ -22,7 +22,8 @@ The parts (each a module beside this one):
 * load (``_serve_load``): streamed completions, round-robin over the
   instances (or all to ``kvfabric route`` in front of them: (f) with its
   round-robin policy, (g) KV-aware; the same deployment as (d) plus each
-  engine's KV events; docs/route.md), closed-loop sessions (``--loads`` = sessions in flight) or an
+  engine's KV events; (h) KV-aware in front of (a), no pool; docs/route.md),
+  closed-loop sessions (``--loads`` = sessions in flight) or an
   open loop at the trace's arrival times (``--mode open``, ``--loads`` =
   speed-ups); every load level uses fresh token ids (all caches cold);
 * report (``_serve_report``): requests/s, output tokens/s, TTFT and
