@@ -11,9 +11,10 @@ events) and the pool ``K`` leading tokens (a LOOKUP of the prompt's chunk keys):
                   + running * decode_s_per_running
 
 ``queued_tokens`` is the prefill work ahead of the prompt: the tokens the router sent to the
-instance that have not produced their first token yet, or vLLM's ``num_requests_waiting`` times the
-instance's mean prompt when that is more (other clients). ``running * decode_s_per_running`` charges
-the decode batch the prompt's prefill shares steps with. The per-instance rates are measured
+instance that have not produced their first token yet, plus, for requests of other clients (vLLM's
+``num_requests_waiting`` beyond the router's own at the last poll), the instance's mean prompt each.
+``running * decode_s_per_running`` charges the decode batch the prompt's prefill shares steps with
+(the router's requests in flight plus other clients' running ones). The per-instance rates are measured
 (:class:`Rate`: vLLM's ``/metrics``: prefill seconds per computed prompt token, the kvfabric
 connector's load seconds per loaded token), starting from configured priors until enough has been
 seen. Nothing here does I/O.

@@ -76,6 +76,8 @@ class Instance:
     metrics_at: float | None = None         # monotonic time of the last good /metrics
     down_until: float = 0.0                 # monotonic: marked down (a failed request or poll) until then
     in_flight: int = 0                      # requests the router sent, not finished
+    own_at_poll: int = 0                    # in_flight when /metrics was last read (its running + waiting
+                                            # beyond this are other clients' requests)
     pending_tokens: int = 0                 # of those, prompt tokens still to prefill (no first token yet)
     mean_prompt: float = 0.0
     chosen: int = 0
@@ -210,6 +212,7 @@ class Fleet:
                 inst.prefill.observe(m["vllm:request_prefill_time_seconds_sum"], m["local_compute_tokens"])
             if "vllm:kvfabric_load_seconds_sum" in m and "vllm:kvfabric_load_tokens_total" in m:
                 inst.load.observe(m["vllm:kvfabric_load_seconds_sum"], m["vllm:kvfabric_load_tokens_total"])
+            inst.own_at_poll = inst.in_flight
             inst.metrics_at = time.monotonic()
             inst.down_until = 0.0
 
@@ -261,9 +264,12 @@ class Fleet:
             cached = inst.index.leading(keys[bs]) * bs
         with inst.lock:
             fresh = inst.metrics_at is not None and now - inst.metrics_at < self.stale_s
-            waiting = inst.waiting if fresh else 0.0
-            queued = max(float(inst.pending_tokens), waiting * inst.mean_prompt)
-            running = max(float(inst.in_flight), inst.running if fresh else 0.0)
+            # vLLM's figures count the router's own requests too, as they were at the poll: the router's
+            # counts are current, so only the excess over its own at poll time (other clients) is added
+            others = max(0.0, inst.running + inst.waiting - inst.own_at_poll) if fresh else 0.0
+            others_waiting = min(others, inst.waiting) if fresh else 0.0
+            queued = inst.pending_tokens + others_waiting * inst.mean_prompt
+            running = inst.in_flight + others - others_waiting
             p = predict(n, cached, pool_tokens if use_cache else 0, queued_tokens=queued, running=running,
                         prefill_s_per_token=inst.prefill.value, load_s_per_token=inst.load.value,
                         decode_s_per_running=self.costs.decode_s_per_running, loads_from_pool=loads_from_pool)

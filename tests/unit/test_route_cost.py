@@ -123,3 +123,24 @@ def test_other_policies_and_unknown_tokens():
     assert kv.choose(kv.instances, prompt)[0] is kv.instances[0]
     assert kv.choose(kv.instances, prompt, exclude=[kv.instances[0]])[0] is kv.instances[1]
     kv.close()
+
+
+def test_vllms_counts_add_only_other_clients_requests():
+    import time
+
+    f = _fleet()
+    a, b = f.instances
+    prompt = list(range(100, 420))
+    _warm(b, prompt[:256])
+    # B's last /metrics was read while the router's own request was running there (1 running, 1 own):
+    # that request has finished since, so B is idle and keeps the prompt
+    b.running, b.waiting, b.own_at_poll, b.metrics_at = 1.0, 0.0, 1, time.monotonic()
+    inst, pred = f.choose(f.instances, prompt)
+    assert inst is b and pred.queue_s == 0, pred
+    # other clients: 3 waiting beyond the router's own, each a mean prompt of 1000 tokens (3 s at 1 ms/token)
+    b.waiting, b.mean_prompt = 3.0, 1000.0
+    inst, pred = f.choose(f.instances, prompt)
+    assert inst is a, pred
+    p = f.predict(b, prompt, 0, True, True, time.monotonic())
+    assert math.isclose(p.queue_s, 3 * 1000 * 1e-3), p        # 1 running + 3 waiting - 1 own = 3 waiting
+    f.close()
