@@ -49,6 +49,7 @@ log = logging.getLogger("kvfabric.route")
 POLICIES = ("kv", "least-loaded", "rr")
 TIE_S = 1e-3
 MAX_METRICS_BYTES = 4 << 20
+RATE_WINDOW_TOKENS = 8192   # prompt tokens (computed, or loaded) per measured rate window
 DOWN_PENALTY_S = 60.0     # added to a down instance's prediction: used only when nothing else answers
 
 
@@ -160,8 +161,10 @@ class Fleet:
         self.counts = {"choices": 0, "pool_lookup_timeouts": 0, "no_tokens": 0}
         for inst in self.instances:
             inst.index = EngineIndex(self.hasher, self.namespace, index_entries)
-            inst.prefill = Rate(costs.prefill_s_per_token)
-            inst.load = Rate(costs.load_s_per_token)
+            # windows of several requests: one request's prefill time on a busy host is noise, and a rate
+            # off by 2x between equal instances outweighs what a cached prefix saves
+            inst.prefill = Rate(costs.prefill_s_per_token, min_tokens=RATE_WINDOW_TOKENS)
+            inst.load = Rate(costs.load_s_per_token, min_tokens=RATE_WINDOW_TOKENS)
             if inst.events:
                 self._subscribe(inst, inst.events, inst.topic)
         self._poller = threading.Thread(target=self._poll_loop, name="kvf-route-poll", daemon=True)

@@ -146,7 +146,7 @@ def test_requests_go_where_their_prefix_is_cached(dep):
         variant = prompt[:shared] + random_prompt(200, seed=100 + i)
         answer, headers = _complete(dep.router, dep.model, variant)
         pred = json.loads(headers["X-KVFabric-Prediction"])
-        assert headers["X-KVFabric-Instance"] == want, (want, headers, dep.stats())
+        assert headers["X-KVFabric-Instance"] == want, (i, want, pred, dep.stats()["route"]["instances"])
         assert pred["from_cache"] == shared, pred
         assert _cached(answer) >= shared, answer["usage"]      # the engine hit its own cache (or the pool)
     chosen = {i["url"]: i["chosen"] for i in dep.stats()["route"]["instances"]}
