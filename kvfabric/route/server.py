@@ -157,9 +157,7 @@ class Router(BoundedHTTPServer):
         messages (when :meth:`wants_tokens`); None when unknown (a batch counts as its first prompt)."""
         p = body.get("prompt")
         if path == "/v1/completions":
-            if isinstance(p, list) and p and isinstance(p[0], list):
-                p = p[0]
-            elif isinstance(p, list) and p and isinstance(p[0], str):
+            if isinstance(p, list) and p and isinstance(p[0], (list, str)):   # a batch: its first prompt
                 p = p[0]
             if isinstance(p, list) and all(type(t) is int for t in p):
                 return p
