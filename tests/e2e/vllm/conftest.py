@@ -177,6 +177,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = ENGIN
     raise AssertionError(f"{url} did not become healthy")
 
 
+def load_pd_example():
+    """``examples/pd/run.py`` as a module (its ``start_vllm``, ``start_proxy``, ``complete``)."""
+    spec = importlib.util.spec_from_file_location("kvfabric_pd_example_run", HERE.parents[2] / "examples" / "pd" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -33,7 +33,6 @@ order; the last two kill the pool, then the engines.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -62,7 +61,7 @@ from kvfabric_vllm.layout import chunk_major_layer_keys, chunk_object_keys
 from kvfabric_vllm.tinymodel import tiny_engine_keys
 from kvfabric_vllm.worker import WorkerSide
 
-from conftest import PARTS, PROMPTS, metric_total, post_json, scrape_metrics, wait_healthy
+from conftest import PARTS, PROMPTS, load_pd_example, metric_total, post_json, scrape_metrics, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 420
@@ -77,15 +76,7 @@ METRICS_WAIT_S = 120         # vLLM records a step's connector stats after the s
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
-def _load_example():
-    """``examples/pd/run.py`` as a module: the tests start their engines with its ``start_vllm``."""
-    spec = importlib.util.spec_from_file_location("kvfabric_pd_example_run", ROOT / "examples" / "pd" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pd_example = _load_example()
+pd_example = load_pd_example()
 
 
 # ---------------------------------------------------------------------------- worker, no engine

@@ -16,13 +16,11 @@ pool's config and model, so it asks the pool with the connector's keys.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -31,22 +29,14 @@ from kvfabric.testing import wait_for
 from kvfabric.testing.servers import start_pool, stop_process_group
 from kvfabric_vllm.tinymodel import random_prompt
 
-from conftest import CHUNK, wait_healthy
+from conftest import CHUNK, load_pd_example, wait_healthy
 
-ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 600
 WAIT_S = 120
 PROMPT_TOKENS = 1500
 
 
-def _load_pd_example():
-    spec = importlib.util.spec_from_file_location("kvfabric_pd_example_run_route", ROOT / "examples" / "pd" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pd_example = _load_pd_example()
+pd_example = load_pd_example()
 
 
 def _get(url: str) -> dict:
