@@ -70,6 +70,21 @@ returns True) until every worker reports its saves acknowledged in
 ``get_finished``'s ``finished_sending`` (the ids go to the workers in the
 next step's ``KVFabricMetadata.hold``).
 
+The same ``kv_transfer_params`` are a ticket between an agent's turns: a
+``kv_both`` instance returns them too, and a next turn (its prompt extends
+the previous one) sent with them to any instance waits for the previous
+turn's chunks exactly as a PD consumer does (the code path above).
+
+Live weight versions (``weights``): a request's keys are derived under the
+weights the workers last reported (``LiveWeights``), bound when it is looked
+up (again after a preemption: re-keyed if the weights changed meanwhile) and
+sent with its loads and saves (``LoadSpec.weights``), so a worker holding
+other weights refuses them. A request keyed under weights the workers no
+longer hold saves nothing more. After vLLM resets the connector's cache
+(``reset_weights``) new lookups answer "ask again later" until every worker
+has measured its weights (at the next step; at most ``lookup_timeout_ms``,
+then the version is unknown and the pool is off for new requests).
+
 Counters are honest: ``lookup_hit_tokens`` is added once per lookup (not per
 scheduler call: vLLM asks again every step a request waits), and
 ``scheduled_load_tokens`` once per load vLLM accepted.
@@ -241,8 +256,8 @@ class SchedulerSide:
         if named is not None and not self._warned_pd_key:
             self._warned_pd_key = True
             log.warning("kvfabric: the producer's kv_transfer_params name chunks this engine cannot key "
-                        "alike (chunk_tokens %r vs %d, or another model, dtype, layout, tenant or "
-                        "cache_salt): not waiting for them", named.get("chunk_tokens"), self.cfg.chunk_tokens)
+                        "alike (chunk_tokens %r vs %d, or another model, weights version, dtype, "
+                        "layout, tenant or cache_salt): not waiting for them", named.get("chunk_tokens"), self.cfg.chunk_tokens)
         return 0
 
     # ------------------------------------------------------------------ lookup
