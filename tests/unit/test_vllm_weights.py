@@ -101,3 +101,78 @@ def test_fingerprint_sees_a_change_anywhere_sampled_and_only_that():
     assert params_fingerprint(reshaped.items()) != fp
     with pytest.raises(ValueError):
         params_fingerprint(params.items(), version="v" * 1000)
+
+
+def test_a_worker_serves_only_specs_planned_under_the_weights_it_holds():
+    """Against a real server: a worker given the model refuses the loads (their blocks recompute) and
+    saves (nothing put) planned under other weights, serves those planned under its own, and on a
+    reset measures the model again (weights changed in place: another fingerprint, reported once)."""
+    torch = pytest.importorskip("torch", reason="the worker copies torch tensors")
+    pytest.importorskip("vllm", reason="the worker imports vLLM's metadata classes")
+    pytest.importorskip("kvfabric._native", reason="the native server needs the C extension")
+    import os
+
+    from kvfabric import Client, KeyHasher
+    from kvfabric.testing.poll import wait_for
+    from kvfabric.testing.servers import start_pool
+    from kvfabric_vllm.config import parse_extra_config
+    from kvfabric_vllm.layout import chunk_major_layer_keys
+    from kvfabric_vllm.meta import LoadSpec, SaveSpec
+    from kvfabric_vllm.metrics import Counters
+    from kvfabric_vllm.worker import WorkerSide
+
+    block, names = 32, ["l0", "l1"]
+    with start_pool(1, capacity="16MiB") as pool, Client(pool.addresses) as c:
+        cfg = parse_extra_config({"servers": pool.addresses, "chunk_tokens": block, "timeout_s": 60.0,
+                                  "save_timeout_s": 60.0, "load_timeout_s": 60.0}, "kv_both", block)
+        w = WorkerSide(cfg, Client(config=cfg.client), 0, block, names, Counters())
+        try:
+            w.register({n: torch.randn((8, 2, block, 16)) for n in names})
+            assert w.take_worker_meta() is None                 # nothing measured yet: the files' weights
+            model = torch.nn.Linear(16, 16)
+            fp = w.bind_weights(model, "step-1")
+            assert w.take_worker_meta().weights.ranks == {0: (0, fp)} and w.take_worker_meta() is None
+            keys = [os.urandom(16)]
+            objs = chunk_major_layer_keys(KeyHasher(), keys, len(names))
+
+            w.submit_saves([SaveSpec("old", keys, [None], [[1]])])              # planned under the files'
+            assert w.counters.snapshot()["weights_refused_chunks"] == 1
+            assert w.counters.snapshot()["save_jobs"] == 0 and c.lookup(objs) == 0
+            w.submit_saves([SaveSpec("new", keys, [None], [[1]], weights=(fp,))])
+            assert wait_for(lambda: c.lookup(objs) == len(objs), timeout_s=60), w.counters.snapshot()
+
+            w.load([LoadSpec("stale", keys, [[3]], weights=("other",))])
+            assert w.take_failed_block_ids() == {3}                            # recomputed, not loaded
+            w.load([LoadSpec("same", keys, [[4]], weights=(fp,))])
+            assert w.take_failed_block_ids() == set() and w.counters.snapshot()["load_chunks"] == 1
+
+            with torch.no_grad():
+                model.weight.add_(1.0)                         # updated in place ...
+            w.weights_epoch(1)                                 # ... and vLLM reset the connector's cache
+            (epoch, fp2), = w.take_worker_meta().weights.ranks.values()
+            assert epoch == 1 and fp2 not in ("", fp)
+            w.weights_epoch(1)                                 # the same epoch again: nothing new
+            assert w.take_worker_meta() is None
+            w.load([LoadSpec("was-current", keys, [[5]], weights=(fp,))])
+            assert w.take_failed_block_ids() == {5}
+            assert w.counters.snapshot()["weights_refused_chunks"] == 3
+        finally:
+            w.shutdown()
+
+
+def test_a_reset_on_a_worker_never_given_the_model_refuses_everything():
+    pytest.importorskip("vllm", reason="the worker imports vLLM's metadata classes")
+    from kvfabric_vllm.config import parse_extra_config
+    from kvfabric_vllm.meta import SaveSpec
+    from kvfabric_vllm.metrics import Counters
+    from kvfabric_vllm.worker import WorkerSide
+
+    cfg = parse_extra_config({"servers": ["127.0.0.1:1"], "chunk_tokens": 32}, "kv_both", 32)
+    w = WorkerSide(cfg, None, 0, 32, ["l0"], Counters())
+    try:
+        w.weights_epoch(1)
+        assert w.take_worker_meta().weights.ranks == {0: (1, "")}
+        assert w.weights_fp is None
+        assert not w._weights_match(SaveSpec("r", [b"k" * 16], [None], [[1]]))     # not even the files'
+    finally:
+        w.shutdown()
