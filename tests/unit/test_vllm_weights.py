@@ -176,3 +176,78 @@ def test_a_reset_on_a_worker_never_given_the_model_refuses_everything():
         assert not w._weights_match(SaveSpec("r", [b"k" * 16], [None], [[1]]))     # not even the files'
     finally:
         w.shutdown()
+
+
+def test_the_scheduler_keys_each_request_under_the_weights_it_was_looked_up_under():
+    """Against a real server, with vLLM's request and step objects reduced to the fields the scheduler
+    reads: requests looked up before a measurement stay keyed under the files' weights and save
+    nothing once the weights changed; new requests, and old ones looked up again after a preemption,
+    are keyed under the measured weights, which their saves carry; after a reset lookups wait for the
+    workers' measurement of that reset."""
+    pytest.importorskip("vllm", reason="the scheduler imports vLLM's metadata classes")
+    pytest.importorskip("kvfabric._native", reason="the native server needs the C extension")
+    from types import SimpleNamespace
+
+    from kvfabric import Client
+    from kvfabric.testing.servers import start_server
+    from kvfabric_vllm.config import parse_extra_config
+    from kvfabric_vllm.keys import EngineKeys
+    from kvfabric_vllm.meta import KVFabricWorkerMeta
+    from kvfabric_vllm.metrics import Counters
+    from kvfabric_vllm.scheduler import SchedulerSide
+
+    chunk = 16
+    with start_server(capacity="16MiB") as srv:
+        extra = {"servers": [srv.address], "chunk_tokens": chunk, "lookup_wait_ms": 60_000,
+                 "lookup_timeout_ms": 60_000}
+        e = EngineKeys.for_model(extra, model="org/model", dtype="torch.float32", num_layers=2,
+                                 total_num_kv_heads=2, head_size=8, block_size=chunk)
+        manager = SimpleNamespace(get_block_ids=lambda rid: [list(range(4))])
+        sched = SchedulerSide(parse_extra_config(extra, "kv_both", chunk), Client([srv.address]), e, chunk,
+                              Counters(), lambda: manager, LiveWeights(1, files_tag=""))
+        prompt = list(range(100, 100 + 3 * chunk + 1))
+
+        def request(rid: str) -> SimpleNamespace:
+            return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=None, cache_salt=None,
+                                   num_preemptions=0, skip_reading_prefix_cache=False)
+
+        def step(*reqs: SimpleNamespace):
+            so = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)
+                                                     for r in reqs],
+                                 num_scheduled_tokens={r.request_id: len(prompt) for r in reqs},
+                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+            return sched.build_connector_meta(so)
+
+        try:
+            r1 = request("r1")
+            assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+            files_keys = sched._reqs["r1"].keys
+            assert sched._reqs["r1"].weights == ()
+            sched.take_worker_meta(KVFabricWorkerMeta(WeightsReport({0: (0, "fp-a")})))
+            assert sched.counters.snapshot()["weights_updates"] == 1
+            assert sched.keys.namespace.extras["weights"].startswith("live-")
+            assert step(r1).saves == []                     # keyed under weights no longer held: no save
+
+            r2 = request("r2")
+            assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+            new_keys = sched._reqs["r2"].keys
+            assert new_keys != files_keys and len(new_keys) == 3
+            (save,) = step(r2).saves
+            assert save.keys == new_keys and save.weights == ("fp-a",)
+
+            r1.num_preemptions = 1                          # preempted, looked up again: re-keyed
+            assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+            assert sched._reqs["r1"].keys == new_keys and sched._reqs["r1"].weights == ("fp-a",)
+
+            sched.reset_weights()
+            r3 = request("r3")
+            assert sched.get_num_new_matched_tokens(r3, 0) == (None, False)   # waits for the workers
+            assert step().weights_epoch == 1
+            sched.take_worker_meta(KVFabricWorkerMeta(WeightsReport({0: (0, "stale")})))   # before the reset
+            assert sched.get_num_new_matched_tokens(r3, 0) == (None, False)
+            sched.take_worker_meta(KVFabricWorkerMeta(WeightsReport({0: (1, "fp-b")})))
+            assert sched.get_num_new_matched_tokens(r3, 0) == (0, False)
+            assert sched._reqs["r3"].weights == ("fp-b",) and sched._reqs["r3"].keys not in (new_keys, files_keys)
+            assert sched.counters.snapshot()["weights_updates"] == 2
+        finally:
+            sched.shutdown()
