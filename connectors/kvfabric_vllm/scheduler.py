@@ -157,6 +157,7 @@ class SchedulerSide:
         self.weights = weights if weights is not None else LiveWeights(
             1, keys.namespace.extras.get("weights", "") if keys is not None else "")
         self._base_keys = keys
+        self._weights_waited = False  # this step already paused for the workers' measurement
         self.client = client
         self.block_size = block_size
         self.counters = counters
@@ -374,7 +375,9 @@ class SchedulerSide:
         known = self._weights_known()
         if not known:
             if known is None:            # the workers measure at the next step (it runs while we wait)
-                time.sleep(_POLL_WAIT_S)
+                if not self._weights_waited:  # once a step, not once a request: do not spin vLLM's loop
+                    self._weights_waited = True
+                    time.sleep(_POLL_WAIT_S)
                 return None, False
             return 0, False              # weights unknown: no load, and no state, so no save
         st = self._state(request)       # also for save-only roles: saves need the keys
@@ -455,6 +458,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVFabricMetadata:
         meta = KVFabricMetadata(hold=self._hold, weights_epoch=self.weights.epoch)
+        self._weights_waited = False
         self._hold = []
         for st in self._reqs.values():
             if st.load is not None:
