@@ -386,8 +386,8 @@ class SchedulerSide:
         epoch = getattr(request, "num_preemptions", 0)
         if st.weights != self.weights.current and (st.lookup is None or st.lookup_epoch != epoch):
             self._bind_keys(st, request)   # looked up again (preempted) under new weights
-        if not st.keys:
-            return 0, False
+        if not st.keys or st.weights != self.weights.current:
+            return 0, False                # (keyed under weights no longer held: its load would be refused)
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
         # a request vLLM reads no cached prefix for (prompt logprobs) is looked up for saves only
