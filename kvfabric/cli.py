@@ -35,6 +35,8 @@ commands:
   put [ADDR] KEY         store stdin (-i FILE: a file) under KEY; never overwrites
   del [ADDR] KEY...      delete keys
   bench <name> [args]    run a benchmark (kvfabric bench --help lists them)
+  route [options]        OpenAI-compatible router in front of vLLM instances: each request
+                         where its KV is cheapest; --mode pd for prefill/decode (route --help)
   --version              print the version
 
 ADDR: HOST:PORT[,HOST:PORT...], default $KVFABRIC_SERVERS (the client's
@@ -144,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if command == "bench":
         return _bench(rest)
+    if command == "route":
+        from .route.server import main as route_main
+
+        return route_main(rest)
     print(f"kvfabric: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

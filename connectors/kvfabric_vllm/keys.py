@@ -13,11 +13,12 @@ every engine of one model (any TP size) derives the same keys.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfabric import KeyHasher, Namespace
+from kvfabric import Client, KeyHasher, Namespace
 
 from .config import (ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, request_namespace,
                      weights_fingerprint)
@@ -95,6 +96,34 @@ class PromptKeys:
         parts = engine.parts() if parts is None else parts
         place, groups = object_placement(ck, None if self.placement is None else self.placement[:upto], len(parts))
         return chunk_object_keys(engine.hasher, ck, parts), place, groups
+
+    def held_chunks(self, client: Client, engine: EngineKeys, *, timeout_s: float, lease_ms: int = 0,
+                    probe: bool = True) -> int:
+        """Leading chunks the pool holds whole: every object (every layer and KV head) that an engine's
+        ranks need together, each chunk one group routed by its placement key (one request per shard
+        per stage); the whole call within ``timeout_s`` (KVFabricError past it or on failure).
+
+        In two stages when ``probe`` (the connector's ``lookup_probe``): an EXISTS of one object per
+        KV-head column of each chunk (``EngineKeys.probe_parts``: ``T / g`` keys a chunk, not
+        ``L * T / g``) bounds the run from above, without leases or tier reads; then a LOOKUP of every
+        object of only the chunks below that bound, with the lease (``lease_ms``), decides. A chunk
+        still counts only when all its objects were found (the probe never adds one); what the probe
+        saves is the keys (hashing, wire, server) of the chunks past the first one missing. The second
+        stage is skipped when the probe finds nothing."""
+        deadline = time.monotonic() + timeout_s
+        parts, probe_parts = engine.parts(), engine.probe_parts()
+        upto = len(self.chunk_keys)
+        if probe and len(probe_parts) < len(parts):
+            objs, place, groups = self.objects(engine, parts=probe_parts)
+            present = client.exists(objs, placement=place, groups=groups,
+                                    timeout_s=max(0.001, deadline - time.monotonic()))
+            upto = next((i for i, p in enumerate(present) if not p), len(objs)) // len(probe_parts)
+            if not upto:
+                return 0
+        objs, place, groups = self.objects(engine, upto=upto)
+        found = client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
+                              timeout_s=max(0.001, deadline - time.monotonic()))
+        return found // len(parts)
 
 
 def prompt_keys(engine: EngineKeys, token_ids: Sequence[int], cache_salt: str | None = None) -> PromptKeys:

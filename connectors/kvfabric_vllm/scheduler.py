@@ -264,32 +264,12 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lookup
 
     def _lookup_all_parts(self, keys: list[bytes], lease_ms: int, placement: list[bytes] | None = None) -> int:
-        """Leading chunks the pool holds whole: every object (``layout``: every layer and KV head) that
-        the engine's ranks need together (with placement: each chunk's objects routed by its placement
-        key and counted as one group, one request per shard).
-
-        In two stages (``lookup_probe``, default): an EXISTS of one object per KV-head column of each
-        chunk (``EngineKeys.probe_parts``: ``T / g`` keys a chunk, not ``L * T / g``) bounds the run from
-        above, without leases or tier reads; then a LOOKUP of every object of only the chunks below
-        that bound, with the lease, decides. A chunk still counts only when all its objects were found
-        (the probe never adds one); what the probe saves is the keys (hashing, wire, server) of the
-        chunks past the first one missing. The second stage is skipped when the probe finds nothing."""
+        """Leading chunks the pool holds whole (``PromptKeys.held_chunks``: every object the engine's
+        ranks need, in two stages when ``lookup_probe``), within ``lookup_timeout_ms``."""
         assert self.client is not None and self.keys is not None
-        deadline = time.monotonic() + self.cfg.lookup_timeout_ms / 1000
-        pk = PromptKeys(keys, placement)
-        parts, probe = self.keys.parts(), self.keys.probe_parts()
-        upto = len(keys)
-        if self.cfg.lookup_probe and len(probe) < len(parts):
-            objs, place, groups = pk.objects(self.keys, parts=probe)
-            present = self.client.exists(objs, placement=place, groups=groups,
-                                         timeout_s=max(0.001, deadline - time.monotonic()))
-            upto = next((i for i, p in enumerate(present) if not p), len(objs)) // len(probe)
-            if not upto:
-                return 0
-        objs, place, groups = pk.objects(self.keys, upto=upto)
-        found = self.client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
-                                   timeout_s=max(0.001, deadline - time.monotonic()))
-        return found // len(parts)
+        return PromptKeys(keys, placement).held_chunks(self.client, self.keys, lease_ms=lease_ms,
+                                                       timeout_s=self.cfg.lookup_timeout_ms / 1000,
+                                                       probe=self.cfg.lookup_probe)
 
     def _start_lookup(self, st: _Req, epoch: int, lease: bool) -> bool:
         """Start (again, after a preemption) the lookup of every whole prompt chunk; True if started."""

@@ -15,7 +15,8 @@ gibberish; the point is where the KV comes from). Step by step:
    (``kv_role: kv_consumer``: loads, never saves); vLLM's own prefix cache
    is off on both, and ``chunk_tokens`` is vLLM's CPU block size (128), so the
    decode instance computes at most one partial block of each prompt;
-3. starts ``examples/pd/proxy.py`` in front of them;
+3. starts ``examples/pd/proxy.py`` in front of them (``kvfabric route --mode pd``:
+   docs/route.md);
 4. sends two ``/v1/completions`` requests to the proxy (the second one
    streamed) and prints, per request, the prompt tokens the decode instance
    loaded from the pool and whether its tokens equal those of the prefill

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -50,12 +51,18 @@ ROOT = Path(__file__).resolve().parents[2]
 CONNECTORS = ROOT / "connectors"
 CHUNK_TOKENS = 128          # the kvfabric connector's chunk: vLLM's CPU block size
 
-CONFIGS = ("vllm", "vllm-offload", "lmcache", "kvfabric", "kvfabric-ssd")
+CONFIGS = ("vllm", "vllm-offload", "lmcache", "kvfabric", "kvfabric-ssd", "route-rr", "route", "vllm-route")
 LABELS = {"vllm": "(a) vLLM alone, prefix cache, KV limited",
           "vllm-offload": "(b) vLLM + its CPU OffloadingConnector",
           "lmcache": "(c) vLLM + LMCache remote server (peer L2)",
           "kvfabric": "(d) vLLM + kvfabric pool, DRAM",
-          "kvfabric-ssd": "(e) vLLM + kvfabric pool, DRAM + SSD"}
+          "kvfabric-ssd": "(e) vLLM + kvfabric pool, DRAM + SSD",
+          "route-rr": "(f) (d) behind kvfabric route, round robin",
+          "route": "(g) (d) behind kvfabric route, KV-aware",
+          "vllm-route": "(h) (a) behind kvfabric route, KV-aware"}
+# the router's policy per configuration that has one (the same deployment otherwise: (d), or (a) for
+# vllm-route, plus each engine's KV events)
+ROUTE_POLICY = {"route-rr": "rr", "route": "kv", "vllm-route": "kv"}
 
 
 # vllm-offload is tried with each of these environments until one starts
@@ -145,10 +152,17 @@ class Deployment:
     pool: ServerPool | None = None
     l2_procs: list[subprocess.Popen] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    router: subprocess.Popen | None = None     # kvfabric route in front of the engines (route configs)
+    router_url: str | None = None
+
+    @property
+    def entry(self) -> list[str]:
+        """Where the load generator sends requests: the router, or the engines round robin."""
+        return [self.router_url] if self.router_url else self.urls
 
     def stop(self) -> None:
-        """Stop the engines, then the L2; remove the SSD tier directories the pool had."""
-        for p in [*self.procs, *self.l2_procs]:
+        """Stop the router, the engines, then the L2; remove the SSD tier directories the pool had."""
+        for p in [*([self.router] if self.router else []), *self.procs, *self.l2_procs]:
             if p.poll() is None:
                 stop_process_group(p)
         if self.pool is not None:
@@ -160,7 +174,8 @@ class Deployment:
         """CPU seconds used so far by the engines (each with the processes it started: vLLM's engine core)
         and by the L2 servers."""
         l2 = [p.pid for p in self.l2_procs] + ([s.pid for s in self.pool] if self.pool is not None else [])
-        return {"engines": sum(tree_cpu_s(p.pid) for p in self.procs), "l2": sum(tree_cpu_s(pid) for pid in l2)}
+        return {"engines": sum(tree_cpu_s(p.pid) for p in self.procs), "l2": sum(tree_cpu_s(pid) for pid in l2),
+                "router": tree_cpu_s(self.router.pid) if self.router else 0.0}
 
     def dead(self) -> list[str]:
         """One line per engine that exited, with its log's tail."""
@@ -227,8 +242,13 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     env_extra = dict(env_extra or {})
     path_extra: list[str] = []
     settings: dict = {"kv_bytes_per_instance": opt.kv_bytes}
+    events: list[list[str]] = [[] for _ in range(opt.instances)]
     try:
-        if config in ("kvfabric", "kvfabric-ssd"):
+        if config in ROUTE_POLICY:      # each engine publishes its KV events; the router finds them
+            events = [["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                         "endpoint": f"tcp://*:{free_port()}"})]
+                      for _ in range(opt.instances)]
+        if config in ("kvfabric", "kvfabric-ssd", "route-rr", "route"):
             pool = _start_pool(opt, ssd=config == "kvfabric-ssd")
             if config == "kvfabric-ssd":
                 settings.update(ssd_bytes=opt.ssd_bytes, ssd_paths=pool.ssd_paths)
@@ -246,7 +266,7 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
                          "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "naive"}
             extra = ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
             settings.update(remote=url, dram_bytes=opt.dram_bytes)
-        elif config != "vllm":
+        elif config not in ("vllm", "vllm-route"):
             raise ValueError(f"unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
         env = dict(engine_env(opt.python, path_extra), **env_extra)
         urls, procs, logs = [], [], []
@@ -254,7 +274,7 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
             port = free_port()
             log = opt.workdir / f"{config}-{i}.log"
             with open(log, "w") as f:
-                procs.append(subprocess.Popen([*_engine_args(opt, port), *extra], env=env, stdout=f,
+                procs.append(subprocess.Popen([*_engine_args(opt, port), *extra, *events[i]], env=env, stdout=f,
                                               stderr=subprocess.STDOUT, start_new_session=True))
             urls.append(f"http://127.0.0.1:{port}")
             logs.append(log)
@@ -268,10 +288,50 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     try:
         _wait_healthy(dep, opt.start_timeout_s)
         _check_connector_started(dep)
+        if config in ROUTE_POLICY:
+            _start_router(dep, opt, ROUTE_POLICY[config])
     except BaseException:
         dep.stop()
         raise
     return dep
+
+
+def _start_router(dep: Deployment, opt: Options, policy: str, timeout_s: float = 120.0) -> None:
+    """``kvfabric route`` (this interpreter: it needs pyzmq, the 'route' extra) in front of ``dep``'s
+    engines with ``policy``, asking the pool (if any) with the connector's keys; waits for its listening
+    line."""
+    import importlib.util
+
+    if importlib.util.find_spec("zmq") is None:
+        raise NotRunnable("kvfabric route needs pyzmq in the benchmark's interpreter (pip install 'kvfabric[route]')")
+    log = opt.workdir / f"{dep.config}-router.log"
+    cmd = [sys.executable, "-m", "kvfabric", "route", "--port", "0", "--policy", policy, "--max-connections", "1024"]
+    if dep.pool is not None:
+        cmd += ["--pool-config", json.dumps({"servers": dep.pool.addresses, "chunk_tokens": CHUNK_TOKENS}),
+                "--model", opt.model]
+    for u in dep.urls:
+        cmd += ["--instance", u]
+    with open(log, "w") as err:
+        dep.router = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                      env=engine_env(sys.executable))
+    line = dep.router.stdout.readline()       # printed once it answers; "" if it exits first
+    if not line.startswith("kvfabric route listening on "):
+        raise NotRunnable(f"{dep.config}: kvfabric route did not start: {line!r}\n"
+                          f"{log.read_text(errors='replace')[-3000:]}")
+    dep.router_url = "http://" + line.split()[-1]
+    dep.settings.update(router=dep.router_url, policy=policy)
+
+
+def route_stats(dep: Deployment) -> dict | None:
+    """The router's ``/stats`` (as ``counts``) and ``/route`` (as ``route``: its choices, per-instance
+    index and rates), None without a router."""
+    if not dep.router_url:
+        return None
+    out = {}
+    for path, key in (("/stats", "counts"), ("/route", "route")):
+        with urllib.request.urlopen(dep.router_url + path, timeout=60) as r:
+            out[key] = json.loads(r.read())
+    return out
 
 
 # A connector that logs one of these at start and lets vLLM run on without it: the engine answers, but the
@@ -373,5 +433,6 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
     return str(py), str(sites[0])
 
 
-__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "Deployment", "NotRunnable", "Options", "Shape", "build_model",
-           "engine_env", "lmcache_installation", "machine_busy_s", "start", "tree_cpu_s"]
+__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "ROUTE_POLICY", "Deployment", "NotRunnable", "Options", "Shape",
+           "build_model", "engine_env", "lmcache_installation", "machine_busy_s", "route_stats", "start",
+           "tree_cpu_s"]

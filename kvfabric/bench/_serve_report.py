@@ -128,7 +128,7 @@ def _f(v: Any, fmt: str, none: str = "-") -> str:
 
 
 def _cpu(c: dict | None) -> str:
-    return "-" if not c else f"{c['engines_s']:.0f}/{c['l2_s']:.1f}/{c['others_s']:.0f}"
+    return "-" if not c else f"{c['engines_s']:.0f}/{c['l2_s'] + c.get('router_s', 0.0):.1f}/{c['others_s']:.0f}"
 
 
 def print_table(report: dict[str, Any], out=sys.stdout) -> None:
@@ -154,8 +154,8 @@ def print_table(report: dict[str, Any], out=sys.stdout) -> None:
           "later turns of a session; vLLM hit: its local prefix cache (hits/queries); loaded / computed: prompt "
           "tokens vLLM reports loaded by its KV connector / computed; pool hit: GET keys hit in the pool's STATS; "
           "loadavg: 1-minute load average at the run's end; CPU s: CPU seconds the level took in this "
-          "configuration's engines / its L2 servers / everything else on the machine; tok/CPU s: output tokens "
-          "per CPU second of the engines and L2 servers (moved less by other users' load)", file=out)
+          "configuration's engines / its L2 servers and router / everything else on the machine; tok/CPU s: output tokens "
+          "per CPU second of the engines, L2 servers and router (moved less by other users' load)", file=out)
     for cfg in report["configs"]:
         for line in (cfg.get("not_runnable") or "").strip().splitlines():
             print(f"NOT RUN {cfg['label']}: {line}", file=out)

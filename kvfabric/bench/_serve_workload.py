@@ -117,9 +117,11 @@ def sample_sessions(trace: Trace, sessions: int, seed: int) -> list[list[Request
 
 
 def build_workload(trace: Trace, *, sessions: int, seed: int, block_tokens: int, max_model_len: int,
-                   output_scale: float | None = None, speedup: float = 1.0, max_requests: int | None = None
-                   ) -> Workload:
-    """Cut a :class:`Workload` out of ``trace`` (see the module docstring); ValueError on bad sizes."""
+                   output_scale: float | None = None, speedup: float = 1.0, max_requests: int | None = None,
+                   no_reuse: bool = False) -> Workload:
+    """Cut a :class:`Workload` out of ``trace`` (see the module docstring); ValueError on bad sizes.
+    ``no_reuse``: the same requests (sizes, sessions, arrivals), every block of every prompt given an id of
+    its own, so no two prompts share a token block (the control for routing: nothing to gain)."""
     if block_tokens < 1 or max_model_len <= block_tokens or sessions < 1 or speedup <= 0:
         raise ValueError(f"need block_tokens >= 1, max_model_len > block_tokens, sessions >= 1, speedup > 0 "
                          f"(got {block_tokens}, {max_model_len}, {sessions}, {speedup})")
@@ -149,6 +151,8 @@ def build_workload(trace: Trace, *, sessions: int, seed: int, block_tokens: int,
             prompt_len, ids = blocks * block_tokens, ids[:blocks]
             truncated += 1
         prompt_len = min(prompt_len, len(ids) * block_tokens)
+        if no_reuse:                   # ids above the trace's: unique per (request, block)
+            ids = [(1 << 40) + (len(out) << 20) + b for b in range(len(ids))]
         out.append(ServeRequest(len(out), first[tuple(r.hash_ids[:2])], (r.timestamp - t0) / 1000.0 / speedup,
                                 tuple(ids), prompt_len, max_tokens))
     return Workload(trace.name, tuple(out), len(first), trace.block_tokens, block_tokens, oscale, max_model_len,

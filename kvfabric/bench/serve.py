@@ -4,7 +4,7 @@ One command starts everything it measures (engines and pools; all stopped
 on exit) and replays a Mooncake trace against each configuration in turn::
 
     kvfabric bench serve --engine-python .venvs/vllm/bin/python [--trace mooncake-conversation]
-        [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd]
+        [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd,route-rr,route,vllm-route]
         [--instances 2] [--kv-mib 128] [--dram-mib 256] [--ssd-mib 1024] [--out bench-results/serve.json]
 
 The parts (each a module beside this one):
@@ -20,7 +20,10 @@ The parts (each a module beside this one):
   ``--kv-mib`` of vLLM KV cache per instance for all, ``--dram-mib`` in all
   for the L2 of (b)-(e), ``--ssd-mib`` more on SSD for (e);
 * load (``_serve_load``): streamed completions, round-robin over the
-  instances, closed-loop sessions (``--loads`` = sessions in flight) or an
+  instances (or all to ``kvfabric route`` in front of them: (f) with its
+  round-robin policy, (g) KV-aware; the same deployment as (d) plus each
+  engine's KV events; (h) KV-aware in front of (a), no pool; docs/route.md),
+  closed-loop sessions (``--loads`` = sessions in flight) or an
   open loop at the trace's arrival times (``--mode open``, ``--loads`` =
   speed-ups); every load level uses fresh token ids (all caches cold);
 * report (``_serve_report``): requests/s, output tokens/s, TTFT and
@@ -57,7 +60,7 @@ from typing import Any
 from ..testing.poll import wait_for
 from . import proc_cpu_s, write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, NotRunnable, Options, Shape,
-                             build_model, lmcache_installation, machine_busy_s, start)
+                             build_model, lmcache_installation, machine_busy_s, route_stats, start)
 from ._serve_load import Result, complete, run
 from ._serve_report import delta, plot, pool_counters, print_table, summarize, vllm_counters
 from ._serve_workload import Workload, build_workload
@@ -197,7 +200,7 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
             def done(r: Result, bar=bar) -> None:
                 if bar is not None:
                     bar.update(1)
-            results, wall = run(workload, dep.urls, concurrency=int(load) if mode == "closed" else None,
+            results, wall = run(workload, dep.entry, concurrency=int(load) if mode == "closed" else None,
                                 speedup=load, epoch=li + 1, vocab=vocab, on_done=done)
             if bar is not None:
                 bar.close()
@@ -211,15 +214,20 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
             # where the machine's CPU went during the level: this configuration's engines, its L2 servers,
             # the load generator, and everything else on the machine (other users)
             cpu = {"engines_s": c1["engines"] - c0["engines"], "l2_s": c1["l2"] - c0["l2"], "bench_s": b1 - b0,
+                   "router_s": c1["router"] - c0["router"],
                    "machine_busy_s": m1 - m0, "machine_capacity_s": wall * (os.cpu_count() or 1)}
-            cpu["others_s"] = max(0.0, cpu["machine_busy_s"] - cpu["engines_s"] - cpu["l2_s"] - cpu["bench_s"])
+            cpu["others_s"] = max(0.0, cpu["machine_busy_s"] - cpu["engines_s"] - cpu["l2_s"] - cpu["bench_s"]
+                                  - cpu["router_s"])
             row["cpu"] = cpu
             # a figure other users' load moves less: output tokens per CPU second this configuration used
-            used = cpu["engines_s"] + cpu["l2_s"]
+            used = cpu["engines_s"] + cpu["l2_s"] + cpu["router_s"]
             out_tokens = sum(r.output_tokens for r in results if not r.error)
             row["output_tokens_per_cpu_s"] = out_tokens / used if used else None
             row["load"] = load
             row["loadavg"] = os.getloadavg()
+            rs = route_stats(dep)
+            if rs is not None:          # cumulative over the levels: where the router sent requests, and why
+                row["route"] = rs
             row["results"] = [r.to_json() for r in results]
             entry["runs"].append(row)
     finally:
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="mooncake-conversation", help="bundled trace name or file")
     ap.add_argument("--sessions", type=int, default=12, help="sessions drawn from the trace")
     ap.add_argument("--max-requests", type=int, default=None, help="keep the first N requests of those sessions")
+    ap.add_argument("--no-reuse", action="store_true",
+                    help="the same requests with no token block shared between prompts (a control: no reuse)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-tokens", type=int, default=32,
                     help="engine tokens per trace block (scale = this / the trace's 512)")
@@ -240,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["closed", "open"], default="closed")
     ap.add_argument("--loads", default="1,4", help="closed: sessions in flight; open: speed-ups (comma list)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {','.join(CONFIGS)}")
-    ap.add_argument("--instances", type=int, default=2, help="vLLM instances behind round-robin routing")
+    ap.add_argument("--instances", type=int, default=2,
+                    help="vLLM instances (behind round-robin routing, or kvfabric route for route configs)")
     ap.add_argument("--pool-servers", type=int, default=2)
     ap.add_argument("--kv-mib", type=float, default=128, help="vLLM KV cache per instance (the 'HBM')")
     ap.add_argument("--dram-mib", type=float, default=256, help="L2 DRAM in all, for (b)-(e)")
@@ -287,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_trace(args.trace)
         workload = build_workload(trace, sessions=args.sessions, seed=args.seed, block_tokens=args.block_tokens,
                                   max_model_len=args.max_model_len, output_scale=args.output_scale,
-                                  max_requests=args.max_requests)
+                                  max_requests=args.max_requests, no_reuse=args.no_reuse)
     except (TraceError, ValueError) as e:
         print(f"kvfabric bench serve: {e}", file=sys.stderr)
         return 2
@@ -340,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in report["configs"]:
         for row in entry.get("runs", []):
             v = row["vllm"]
-            if entry["config"].startswith("kvfabric") and v["kvfabric_load_tokens"] > 0 and "r" in calib \
+            if entry["config"].startswith(("kvfabric", "route")) and v["kvfabric_load_tokens"] > 0 and "r" in calib \
                     and v["kvfabric_load_seconds"] > 0:
                 calib.setdefault("engine_load_s_per_token", v["kvfabric_load_seconds"] / v["kvfabric_load_tokens"])
     if "engine_load_s_per_token" in calib and calib["engine_load_s_per_token"] > 0:

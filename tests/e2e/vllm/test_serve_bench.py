@@ -26,10 +26,11 @@ KV_HEADS = 2
 BENCH_TIMEOUT_S = 1200
 
 
-def test_serve_bench_smoke(tmp_path):
+def _run_bench(tmp_path, configs: str) -> dict:
+    """``benchmarks/serve.py`` at its smallest with ``configs``; its JSON report (exit 0 asserted)."""
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--engine-python", sys.executable,
-           "--configs", "vllm,kvfabric", "--sessions", "2", "--max-requests", "4", "--loads", "1",
+           "--configs", configs, "--sessions", "2", "--max-requests", "4", "--loads", "1",
            "--block-tokens", "32", "--max-model-len", "1024", "--instances", "2", "--pool-servers", "1",
            "--layers", str(LAYERS), "--heads", "2", "--kv-heads", str(KV_HEADS), "--head-dim", "64", "--hidden", "128",
            "--kv-mib", "16", "--dram-mib", "64", "--no-progress", "--out", str(out)]
@@ -37,7 +38,11 @@ def test_serve_bench_smoke(tmp_path):
     assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                                   f"--- stderr\n{proc.stderr[-6000:]}")
     assert f"wrote {out}" in proc.stdout, proc.stdout[-6000:]
-    rep = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_serve_bench_smoke(tmp_path):
+    rep = _run_bench(tmp_path, "vllm,kvfabric")
     assert rep["workload"]["requests"] == 4 and rep["workload"]["scale"] == 32 / 512, rep["workload"]
     calib = rep["calibration"]
     # r is a measurement: no bound (and only its whole-prompt form when load swamps the prefill slope)
@@ -64,4 +69,28 @@ def test_serve_bench_smoke(tmp_path):
     assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS * KV_HEADS, (pool, v)
     assert v["kvfabric_load_errors"] == 0, v
     # what the connector loaded is what vLLM counts as loaded by a connector and as external hits
+    assert v["tokens_external_kv_transfer"] == v["kvfabric_load_tokens"] == v["external_hits"], v
+
+
+def test_serve_bench_route_smoke(tmp_path):
+    """The route configuration (g): the same four requests sent to ``kvfabric route`` in front of two
+    instances. Asserted: every request answered through the router, the router counted each one and chose
+    among the two instances (its /stats and /route in the JSON), the instances' KV events reached its index, and the
+    same agreement of vLLM's and the pool's counters as above."""
+    rep = _run_bench(tmp_path, "route")
+    (cfg,) = rep["configs"]
+    assert cfg["config"] == "route" and not cfg.get("not_runnable"), cfg.get("not_runnable")
+    assert cfg["settings"]["policy"] == "kv", cfg["settings"]
+    (run,) = cfg["runs"]
+    assert run["requests"] == 4 and run["errors"] == 0, run["errors_sample"]
+    route = run["route"]
+    assert route["counts"]["requests"] == 4 and route["route"]["policy"] == "kv", route
+    insts = route["route"]["instances"]
+    assert len(insts) == 2 and sum(i["chosen"] for i in insts) == 4, insts
+    # every instance's KV events were found (vLLM's /kv_event_sources), and the blocks the engines stored
+    # (the calibration's prompts on the first one, the run's) reached the router's index
+    assert all(i["events"] and i["events"]["endpoint"].startswith("tcp://127.0.0.1:") for i in insts), insts
+    assert sum(i["events"]["batches"] for i in insts) > 0 and sum(i["index"]["stored"] for i in insts) > 0, insts
+    v, pool = run["vllm"], run["pool"]
+    assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS, (pool, v)
     assert v["tokens_external_kv_transfer"] == v["kvfabric_load_tokens"] == v["external_hits"], v
