@@ -258,7 +258,8 @@ class SchedulerSide:
             self._warned_pd_key = True
             log.warning("kvfabric: the producer's kv_transfer_params name chunks this engine cannot key "
                         "alike (chunk_tokens %r vs %d, or another model, weights version, dtype, "
-                        "layout, tenant or cache_salt): not waiting for them", named.get("chunk_tokens"), self.cfg.chunk_tokens)
+                        "layout, tenant or cache_salt): not waiting for them", named.get("chunk_tokens"),
+                        self.cfg.chunk_tokens)
         return 0
 
     # ------------------------------------------------------------------ lookup
