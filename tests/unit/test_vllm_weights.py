@@ -249,5 +249,12 @@ def test_the_scheduler_keys_each_request_under_the_weights_it_was_looked_up_unde
             assert sched.get_num_new_matched_tokens(r3, 0) == (0, False)
             assert sched._reqs["r3"].weights == ("fp-b",) and sched._reqs["r3"].keys not in (new_keys, files_keys)
             assert sched.counters.snapshot()["weights_updates"] == 2
+
+            sched.reset_weights()                           # a reset on workers never given the model
+            sched.take_worker_meta(KVFabricWorkerMeta(WeightsReport({0: (2, "")})))
+            r4 = request("r4")
+            assert sched.get_num_new_matched_tokens(r4, 0) == (0, False) and "r4" not in sched._reqs
+            assert sched.counters.snapshot()["weights_unversioned"] == 1
+            assert step(r3).saves == []                     # nothing keyed under a version saves now
         finally:
             sched.shutdown()
