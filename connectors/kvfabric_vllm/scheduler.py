@@ -101,9 +101,9 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .keys import EngineKeys, PromptKeys, prompt_keys
-from .meta import KVFabricMetadata, LoadSpec, SaveSpec
+from .meta import KVFabricMetadata, KVFabricWorkerMeta, LoadSpec, SaveSpec
 from .metrics import Counters, log
-from .weights import LiveWeights, WeightsReport
+from .weights import LiveWeights
 
 if TYPE_CHECKING:
     from kvfabric import Client
@@ -200,10 +200,10 @@ class SchedulerSide:
         epoch = self.weights.reset()
         log.info("kvfabric: cache reset %d: waiting for the workers to measure their weights", epoch)
 
-    def take_worker_meta(self, meta: object) -> None:
-        """The workers' measurement (``KVFabricWorkerMeta``, through ``update_connector_output``)."""
-        rep = getattr(meta, "weights", None)
-        if isinstance(rep, WeightsReport) and self.weights.report(rep):
+    def take_worker_meta(self, meta: KVFabricWorkerMeta) -> None:
+        """The workers' measurement (vLLM's ``kv_connector_worker_meta``, through ``update_connector_output``)."""
+        assert isinstance(meta, KVFabricWorkerMeta), type(meta)
+        if self.weights.report(meta.weights):
             self._weights_changed()
 
     def _weights_changed(self) -> None:
