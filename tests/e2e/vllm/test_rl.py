@@ -7,7 +7,8 @@
    the old weights' KV is still in the pool, and its greedy output equals a cold run of the new
    weights. A second engine, also started on the old weights and updated in place (the workers
    given the model once at start, the update only a reset), loads the KV the first saved after
-   its update, and its output equals the cold run too.
+   its update, and its output equals the cold run too. At TP=2 every rank measures its shard and
+   the scheduler binds them together.
 2. Read-your-writes between turns: two ``kv_both`` OpenAI servers on one pool of two servers.
    Turn 1 on engine A returns a ticket in ``kv_transfer_params``; turn 2 (turn 1's prompt
    extended) on engine B right after, carrying the ticket, loads turn 1's whole prefix, waiting
@@ -40,15 +41,20 @@ def new_weights(tmp_path_factory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-new"), seed=1))
 
 
+@pytest.fixture(scope="module")
+def cold_new(new_weights, tmp_path_factory) -> list[int]:
+    """Greedy output of PROMPTS["rl"] on an engine started on the new weights, without the connector."""
+    return EngineRunner(new_weights, tmp_path_factory.mktemp("cold-new"))(["rl"])["outputs"][0]
+
+
 def _delta(res: dict, i: int, name: str) -> int:
     """Counter ``name``'s growth during prompt ``i`` of an engine_run result."""
     after = res["counters_after"]
     return after[i][name] - (after[i - 1][name] if i else 0)
 
 
-def test_weights_updated_in_place_never_load_the_old_kv(run_engine, tiny_model, new_weights, cold, tmp_path):
+def test_weights_updated_in_place_never_load_the_old_kv(run_engine, tiny_model, new_weights, cold, cold_new):
     name = "rl"
-    cold_new = EngineRunner(new_weights, tmp_path)([name])["outputs"][0]
     assert cold_new != cold[name], "the new weights must change the output, or this test proves nothing"
     reload = ["--reload-path", new_weights]
     with start_pool(1, capacity="64MiB") as pool:
@@ -77,6 +83,26 @@ def test_weights_updated_in_place_never_load_the_old_kv(run_engine, tiny_model, 
         assert b["outputs"][0] == cold_new
         # one version bound: the reset's measurement replaced the start's before any step reported it
         assert b["counters"]["weights_updates"] == 1 and b["counters"]["weights_refused_chunks"] == 0
+
+
+def test_weights_updated_in_place_on_a_tp2_engine(run_engine, new_weights, cold, cold_new, monkeypatch):
+    """The same at TP=2 (worker processes, vLLM's multi-process executor): every rank measures its
+    own shard, the scheduler binds the two fingerprints together once both arrived (vLLM aggregates
+    the ranks' worker metadata), nothing of the old weights is loaded, and the output is the new
+    weights' (a TP=1 cold run: the tiny Llama's TP=1 and TP=2 outputs are identical, test_tp.py)."""
+    from test_tp import TP_ARGS
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    name = "rl"
+    with start_pool(1, capacity="64MiB") as pool:
+        res = run_engine([name, name], pool.addresses, args=[*TP_ARGS, "--reload-before", "1",
+                                                               "--reload-path", new_weights])
+    assert res["outputs"] == [cold[name], cold_new], res["outputs"]
+    assert res["cached"] == [0, 0], res["cached"]
+    (fps,) = res["fingerprints"]
+    assert len(fps) == 2 and fps[0] != fps[1], fps        # one per rank, each its own shard
+    c = res["counters"]    # the scheduler's (this process); the workers' counters live in theirs
+    assert c["weights_updates"] == 1 and c["scheduled_load_tokens"] == 0 and c["lookup_hit_tokens"] == 0, c
 
 
 # ---------------------------------------------------------------------------- tickets between turns
@@ -199,3 +225,4 @@ def test_next_turn_does_not_wait_for_a_dead_owner(turns, cold):
     after = _metrics_when(b, lambda t: t("pd_pool_down") > down)
     assert tokens == cold["turn2"] and cached == 0, cached
     assert after("pd_pool_down") == down + 1 and after("pd_wait_timeouts") == timeouts
+
