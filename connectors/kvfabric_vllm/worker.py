@@ -286,8 +286,6 @@ class WorkerSide:
         except ValueError as e:  # over the registration limits: loads use recvmsg
             log.warning("kvfabric: load buffers not registered (%s); loads use recvmsg", e)
 
-    # ------------------------------------------------------------------ loads
-
     # ------------------------------------------------------------------ live weight versions
 
     def bind_weights(self, model: torch.nn.Module, version: str = "") -> str:

@@ -17,7 +17,8 @@ the connector's; ``reset``: the workers were given the model once at start
 (``refresh_weights_version``), the update only resets (``reset_connector=True``).
 
 ``result.json``: ``{"outputs": [[token ids]...], "cached": [num_cached_tokens...],
-"counters": {...} | null, "counters_after": [{...} per prompt] | null}``. Counters
+"counters": {...} | null, "counters_after": [{...} per prompt] | null, "fingerprints": [[per rank]
+per refresh_weights_version run]}``. Counters
 are the connector's (``kvfabric_vllm.metrics``), readable only when the engine
 runs in this process (no ``--mp``).
 Exit status is non-zero (with vLLM's traceback) if the engine fails.
