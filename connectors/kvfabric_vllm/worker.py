@@ -77,6 +77,14 @@ load (``load_no_buffer_chunks``, recomputed); nothing waits for memory.
 path only. The CUDA path has not run on a real GPU yet (2026-12-05; tests/gpu,
 scripts/gpu-check.sh).
 
+Live weight versions (``weights``): once ``refresh_weights_version`` gave a
+rank its model, the rank serves only loads and saves the scheduler planned
+under the fingerprint it measured (``LoadSpec.weights``); others are refused
+(``weights_refused_chunks``: a load's blocks are reported failed and
+recomputed, a save is dropped). A new reset epoch in the metadata makes it
+measure the model again, and the next ``build_connector_worker_meta``
+reports the result.
+
 Shutdown (vLLM calls it on SIGTERM in every mode, then kills the process 5 s
 later) drains queued saves for at most ``shutdown_drain_s``; what is still
 queued or running then is abandoned and counted (``save_abandoned_jobs``).
