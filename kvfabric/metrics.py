@@ -200,6 +200,10 @@ VLLM: dict[str, Metric] = _table(
     Metric("pd_pool_down", COUNTER, "PD consumer: waits ended at once because every server owning the first "
                                     "missing chunk is down; the missing chunks are recomputed"),
     Metric("held_requests", COUNTER, "finished requests whose blocks are kept until their saves are acknowledged"),
+    Metric("weights_updates", COUNTER, "live weight versions bound into the keys after a measurement "
+                                       "(kvfabric_vllm.weights)"),
+    Metric("weights_unversioned", COUNTER, "times the weights the workers hold became unknown (pool off for new "
+                                           "requests until refresh_weights_version)"),
     # worker side
     Metric("load_chunks", COUNTER, "chunks copied into paged KV blocks"),
     Metric("load_tokens", COUNTER, "tokens copied into paged KV blocks (loaded)"),
@@ -220,6 +224,8 @@ VLLM: dict[str, Metric] = _table(
                                              "pinned; once, at start)"),
     Metric("save_no_buffer_chunks", COUNTER, "chunks not saved: the transfer buffer had no room (transfer_buffer_mb)"),
     Metric("load_no_buffer_chunks", COUNTER, "chunks recomputed: the transfer buffer had no room for their load"),
+    Metric("weights_refused_chunks", COUNTER, "chunks of loads (recomputed) and saves (dropped) refused: planned "
+                                              "under other weights than the rank holds"),
     # worker side, through vLLM's KV-connector stats (per step, aggregated by vLLM)
     Metric("load_bytes", COUNTER, "KV bytes loaded from the pool into paged blocks"),
     Metric("save_bytes", COUNTER, "KV bytes handed to the pool"),

@@ -14,11 +14,12 @@ blocks and pool chunks), ``pages`` (where a block's page lies in a layer's KV
 tensor, as byte runs; no torch), ``transfer`` (the bounded transfer buffer,
 CUDA stream / event ordering and batched gather / scatter, used by ``worker``
 when the KV cache is on a GPU), ``connector`` (the ``KVConnectorBase_V1`` class
-that wires them), ``metrics`` (counters and warn-once), ``tinymodel`` (a
+that wires them), ``metrics`` (counters and warn-once), ``weights`` (live
+weight versions: keys that follow weights updated in memory, for RL), ``tinymodel`` (a
 tiny random Llama for tests, the benchmark and the example).
 
 This package imports vLLM only from ``connector``, ``scheduler`` and
-``worker``; ``config``, ``metrics``, ``pages``, ``layout`` and ``transfer`` import without it
+``worker``; ``config``, ``metrics``, ``pages``, ``layout``, ``weights`` and ``transfer`` import without it
 (``transfer`` needs torch; tests/gpu uses it without vLLM).
 """
 

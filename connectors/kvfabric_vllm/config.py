@@ -19,7 +19,8 @@ chunk_tokens       block     tokens per chunk (the unit of lookup and of keys); 
                              that loads receive in place
 model_id           (model)   id bound into keys; set it when engines load the same
                              weights from different paths (the weights' fingerprint,
-                             see ``weights_fingerprint``, is bound as well)
+                             see ``weights_fingerprint``, is bound as well; after weights
+                             are updated in memory, their live fingerprint: ``weights``)
 tenant             ""        bound into keys: caches of different tenants never mix
 lookup_timeout_ms  1000      after this the lookup answers "no hit" (scheduler
                              never waits longer; it is asked again meanwhile)

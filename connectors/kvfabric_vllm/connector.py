@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
@@ -40,6 +41,7 @@ from .meta import KVFabricMetadata
 from .metrics import Counters, log
 from .scheduler import SchedulerSide
 from .stats import KVFabricPromMetrics, KVFabricStats
+from .weights import LiveWeights
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -110,8 +112,9 @@ class KVFabricConnector(KVConnectorBase_V1):
                                 head_size=spec.head_size, head_size_v=spec.head_size_v,
                                 block_size=spec.block_size, num_layers=len(layer_names), split_heads=heads.split,
                                 heads_per_object=heads.per_object)
+        files_weights = weights_fingerprint(mc.model)
         namespace = make_namespace(self._cfg, model=mc.model, revision=mc.revision, dtype=str(spec.dtype),
-                                   kv_layout=layout, weights=weights_fingerprint(mc.model))
+                                   kv_layout=layout, weights=files_weights)
         self._counters = Counters()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -119,7 +122,8 @@ class KVFabricConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, client,
                                         EngineKeys.from_config(self._cfg, namespace, len(layer_names), heads),
-                                        spec.block_size, self._counters, lambda: self._kv_cache_manager)
+                                        spec.block_size, self._counters, lambda: self._kv_cache_manager,
+                                        LiveWeights(tp, files_weights))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -170,6 +174,7 @@ class KVFabricConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._meta()
+        self._worker.weights_epoch(meta.weights_epoch)   # a reset: measure the weights again (weights.py)
         if meta.loads:
             self._worker.load(meta.loads)
 
@@ -203,6 +208,15 @@ class KVFabricConnector(KVConnectorBase_V1):
         sent = self._worker.finished_saves(finished_req_ids, self._meta().hold)
         return sent or None, self._worker.finished_loads() or None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.take_worker_meta()
+
+    def bind_weights(self, model: torch.nn.Module, version: str = "") -> str:
+        """Worker side: measure and bind the weights this rank holds (``weights.refresh_weights_version``)."""
+        assert self._worker is not None, "bind_weights runs on the workers (collective_rpc)"
+        return self._worker.bind_weights(model, version)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_failed_block_ids()
@@ -233,7 +247,17 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
+        if connector_output.kv_connector_worker_meta is not None:
+            self._sched.take_worker_meta(connector_output.kv_connector_worker_meta)
         self._sched.update_connector_output(connector_output.finished_recving)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` / ``pause_generation(clear_cache=True)``:
+        the weights may have changed; new lookups wait for the workers to measure them (weights.py).
+        The pool itself is not cleared: what it holds is keyed by the weights it was computed with."""
+        assert self._sched is not None
+        self._sched.reset_weights()
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-__all__ = ["LoadSpec", "SaveSpec", "KVFabricMetadata"]
+from .weights import WeightsReport
+
+__all__ = ["LoadSpec", "SaveSpec", "KVFabricMetadata", "KVFabricWorkerMeta"]
 
 
 @dataclass
@@ -33,6 +35,8 @@ class LoadSpec:
     skip_blocks: int = 0
     async_load: bool = False      # load between steps, report through get_finished
     placement: list[bytes] | None = None  # per chunk: its placement key (layout.py); None: per object
+    # the weights the keys were derived under (weights.py): per TP rank its fingerprint; (): the files'
+    weights: tuple[str, ...] = ()
 
 
 @dataclass
@@ -44,6 +48,7 @@ class SaveSpec:
     parents: list[bytes | None]   # per chunk: the previous chunk's key (None for chunk 0)
     block_ids: list[list[int]]
     placement: list[bytes] | None = None  # per chunk: its placement key (layout.py); None: per object
+    weights: tuple[str, ...] = ()         # as LoadSpec.weights: a worker holding others refuses the save
 
 
 @dataclass
@@ -54,3 +59,17 @@ class KVFabricMetadata(KVConnectorMetadata):
     # returned True) until every worker reports them in ``finished_sending``: once their
     # save jobs are acknowledged by the pool (``hold_until_saved``).
     hold: list[str] = field(default_factory=list)
+    # resets of the connector's cache seen by the scheduler (weights.py): a worker that sees a
+    # larger one measures its weights again and reports them (KVFabricWorkerMeta)
+    weights_epoch: int = 0
+
+
+@dataclass
+class KVFabricWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler (vLLM aggregates every rank's): what the ranks measured (weights.py)."""
+
+    weights: WeightsReport = field(default_factory=WeightsReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVFabricWorkerMeta), type(other)
+        return KVFabricWorkerMeta(self.weights.merge(other.weights))

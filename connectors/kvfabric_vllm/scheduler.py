@@ -70,6 +70,21 @@ returns True) until every worker reports its saves acknowledged in
 ``get_finished``'s ``finished_sending`` (the ids go to the workers in the
 next step's ``KVFabricMetadata.hold``).
 
+The same ``kv_transfer_params`` are a ticket between an agent's turns: a
+``kv_both`` instance returns them too, and a next turn (its prompt extends
+the previous one) sent with them to any instance waits for the previous
+turn's chunks exactly as a PD consumer does (the code path above).
+
+Live weight versions (``weights``): a request's keys are derived under the
+weights the workers last reported (``LiveWeights``), bound when it is looked
+up (again after a preemption: re-keyed if the weights changed meanwhile) and
+sent with its loads and saves (``LoadSpec.weights``), so a worker holding
+other weights refuses them. A request keyed under weights the workers no
+longer hold saves nothing more. After vLLM resets the connector's cache
+(``reset_weights``) new lookups answer "ask again later" until every worker
+has measured its weights (at the next step; at most ``lookup_timeout_ms``,
+then the version is unknown and the pool is off for new requests).
+
 Counters are honest: ``lookup_hit_tokens`` is added once per lookup (not per
 scheduler call: vLLM asks again every step a request waits), and
 ``scheduled_load_tokens`` once per load vLLM accepted.
@@ -77,6 +92,7 @@ scheduler call: vLLM asks again every step a request waits), and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,8 +101,9 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .keys import EngineKeys, PromptKeys, prompt_keys
-from .meta import KVFabricMetadata, LoadSpec, SaveSpec
+from .meta import KVFabricMetadata, KVFabricWorkerMeta, LoadSpec, SaveSpec
 from .metrics import Counters, log
+from .weights import LiveWeights
 
 if TYPE_CHECKING:
     from kvfabric import Client
@@ -118,6 +135,7 @@ class _Req:
     expect_chunks: int = 0           # PD: leading chunks the producer reported in the pool (0: none)
     pd_deadline: float = 0.0         # PD: monotonic time the wait for them ends (0.0: not waiting)
     saves_sent: bool = False         # a SaveSpec of this request went to the workers
+    weights: tuple[str, ...] = ()    # the weights its keys were derived under (weights.py), bound at lookup
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -132,9 +150,14 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig, client: Client | None, keys: EngineKeys | None,
                  block_size: int, counters: Counters,
-                 cache_manager: Callable[[], KVCacheManager | None]) -> None:
+                 cache_manager: Callable[[], KVCacheManager | None], weights: LiveWeights | None = None) -> None:
         self.cfg = cfg
         self.keys = keys              # what the prompts' keys depend on (None: only for tests without prompts)
+        # the weights the workers hold (weights.py); the namespace binds weights.tag() over the base's
+        self.weights = weights if weights is not None else LiveWeights(
+            1, keys.namespace.extras.get("weights", "") if keys is not None else "")
+        self._base_keys = keys
+        self._weights_waited = False  # this step already paused for the workers' measurement
         self.client = client
         self.block_size = block_size
         self.counters = counters
@@ -154,13 +177,60 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         if tokens is None:           # prompt embeddings: no token ids to key on
             return None
-        assert self.keys is not None
-        pk = prompt_keys(self.keys, tokens, getattr(request, "cache_salt", None))
-        st = _Req(prompt_len=len(tokens), keys=pk.chunk_keys, placement=pk.placement)
-        if self.cfg.load and request.kv_transfer_params and not _skips_prefix_cache(request):
-            st.expect_chunks = self._expected_chunks(request.kv_transfer_params, st.keys)
+        st = _Req(prompt_len=len(tokens), keys=[])
+        self._bind_keys(st, request)
         self._reqs[request.request_id] = st
         return st
+
+    def _bind_keys(self, st: _Req, request: Request) -> None:
+        """(Re)derive the request's keys under the weights the workers hold now (weights.py): what
+        the pool holds or was sent under other keys is nothing to this request."""
+        assert self.keys is not None and self.weights.current is not None
+        pk = prompt_keys(self.keys, request.prompt_token_ids, getattr(request, "cache_salt", None))
+        st.keys, st.placement, st.weights = pk.chunk_keys, pk.placement, self.weights.current
+        st.saved_upto, st.pool_run, st.expect_chunks, st.pd_deadline = 0, None, 0, 0.0
+        if self.cfg.load and request.kv_transfer_params and not _skips_prefix_cache(request):
+            st.expect_chunks = self._expected_chunks(request.kv_transfer_params, st.keys)
+
+    # ------------------------------------------------------------------ live weight versions
+
+    def reset_weights(self) -> None:
+        """vLLM reset the connector's cache (``reset_cache``; maybe weights were updated): hold new
+        lookups until every worker has measured its weights again (weights.py)."""
+        epoch = self.weights.reset()
+        log.info("kvfabric: cache reset %d: waiting for the workers to measure their weights", epoch)
+
+    def take_worker_meta(self, meta: KVFabricWorkerMeta) -> None:
+        """The workers' measurement (vLLM's ``kv_connector_worker_meta``, through ``update_connector_output``)."""
+        assert isinstance(meta, KVFabricWorkerMeta), type(meta)
+        if self.weights.report(meta.weights):
+            self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        tag = self.weights.tag()
+        if tag is None:
+            self.counters.fail("weights_unversioned", "the weights the workers hold are unknown (reset on "
+                               "workers never given the model: run refresh_weights_version); pool off")
+            return
+        self.counters.add("weights_updates")
+        base = self._base_keys
+        assert base is not None
+        ns = base.namespace
+        extras = {k: v for k, v in ns.extras.items() if k != "weights"}
+        if tag:
+            extras["weights"] = tag
+        self.keys = dataclasses.replace(base, namespace=dataclasses.replace(ns, extras=extras))
+        log.info("kvfabric: keys now bind weights %s", tag or "of the model files")
+
+    def _weights_known(self) -> bool | None:
+        """True: requests can be keyed; None: a reset waits for the workers' measurement; False: the
+        version is unknown (the pool is off for new requests)."""
+        w = self.weights
+        if w.pending and w.expire(self.cfg.lookup_timeout_ms / 1000):
+            self._weights_changed()
+        if w.pending:
+            return None
+        return w.current is not None
 
     def _expected_chunks(self, params: object, keys: list[bytes]) -> int:
         """PD: the producer's chunk count from ``kv_transfer_params`` when its keys are ours, else 0.
@@ -187,8 +257,9 @@ class SchedulerSide:
         if named is not None and not self._warned_pd_key:
             self._warned_pd_key = True
             log.warning("kvfabric: the producer's kv_transfer_params name chunks this engine cannot key "
-                        "alike (chunk_tokens %r vs %d, or another model, dtype, layout, tenant or "
-                        "cache_salt): not waiting for them", named.get("chunk_tokens"), self.cfg.chunk_tokens)
+                        "alike (chunk_tokens %r vs %d, or another model, weights version, dtype, "
+                        "layout, tenant or cache_salt): not waiting for them", named.get("chunk_tokens"),
+                        self.cfg.chunk_tokens)
         return 0
 
     # ------------------------------------------------------------------ lookup
@@ -282,15 +353,28 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.client is None:
             return 0, False
+        known = self._weights_known()
+        if not known:
+            if known is None:            # the workers measure at the next step (it runs while we wait)
+                if not self._weights_waited:  # once a step, not once a request: do not spin vLLM's loop
+                    self._weights_waited = True
+                    time.sleep(_POLL_WAIT_S)
+                return None, False
+            return 0, False              # weights unknown: no load, and no state, so no save
         st = self._state(request)       # also for save-only roles: saves need the keys
-        if st is None or not st.keys:
+        if st is None:
             return 0, False
+        epoch = getattr(request, "num_preemptions", 0)
+        if st.weights != self.weights.current and (st.lookup is None or st.lookup_epoch != epoch):
+            self._bind_keys(st, request)   # looked up again (preempted) under new weights
+        if not st.keys or st.weights != self.weights.current:
+            return 0, False                # (keyed under weights no longer held: its load would be refused)
         chunk = self.cfg.chunk_tokens
         n_load = (st.prompt_len - 1) // chunk    # whole chunks, last prompt token always computed
         # a request vLLM reads no cached prefix for (prompt logprobs) is looked up for saves only
         loadable = self.cfg.load and not _skips_prefix_cache(request) and n_load * chunk > num_computed_tokens
         # Looked up even when nothing is loadable: saves must know what the pool holds.
-        started = self._start_lookup(st, getattr(request, "num_preemptions", 0), lease=loadable)
+        started = self._start_lookup(st, epoch, lease=loadable)
         if not loadable:
             return 0, False
         # vLLM asks again at its next step; when nothing else is running that
@@ -331,6 +415,7 @@ class SchedulerSide:
             placement=None if st.placement is None else st.placement[c0:c1],
             skip_blocks=(start - c0 * chunk) // bs,
             async_load=self.cfg.load_async,
+            weights=st.weights,
         )
         if self.cfg.load_async:
             st.loading = True
@@ -353,7 +438,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVFabricMetadata:
-        meta = KVFabricMetadata(hold=self._hold)
+        meta = KVFabricMetadata(hold=self._hold, weights_epoch=self.weights.epoch)
+        self._weights_waited = False
         self._hold = []
         for st in self._reqs.values():
             if st.load is not None:
@@ -375,6 +461,8 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None or manager is None:
                 continue
+            if st.weights != self.weights.current:
+                continue    # keyed under weights the workers no longer hold: its new KV is not that version's
             done = min(computed, st.prompt_len) // self.cfg.chunk_tokens
             if done <= st.saved_upto:
                 continue
@@ -400,6 +488,7 @@ class SchedulerSide:
             parents=[st.keys[c - 1] if c else None for c in range(c0, c1)],
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
             placement=None if st.placement is None else st.placement[c0:c1],
+            weights=st.weights,
         )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

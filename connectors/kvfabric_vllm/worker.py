@@ -77,6 +77,14 @@ load (``load_no_buffer_chunks``, recomputed); nothing waits for memory.
 path only. The CUDA path has not run on a real GPU yet (2026-12-05; tests/gpu,
 scripts/gpu-check.sh).
 
+Live weight versions (``weights``): once ``refresh_weights_version`` gave a
+rank its model, the rank serves only loads and saves the scheduler planned
+under the fingerprint it measured (``LoadSpec.weights``); others are refused
+(``weights_refused_chunks``: a load's blocks are reported failed and
+recomputed, a save is dropped). A new reset epoch in the metadata makes it
+measure the model again, and the next ``build_connector_worker_meta``
+reports the result.
+
 Shutdown (vLLM calls it on SIGTERM in every mode, then kills the process 5 s
 later) drains queued saves for at most ``shutdown_drain_s``; what is still
 queued or running then is abandoned and counted (``save_abandoned_jobs``).
@@ -97,8 +105,9 @@ from kvfabric import ConfigError, KeyHasher, KVFabricError
 
 from .config import ConnectorConfig
 from .layout import HeadSplit, chunk_object_keys, object_placement, part_group
-from .meta import LoadSpec, SaveSpec
+from .meta import KVFabricWorkerMeta, LoadSpec, SaveSpec
 from .metrics import Counters, log
+from .weights import WeightsReport, params_fingerprint
 from .transfer import CudaLane, HostLane, Lease, PagedKV, SlotPool, layer_layout, page_rows
 
 if TYPE_CHECKING:
@@ -180,6 +189,14 @@ class WorkerSide:
         self._deferred: list[tuple[Lease, list]] = []  # sync loads' leases, released after the forward
         self._load_after: object = None                # compute mark the loads' scatters wait for (a later
                                                        # load() replaces it: waiting longer is still safe)
+        # live weight versions (weights.py): this rank's fingerprint ("": the files' weights, never
+        # measured; None: unknown, every load and save refused), the model to measure again on a
+        # reset, the driver's version string, the last reset epoch seen, the report not sent yet
+        self.weights_fp: str | None = ""
+        self._model: torch.nn.Module | None = None
+        self._weights_version = ""
+        self._weights_epoch = 0
+        self._weights_report: WeightsReport | None = None
 
     # ------------------------------------------------------------------ registration
 
@@ -277,14 +294,85 @@ class WorkerSide:
         except ValueError as e:  # over the registration limits: loads use recvmsg
             log.warning("kvfabric: load buffers not registered (%s); loads use recvmsg", e)
 
+    # ------------------------------------------------------------------ live weight versions
+
+    def bind_weights(self, model: torch.nn.Module, version: str = "") -> str:
+        """Measure ``model``'s weights now (``weights.refresh_weights_version``) and keep it to measure
+        again on the next reset; from now on only specs planned under this fingerprint are served.
+        Returns the fingerprint, which the next step reports to the scheduler."""
+        fp = params_fingerprint(model.named_parameters(), version)
+        self._model, self._weights_version = model, version
+        self._set_weights(fp)
+        return fp
+
+    def weights_epoch(self, epoch: int) -> None:
+        """The scheduler's reset count (``KVFabricMetadata.weights_epoch``): on a new one measure the
+        bound model again (none bound: the weights are unknown, everything refused) and report."""
+        if epoch <= self._weights_epoch:
+            return
+        self._weights_epoch = epoch
+        fp = None
+        if self._model is not None:
+            try:
+                fp = params_fingerprint(self._model.named_parameters(), self._weights_version)
+            except Exception as exc:  # noqa: BLE001 - an unmeasurable model is an unknown version
+                self.counters.fail("weights_unversioned", "measuring the weights failed: %r", exc, exc=exc)
+        self._set_weights(fp)
+
+    def _set_weights(self, fp: str | None) -> None:
+        if fp != self.weights_fp:
+            log.info("kvfabric: rank %d now holds weights %s", self.tp_rank, fp or "of unknown version")
+        self.weights_fp = fp
+        self._weights_report = WeightsReport({self.tp_rank: (self._weights_epoch, fp or "")})
+
+    def take_worker_meta(self) -> KVFabricWorkerMeta | None:
+        """This rank's measurement not reported yet (vLLM's ``build_connector_worker_meta``)."""
+        rep, self._weights_report = self._weights_report, None
+        return None if rep is None else KVFabricWorkerMeta(rep)
+
+    def _weights_match(self, spec: LoadSpec | SaveSpec) -> bool:
+        """Whether ``spec`` was planned under the weights this rank holds (files' weights: ``()``)."""
+        if self.weights_fp is None:
+            return False
+        if not spec.weights:
+            return not self.weights_fp
+        return self.tp_rank < len(spec.weights) and spec.weights[self.tp_rank] == self.weights_fp
+
+    def _saves_matching(self, specs: Iterable[SaveSpec], count: bool) -> list[SaveSpec]:
+        out = []
+        for spec in specs:
+            if self._weights_match(spec):
+                out.append(spec)
+            elif count and spec.block_ids:
+                self.counters.fail("weights_refused_chunks", "a save planned under other weights than this "
+                                   "rank holds was refused", n=len(spec.block_ids))
+        return out
+
+    def _refuse_load(self, spec: LoadSpec) -> None:
+        """A load planned under other weights: every block it would write is recomputed."""
+        self.counters.fail("weights_refused_chunks", "a load planned under other weights than this rank "
+                           "holds was refused", n=len(spec.block_ids))
+        failed = set(self._blocks_to_write(spec, range(len(spec.block_ids))))
+        if spec.async_load:
+            fut: Future = Future()
+            fut.set_result(failed)
+            self._loads[spec.req_id] = fut
+        else:
+            with self._lock:
+                self._failed.update(failed)
+
     # ------------------------------------------------------------------ loads
 
     def load(self, specs: Iterable[LoadSpec]) -> None:
         """Receive every spec's chunks into vLLM's blocks (async specs: queue them; sync specs
         with ``load_layerwise``: start them layer by layer); failures land in
-        ``failed_block_ids`` (async: when ``finished_loads`` reports the request)."""
+        ``failed_block_ids`` (async: when ``finished_loads`` reports the request). A spec planned
+        under other weights than this rank holds is refused: its blocks fail (recomputed)."""
         layerwise: list[LoadSpec] = []
         specs = list(specs)
+        for spec in [s for s in specs if not self._weights_match(s)]:
+            self._refuse_load(spec)
+        specs = [s for s in specs if self._weights_match(s)]
         if self._xfer is not None and specs:
             # The blocks a load writes may have held another request's KV that kernels already
             # queued on vLLM's compute stream still read (vLLM can run a step ahead of the GPU):
@@ -565,7 +653,7 @@ class WorkerSide:
         parts = self._index.get(layer_name)
         if parts is None or not self._saves:
             return
-        specs = list(specs)
+        specs = self._saves_matching(specs, count=False)
         if self._xfer is not None:
             try:
                 for li in parts:
@@ -655,7 +743,7 @@ class WorkerSide:
         whose heads another rank saves)."""
         if not self._saves:
             return
-        specs = list(specs)
+        specs = self._saves_matching(specs, count=True)
         if self._xfer is not None:
             try:
                 self._submit_step_save(specs)

@@ -56,6 +56,11 @@ for _seed, _name in enumerate(["busy_a", "busy_b", "busy_c", "busy_d"], start=19
     PROMPTS[_name] = random_prompt(BUSY_TOKENS, seed=_seed)
 # PD (test_pd.py): one prompt streamed through the PD proxy
 PROMPTS["pd_stream"] = random_prompt(PROMPT_TOKENS, seed=23)
+# RL (test_rl.py): one prompt run before and after a weight update; an agent's two turns (turn 2
+# extends turn 1, as a next turn's prompt extends the previous one)
+PROMPTS["rl"] = random_prompt(PROMPT_TOKENS, seed=24)
+PROMPTS["turn1"] = random_prompt(PROMPT_TOKENS, seed=25)
+PROMPTS["turn2"] = PROMPTS["turn1"] + random_prompt(300, seed=26)
 ENGINE_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 

@@ -6,12 +6,19 @@ process (its own PYTHONHASHSEED, its own connector instances)::
     python engine_run.py --model DIR --prompts prompts.json --out result.json \
         [--servers 127.0.0.1:P1,127.0.0.1:P2] [--chunk-tokens N] [--mp] [--pause] \
         [--prefix-caching] [--kv-cache-mb 256] [--max-model-len 4096] [--batch] [--extra JSON] [--tp N]
+        [--reload-before I --reload-path DIR [--reload-mode refresh|reset]]
 
 A prompt is a list of token ids or ``{"tokens": [...], "cache_salt": "..."}``.
 ``--batch`` submits all prompts in one ``generate`` call (they run concurrently).
+``--reload-before I``: before prompt ``I``, replace the running engine's weights in place with
+``--reload-path``'s (vLLM's ``reload_weights``, as an RL driver does), then ``refresh``: run
+``kvfabric_vllm.weights.refresh_weights_version`` on the workers and reset the prefix cache with
+the connector's; ``reset``: the workers were given the model once at start
+(``refresh_weights_version``), the update only resets (``reset_connector=True``).
 
 ``result.json``: ``{"outputs": [[token ids]...], "cached": [num_cached_tokens...],
-"counters": {...} | null, "counters_after": [{...} per prompt] | null}``. Counters
+"counters": {...} | null, "counters_after": [{...} per prompt] | null, "fingerprints": [[per rank]
+per refresh_weights_version run]}``. Counters
 are the connector's (``kvfabric_vllm.metrics``), readable only when the engine
 runs in this process (no ``--mp``).
 Exit status is non-zero (with vLLM's traceback) if the engine fails.
@@ -52,6 +59,9 @@ def main() -> int:
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys (JSON)")
     ap.add_argument("--enable-lora", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in child processes)")
+    ap.add_argument("--reload-before", type=int, default=-1, help="update the weights in place before prompt I")
+    ap.add_argument("--reload-path", default="", help="the model directory whose weights --reload-before loads")
+    ap.add_argument("--reload-mode", default="refresh", choices=["refresh", "reset"])
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
 
@@ -80,12 +90,24 @@ def main() -> int:
     snapshot = None
     if args.servers and not args.mp:
         from kvfabric_vllm.metrics import all_counters as snapshot
+    fingerprints = []
+    if args.reload_before >= 0 and args.reload_mode == "reset":
+        from kvfabric_vllm.weights import refresh_weights_version
+
+        fingerprints.append(llm.collective_rpc(refresh_weights_version))   # the model, given once
     outputs, cached, counters_after = [], [], []
     batches = [inputs] if args.batch else [[p] for p in inputs]
     for i, batch in enumerate(batches):   # one at a time: each lookup sees the previous saves
         if args.pause and i:
             print(f"KVF-PAUSE {i}", flush=True)
             sys.stdin.readline()
+        if i == args.reload_before:      # an RL weight update on the running engine
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": args.reload_path})
+            if args.reload_mode == "refresh":
+                from kvfabric_vllm.weights import refresh_weights_version
+
+                fingerprints.append(llm.collective_rpc(refresh_weights_version))
+            assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
         for res in llm.generate(batch, params, use_tqdm=False):
             outputs.append(list(res.outputs[0].token_ids))
             cached.append(res.num_cached_tokens or 0)
@@ -97,7 +119,8 @@ def main() -> int:
     llm.llm_engine.engine_core.shutdown()
     with open(args.out, "w") as f:
         json.dump({"outputs": outputs, "cached": cached, "counters": counters,
-                   "counters_after": counters_after if snapshot is not None else None}, f)
+                   "counters_after": counters_after if snapshot is not None else None,
+                   "fingerprints": fingerprints}, f)
     return 0
 
 
