@@ -131,6 +131,10 @@ size_t kvf_server_auth_failures(struct kvf_server *s, char (*out)[KVF_PEER_NAME]
 /* The STATS map (msgpack, what a STATS request is answered with) in a malloc'd
  * buffer the caller frees: 0, -ENOMEM, -ENOSPC. Any thread (kvf_stats.c). */
 int kvf_server_stats_map(struct kvf_server *s, uint8_t **out, size_t *len);
+/* Offer the arena to remote clients (the nixl transport, kvfabric/transport/nixl.py): md (copied) is the
+ * NIXL agent metadata of the process that registered the arena at address base. Before kvf_server_run().
+ * Returns 0, -EINVAL (empty or over max_meta - 64 bytes), -ENOMEM. */
+int kvf_server_set_remote_arena(struct kvf_server *s, const void *md, size_t len, uint64_t base);
 void kvf_server_free(struct kvf_server *s);
 
 #endif
