@@ -191,26 +191,28 @@ class ArenaExport:
 # ---------------------------------------------------------------------------- client side
 
 _agent_lock = threading.Lock()
-_client_agent: Any = None
-_peers: dict[bytes, str] = {}  # server agent metadata -> its name in our agent
+_agents: dict[str, Any] = {}  # UCX_TLS at creation -> this process's agent for it
+_peers: dict[tuple[str, bytes], str] = {}  # (UCX_TLS, server agent metadata) -> its name in that agent
 _logged: set[str] = set()
 
 
 def _peer(md: bytes) -> tuple[Any, str]:
-    """This process's agent (created on first use) and the name of the server agent ``md`` describes."""
-    global _client_agent
+    """This process's agent and the name of the server agent ``md`` describes in it. UCX reads ``UCX_TLS`` once,
+    when an agent's backend is created: one agent per value seen at connect time (one in practice)."""
+    tls = os.environ.get("UCX_TLS", "")
     with _agent_lock:
-        if _client_agent is None:
-            _client_agent = _new_agent("client")
-        name = _peers.get(md)
+        agent = _agents.get(tls)
+        if agent is None:
+            agent = _agents[tls] = _new_agent("client")
+        name = _peers.get((tls, md))
         if name is None:
             try:
-                name = _client_agent.add_remote_agent(md)
+                name = agent.add_remote_agent(md)
             except Exception as e:
                 raise ProtocolError(protocol.ErrorCode.MALFORMED, f"nixl: unusable server agent metadata: {e}") from e
             name = name.decode() if isinstance(name, bytes) else name
-            _peers[md] = name
-        return _client_agent, name
+            _peers[(tls, md)] = name
+        return agent, name
 
 
 def connect(
