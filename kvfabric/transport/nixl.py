@@ -120,13 +120,14 @@ def probe() -> str | None:
     return _IMPORT_ERROR if _nixl() is None else None
 
 
-def _new_agent(role: str) -> Any:
-    """A NIXL agent with one UCX backend (no listener thread, no port opened; a progress thread, which UCX's
-    tcp transport needs on the target to serve READs and WRITEs)."""
+def _new_agent(role: str, progress_thread: bool) -> Any:
+    """A NIXL agent with one UCX backend (no listener thread, no port opened). ``progress_thread``: the
+    server's, which UCX's tcp transport needs on the target to serve READs and WRITEs (it emulates them with
+    active messages); a client progresses its own transfers while it polls them."""
     api = _nixl()
     if api is None:
         raise TransportUnavailable(_IMPORT_ERROR or "nixl is not installed")
-    conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[],
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
                                  sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     agent = api.nixl_agent(f"kvfabric-{role}-{os.getpid()}-{secrets.token_hex(6)}", conf)
     mode = os.environ.get("KVFABRIC_NIXL_UCX_ERROR_MODE", "none")
@@ -168,7 +169,7 @@ class ArenaExport:
         self._map = mmap.mmap(memfd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             self.base, _ = _addr(self._map)
-            self._agent = _new_agent("server")
+            self._agent = _new_agent("server", progress_thread=os.environ.get("KVFABRIC_NIXL_SERVER_PROGRESS", "1") == "1")
             self._reg = self._agent.register_memory([(self.base, capacity, 0, "")], "DRAM")
             self.metadata: bytes = self._agent.get_agent_metadata()
         except BaseException:
@@ -203,7 +204,7 @@ def _peer(md: bytes) -> tuple[Any, str]:
     with _agent_lock:
         agent = _agents.get(tls)
         if agent is None:
-            agent = _agents[tls] = _new_agent("client")
+            agent = _agents[tls] = _new_agent("client", progress_thread=os.environ.get("KVFABRIC_NIXL_CLIENT_PROGRESS", "0") == "1")
         name = _peers.get((tls, md))
         if name is None:
             try:
@@ -330,8 +331,8 @@ class NixlConnection(ShmConnection):
                     self.close()
                     raise DeadlineExceeded(f"nixl {op} from {self.address} did not complete by the deadline")
                 spins += 1
-                if spins > 256:  # past a short spin, yield the CPU between polls
-                    time.sleep(0.00005)
+                if spins > 256:  # past a short spin, yield the CPU between polls (the GIL too)
+                    time.sleep(0)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 self.close()
