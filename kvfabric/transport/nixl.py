@@ -84,7 +84,8 @@ from ..protocol import (
     ShmReserveReply,
     ShmReserveRequest,
 )
-from .base import Reply, dial, get_sinks, hello
+from .base import Reply, get_sinks, hello
+from .native import connect as _native_connect
 from .native import probe as _native_probe
 from .shm import ShmConnection
 
@@ -233,16 +234,11 @@ def connect(
     reason = probe()
     if reason is not None:
         raise TransportUnavailable(reason)
-    deadline = time.monotonic() + timeout_s
-    import socket
-
-    sock = dial(address, deadline)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = NixlConnection(sock, address)
-    if hello_timeout_s is not None:
-        deadline = time.monotonic() + hello_timeout_s
+    conn = _native_connect(address, timeout_s=timeout_s, auth_token=auth_token, client_name=client_name,
+                           hello_timeout_s=hello_timeout_s, conn_class=NixlConnection)
+    assert isinstance(conn, NixlConnection)
+    deadline = time.monotonic() + (timeout_s if hello_timeout_s is None else hello_timeout_s)
     try:
-        conn.hello = conn._hello(client_name, auth_token, deadline)
         if "nixl" not in conn.hello.transports:
             raise TransportUnavailable(f"server {address} does not offer nixl (it offers "
                                        f"{', '.join(conn.hello.transports)})")
