@@ -99,7 +99,7 @@ struct kvf_server_counters {
     uint64_t reply_bytes, request_bytes, reserved_bytes; /* now: queued replies, large request buffers,
                                                             PUT slots reserved and not yet received */
     uint64_t errors[16];
-    uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
+    uint64_t by_transport[4]; /* tcp, native, shm, nixl: connections that said HELLO */
     uint64_t lat[KVF_LAT_OPS][KVF_LAT_BUCKETS]; /* service-time histograms (see KVF_LAT_BUCKETS) */
     uint64_t lat_sum_us[KVF_LAT_OPS];           /* their sums, microseconds */
     int zerocopy, fixed_buffers;

@@ -67,7 +67,7 @@ enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP, RS_
 /* SQE user_data: a pointer tagged in its low 3 bits (see kvf_server.c) */
 enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
 #define KVF_TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
-enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
+enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2, TR_NIXL = 3 };
 
 /* seg.entry of a slot the reply holds reserved (no store entry): a GET object
  * streamed from the SSD tier, unreserved when the reply is done unless it was

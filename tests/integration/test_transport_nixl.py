@@ -105,6 +105,7 @@ def test_get_and_put_are_byte_exact(serve):
         raw.close()
     st = stats(srv.address)
     assert st["puts"] >= len(keys) + 2, st
+    assert st["transports_in_use"]["nixl"] >= 2, st["transports_in_use"]  # the Client's and the raw one
     # every lease was released (RELEASE is not awaited: it settles)
     assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
 
