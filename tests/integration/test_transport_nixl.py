@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -211,3 +214,67 @@ def test_a_killed_server_is_a_miss_or_an_error_before_the_deadline(serve):
             raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]],
                       time.monotonic() + deadline_s)
         raw.close()
+
+
+def test_a_stopped_server_costs_the_deadline_over_tcp_and_nothing_over_shared_memory(serve, ucx_tls):
+    """A READ under a lease while the server process is stopped (SIGSTOP): UCX's tcp transport needs the
+    server's progress thread to serve it, so the call gives up at its deadline and closes the connection; over
+    shared memory the READ is one-sided and completes, byte-exact, without the server."""
+    srv = serve()
+    val = os.urandom(MiB)
+    raw = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        assert raw.request(p.PutRequest([b"k"], [MiB], [p.checksum(b"k", val)]), [val]).msg.status == [0]
+        lease = raw._control(p.ShmLeaseRequest(keys=[b"k"]), None)
+        buf = bytearray(MiB)
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            if ucx_tls == "tcp":
+                with pytest.raises(DeadlineExceeded):
+                    raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]], time.monotonic() + 1.0)
+                assert raw._sock is None  # closed: the server drops the lease when it runs again
+            else:
+                raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]], time.monotonic() + 30.0)
+                assert bytes(buf) == val
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+    finally:
+        raw.close()
+    assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
+
+
+def test_a_client_killed_holding_a_reservation_and_a_lease_frees_both(serve, ucx_tls):
+    srv = serve()
+    with client(srv.address) as c:
+        assert c.put([b"held"], [b"h" * 8192]).stored == 1
+    free_before = stats(srv.address)["free_bytes"]
+    child = textwrap.dedent(f"""
+        import sys
+        from kvfabric import protocol as p, transport
+        from kvfabric.config import ClientConfig
+        c = transport.connect("nixl", {srv.address!r}, ClientConfig())
+        lease = c._control(p.ShmLeaseRequest(keys=[b"held"]), None)
+        res = c._control(p.ShmReserveRequest(keys=[b"never"], sizes=[65536]), None)
+        assert lease.sizes == [8192] and res.status == [0], (lease, res)
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "UCX_TLS": ucx_tls})
+    try:
+        line = proc.stdout.readline()
+        while line and line.strip() != "ready":  # nixl may log to stdout before the child's own line
+            line = proc.stdout.readline()
+        assert line.strip() == "ready", "the child did not reserve"
+        st = stats(srv.address)
+        assert st["pinned"] == 1 and st["free_bytes"] == free_before - 65536, st
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
+    assert wait_for(lambda: stats(srv.address)["free_bytes"] == free_before), stats(srv.address)
+    with client(srv.address) as c:
+        assert c.get([b"never", b"held"]) == [None, b"h" * 8192]
