@@ -38,8 +38,7 @@ connection and raises ``TransportError``.
 UCX picks its transports from the environment (``UCX_TLS``): ``tcp``, shared
 memory (``sm,self``), or RC/DC verbs on a host with an RDMA device. The UCX
 backend is created with ``ucx_error_handling_mode=none`` (UCX's shared-memory
-transports refuse peer error handling); override with
-``KVFABRIC_NIXL_UCX_ERROR_MODE`` (e.g. ``peer``). Verified here: UCX tcp and
+transports refuse peer error handling: :data:`UCX_ERROR_MODE`). Verified here: UCX tcp and
 shared memory on loopback. Not verified: RC verbs, GPUDirect (``VRAM_SEG``):
 no RDMA device on the machines this was built on (docs/notes/nixl.md).
 
@@ -93,6 +92,10 @@ __all__ = ["NixlConnection", "ArenaExport", "connect", "probe"]
 
 log = logging.getLogger("kvfabric.transport.nixl")
 
+#: the UCX backend's ucx_error_handling_mode: UCX's shared-memory transports alone (UCX_TLS=sm,self) refuse
+#: "peer" (NIXL_ERR_BACKEND); a killed server is still seen over tcp and sm with "none" (the tests kill one)
+UCX_ERROR_MODE = "none"
+
 _api: Any = None  # nixl._api, imported on first use
 _IMPORT_ERROR: str | None = None
 
@@ -131,7 +134,7 @@ def _new_agent(role: str, progress_thread: bool) -> Any:
     conf = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
                                  sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     agent = api.nixl_agent(f"kvfabric-{role}-{os.getpid()}-{secrets.token_hex(6)}", conf)
-    mode = os.environ.get("KVFABRIC_NIXL_UCX_ERROR_MODE", "none")
+    mode = UCX_ERROR_MODE
     try:
         agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
     except Exception as e:  # nixl raises plain exceptions from its bindings
@@ -170,7 +173,7 @@ class ArenaExport:
         self._map = mmap.mmap(memfd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             self.base, _ = _addr(self._map)
-            self._agent = _new_agent("server", progress_thread=os.environ.get("KVFABRIC_NIXL_SERVER_PROGRESS", "1") == "1")
+            self._agent = _new_agent("server", progress_thread=True)
             self._reg = self._agent.register_memory([(self.base, capacity, 0, "")], "DRAM")
             self.metadata: bytes = self._agent.get_agent_metadata()
         except BaseException:
@@ -205,7 +208,7 @@ def _peer(md: bytes) -> tuple[Any, str]:
     with _agent_lock:
         agent = _agents.get(tls)
         if agent is None:
-            agent = _agents[tls] = _new_agent("client", progress_thread=os.environ.get("KVFABRIC_NIXL_CLIENT_PROGRESS", "0") == "1")
+            agent = _agents[tls] = _new_agent("client", progress_thread=False)
         name = _peers.get((tls, md))
         if name is None:
             try:
