@@ -534,6 +534,9 @@ class NativeServer:
         self._nixl = None
         if "nixl" in self.transports:
             self._export_arena(capacity)
+            if not auth_token:
+                log.warning("nixl offered without --auth-token: any peer that reaches port %d can attach and "
+                            "read and write every byte of the arena through NIXL", self.port)
         if ssd_paths:
             self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max,
                             -1 if tier_gid is None else tier_gid)
