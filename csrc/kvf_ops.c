@@ -130,6 +130,10 @@ static void op_hello(struct conn *c, struct kvf_meta m)
                 uint32_t tl;
                 if (kvf_mr_str(&r, &t, &tl)) break;
                 if (tl == 6 && memcmp(t, "native", 6) == 0) c->transport = TR_NATIVE;
+                if (tl == 4 && memcmp(t, "nixl", 4) == 0 && s->nixl_md) {
+                    c->remote_arena = 1;
+                    c->transport = TR_NIXL;
+                }
             }
         }
     }

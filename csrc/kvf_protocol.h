@@ -121,6 +121,8 @@ enum kvf_put_status {
 #define KVF_F_SIZES "sizes"
 #define KVF_F_STATUS "status"
 #define KVF_F_TRANSPORTS "transports"
+#define KVF_F_NIXL_AGENT "nixl_agent"
+#define KVF_F_ARENA_BASE "arena_base"
 #define KVF_F_VERSION "version"
 
 struct kvf_header {

@@ -456,6 +456,22 @@ static PyObject *Server_check(ServerObject *self, PyObject *noargs)
     return PyBool_FromLong(kvf_store_check(self->st) == 0);
 }
 
+static PyObject *Server_set_remote_arena(ServerObject *self, PyObject *args)
+{
+    NEED_SRV(self);
+    Py_buffer md;
+    unsigned long long base;
+    if (!PyArg_ParseTuple(args, "y*K", &md, &base)) return NULL;
+    int rc = kvf_server_set_remote_arena(self->srv, md.buf, (size_t)md.len, base);
+    PyBuffer_Release(&md);
+    if (rc == -EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "remote arena metadata is empty or does not fit max_meta - 64 bytes");
+        return NULL;
+    }
+    if (rc) return raise_errno(rc, 0, "offering the arena to remote clients");
+    Py_RETURN_NONE;
+}
+
 static PyObject *Server_memfd(ServerObject *self, void *closure)
 {
     (void)closure;
@@ -484,6 +500,9 @@ static PyMethodDef Server_methods[] = {
     {"tier_close", (PyCFunction)Server_tier_close, METH_NOARGS,
      "detach and close the tier after the loop and the control thread stopped (queued writes finish first)"},
     {"check", (PyCFunction)Server_check, METH_NOARGS, "allocator self-check -> bool"},
+    {"set_remote_arena", (PyCFunction)Server_set_remote_arena, METH_VARARGS,
+     "set_remote_arena(agent_metadata, base): offer the arena to nixl clients (before run()); ValueError when the\n"
+     "metadata is empty or over max_meta - 64 bytes"},
     {"populate", (PyCFunction)Server_populate, METH_VARARGS,
      "populate(offset, length): fault arena pages in without changing them (GIL released); NativeError"},
     {NULL, NULL, 0, NULL},

@@ -485,5 +485,6 @@ void kvf_server_free(struct kvf_server *s)
     kvf_ring_exit(&s->ring);
     close(s->efd);
     pthread_mutex_destroy(&s->auth_mu);
+    free(s->nixl_md);
     free(s);
 }

@@ -99,7 +99,7 @@ struct kvf_server_counters {
     uint64_t reply_bytes, request_bytes, reserved_bytes; /* now: queued replies, large request buffers,
                                                             PUT slots reserved and not yet received */
     uint64_t errors[16];
-    uint64_t by_transport[3]; /* tcp, native, shm: connections that said HELLO */
+    uint64_t by_transport[4]; /* tcp, native, shm, nixl: connections that said HELLO */
     uint64_t lat[KVF_LAT_OPS][KVF_LAT_BUCKETS]; /* service-time histograms (see KVF_LAT_BUCKETS) */
     uint64_t lat_sum_us[KVF_LAT_OPS];           /* their sums, microseconds */
     int zerocopy, fixed_buffers;
@@ -131,6 +131,10 @@ size_t kvf_server_auth_failures(struct kvf_server *s, char (*out)[KVF_PEER_NAME]
 /* The STATS map (msgpack, what a STATS request is answered with) in a malloc'd
  * buffer the caller frees: 0, -ENOMEM, -ENOSPC. Any thread (kvf_stats.c). */
 int kvf_server_stats_map(struct kvf_server *s, uint8_t **out, size_t *len);
+/* Offer the arena to remote clients (the nixl transport, kvfabric/transport/nixl.py): md (copied) is the
+ * NIXL agent metadata of the process that registered the arena at address base. Before kvf_server_run().
+ * Returns 0, -EINVAL (empty or over max_meta - 64 bytes), -ENOMEM. */
+int kvf_server_set_remote_arena(struct kvf_server *s, const void *md, size_t len, uint64_t base);
 void kvf_server_free(struct kvf_server *s);
 
 #endif

@@ -67,7 +67,7 @@ enum rs { RS_HDR, RS_META, RS_OBJ, RS_DRAIN, RS_PARKED, RS_BLOCKED, RS_STOP, RS_
 /* SQE user_data: a pointer tagged in its low 3 bits (see kvf_server.c) */
 enum { T_ACCEPT = 1, T_EFD = 2, T_RECV = 3, T_SEND = 4, T_ZC = 5 };
 #define KVF_TAG(p, t) ((uint64_t)(uintptr_t)(p) | (t))
-enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2 };
+enum tr { TR_TCP = 0, TR_NATIVE = 1, TR_SHM = 2, TR_NIXL = 3 };
 
 /* seg.entry of a slot the reply holds reserved (no store entry): a GET object
  * streamed from the SSD tier, unreserved when the reply is done unless it was
@@ -144,6 +144,9 @@ struct conn {
     struct conn *prev, *next;      /* all connections */
     struct conn *park_next;        /* waiting for space */
     int fd, is_unix, closing, close_after_send, authed, transport, parked;
+    int remote_arena;              /* a TCP connection whose HELLO asked for nixl (kvf_server_set_remote_arena):
+                                    * the shm LEASE/RELEASE/RESERVE/COMMIT are served on it, ATTACH answers the
+                                    * arena's NIXL agent metadata instead of its memfd */
     /* HELLO's challenge (server with a token): the nonces of the last HELLO, ours fresh per HELLO;
      * hello_seen until an AUTH answers them (one AUTH per HELLO) */
     int hello_seen;
@@ -228,6 +231,11 @@ struct kvf_server {
     char auth_log[KVF_AUTH_LOG][KVF_PEER_NAME];
     uint32_t auth_n;
     uint64_t auth_lost;
+    /* remote arena access (nixl): the NIXL agent metadata of the process hosting this server and the
+     * address the arena is registered at there; NULL until kvf_server_set_remote_arena */
+    uint8_t *nixl_md;
+    uint32_t nixl_md_len;
+    uint64_t nixl_base;
 };
 
 /* Monotonic clock in microseconds (service-time histograms). */

@@ -104,7 +104,7 @@ static int reserve_groups(struct conn *c, const uint8_t *m, size_t mn, uint32_t 
 void kvf_shm_sweep(struct kvf_server *s, int64_t now)
 {
     for (struct conn *c = s->conns; c; c = c->next) {
-        if (!c->is_unix || c->closing) continue;
+        if (!(c->is_unix || c->remote_arena) || c->closing) continue;
         for (uint32_t i = 0; i < c->nleases;) {
             if (now > c->leases[i].until_ms) {
                 lease_drop(c, i); /* the last one moved into i: look at i again */
@@ -175,11 +175,18 @@ int kvf_shm_peer_refused(struct kvf_server *s, int fd)
 static void op_attach(struct conn *c)
 {
     struct kvf_server *s = c->srv;
-    KVF_REPLY_BEGIN(64, 0);
-    kvf_mw_map(&w, 1);
+    KVF_REPLY_BEGIN(64 + (c->is_unix ? 0 : s->nixl_md_len), 0);
+    kvf_mw_map(&w, c->is_unix ? 1 : 3);
     kvf_mw_cstr(&w, KVF_F_CAPACITY);
     kvf_mw_uint(&w, kvf_store_capacity(s->st));
-    rp->pass_fd = kvf_store_memfd(s->st);
+    if (c->is_unix) {
+        rp->pass_fd = kvf_store_memfd(s->st);
+    } else { /* remote (nixl): where the arena is registered, and the agent that registered it */
+        kvf_mw_cstr(&w, KVF_F_NIXL_AGENT);
+        kvf_mw_bin(&w, s->nixl_md, s->nixl_md_len);
+        kvf_mw_cstr(&w, KVF_F_ARENA_BASE);
+        kvf_mw_uint(&w, s->nixl_base);
+    }
     kvf_reply_finish(c, rp, KVF_OP_SHM_ATTACH, KVF_FLAG_REPLY, w.len, 0);
     kvf_conn_next_request(c);
 }
@@ -368,10 +375,23 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
     kvf_conn_next_request(c);
 }
 
+int kvf_server_set_remote_arena(struct kvf_server *s, const void *md, size_t len, uint64_t base)
+{
+    if (len == 0 || len + 64 > s->cfg.max_meta) return -EINVAL; /* the ATTACH reply must fit a reply's metadata */
+    uint8_t *copy = malloc(len);
+    if (!copy) return -ENOMEM;
+    memcpy(copy, md, len);
+    free(s->nixl_md);
+    s->nixl_md = copy;
+    s->nixl_md_len = (uint32_t)len;
+    s->nixl_base = base;
+    return 0;
+}
+
 void kvf_shm_op(struct conn *c, const uint8_t *meta, size_t len, int op)
 {
-    if (!c->is_unix) {
-        kvf_reject(c, KVF_E_UNKNOWN_OPCODE, "shm operations need a same-host (unix socket) connection");
+    if (!c->is_unix && !c->remote_arena) {
+        kvf_reject(c, KVF_E_UNKNOWN_OPCODE, "shm operations need a same-host (unix socket) or nixl connection");
         return;
     }
     switch (op) {

@@ -18,7 +18,7 @@
 
 #include "kvf_tier.h"
 
-static const char *const tr_names[3] = {"tcp", "native", "shm"};
+static const char *const tr_names[4] = {"tcp", "native", "shm", "nixl"};
 
 /* A bound on the map's size (what overflows it is answered INTERNAL, never cut). */
 static size_t stats_cap(const struct kvf_server *s)
@@ -83,8 +83,8 @@ static int stats_write(struct kvf_server *s, struct kvf_mw *w)
     kvf_mw_cstr(w, "data_plane");
     kvf_mw_cstr(w, s->zerocopy ? (s->fixed ? "io_uring+send_zc+fixed" : "io_uring+send_zc") : "io_uring");
     kvf_mw_cstr(w, "transports_in_use");
-    kvf_mw_map(w, 3);
-    for (int i = 0; i < 3; i++) { kvf_mw_cstr(w, tr_names[i]); kvf_mw_uint(w, s->ctr.by_transport[i]); }
+    kvf_mw_map(w, 4);
+    for (int i = 0; i < 4; i++) { kvf_mw_cstr(w, tr_names[i]); kvf_mw_uint(w, s->ctr.by_transport[i]); }
     kvf_mw_cstr(w, "errors"); /* by name, only the codes seen */
     size_t errs = kvf_mw_map_open(w);
     for (int i = 1; i < 14; i++)

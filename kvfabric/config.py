@@ -18,7 +18,7 @@ from .keys import KeyAlgorithm
 from .membership.registry import check_cluster_name
 from .sizes import parse_size
 
-TRANSPORTS = ("auto", "tcp", "native", "shm")
+TRANSPORTS = ("auto", "tcp", "native", "shm", "nixl")
 
 # name of the environment variable -> ClientConfig field it sets
 ENV_VARS: dict[str, str] = {

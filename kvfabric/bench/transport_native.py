@@ -39,6 +39,12 @@ paths (each against a fresh server process)
     loopback, where the receiver copies out of the pinned pages anyway);
   * ``native>py``: C client, Python server;
   * ``shm``: same-host client, native server;
+  * ``nixl-sm`` / ``nixl-tcp``: the nixl transport (issue 24), native server
+    offering nixl, one NIXL READ (GET) or WRITE (PUT) per request into the
+    arena, over UCX shared memory (``UCX_TLS=sm,self``) / UCX tcp
+    (``UCX_TLS=tcp``); skipped, with the reason, where nixl does not import
+    (run it from the nixl virtualenv: scripts/ci-nixl.sh builds one). Its floor
+    is shm's with ``rtt-tcp`` for ``rtt-unix`` (the lease and commit go over TCP);
   * ``native+reg`` / ``native>py+reg`` (``--registered``): ``native`` /
     ``native>py`` with the GET buffers registered as io_uring fixed buffers
     (one staging buffer, ``NativeConnection.register_buffers``), so GET
@@ -109,7 +115,11 @@ PATHS = {
     "client-tcp": ("kvfabric", "tcp", ["--transports", "tcp,native,shm"]),
     "client-native": ("kvfabric", "native", ["--transports", "tcp,native,shm"]),
     "client-shm": ("kvfabric", "shm", ["--transports", "tcp,native,shm"]),
+    "nixl-sm": ("kvfabric", "nixl", ["--transports", "tcp,native,nixl"]),
+    "nixl-tcp": ("kvfabric", "nixl", ["--transports", "tcp,native,nixl"]),
 }
+#: nixl paths -> the UCX transports (UCX_TLS) their server and client use
+NIXL_TLS = {"nixl-sm": "sm,self", "nixl-tcp": "tcp"}
 #: paths measured through ``kvfabric.Client`` (checksums on) instead of one ``Connection``
 CLIENT = ("client-tcp", "client-native", "client-shm")
 #: paths whose GET buffers are registered; run only when asked (``--registered`` or ``--paths``)
@@ -143,8 +153,16 @@ class _Path:
         if module == "kvfabric":
             extra = [*extra, *native_args]
         self.name, self.size, self.batch = name, size, batch
-        self.server = start_server(capacity=capacity, module=module, extra_args=extra)
+        tls = NIXL_TLS.get(name)
+        saved = os.environ.get("UCX_TLS")
+        if tls is not None:  # the server process and this process's NIXL agent for it (one per UCX_TLS)
+            os.environ["UCX_TLS"] = tls
         self.client = None
+        try:
+            self.server = start_server(capacity=capacity, module=module, extra_args=extra)
+        except BaseException:
+            _restore_env("UCX_TLS", saved)
+            raise
         try:
             if name in CLIENT:
                 from ..client import Client
@@ -156,6 +174,8 @@ class _Path:
         except BaseException:
             self.server.kill()
             raise
+        finally:
+            _restore_env("UCX_TLS", saved)
         rng = np.random.default_rng(7)
         self.values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
         if name in REGISTERED:  # one reused staging buffer, registered once, sliced per block
@@ -228,6 +248,13 @@ class _Path:
             self.server.stop()
 
 
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 CEILINGS = ("c-socket", "memcpy", "memcpy-cold", "rtt-tcp", "rtt-unix", "python-socket")
 RTT_BYTES = 32  # object size of the round-trip cells
 
@@ -258,9 +285,10 @@ def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock,
 
 def _floor_us(path: str, op: str, med: dict[str, "Row"], nbytes: int) -> float:
     """The least time in µs one request of ``path`` could take here (see the module doc)."""
-    if PATHS[path][1] != "shm":
+    if PATHS[path][1] not in ("shm", "nixl"):
         return nbytes / (med["c-socket"].gbps * 1e3)
-    rtt = med["rtt-unix"].p50_us  # ceilings report the mean time per exchange
+    # ceilings report the mean time per exchange; nixl's control frames go over TCP
+    rtt = med["rtt-unix" if PATHS[path][1] == "shm" else "rtt-tcp"].p50_us
     if op == "get":
         return rtt + nbytes / (med["memcpy"].gbps * 1e3)
     return 2 * rtt + nbytes / (med["memcpy-cold"].gbps * 1e3)
@@ -365,6 +393,15 @@ def run(args: argparse.Namespace) -> dict:
                 t["note"] = (f"unreachable here with {trips} round trip(s) per request: the goal leaves "
                              f"{budget_us:.0f} us per request, one unix-socket round trip alone took {rtt_us:.0f} us")
             targets.append(t)
+        if ("nixl-sm", op) in by:  # issue 24: nixl over UCX shared memory vs memcpy (cold) and shm
+            r = by[("nixl-sm", op)].ratio["memcpy-cold"]
+            targets.append({"cell": f"nixl-sm {op}", "vs": "memcpy-cold", "ratio": r, "goal": 0.5, "met": r >= 0.5})
+            if ("shm", op) in by:
+                r = by[("nixl-sm", op)].gbps / by[("shm", op)].gbps
+                targets.append({"cell": f"nixl-sm {op}", "vs": "shm", "ratio": r, "goal": 1.0, "met": r >= 1.0})
+        if op == "put" and ("nixl-tcp", op) in by:
+            r = by[("nixl-tcp", op)].ratio["c-socket"]
+            targets.append({"cell": "nixl-tcp put", "vs": "c-socket", "ratio": r, "goal": 0.8, "met": r >= 0.8})
         if ("tcp", op) in by:
             for n in ("native", "shm"):
                 if (n, op) in by:

@@ -459,18 +459,35 @@ class ShmAttachRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class ShmAttachReply(Message):
+    """On the unix socket the frame carries the memfd; on a nixl connection (a TCP connection whose
+    HELLO listed ``nixl``, kvfabric/transport/nixl.py) ``nixl_agent`` is the metadata of the NIXL agent
+    that registered the arena and ``arena_base`` the address it is registered at (offset 0)."""
+
     op: ClassVar[ShmOp] = ShmOp.ATTACH
     capacity: int = 0
+    nixl_agent: bytes | None = None
+    arena_base: int | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {"capacity": self.capacity}
+        m: dict[str, Any] = {"capacity": self.capacity}
+        if self.nixl_agent is not None:
+            m["nixl_agent"] = self.nixl_agent
+            m["arena_base"] = self.arena_base
+        return m
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> ShmAttachReply:
         capacity = _field(meta, "capacity", int)
         if capacity <= 0:
             raise ProtocolError(ErrorCode.MALFORMED, "capacity must be > 0")
-        return cls(capacity=capacity)
+        agent = meta.get("nixl_agent")
+        if agent is None:
+            return cls(capacity=capacity)
+        base = meta.get("arena_base")
+        if not isinstance(agent, bytes) or not agent or not isinstance(base, int) or isinstance(base, bool) \
+                or not 0 < base < 1 << 64:
+            raise ProtocolError(ErrorCode.MALFORMED, "nixl_agent must be non-empty bytes and arena_base an address")
+        return cls(capacity=capacity, nixl_agent=agent, arena_base=base)
 
 
 @dataclass(frozen=True, slots=True)

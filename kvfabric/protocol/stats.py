@@ -123,7 +123,7 @@ STATS_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
         "zc_sends", "copy_sends", "zc_copied_notifs",  # how GET objects went out
         "client_verified_sends",  # GET objects sent unchecked: their client verifies them (client_verifies)
         "data_plane",  # io_uring[+send_zc[+fixed]]
-        "transports_in_use",  # {tcp, native, shm}: connections by what they said at HELLO
+        "transports_in_use",  # {tcp, native, shm, nixl}: connections by what they said at HELLO
         "shm_refused",  # unix peers refused by the SO_PEERCRED check
         "shm_leases_expired",  # shm leases dropped at --max-lease-ms
         "shm_reservations_expired",  # shm reservations freed uncommitted

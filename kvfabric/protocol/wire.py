@@ -131,6 +131,8 @@ META_FIELDS: frozenset[str] = frozenset((
     "groups", "group_parts",
     # shm arena ops
     "lease", "offsets", "res",
+    # SHM_ATTACH on a nixl (remote) connection: the NIXL agent that registered the arena, and where
+    "nixl_agent", "arena_base",
 ))
 # Before a server that requires auth has seen a valid AUTH, a peer may send
 # only small HELLO and AUTH frames: no keys, no payload.

@@ -107,7 +107,7 @@ class ServerConfig:
                              "options; nothing is logged per request; the listening and shutdown lines are "
                              "printed whatever the level")
     # ------------------------------------------------------------ kvfabric serve
-    transports: str = opt("tcp,native", "comma-separated transports to offer: tcp, native, shm "
+    transports: str = opt("tcp,native", "comma-separated transports to offer: tcp, native, shm, nixl "
                           "(shm only when asked for: an attached same-host client maps the arena)", kind="list",
                           why="shm maps the whole arena into the client: only for trusted same-host engines")
     zerocopy: str = opt("auto", "IORING_OP_SEND_ZC for GET replies (default: for peers off this host, "

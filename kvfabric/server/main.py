@@ -334,9 +334,9 @@ def main(argv: list[str]) -> int:
     args, flags = parse_config(argv)
     capacity, token, min_rate = validate_common(args)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    unknown = sorted(set(transports) - {"tcp", "native", "shm"})
+    unknown = sorted(set(transports) - {"tcp", "native", "shm", "nixl"})
     if unknown:
-        raise SystemExit(f"kvfabric serve: unknown --transports {unknown}; known: tcp, native, shm")
+        raise SystemExit(f"kvfabric serve: unknown --transports {unknown}; known: tcp, native, shm, nixl")
     if "tcp" not in transports:
         raise SystemExit("kvfabric serve: --transports must include tcp (the control path and fallback)")
     low, high = _watermarks(args.evict_watermarks, capacity)

@@ -459,7 +459,7 @@ class NativeServer:
             raise ConfigError("memory budgets must be >= 1 byte")
         if not 0 <= low_watermark <= high_watermark < 1:
             raise ConfigError("watermarks must satisfy 0 <= low <= high < 1")
-        unknown = set(transports) - {"tcp", "native", "shm"}
+        unknown = set(transports) - {"tcp", "native", "shm", "nixl"}
         if unknown:
             raise ConfigError(f"unknown transports {sorted(unknown)}")
         if shared_fsync not in SHARED_FSYNC_MODES:
@@ -474,6 +474,7 @@ class NativeServer:
         self._lock = threading.Lock()
         # Bound now (so the port is known and taken), listened on by the C loop
         # only once it runs: a client never connects to a server that cannot answer.
+        self._max_meta = limits.max_meta_bytes
         self._tcp = _bound_socket(host, port)
         self.host, self.port = self._tcp.getsockname()[:2]
         self.server_id = server_id or f"{self.host}:{self.port}"
@@ -498,7 +499,7 @@ class NativeServer:
                 self._tcp.close()
                 raise
             self.shm_socket = os.path.abspath(shm_socket)
-        self.transports = tuple(t for t in ("shm", "native", "tcp") if t in transports or t == "tcp")
+        self.transports = tuple(t for t in ("shm", "nixl", "native", "tcp") if t in transports or t == "tcp")
         hello = HelloReply(
             server=f"kvfabric-native/{__version__}", server_id=self.server_id, transports=self.transports,
             limits=limits, capacity=capacity, shm_socket=self.shm_socket,
@@ -530,6 +531,12 @@ class NativeServer:
         except (OSError, KVFabricError) as e:
             self._close_sockets()
             raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
+        self._nixl = None
+        if "nixl" in self.transports:
+            self._export_arena(capacity)
+            if not auth_token:
+                log.warning("nixl offered without --auth-token: any peer that reaches port %d can attach and "
+                            "read and write every byte of the arena through NIXL", self.port)
         if ssd_paths:
             self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max,
                             -1 if tier_gid is None else tier_gid)
@@ -551,6 +558,27 @@ class NativeServer:
         self.loop_error: BaseException | None = None  # set if the io_uring loop failed (the process should stop)
         self._threads: list[threading.Thread] = []
         self._drain_timeout_s = drain_timeout_s
+
+    def _export_arena(self, capacity: int) -> None:
+        """Register the arena with a NIXL agent and hand C its metadata: SHM_ATTACH on a TCP connection
+        whose HELLO listed ``nixl`` answers it (after AUTH when there is a token). ConfigError when nixl
+        cannot be used here: asked for, it is offered or the server does not start."""
+        from ..transport import nixl
+
+        reason = nixl.probe()
+        if reason is not None:
+            self._close_sockets()
+            raise ConfigError(f"--transports lists nixl but it cannot be used here: {reason}")
+        try:
+            self._nixl = nixl.ArenaExport(self._srv.memfd, capacity)
+            self._srv.set_remote_arena(self._nixl.metadata, self._nixl.base)
+        except ValueError as e:
+            self._close_sockets()
+            raise ConfigError(f"nixl: the agent's metadata ({len(self._nixl.metadata) if self._nixl else 0} bytes) "
+                              f"does not fit the metadata limit ({self._max_meta} bytes): raise max_meta_bytes") from e
+        except TransportUnavailable as e:
+            self._close_sockets()
+            raise ConfigError(f"--transports lists nixl but it cannot be used here: {e}") from e
 
     def _open_tier(self, paths: Sequence[str], capacity: int, admit: str, write_queue: int,
                    promote_max: int | None, gid: int) -> None:
@@ -628,6 +656,8 @@ class NativeServer:
             t.join(10)
         if not self._threads or not self._threads[0].is_alive():
             self._srv.tier_close()  # after the loop and the control thread: queued write-behind finishes
+            if self._nixl is not None:  # no connection is left to start a transfer
+                self._nixl.close()
         self._close_sockets()
 
     def __enter__(self) -> NativeServer:

@@ -25,6 +25,7 @@ TRANSPORT_PAIRS: list[tuple[str, str]] = [
     ("native", "tcp"),
     ("native", "native"),
     ("native", "shm"),
+    ("native-nixl", "nixl"),  # skipped where nixl does not import (scripts/ci-nixl.sh runs it)
 ]
 
 #: client transports whose GET reply payloads travel in the TCP byte stream
@@ -39,6 +40,8 @@ SOCKET_PAYLOAD_TRANSPORTS: frozenset[str] = frozenset({"tcp", "native"})
 SERVER_KINDS: dict[str, dict[str, Any]] = {
     "reference": {"module": "kvfabric.testing.reference"},
     "native": {"extra_args": ["--transports", "tcp,native,shm"]},
+    # the product server offering nixl too (its arena registered with a NIXL agent; UCX_TLS from the environment)
+    "native-nixl": {"extra_args": ["--transports", "tcp,native,shm,nixl"]},
 }
 
 
@@ -48,6 +51,7 @@ SERVER_KINDS: dict[str, dict[str, Any]] = {
 EXACT_CAPACITY_ARGS: dict[str, list[str]] = {
     "reference": [],
     "native": ["--evict-watermarks", "0,0"],
+    "native-nixl": ["--evict-watermarks", "0,0"],
 }
 
 

@@ -15,7 +15,8 @@ simply unavailable (the import error is its reason). To add one, add a line to
 first by ``auto``.
 
 Choosing: a named transport that is unavailable raises ``TransportUnavailable``;
-there is never a silent fallback to a slower one. ``auto`` tries the available
+there is never a silent fallback to a slower one. ``nixl`` is used only when
+named (``auto`` skips it). ``auto`` tries the available
 transports fastest first, moves on only on ``TransportUnavailable``, and logs
 the one it chose.
 """
@@ -41,6 +42,7 @@ class _Entry:
     name: str
     module: str
     rank: int  # lower = faster; auto tries ascending
+    auto: bool = True  # False: only when asked for by name (auto never tries it)
 
 
 # The one place transports are registered.
@@ -48,6 +50,9 @@ _TRANSPORTS: tuple[_Entry, ...] = (
     _Entry("tcp", "kvfabric.transport.tcp", rank=100),
     _Entry("native", "kvfabric.transport.native", rank=50),
     _Entry("shm", "kvfabric.transport.shm", rank=10),
+    # one-sided READ/WRITE into the server's arena through NIXL (UCX); only by name: auto does not probe
+    # UCX for an RDMA device yet, and over UCX tcp it is slower than native (docs/notes/nixl.md)
+    _Entry("nixl", "kvfabric.transport.nixl", rank=40, auto=False),
 )
 
 _modules: dict[str, ModuleType | str] = {}  # name -> module, or the reason it is unusable
@@ -116,6 +121,8 @@ def connect(name: str, address: str, config: ClientConfig, *, client_name: str =
         return got.connect(address, **kwargs)
     reasons = []
     for tname in available():
+        if not _entry(tname).auto:
+            continue
         mod = _load(_entry(tname))
         assert not isinstance(mod, str)
         try:

@@ -89,8 +89,10 @@ def connect(
     auth_token: str | None = None,
     client_name: str = "kvfabric",
     hello_timeout_s: float | None = None,
+    conn_class: type[NativeConnection] | None = None,
 ) -> NativeConnection:
-    """Connect to ``address`` ("host:port") and run HELLO.
+    """Connect to ``address`` ("host:port") and run HELLO (``conn_class``: a subclass of
+    :class:`NativeConnection` to make, whose ``_hello`` says what it offers; the nixl transport's).
 
     ``timeout_s`` bounds reaching the server (the TCP handshake, which the kernel answers even when
     the server is loaded); ``hello_timeout_s`` (default: ``timeout_s``) bounds its HELLO reply
@@ -111,7 +113,7 @@ def connect(
     deadline = time.monotonic() + timeout_s
     sock = dial(address, deadline)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = NativeConnection(sock, address)
+    conn = (conn_class or NativeConnection)(sock, address)
     if hello_timeout_s is not None:
         deadline = time.monotonic() + hello_timeout_s
     try:

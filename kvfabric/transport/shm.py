@@ -297,10 +297,14 @@ class ShmConnection(NativeConnection):
 
     # ------------------------------------------------------------------ shm ops
 
+    def _attached(self) -> bool:
+        """True once ATTACH succeeded: the arena ops may be sent (the nixl transport attaches its own way)."""
+        return self._view is not None
+
     def _control(self, msg: Message, deadline: float | None) -> Message | None:
         """One shm control frame and its typed reply (None for RELEASE, which has none).
         Failures close the connection; an error reply raises RemoteError."""
-        if self._sock is None or self._view is None and msg.op != ShmOp.ATTACH:
+        if self._sock is None or not self._attached() and msg.op != ShmOp.ATTACH:
             from ..errors import ConnectionClosed
 
             raise ConnectionClosed(f"connection to {self.address} is closed")

@@ -1,0 +1,434 @@
+"""The ``nixl`` transport: one-sided READs and WRITEs into the server's arena through NIXL (UCX).
+
+How it works
+------------
+The same protocol as :mod:`.shm` ("the client accesses the arena directly"):
+shm maps the arena, nixl reads and writes it remotely; there is no second set
+of opcodes. The native server, started with ``nixl`` in its transports
+(``kvfabric serve --transports tcp,native,nixl``), maps its arena's memfd in
+the hosting Python process, registers that mapping with a NIXL agent
+(:class:`ArenaExport`, UCX backend) and hands C the agent's metadata and the
+mapping's address (``_native.Server.set_remote_arena``). A client:
+
+* connects over TCP and says HELLO listing ``nixl`` (with the token's proofs
+  and AUTH when the server has one: nothing else is served before that);
+* asks ``SHM_ATTACH``: on such a connection the reply carries, instead of the
+  memfd, ``nixl_agent`` (the server agent's metadata) and ``arena_base``
+  (:class:`~kvfabric.protocol.ShmAttachReply`); the client adds that agent to
+  its own (one per process);
+* GET = ``SHM_LEASE`` (the found objects pinned: offsets, sizes, checksums),
+  one NIXL ``READ`` of the whole block list from the arena straight into the
+  caller's buffers (registered with the client's agent for the call), then
+  ``SHM_RELEASE``. The :class:`~kvfabric.client.Client` verifies every object
+  against the lease's checksum, so a slot reused under an expired lease reads
+  as a miss;
+* PUT = ``SHM_RESERVE`` (slots in no index), one NIXL ``WRITE`` of the
+  reserved objects from the caller's buffers into their slots, then
+  ``SHM_COMMIT`` with the checksums: the server verifies each slot before it
+  indexes it. The COMMIT frame is the completion signal (no NIXL notification:
+  nothing on the server would consume it).
+
+Leases and reservations are the shm ones: bounded by ``--max-lease-ms`` and
+the stall timeout, released when the connection closes. A transfer is polled
+until the call's deadline; past it the transfer is released, the connection
+closed (the server then drops the lease or frees the reservation) and
+``DeadlineExceeded`` raised. A failed transfer (the server died) closes the
+connection and raises ``TransportError``.
+
+UCX picks its transports from the environment (``UCX_TLS``): ``tcp``, shared
+memory (``sm,self``), or RC/DC verbs on a host with an RDMA device. The UCX
+backend is created with ``ucx_error_handling_mode=none`` (UCX's shared-memory
+transports refuse peer error handling: :data:`UCX_ERROR_MODE`). Verified here: UCX tcp and
+shared memory on loopback. Not verified: RC verbs, GPUDirect (``VRAM_SEG``):
+no RDMA device on the machines this was built on (docs/notes/nixl.md).
+
+Trust: as for shm, a client that attached can read and write any byte of the
+arena; checksums catch torn or stale objects, not a writer that forges them.
+Offer ``nixl`` only to engines the operator trusts as much as the server, and
+set a token: without one, anyone who reaches the TCP port can attach.
+
+Negotiation: ``nixl`` is never picked by ``transport: auto`` (this slice does
+not probe UCX for an RDMA device); asked for by name it is nixl or
+:class:`~kvfabric.errors.TransportUnavailable`, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import protocol
+from ..errors import DeadlineExceeded, ProtocolError, TransportError, TransportUnavailable
+from ..protocol import (
+    GetReply,
+    GetRequest,
+    HelloReply,
+    Message,
+    PutReply,
+    PutRequest,
+    PutStatus,
+    ShmAttachReply,
+    ShmAttachRequest,
+    ShmCommitRequest,
+    ShmLeaseReply,
+    ShmLeaseRequest,
+    ShmReleaseRequest,
+    ShmReserveReply,
+    ShmReserveRequest,
+)
+from .base import Reply, get_sinks, hello
+from .native import connect as _native_connect
+from .native import probe as _native_probe
+from .shm import ShmConnection
+
+__all__ = ["NixlConnection", "ArenaExport", "connect", "probe"]
+
+log = logging.getLogger("kvfabric.transport.nixl")
+
+#: the UCX backend's ucx_error_handling_mode: UCX's shared-memory transports alone (UCX_TLS=sm,self) refuse
+#: "peer" (NIXL_ERR_BACKEND); a killed server is still seen over tcp and sm with "none" (the tests kill one)
+UCX_ERROR_MODE = "none"
+
+_api: Any = None  # nixl._api, imported on first use
+_IMPORT_ERROR: str | None = None
+
+
+def _nixl() -> Any:
+    global _api, _IMPORT_ERROR
+    if _api is None and _IMPORT_ERROR is None:
+        try:
+            from nixl import _api as api  # noqa: PLC0415 - optional dependency (kvfabric[nixl])
+        except ImportError as e:
+            _IMPORT_ERROR = f"nixl is not installed (pip install 'kvfabric[nixl]'): {e}"
+        else:
+            _api = api
+            # nixl logs INFO to stdout; a server's stdout carries its LISTENING line: move them to stderr
+            for h in logging.getLogger("nixl").handlers:
+                if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+                    h.setStream(sys.stderr)
+    return _api
+
+
+def probe() -> str | None:
+    """``None`` when nixl can be used from this process (the C extension is built, nixl imports)."""
+    reason = _native_probe()
+    if reason is not None:
+        return reason
+    return _IMPORT_ERROR if _nixl() is None else None
+
+
+def _new_agent(role: str, progress_thread: bool) -> Any:
+    """A NIXL agent with one UCX backend (no listener thread, no port opened). ``progress_thread``: the
+    server's, which UCX's tcp transport needs on the target to serve READs and WRITEs (it emulates them with
+    active messages); a client progresses its own transfers while it polls them."""
+    api = _nixl()
+    if api is None:
+        raise TransportUnavailable(_IMPORT_ERROR or "nixl is not installed")
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
+                                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    agent = api.nixl_agent(f"kvfabric-{role}-{os.getpid()}-{secrets.token_hex(6)}", conf)
+    mode = UCX_ERROR_MODE
+    try:
+        agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
+    except Exception as e:  # nixl raises plain exceptions from its bindings
+        raise TransportUnavailable(f"nixl: cannot create the UCX backend (UCX_TLS={os.environ.get('UCX_TLS')!r}, "
+                                   f"error mode {mode!r}): {e}") from e
+    return agent
+
+
+def _addr(buf: Any) -> tuple[int, int]:
+    """(address, length) of a contiguous buffer (read-only ones included)."""
+    import numpy as np  # a dependency of nixl
+
+    a = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    return (a.ctypes.data if a.size else 0), a.size
+
+
+def _merged(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or touching (address, length) regions merged: what one call registers."""
+    out: list[list[int]] = []
+    for a, n in sorted(r for r in regions if r[1] > 0):
+        if out and a <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], a + n - out[-1][0])
+        else:
+            out.append([a, n])
+    return [(a, n) for a, n in out]
+
+
+# ---------------------------------------------------------------------------- server side
+
+
+class ArenaExport:
+    """The server's arena registered with a NIXL agent: ``metadata`` (the agent's, for clients) and ``base``
+    (where the arena is mapped in this process: offset 0). :meth:`close` after the data plane stopped."""
+
+    def __init__(self, memfd: int, capacity: int) -> None:
+        self._map = mmap.mmap(memfd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self.base, _ = _addr(self._map)
+            self._agent = _new_agent("server", progress_thread=True)
+            self._reg = self._agent.register_memory([(self.base, capacity, 0, "")], "DRAM")
+            self.metadata: bytes = self._agent.get_agent_metadata()
+        except BaseException:
+            self._map.close()
+            raise
+        log.info("nixl: arena of %d bytes registered with agent %s (UCX_TLS=%s)", capacity, self._agent.name,
+                 os.environ.get("UCX_TLS", "<unset>"))
+
+    def close(self) -> None:
+        reg, self._reg = self._reg, None
+        if reg is not None:
+            self._agent.deregister_memory(reg)
+            self._agent = None
+            try:
+                self._map.close()
+            except BufferError:  # a numpy view still holds it: the mapping goes with the object
+                pass
+
+
+# ---------------------------------------------------------------------------- client side
+
+_agent_lock = threading.Lock()
+_agents: dict[str, Any] = {}  # UCX_TLS at creation -> this process's agent for it
+_peers: dict[tuple[str, bytes], str] = {}  # (UCX_TLS, server agent metadata) -> its name in that agent
+_logged: set[str] = set()
+
+
+def _peer(md: bytes) -> tuple[Any, str]:
+    """This process's agent and the name of the server agent ``md`` describes in it. UCX reads ``UCX_TLS`` once,
+    when an agent's backend is created: one agent per value seen at connect time (one in practice)."""
+    tls = os.environ.get("UCX_TLS", "")
+    with _agent_lock:
+        agent = _agents.get(tls)
+        if agent is None:
+            agent = _agents[tls] = _new_agent("client", progress_thread=False)
+        name = _peers.get((tls, md))
+        if name is None:
+            try:
+                name = agent.add_remote_agent(md)
+            except Exception as e:
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"nixl: unusable server agent metadata: {e}") from e
+            name = name.decode() if isinstance(name, bytes) else name
+            _peers[(tls, md)] = name
+        return agent, name
+
+
+def connect(
+    address: str,
+    *,
+    timeout_s: float,
+    auth_token: str | None = None,
+    client_name: str = "kvfabric",
+    hello_timeout_s: float | None = None,
+) -> NixlConnection:
+    """Connect to the native server at ``address`` ("host:port"), HELLO listing ``nixl``, attach.
+
+    Raises ``TransportUnavailable`` (nixl or the extension missing, the server does not offer ``nixl``),
+    ``TransportError``/``DeadlineExceeded`` when it cannot be reached in time, ``RemoteError`` when it
+    refuses the HELLO.
+    """
+    reason = probe()
+    if reason is not None:
+        raise TransportUnavailable(reason)
+    conn = _native_connect(address, timeout_s=timeout_s, auth_token=auth_token, client_name=client_name,
+                           hello_timeout_s=hello_timeout_s, conn_class=NixlConnection)
+    assert isinstance(conn, NixlConnection)
+    deadline = time.monotonic() + (timeout_s if hello_timeout_s is None else hello_timeout_s)
+    try:
+        if "nixl" not in conn.hello.transports:
+            raise TransportUnavailable(f"server {address} does not offer nixl (it offers "
+                                       f"{', '.join(conn.hello.transports)})")
+        conn._attach(deadline)
+    except BaseException:
+        conn.close()
+        raise
+    if address not in _logged:
+        _logged.add(address)
+        log.info("kvfabric: transport nixl for %s (server agent %s, UCX_TLS=%s)", address, conn._peer_name,
+                 os.environ.get("UCX_TLS", "<unset>"))
+    return conn
+
+
+class NixlConnection(ShmConnection):
+    """A TCP connection carrying the shm control frames, plus NIXL transfers into the server's arena.
+    Not thread-safe (the process's NIXL agent is shared, and is)."""
+
+    name = "nixl"
+
+    def __init__(self, sock: Any, address: str) -> None:
+        super().__init__(sock, address)
+        self._agent: Any = None
+        self._peer_name = ""
+        self._base = 0
+        self._capacity = 0
+
+    def _hello(self, client_name: str, auth_token: str | None, deadline: float) -> HelloReply:
+        return hello(lambda m: self.request(m, deadline=deadline).msg, self.address, client_name, ("nixl",),
+                     auth_token)
+
+    def _attached(self) -> bool:
+        return self._agent is not None
+
+    def close(self) -> None:
+        self._agent = None
+        super().close()
+
+    def _attach(self, deadline: float) -> None:
+        rep = self._control(ShmAttachRequest(), deadline)
+        assert isinstance(rep, ShmAttachReply)
+        if rep.nixl_agent is None or rep.arena_base is None:
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, f"{self.address} answered ATTACH without its agent")
+        self._agent, self._peer_name = _peer(rep.nixl_agent)
+        self._base, self._capacity = rep.arena_base, rep.capacity
+
+    def request(
+        self,
+        msg: Message,
+        payload_parts: Sequence[Any] = (),
+        recv_buffers: Sequence[Any] | None = None,
+        *,
+        deadline: float | None = None,
+        checksums: bool = False,
+    ) -> Reply:
+        """GET and PUT go through the arena (``checksums`` is ignored: the caller verifies what it read);
+        everything else is the ordinary frame on the TCP connection."""
+        if self._agent is not None and isinstance(msg, GetRequest):
+            return self._get(msg, recv_buffers, deadline)
+        if self._agent is not None and isinstance(msg, PutRequest):
+            return self._put(msg, payload_parts, deadline)
+        return super(ShmConnection, self).request(msg, payload_parts, recv_buffers, deadline=deadline)
+
+    # ------------------------------------------------------------------ transfers
+
+    def _xfer(self, op: str, local: Sequence[tuple[int, int]], remote: Sequence[int], deadline: float | None) -> None:
+        """One NIXL ``op`` ("READ"/"WRITE") of the block list: local[i] = (address, length) <-> arena offset
+        remote[i]. Every arena range is checked against the capacity the server announced."""
+        if not local:
+            return
+        for (_, n), off in zip(local, remote):
+            if off < 0 or off + n > self._capacity:
+                self.close()
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"arena range {off}+{n} outside the arena")
+        agent = self._agent
+        reg = agent.register_memory([(a, n, 0, "") for a, n in _merged(local)], "DRAM")
+        handle = None
+        try:
+            ldescs = agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+            rdescs = agent.get_xfer_descs([(self._base + off, n, 0) for (_, n), off in zip(local, remote)], "DRAM")
+            handle = agent.initialize_xfer(op, ldescs, rdescs, self._peer_name)
+            state = agent.transfer(handle)
+            spins = 0
+            while state == "PROC":
+                if deadline is not None and time.monotonic() > deadline:
+                    self.close()
+                    raise DeadlineExceeded(f"nixl {op} from {self.address} did not complete by the deadline")
+                spins += 1
+                if spins > 256:  # past a short spin, yield the CPU between polls (the GIL too)
+                    time.sleep(0)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                self.close()
+                raise TransportError(f"nixl {op} with {self.address} failed (state {state})")
+        except (DeadlineExceeded, TransportError, ProtocolError):
+            raise
+        except Exception as e:  # nixl's bindings raise plain exceptions (NIXL_ERR_*)
+            self.close()
+            raise TransportError(f"nixl {op} with {self.address} failed: {e}") from e
+        finally:
+            if handle is not None:
+                try:
+                    agent.release_xfer_handle(handle)
+                except Exception as e:  # an in-flight transfer that cannot be cancelled: keep its memory
+                    log.warning("nixl: releasing a %s transfer with %s failed: %s", op, self.address, e)
+                    reg = None
+            if reg is not None:
+                agent.deregister_memory(reg)
+
+    def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None) -> Reply:
+        n = len(msg.keys)
+        if recv_buffers is not None and len(recv_buffers) != n:
+            raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
+        lease = self._control(ShmLeaseRequest(keys=msg.keys), deadline)
+        assert isinstance(lease, ShmLeaseReply)
+        payload = None
+        problem = None
+        try:
+            offsets, sizes = lease.offsets, lease.sizes
+            if len(offsets) != n or len(sizes) != n:
+                self.close()
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
+            total = sum(s for s in sizes if s > 0)
+            if recv_buffers is None:  # one payload, objects concatenated in key order
+                payload = bytearray(total)
+                pv, pos, cut = memoryview(payload), 0, []
+                for s in sizes:
+                    cut.append(pv[pos:pos + max(s, 0)])
+                    pos += max(s, 0)
+                recv_buffers = cut
+            sinks, problem = get_sinks(sizes, recv_buffers, total)
+            local: list[tuple[int, int]] = []
+            remote: list[int] = []
+            found = (i for i, s in enumerate(sizes) if s >= 0)
+            for (_nbytes, view), i in zip(sinks, found):
+                if view is None:
+                    continue
+                off = offsets[i]
+                for part in view if isinstance(view, tuple) else (view,):
+                    a, ln = _addr(part)
+                    if ln:
+                        local.append((a, ln))
+                        remote.append(off)
+                    off += ln
+            if problem is None:
+                self._xfer("READ", local, remote, deadline)
+        finally:
+            if self._sock is not None:
+                self._control(ShmReleaseRequest(lease=lease.lease), deadline)
+        if problem is not None:
+            raise ValueError(problem)
+        return Reply(GetReply(sizes=lease.sizes, checksums=lease.checksums), payload)
+
+    def _put(self, msg: PutRequest, payload_parts: Sequence[Any], deadline: float | None) -> Reply:
+        parts = [memoryview(p).cast("B") for p in payload_parts]
+        if sum(p.nbytes for p in parts) != msg.payload_len():
+            raise ValueError(f"payload parts hold {sum(p.nbytes for p in parts)} bytes, the message announces "
+                             f"{msg.payload_len()}")
+        n = len(msg.keys)
+        rep = self._control(ShmReserveRequest(keys=msg.keys, sizes=msg.sizes, parents=msg.parents,
+                                              groups=msg.groups, group_parts=msg.group_parts), deadline)
+        assert isinstance(rep, ShmReserveReply)
+        if len(rep.offsets) != n:
+            self.close()
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, "reserve reply does not match the keys")
+        # object i is bytes [start_i, start_i + size_i) of the concatenated parts: cut it out of them
+        local: list[tuple[int, int]] = []
+        remote: list[int] = []
+        pi, pos = 0, 0  # current part, offset in it
+        for i, size in enumerate(msg.sizes):
+            want, off = size, rep.offsets[i]
+            take = rep.status[i] == PutStatus.STORED
+            while want:
+                while parts[pi].nbytes == pos:
+                    pi, pos = pi + 1, 0
+                k = min(want, parts[pi].nbytes - pos)
+                if take:
+                    a, _ = _addr(parts[pi][pos:pos + k])
+                    local.append((a, k))
+                    remote.append(off)
+                    off += k
+                pos += k
+                want -= k
+        self._xfer("WRITE", local, remote, deadline)
+        done = self._control(ShmCommitRequest(res=rep.res, checksums=list(msg.checksums)), deadline)
+        assert isinstance(done, PutReply)
+        if len(done.status) != n:
+            self.close()
+            raise ProtocolError(protocol.ErrorCode.MALFORMED, "commit reply does not match the keys")
+        return Reply(PutReply(status=done.status))

@@ -1,0 +1,280 @@
+"""The nixl transport against real ``kvfabric serve`` processes on loopback, over UCX tcp and UCX shared memory.
+
+Each test runs once per UCX transport set (``UCX_TLS=tcp``, ``UCX_TLS=sm,self``): the server process gets it in
+its environment, the client process when it connects (kvfabric.transport.nixl keeps one NIXL agent per value).
+Skipped, with the reason, where nixl is not importable (it lives in its own virtualenv: scripts/ci-nixl.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvfabric import protocol as p
+from kvfabric import transport
+from kvfabric.client import Client
+from kvfabric.config import ClientConfig
+from kvfabric.errors import DeadlineExceeded, RemoteError, TransportError, TransportUnavailable
+from kvfabric.transport.base import dial
+from kvfabric.transport.nixl import NixlConnection
+from kvfabric.testing.servers import start_server
+from kvfabric.testing.poll import wait_for
+
+pytestmark = pytest.mark.skipif("nixl" not in transport.available(),
+                                reason=f"nixl unavailable here: {transport.unavailable().get('nixl')}")
+
+MiB = 1 << 20
+TOKEN = "nixl-test-token-0123456789abcdef"
+
+
+@pytest.fixture(params=["tcp", "sm,self"], ids=["ucx-tcp", "ucx-sm"])
+def ucx_tls(request, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def serve(ucx_tls):
+    """``serve(*extra_args)`` -> a started ``kvfabric serve`` offering nixl (64 MiB), stopped after the test."""
+    procs = []
+
+    def make(*extra, capacity="64MiB"):
+        srv = start_server(capacity, extra_args=["--transports", "tcp,native,nixl", *extra],
+                           env={**os.environ, "UCX_TLS": ucx_tls})
+        procs.append(srv)
+        return srv
+
+    yield make
+    # a server the test did not kill must exit cleanly: no crash at exit (rc 139) with NIXL's libraries loaded
+    live = [s for s in procs if s.alive]
+    bad = {s.address: (rc, s.stderr_text()[-2000:]) for s in live if (rc := s.stop()) != 0}
+    assert not bad, bad
+
+
+def addr(buf) -> int:
+    return np.frombuffer(buf, "u1").ctypes.data
+
+
+def client(address: str, **cfg) -> Client:
+    cfg.setdefault("timeout_s", 10.0)
+    cfg.setdefault("connect_timeout_s", 5.0)
+    return Client([address], config=ClientConfig(transport="nixl", **cfg))
+
+
+def stats(address: str) -> dict:
+    c = transport.connect("tcp", address, ClientConfig())
+    try:
+        return c.request(p.StatsRequest()).msg.stats
+    finally:
+        c.close()
+
+
+def test_get_and_put_are_byte_exact(serve):
+    srv = serve()
+    with client(srv.address) as c:
+        assert c.transports == {srv.address: "nixl"}, c.transports
+        sizes = [1, 4095, MiB, 4 * MiB + 3, 0]
+        keys = [f"k{i}".encode() for i in range(len(sizes))]
+        vals = [os.urandom(n) for n in sizes]
+        assert c.put(keys, vals).stored == len(keys)
+        assert c.put(keys[:2], vals[:2]).existed == 2  # already held: nothing written
+        assert c.get(keys + [b"missing"]) == vals + [None]
+        bufs = [bytearray(n + 7) for n in sizes]
+        assert c.get_into(keys, bufs) == sizes
+        assert [bytes(b[:n]) for b, n in zip(bufs, sizes)] == vals
+    # the transport's scatter entry: object 3 cut over three buffers; a PUT whose parts do not line up
+    raw = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        parts = (bytearray(1000), bytearray(2 * MiB), bytearray(2 * MiB))
+        rep = raw.request(p.GetRequest([keys[3], b"missing"]), recv_buffers=[parts, bytearray(1)]).msg
+        assert rep.sizes == [sizes[3], -1]
+        assert b"".join(bytes(x) for x in parts)[:sizes[3]] == vals[3]
+        new = [os.urandom(3000), os.urandom(70000)]
+        joined = b"".join(new)
+        st = raw.request(p.PutRequest([b"s1", b"s2"], [len(v) for v in new],
+                                      [p.checksum(k, v) for k, v in zip([b"s1", b"s2"], new)]),
+                         [joined[:5], joined[5:40000], joined[40000:]]).msg.status
+        assert st == [p.PutStatus.STORED, p.PutStatus.STORED]
+        assert raw.request(p.GetRequest([b"s1", b"s2"])).payload == joined
+    finally:
+        raw.close()
+    st = stats(srv.address)
+    assert st["puts"] >= len(keys) + 2, st
+    assert st["transports_in_use"]["nixl"] >= 2, st["transports_in_use"]  # the Client's and the raw one
+    # every lease was released (RELEASE is not awaited: it settles)
+    assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
+
+
+def test_with_a_token_the_agent_is_only_given_after_auth(serve):
+    srv = serve("--auth-token", TOKEN)
+    with pytest.raises(Exception, match="(?i)auth"):
+        client(srv.address).get([b"x"])
+    with client(srv.address, auth_token=TOKEN) as c:
+        assert c.put([b"a"], [b"A" * 5000]).stored == 1
+        assert c.get([b"a"]) == [b"A" * 5000]
+    # HELLO listing nixl without AUTH, then ATTACH: refused, so the agent's metadata never leaves unauthenticated
+    sock = dial(srv.address, time.monotonic() + 5)
+    conn = NixlConnection(sock, srv.address)
+    try:
+        reply = conn.request(p.HelloRequest(client="t", transports=("nixl",), nonce=os.urandom(32))).msg
+        assert reply.auth_required and "nixl" in reply.transports
+        with pytest.raises(RemoteError) as e:
+            conn._control(p.ShmAttachRequest(), time.monotonic() + 5)
+        assert e.value.code == p.ErrorCode.AUTH_FAILED, e.value
+    finally:
+        conn.close()
+
+
+def test_forced_nixl_is_nixl_or_a_clear_error(ucx_tls):
+    srv = start_server("16MiB", extra_args=["--transports", "tcp,native"])  # nixl not offered
+    try:
+        with pytest.raises(TransportUnavailable, match="does not offer nixl"):
+            transport.connect("nixl", srv.address, ClientConfig())
+        # auto never picks nixl
+        conn = transport.connect("auto", srv.address, ClientConfig())
+        assert conn.name != "nixl"
+        conn.close()
+    finally:
+        srv.stop()
+
+
+def test_a_corrupted_arena_byte_is_a_miss(serve):
+    srv = serve()
+    with client(srv.address) as c:
+        val = os.urandom(64 * 1024)
+        assert c.put([b"k"], [val]).stored == 1
+        # a stray one-sided WRITE into the object's slot, through a raw nixl connection
+        raw = transport.connect("nixl", srv.address, ClientConfig())
+        try:
+            lease = raw._control(p.ShmLeaseRequest(keys=[b"k"]), None)
+            raw._control(p.ShmReleaseRequest(lease=lease.lease), None)
+            junk = bytearray(b"\xff" * 16)
+            raw._xfer("WRITE", [(addr(junk), 16)], [lease.offsets[0] + 100],
+                      None)
+        finally:
+            raw.close()
+        assert c.get([b"k"]) == [None]  # the client's verification turns it into a miss
+        assert c.stats()["client"]["checksum_failures"] >= 1
+
+
+def test_a_put_whose_bytes_do_not_match_is_refused(serve):
+    srv = serve()
+    raw = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        val = b"v" * 9000
+        st = raw.request(p.PutRequest([b"bad"], [len(val)], [p.checksum(b"bad", b"w" * 9000)]), [val]).msg.status
+        assert st == [p.PutStatus.CHECKSUM_MISMATCH]
+        assert raw.request(p.ExistsRequest([b"bad"])).msg.present == [False]
+    finally:
+        raw.close()
+
+
+def test_a_killed_server_is_a_miss_or_an_error_before_the_deadline(serve):
+    srv = serve()
+    deadline_s = 3.0
+    with client(srv.address, timeout_s=deadline_s) as c:
+        keys = [f"big{i}".encode() for i in range(8)]
+        vals = [os.urandom(4 * MiB) for _ in keys]
+        assert c.put(keys, vals).stored == len(keys)
+        # a raw connection holding a lease when the server dies: its READ must fail, not hang or crash
+        raw = transport.connect("nixl", srv.address, ClientConfig())
+        lease = raw._control(p.ShmLeaseRequest(keys=keys[:1]), None)
+        results: list = []
+        stop = threading.Event()
+
+        def reader() -> None:  # GETs back to back while the server is killed under them
+            while not stop.is_set():
+                try:
+                    results.append(c.get(keys))
+                except Exception as e:  # noqa: BLE001 - what a call does when its server dies is under test
+                    results.append(e)
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        assert wait_for(lambda: len(results) >= 1), "no GET completed before the kill"
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.popen.wait()
+        n = len(results)
+        assert wait_for(lambda: len(results) >= n + 2), f"GETs stopped completing after the kill: {results[n:]}"
+        stop.set()
+        t.join(deadline_s * 10)
+        assert not t.is_alive(), "a GET hung past its deadline after the server died"
+        last = results[-1]
+        assert isinstance(last, Exception) or last == [None] * len(keys), last
+        buf = bytearray(4 * MiB)
+        with pytest.raises((TransportError, DeadlineExceeded)):
+            raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]],
+                      time.monotonic() + deadline_s)
+        raw.close()
+
+
+def test_a_stopped_server_costs_the_deadline_over_tcp_and_nothing_over_shared_memory(serve, ucx_tls):
+    """A READ under a lease while the server process is stopped (SIGSTOP): UCX's tcp transport needs the
+    server's progress thread to serve it, so the call gives up at its deadline and closes the connection; over
+    shared memory the READ is one-sided and completes, byte-exact, without the server."""
+    srv = serve()
+    val = os.urandom(MiB)
+    raw = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        assert raw.request(p.PutRequest([b"k"], [MiB], [p.checksum(b"k", val)]), [val]).msg.status == [0]
+        lease = raw._control(p.ShmLeaseRequest(keys=[b"k"]), None)
+        buf = bytearray(MiB)
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            if ucx_tls == "tcp":
+                with pytest.raises(DeadlineExceeded):
+                    raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]], time.monotonic() + 1.0)
+                assert raw._sock is None  # closed: the server drops the lease when it runs again
+            else:
+                raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]], time.monotonic() + 30.0)
+                assert bytes(buf) == val
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+    finally:
+        raw.close()
+    assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
+
+
+def test_a_client_killed_holding_a_reservation_and_a_lease_frees_both(serve, ucx_tls):
+    srv = serve()
+    with client(srv.address) as c:
+        assert c.put([b"held"], [b"h" * 8192]).stored == 1
+    free_before = stats(srv.address)["free_bytes"]
+    child = textwrap.dedent(f"""
+        import sys
+        from kvfabric import protocol as p, transport
+        from kvfabric.config import ClientConfig
+        c = transport.connect("nixl", {srv.address!r}, ClientConfig())
+        lease = c._control(p.ShmLeaseRequest(keys=[b"held"]), None)
+        res = c._control(p.ShmReserveRequest(keys=[b"never"], sizes=[65536]), None)
+        assert lease.sizes == [8192] and res.status == [0], (lease, res)
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "UCX_TLS": ucx_tls})
+    try:
+        line = proc.stdout.readline()
+        while line and line.strip() != "ready":  # nixl may log to stdout before the child's own line
+            line = proc.stdout.readline()
+        assert line.strip() == "ready", "the child did not reserve"
+        st = stats(srv.address)
+        assert st["pinned"] == 1 and st["free_bytes"] == free_before - 65536, st
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
+    assert wait_for(lambda: stats(srv.address)["free_bytes"] == free_before), stats(srv.address)
+    with client(srv.address) as c:
+        assert c.get([b"never", b"held"]) == [None, b"h" * 8192]
