@@ -45,6 +45,22 @@ SERVER_KINDS: dict[str, dict[str, Any]] = {
 }
 
 
+#: server kind -> the client transport whose machinery the server needs in this process
+#: (the C extension; NIXL's agent for the server's arena). A kind whose need is not
+#: available here cannot start (``kvfabric serve`` exits with status 2) and is skipped.
+SERVER_KIND_NEEDS: dict[str, str] = {"native": "native", "native-nixl": "nixl"}
+
+
+def server_kind_unavailable(server_kind: str) -> str | None:
+    """Why ``server_kind`` cannot start in this process, or ``None`` when it can."""
+    from kvfabric import transport
+
+    need = SERVER_KIND_NEEDS.get(server_kind)
+    if need is None or need in transport.available():
+        return None
+    return f"server kind {server_kind!r} needs transport {need!r}: {transport.unavailable().get(need)}"
+
+
 #: server kind -> extra arguments that make it evict only when a PUT finds no room,
 #: so a test can fill it to exactly its capacity (the native server's command line
 #: otherwise keeps some headroom free: ``--evict-watermarks auto``).
@@ -71,4 +87,4 @@ def start_pool_of(server_kind: str, n: int, **kwargs: Any) -> ServerPool:
     return start_pool(n, **merged)
 
 
-__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "EXACT_CAPACITY_ARGS", "SOCKET_PAYLOAD_TRANSPORTS", "pair_id", "start_pool_of"]
+__all__ = ["TRANSPORT_PAIRS", "SERVER_KINDS", "SERVER_KIND_NEEDS", "server_kind_unavailable", "EXACT_CAPACITY_ARGS", "SOCKET_PAYLOAD_TRANSPORTS", "pair_id", "start_pool_of"]

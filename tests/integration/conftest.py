@@ -20,16 +20,15 @@ import pytest
 from kvfabric import protocol, transport
 from kvfabric.client import Client
 from kvfabric.config import ClientConfig
-from kvfabric.testing.conformance import TRANSPORT_PAIRS, pair_id, start_pool_of
+from kvfabric.testing.conformance import TRANSPORT_PAIRS, pair_id, server_kind_unavailable, start_pool_of
 from kvfabric.testing.proxy import FrameProxy
 
 
 @pytest.fixture(params=TRANSPORT_PAIRS, ids=pair_id)
 def pair(request) -> tuple[str, str]:
     server_kind, tname = request.param
-    if server_kind == "native" and "native" not in transport.available():
-        # the native server kind needs the same C extension as the native client transport
-        pytest.skip(f"native server unavailable here: {transport.unavailable().get('native')}")
+    if (why := server_kind_unavailable(server_kind)) is not None:
+        pytest.skip(why)
     if tname not in transport.available():
         pytest.skip(f"transport {tname!r} unavailable here: {transport.unavailable().get(tname)}")
     return request.param

@@ -20,7 +20,7 @@ from kvfabric import protocol, transport
 from kvfabric.client import Client
 from kvfabric.config import ClientConfig
 from kvfabric.errors import ErrorCode, RemoteError
-from kvfabric.testing.conformance import SERVER_KINDS
+from kvfabric.testing.conformance import SERVER_KINDS, server_kind_unavailable
 from kvfabric.testing.servers import start_server
 from kvfabric.transport import tcp
 from kvfabric.testing import wait_for as _wait_for
@@ -30,8 +30,8 @@ from kvfabric.testing import wait_for as _wait_for
 def busy_server(request):
     """A server of each kind (Python reference, native io_uring) that takes one connection at a time."""
     kw = SERVER_KINDS[request.param]
-    if request.param == "native" and "native" not in transport.available():
-        pytest.skip(f"the native server needs the C extension: {transport.unavailable().get('native')}")
+    if (why := server_kind_unavailable(request.param)) is not None:
+        pytest.skip(why)
     with start_server(capacity="16MiB", extra_args=[*kw.get("extra_args", ()), "--max-connections", "1"],
                       **{k: v for k, v in kw.items() if k != "extra_args"}) as srv:
         yield srv

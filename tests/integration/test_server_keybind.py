@@ -22,15 +22,15 @@ import xxhash
 from kvfabric import Client, ClientConfig, transport
 from kvfabric import protocol as P
 from kvfabric.errors import ErrorCode, KVFabricError
-from kvfabric.testing.conformance import SERVER_KINDS, start_pool_of
+from kvfabric.testing.conformance import SERVER_KINDS, server_kind_unavailable, start_pool_of
 from kvfabric.testing.proxy import FrameProxy
 
 
 @pytest.fixture(scope="module", params=sorted(SERVER_KINDS))
 def server(request):
     kind = request.param
-    if kind == "native" and "native" not in transport.available():
-        pytest.skip(f"native server unavailable here: {transport.unavailable().get('native')}")
+    if (why := server_kind_unavailable(kind)) is not None:
+        pytest.skip(why)
     with start_pool_of(kind, 1, capacity="32MiB") as pool:
         yield pool[0]
         assert pool[0].alive
