@@ -168,6 +168,7 @@ class SchedulerSide:
         self._loading: set[str] = set()   # requests whose async load has not reported yet
         self._hold: list[str] = []        # finished, blocks held: sent to the workers next step
         self._warned_pd_key = False
+        self._warned_guard = False
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfabric-lookup")
         self.guard = LoadGuard(min_tokens=cfg.load_guard_min_tokens, probe_s=cfg.load_guard_probe_s,
                                enabled=cfg.load_guard and cfg.load_async)
@@ -423,7 +424,11 @@ class SchedulerSide:
                 if keep < ext:
                     self.counters.add("loads_skipped_slower")
                     self.counters.add("skipped_load_tokens", ext - keep)
-                    log.debug("kvfabric: loading %d of %d hit tokens (%s)", keep, ext, self.guard.to_json())
+                    if not self._warned_guard:   # once: the cause of a hit recomputed
+                        self._warned_guard = True
+                        log.info("kvfabric: loading %d of %d hit tokens, recomputing the rest: loading is "
+                                 "predicted slower than recomputing (%s); further cuts are counted "
+                                 "(loads_skipped_slower), not logged", keep, ext, self.guard.to_json())
             st.guard = (ext, ext if keep is None else keep)
         return st.guard[1]
 
@@ -590,3 +595,5 @@ class SchedulerSide:
         if self.client is not None:
             self.client.close()
         log.info("kvfabric scheduler counters: %s", self.counters.snapshot())
+        if self.guard.enabled:
+            log.info("kvfabric load guard: measured rates %s", self.guard.to_json())
