@@ -190,6 +190,11 @@ VLLM: dict[str, Metric] = _table(
     Metric("lookup_errors", COUNTER, "lookups that raised (answered: no hit)"),
     Metric("lookup_hit_tokens", COUNTER, "loadable tokens the pool held beyond vLLM's local hit (exists)"),
     Metric("scheduled_load_tokens", COUNTER, "tokens vLLM accepted to load from the pool"),
+    Metric("loads_guarded", COUNTER, "hits the load guard weighed with both rates measured (kvfabric_vllm.guard)"),
+    Metric("loads_skipped_slower", COUNTER, "of those, loads cut or skipped: loading was predicted slower than "
+                                            "recomputing (the tokens were recomputed)"),
+    Metric("skipped_load_tokens", COUNTER, "tokens of pool hits recomputed because loading them was predicted "
+                                           "slower"),
     Metric("save_known_chunks", COUNTER, "prompt chunks not saved because the lookup found them in the pool"),
     Metric("save_unchecked_jobs", COUNTER, "saves sent before their lookup answered (may re-send held chunks)"),
     Metric("pd_waits", COUNTER, "PD consumer: requests that found fewer chunks than the producer reported, "

@@ -15,11 +15,13 @@ tensor, as byte runs; no torch), ``transfer`` (the bounded transfer buffer,
 CUDA stream / event ordering and batched gather / scatter, used by ``worker``
 when the KV cache is on a GPU), ``connector`` (the ``KVConnectorBase_V1`` class
 that wires them), ``metrics`` (counters and warn-once), ``weights`` (live
-weight versions: keys that follow weights updated in memory, for RL), ``tinymodel`` (a
+weight versions: keys that follow weights updated in memory, for RL), ``guard`` (load only
+when it beats recompute: the load and prefill rate estimates and the decision), ``tinymodel`` (a
 tiny random Llama for tests, the benchmark and the example).
 
 This package imports vLLM only from ``connector``, ``scheduler`` and
-``worker``; ``config``, ``metrics``, ``pages``, ``layout``, ``weights`` and ``transfer`` import without it
+``worker``; ``config``, ``metrics``, ``pages``, ``layout``, ``weights``, ``guard`` and ``transfer`` import
+without it
 (``transfer`` needs torch; tests/gpu uses it without vLLM).
 """
 

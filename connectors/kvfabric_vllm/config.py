@@ -44,6 +44,18 @@ load_layerwise     false     with ``load_async: false`` and one block per chunk:
 load_poll_ms       2         with ``load_async``: how long one step's ``get_finished``
                              waits for a load that is still in flight (the bound a
                              slow pool adds to a step)
+load_guard         true      load only when it beats recompute (guard.py, issue 26): the
+                             connector measures its async loads' seconds per token and the
+                             engine's prefill seconds per computed prompt token, and loads
+                             a hit's leading tokens only while loading them is predicted
+                             faster than recomputing them (cut loads: ``loads_skipped_slower``).
+                             Until both rates have a measured window it loads as before;
+                             false: always load
+load_guard_min_tokens 4096   tokens (loaded, and prefilled) of one measured window of each
+                             rate; the guard decides only once both have one
+load_guard_probe_s 30.0      while the guard skips loads, let one through when the last
+                             load measurement is older than this (a pool that got fast again
+                             is seen)
 shutdown_drain_s   3.0       at shutdown, wait at most this long for queued saves (vLLM
                              kills the engine core 5 s after SIGTERM); the rest is
                              abandoned and counted
@@ -149,6 +161,9 @@ class ConnectorConfig:
     load_async: bool = True
     load_poll_ms: int = 2
     load_layerwise: bool = False
+    load_guard: bool = True
+    load_guard_min_tokens: int = 4096
+    load_guard_probe_s: float = 30.0
     shutdown_drain_s: float = 3.0
     save_timeout_s: float = 10.0
     max_pending_save_bytes: int = 512 << 20
@@ -188,6 +203,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
     extra = dict(extra or {})
     known = {"servers", "etcd", "cluster", "chunk_tokens", "model_id", "tenant", "lookup_timeout_ms", "lookup_wait_ms",
              "lease_ms", "lookup_probe", "load_timeout_s", "load_async", "load_layerwise", "load_poll_ms",
+             "load_guard", "load_guard_min_tokens", "load_guard_probe_s",
              "shutdown_drain_s", "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer",
              "transfer_buffer_mb",
              "pd_wait_ms", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
@@ -255,6 +271,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         load_async=_bool(extra, "load_async", True),
         load_poll_ms=_int(extra, "load_poll_ms", 2, 0, 1000),
         load_layerwise=_bool(extra, "load_layerwise", False),
+        load_guard=_bool(extra, "load_guard", True),
+        load_guard_min_tokens=_int(extra, "load_guard_min_tokens", 4096, 1, 1 << 30),
+        load_guard_probe_s=_float(extra, "load_guard_probe_s", 30.0, 0, 86_400),
         shutdown_drain_s=_float(extra, "shutdown_drain_s", 3.0, 0, 600),
         save_timeout_s=_float(extra, "save_timeout_s", 10.0, 0, 600),
         max_pending_save_bytes=_int(extra, "max_pending_save_mb", 512, 1, 1 << 20) << 20,

@@ -100,6 +100,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
+from .guard import LoadGuard
 from .keys import EngineKeys, PromptKeys, prompt_keys
 from .meta import KVFabricMetadata, KVFabricWorkerMeta, LoadSpec, SaveSpec
 from .metrics import Counters, log
@@ -136,6 +137,7 @@ class _Req:
     pd_deadline: float = 0.0         # PD: monotonic time the wait for them ends (0.0: not waiting)
     saves_sent: bool = False         # a SaveSpec of this request went to the workers
     weights: tuple[str, ...] = ()    # the weights its keys were derived under (weights.py), bound at lookup
+    guard: tuple[int, int] | None = None  # the load guard's plan for this lookup: (hit tokens, tokens to load)
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -166,7 +168,10 @@ class SchedulerSide:
         self._loading: set[str] = set()   # requests whose async load has not reported yet
         self._hold: list[str] = []        # finished, blocks held: sent to the workers next step
         self._warned_pd_key = False
+        self._warned_guard = False
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfabric-lookup")
+        self.guard = LoadGuard(min_tokens=cfg.load_guard_min_tokens, probe_s=cfg.load_guard_probe_s,
+                               enabled=cfg.load_guard and cfg.load_async)
 
     # ------------------------------------------------------------------ state
 
@@ -284,6 +289,7 @@ class SchedulerSide:
         st.lookup_epoch = epoch
         st.pool_run = None
         st.hit_counted = False
+        st.guard = None
         st.lookup_t0 = time.monotonic()
         st.lookup = self._pool.submit(self._lookup_all_parts, st.keys, self.cfg.lease_ms if lease else 0, st.placement)
         return True
@@ -351,8 +357,17 @@ class SchedulerSide:
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's question (``KVConnectorBase_V1``); the time spent here is the connector's, not the
+        engine step's (the load guard's prefill clock leaves it out)."""
         if self.client is None:
             return 0, False
+        t0 = time.monotonic()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self.guard.inline(time.monotonic() - t0)
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         known = self._weights_known()
         if not known:
             if known is None:            # the workers measure at the next step (it runs while we wait)
@@ -393,7 +408,29 @@ class SchedulerSide:
             st.hit_counted = True
             if ext:
                 self.counters.add("lookup_hit_tokens", ext)
+        if ext and self.guard.enabled:
+            ext = self._guarded(st, num_computed_tokens, ext)
         return ext, bool(ext) and self.cfg.load_async
+
+    def _guarded(self, st: _Req, computed: int, ext: int) -> int:
+        """The tokens of an ``ext``-token hit to load (guard.py): decided once per lookup (again when
+        the hit changed, a PD wait's later lookup), ending on a chunk boundary; cuts are counted."""
+        if st.guard is None or st.guard[0] != ext:
+            keep = self.guard.plan(ext, time.monotonic())
+            if keep is not None:
+                end = (computed + keep) // self.cfg.chunk_tokens * self.cfg.chunk_tokens
+                keep = max(0, end - computed)
+                self.counters.add("loads_guarded")
+                if keep < ext:
+                    self.counters.add("loads_skipped_slower")
+                    self.counters.add("skipped_load_tokens", ext - keep)
+                    if not self._warned_guard:   # once: the cause of a hit recomputed
+                        self._warned_guard = True
+                        log.info("kvfabric: loading %d of %d hit tokens, recomputing the rest: loading is "
+                                 "predicted slower than recomputing (%s); further cuts are counted "
+                                 "(loads_skipped_slower), not logged", keep, ext, self.guard.to_json())
+            st.guard = (ext, ext if keep is None else keep)
+        return st.guard[1]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -420,12 +457,15 @@ class SchedulerSide:
         if self.cfg.load_async:
             st.loading = True
             self._loading.add(request.request_id)
+            self.guard.load_started(request.request_id, num_external_tokens, time.monotonic())
         self.counters.add("scheduled_load_tokens", num_external_tokens)
 
     def update_connector_output(self, finished_recving: set[str] | None) -> None:
         """The workers reported these async loads done (or failed): their blocks are vLLM's again."""
+        now = time.monotonic()
         for rid in finished_recving or ():
             self._loading.discard(rid)
+            self.guard.load_finished(rid, now)
             st = self._reqs.get(rid)
             if st is not None:
                 st.loading = False
@@ -438,6 +478,15 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVFabricMetadata:
+        """This step's loads, saves and holds for the workers; the time spent here is the connector's
+        (the load guard's prefill clock leaves it out)."""
+        t0 = time.monotonic()
+        try:
+            return self._build_meta(so, t0)
+        finally:
+            self.guard.inline(time.monotonic() - t0)
+
+    def _build_meta(self, so: SchedulerOutput, t0: float) -> KVFabricMetadata:
         meta = KVFabricMetadata(hold=self._hold, weights_epoch=self.weights.epoch)
         self._weights_waited = False
         self._hold = []
@@ -445,6 +494,8 @@ class SchedulerSide:
             if st.load is not None:
                 meta.loads.append(st.load)
                 st.load = None
+        if self.guard.enabled:
+            self._time_step(so, meta, t0)
         if not self.cfg.save or self.client is None:
             return meta
         progress: list[tuple[str, int]] = [
@@ -480,6 +531,24 @@ class SchedulerSide:
             st.saved_upto = done
         return meta
 
+    def _time_step(self, so: SchedulerOutput, meta: KVFabricMetadata, t0: float) -> None:
+        """The load guard's prefill clock (guard.py): this step's prompt tokens and requests."""
+        prompt = 0
+        rids: list[str] = []
+        for r in so.scheduled_new_reqs:
+            st = self._reqs.get(r.req_id)
+            plen = st.prompt_len if st is not None else len(r.prompt_token_ids or ())
+            prompt += min(so.num_scheduled_tokens.get(r.req_id, 0), max(0, plen - r.num_computed_tokens))
+            rids.append(r.req_id)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is not None:
+                prompt += min(so.num_scheduled_tokens.get(rid, 0), max(0, st.prompt_len - cached.num_computed_tokens[i]))
+            rids.append(rid)
+        sync = any(not spec.async_load for spec in meta.loads)
+        self.guard.step(t0, prompt, rids, countable=not sync)
+
     def _save_spec(self, rid: str, st: _Req, c0: int, c1: int, block_ids: list[int]) -> SaveSpec:
         per = self.cfg.chunk_tokens // self.block_size
         return SaveSpec(
@@ -506,6 +575,7 @@ class SchedulerSide:
         docstring, PD) for a consumer to know what to wait for."""
         rid = request.request_id
         st = self._reqs.pop(rid, None)
+        self.guard.finished(rid)
         if st is not None and st.lookup is not None and not st.lookup.done():
             st.lookup.cancel()
         if rid in self._loading:     # never both: vLLM frees the blocks on the first report
@@ -525,3 +595,5 @@ class SchedulerSide:
         if self.client is not None:
             self.client.close()
         log.info("kvfabric scheduler counters: %s", self.counters.snapshot())
+        if self.guard.enabled:
+            log.info("kvfabric load guard: measured rates %s", self.guard.to_json())

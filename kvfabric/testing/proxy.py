@@ -10,6 +10,11 @@ unless a subclass overrides one of the two hooks:
   bytes to send on, or ``None`` to stop forwarding on that connection (the
   client then waits on a reply that never ends).
 
+:class:`SlowReplyProxy` holds each reply of the chosen opcodes (default GET) for
+``delay_s`` before sending it on: a pool that answers lookups at once but serves
+its bytes slowly (a throttled SSD tier, a congested link), for tests of what
+engines do when loading is slower than recomputing.
+
 ``close()`` stops listening and closes every connection. Frames are parsed
 with :mod:`kvfabric.protocol` (``unpack_header``), so the proxy follows the
 protocol version the code under test speaks.
@@ -140,4 +145,29 @@ class FrameProxy:
                 pass
 
 
-__all__ = ["FrameProxy", "recv_exact"]
+class SlowReplyProxy(FrameProxy):
+    """Replies of ``ops`` (default GET) are held ``delay_s`` each before they go on; everything else
+    passes at once. ``delay_s`` may be changed while it runs; ``delayed`` counts the held replies.
+    Replies on one connection stay in order (a reply behind a held one waits for it)."""
+
+    parse_replies = True
+
+    def __init__(self, target: str, delay_s: float, ops: tuple[int, ...] = (protocol.Op.GET,)) -> None:
+        if not delay_s >= 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s!r}")
+        self.delay_s = delay_s
+        self.ops = frozenset(int(o) for o in ops)
+        self.delayed = 0
+        self._count_lock = threading.Lock()
+        super().__init__(target)
+
+    def reply_frame(self, h: protocol.Header, head: bytes, rest: bytearray) -> bytes | None:
+        if h.opcode in self.ops and self.delay_s > 0:
+            with self._count_lock:
+                self.delayed += 1
+            if self._closed.wait(self.delay_s):   # closing: stop forwarding
+                return None
+        return bytes(head) + bytes(rest)
+
+
+__all__ = ["FrameProxy", "SlowReplyProxy", "recv_exact"]

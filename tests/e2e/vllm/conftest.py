@@ -61,6 +61,11 @@ PROMPTS["pd_stream"] = random_prompt(PROMPT_TOKENS, seed=23)
 PROMPTS["rl"] = random_prompt(PROMPT_TOKENS, seed=24)
 PROMPTS["turn1"] = random_prompt(PROMPT_TOKENS, seed=25)
 PROMPTS["turn2"] = PROMPTS["turn1"] + random_prompt(300, seed=26)
+# the load guard (test_load_guard.py): one prompt served by a slow pool (short: each held
+# reply costs more per token), one by a fast one
+GUARD_SLOW_TOKENS = 300
+PROMPTS["guard_slow"] = random_prompt(GUARD_SLOW_TOKENS, seed=27)
+PROMPTS["guard_fast"] = random_prompt(PROMPT_TOKENS, seed=28)
 ENGINE_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 1200   # several engine starts per test on a loaded 2-core machine
 
