@@ -46,6 +46,7 @@ SMOKED = {
     "tier": "tests/integration/test_bench_tier.py::test_bench_tier_quick_measures_real_servers",
     "transport": "tests/integration/test_client_bench.py::test_bench_transport_quick_writes_table_and_json",
     "transport_native": "tests/integration/test_bench_server.py::test_bench_transport_native_says_why_redis_is_missing",
+    "vllm_guard": "tests/e2e/vllm/test_bench_smoke.py::test_vllm_guard_smoke",
     "vllm_ttft": "tests/e2e/vllm/test_bench_smoke.py::test_vllm_ttft_smoke",
 }
 WRAPPERS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))

@@ -1,4 +1,4 @@
-"""The vLLM benchmarks (``benchmarks/vllm_ttft.py``, ``benchmarks/pd.py``) run at their smallest on real vLLM;
+"""The vLLM benchmarks (``benchmarks/vllm_ttft.py``, ``pd.py``, ``vllm_guard.py``) run at their smallest on real vLLM;
 ``benchmarks/gpu_transfer.py`` (the connector's transfer core, torch only) on host tensors.
 
 Smoke runs for ``tests/integration/test_bench_smoke.py``'s ``SMOKED`` table:
@@ -83,3 +83,19 @@ def test_gpu_transfer_smoke(tmp_path):
                                 "cpu-get"}, rep
     assert all(v > 0 for v in rep["gbps"].values()), rep
     assert rep["batch_bytes"] == 4 * 2 * rep["page_bytes"] and rep["transport"] not in ("-", "?"), rep
+
+
+def test_vllm_guard_smoke(tiny_model, tmp_path):
+    """The load guard's benchmark at one delay (none), one repeat: four engines (the saving one and one
+    per mode). Deterministic: recompute loads nothing; guard off loads every whole chunk of the saved
+    prompt; guard on either loads it all or skips it all, and counts what it decided."""
+    rep = _run("vllm_guard", ["--model", tiny_model, "--delays", "0", "--length", str(TOKENS), "--repeats", "1",
+                              "--warm", "1"], tmp_path / "vllm_guard.json")
+    assert set(rep["runs"]) == {"0.0/recompute", "0.0/guard_off", "0.0/guard_on"}, sorted(rep["runs"])
+    for name, run in rep["runs"].items():
+        assert len(run["ttft_s"]) == 1 and run["ttft_s"][0] > 0, (name, run)
+    assert rep["runs"]["0.0/recompute"]["cached"] == [0], rep["runs"]["0.0/recompute"]
+    assert rep["runs"]["0.0/guard_off"]["cached"] == [LOADABLE], rep["runs"]["0.0/guard_off"]
+    on = rep["runs"]["0.0/guard_on"]
+    assert on["cached"] in ([0], [LOADABLE]), on
+    assert on["counters"]["loads_guarded"] >= 1, on["counters"]
