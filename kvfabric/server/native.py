@@ -79,6 +79,9 @@ log = logging.getLogger("kvfabric.server.native")
 
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 _DRAIN_BATCH = 4096
+# Index entries the control thread looks at per round for objects of a retired namespace
+# generation (kvf_store_sweep): bounded work per 100 ms round, the whole index covered over rounds.
+_SWEEP_ENTRIES = 4096
 #: HELLO reply fields C writes itself (csrc/kvf_ops.c op_hello): the rest are passed as static pairs
 _PER_CONNECTION_HELLO = frozenset(("auth_required", "nonce", "proof"))
 
@@ -722,6 +725,7 @@ class NativeServer:
         while not self._stop.is_set():
             want, free, dropped = srv.wait(100)
             self._log_auth_failures()
+            srv.sweep(_SWEEP_ENTRIES)  # retired namespaces (issue 27): their objects' space back, a bounded bit a round
             self._apply_events()
             if dropped != self._events_dropped:
                 self._events_dropped = dropped
