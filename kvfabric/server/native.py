@@ -62,6 +62,7 @@ from .config import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_LEASE_MS,
+    MAX_NAMESPACES,
     DEFAULT_MIN_RATE,
     DEFAULT_REPLY_BUDGET,
     DEFAULT_REPLY_BUDGET_CONN,
@@ -428,6 +429,7 @@ class NativeServer:
         high_watermark: float = 0.0,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
+        max_namespaces: int = MAX_NAMESPACES,
         min_rate: float = DEFAULT_MIN_RATE,
         shm_socket: str | None = None,
         shm_group: str | int | None = None,
@@ -520,6 +522,7 @@ class NativeServer:
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
                 stall_ms=max(0, int(stall_timeout_s * 1000)), max_lease_ms=max(0, int(max_lease_ms)),
+                ns_max=int(max_namespaces),
                 min_rate=max(1, int(min_rate)), shm_uids=[int(u) for u in shm_allow_uids], shm_gids=allow_gids,
                 idle_ms=int(idle_timeout_s * 1000),
                 # with a token, a connection must authenticate within the stall timeout
