@@ -169,6 +169,7 @@ int kvf_ns_persist(struct kvf_ns *ns, const char *dir)
     if (fd < 0) return -errno;
     struct stat sb;
     if (fstat(fd, &sb)) { int e = -errno; close(fd); return e; }
+    if (!S_ISREG(sb.st_mode) || sb.st_uid != geteuid() || sb.st_nlink != 1) { close(fd); return -EPERM; }
     uint64_t whole = (uint64_t)sb.st_size / sizeof(struct ns_rec), keep = whole;
     int err = 0;
     pthread_mutex_lock(&ns->mu);
@@ -181,7 +182,7 @@ int kvf_ns_persist(struct kvf_ns *ns, const char *dir)
             break;
         }
         uint32_t s = intern(ns, r.tag, &err);
-        if (s && r.gen > ns->gens[s]) ns->gens[s] = r.gen;
+        if (s && r.gen > ns->gens[s]) __atomic_store_n(&ns->gens[s], r.gen, __ATOMIC_RELEASE);
     }
     if (!err && (uint64_t)sb.st_size != keep * sizeof(struct ns_rec)) /* a torn tail: cut it, appends stay aligned */
         err = ftruncate(fd, (off_t)(keep * sizeof(struct ns_rec))) ? -errno : 0;

@@ -433,10 +433,7 @@ static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *
     int rc = 0;
     struct kvf_tier *t = NULL;
     Py_BEGIN_ALLOW_THREADS
-    /* the retirements first: the start-up scan drops the records of retired generations */
-    if (n > 0 && (rc = kvf_ns_persist(self->ns, paths[0])))
-        snprintf(err, sizeof err, "the namespace retirements file %s/%s: %s", paths[0], KVF_NS_FILE, strerror(-rc));
-    if (!rc) rc = kvf_tier_open(&t, &cfg, err, sizeof err);
+    rc = kvf_tier_open(&t, &cfg, err, sizeof err); /* loads the namespace retirements (cfg.ns) before its scan */
     Py_END_ALLOW_THREADS
     Py_DECREF(seq);
     if (rc) {

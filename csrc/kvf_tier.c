@@ -314,6 +314,14 @@ int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *e
         t->st.capacity = t->nsegs * seg;
         for (uint32_t i = 0; i < t->nfiles; i++)
             if ((rc = open_file(t, i, cfg->paths[i], segs, cfg->gid, err, errlen))) goto fail;
+        /* the retirements (kvf_ns.h) beside the first file, its directory checked by open_file:
+         * loaded before the scan, which drops the records of retired generations */
+        if (t->ns && (rc = kvf_ns_persist(t->ns, cfg->paths[0]))) {
+            ERR("the namespace retirements file %s/%s: %s", cfg->paths[0], KVF_NS_FILE,
+                rc == -EBADMSG ? "a record before the last fails its checksum (not a torn append)"
+                : rc == -EPERM ? "not a regular file of this user with one link" : strerror(-rc));
+            goto fail;
+        }
         if ((rc = rebuild(t))) { ERR("reading the SSD tier: %s", strerror(-rc)); goto fail; }
     }
     if ((rc = kvf_ring_init(&t->ring, 256))) { ERR("io_uring for the tier: %s", strerror(-rc)); goto fail; }
