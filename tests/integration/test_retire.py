@@ -13,25 +13,20 @@ condition.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import struct
-import tempfile
 import threading
-from collections.abc import Iterator
 
 import pytest
 
 from kvfabric import RetireError, namespace_tag
 from kvfabric import protocol as P
-from kvfabric.errors import ErrorCode
+from kvfabric.errors import ErrorCode, RemoteError
 from kvfabric.testing import wait_for
 from kvfabric.testing.servers import start_server
 from kvfabric.transport import tcp
 
 MODULES = {"native": "kvfabric", "reference": "kvfabric.testing.reference"}
 A, B = namespace_tag(b"policy step 1"), namespace_tag(b"policy step 2")
-TMP = os.environ.get("KVFABRIC_TIER_TEST_DIR") or None
 
 
 def value(key: bytes, size: int) -> bytes:
@@ -122,83 +117,46 @@ def server(request):
         yield srv
 
 
-class Conn:
-    """One raw protocol connection (no token: no HELLO needed), for frames the client never sends."""
+def put_small(c, keys: list[bytes], ns: object) -> list[int]:
+    """PUT 100-byte objects under ``ns`` (any value: the encoder sends it as given, good or bad)."""
+    vals = [value(k, 100) for k in keys]
+    msg = P.PutRequest(keys=keys, sizes=[100] * len(keys), checksums=[P.checksum(k, v) for k, v in zip(keys, vals)],
+                       ns=ns)
+    return c.request(msg, vals).msg.status
 
-    def __init__(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=30)
-        self.rid = 0
 
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed by the server")
-            buf += chunk
-        return bytes(buf)
-
-    def raw(self, op: int, meta: dict, payload: bytes = b"") -> tuple[bool, dict]:
-        self.rid += 1
-        m = P.encode_meta(meta)
-        self.sock.sendall(P.pack_header(op, self.rid, len(m), len(payload)) + m + payload)
-        h = P.unpack_header(self._recv(P.HEADER_SIZE))
-        out = P.decode_meta(self._recv(h.meta_len))
-        self._recv(h.payload_len)
-        assert h.request_id == self.rid, (h, out)
-        return h.is_error, out
-
-    def put(self, keys: list[bytes], ns: object) -> tuple[bool, dict]:
-        vals = [value(k, 100) for k in keys]
-        meta = {"keys": keys, "sizes": [100] * len(keys), "checksums": [P.checksum(k, v) for k, v in zip(keys, vals)]}
-        if ns is not None:
-            meta["ns"] = ns
-        return self.raw(P.Op.PUT, meta, b"".join(vals))
-
-    def close(self) -> None:
-        self.sock.close()
+def refused(call, code: ErrorCode, *words: str) -> None:
+    with pytest.raises(RemoteError) as ei:
+        call()
+    assert ei.value.code == code and all(w in ei.value.message for w in words), (code, words, ei.value)
 
 
 def test_malformed_retire_and_bad_tags_are_clear_errors_and_change_nothing(server):
-    c = Conn(server.address)
-    try:
-        for meta, why in (({}, "missing"), ({"ns": b"x" * 17}, "oversize"), ({"ns": b"x" * 15}, "short"),
-                          ({"ns": "a string tag......"}, "not bin"), ({"ns": None}, "nil")):
-            err, out = c.raw(P.Op.RETIRE, meta)
-            assert err and out["code"] == ErrorCode.MALFORMED and "ns must be" in out["message"] and "16" in out["message"], (why, out)
-        err, out = c.put([b"k1"], b"y" * 17)
-        assert err and out["code"] == ErrorCode.MALFORMED and "ns must be" in out["message"] and "16" in out["message"], out
-        err, out = c.raw(P.Op.EXISTS, {"keys": [b"k1"]})
-        assert not err and out["present"] == [False], out  # the refused PUT stored nothing
-        err, out = c.raw(P.Op.PING, {})
-        assert not err, out  # the connection goes on
-        err, out = c.raw(P.Op.STATS, {})
-        assert out["retires"] == 0 and out["namespaces"] == 0 and out["objects"] == 0, out
-        assert out["errors"].get("MALFORMED") == 6, out["errors"]
-    finally:
-        c.close()
+    with tcp.connect(server.address, timeout_s=30) as c:
+        for bad in (None, b"x" * 17, b"x" * 15, b"", "a string tag....", 7):  # nil, oversize, short, not bin
+            refused(lambda: c.request(P.RetireRequest(ns=bad)), ErrorCode.MALFORMED, "ns must be", "16")
+        refused(lambda: put_small(c, [b"k1"], b"y" * 17), ErrorCode.MALFORMED, "ns must be", "16")
+        assert c.request(P.ExistsRequest([b"k1"])).msg.present == [False]  # the refused PUT stored nothing
+        c.request(P.PingRequest())  # the connection goes on
+        st = c.request(P.StatsRequest()).msg.stats
+        assert st["retires"] == 0 and st["namespaces"] == 0 and st["objects"] == 0, st
+        assert st["errors"].get("MALFORMED") == 7, st["errors"]
 
 
 def test_a_full_tag_table_refuses_new_tags_clearly_and_keeps_the_known_ones(server):
-    c = Conn(server.address)
     t1, t2, t3 = (namespace_tag(b"t%d" % i) for i in range(3))
-    try:
-        assert c.put([b"one"], t1) == (False, {"status": [0]})
-        assert c.put([b"two"], t2) == (False, {"status": [0]})
-        err, out = c.put([b"three"], t3)  # --max-namespaces 2
-        assert err and out["code"] == ErrorCode.BUSY and "namespace tag table full" in out["message"], out
-        err, out = c.raw(P.Op.RETIRE, {"ns": t3})
-        assert err and out["code"] == ErrorCode.BUSY and "namespace tag table full" in out["message"], out
-        err, out = c.raw(P.Op.EXISTS, {"keys": [b"one", b"two", b"three"]})
-        assert out["present"] == [True, True, False], out
-        assert c.raw(P.Op.RETIRE, {"ns": t1}) == (False, {"generation": 1})  # a known tag still retires
-        assert c.raw(P.Op.RETIRE, {"ns": t1}) == (False, {"generation": 2})  # and again (idempotent in effect)
-        err, out = c.raw(P.Op.EXISTS, {"keys": [b"one", b"two"]})
-        assert out["present"] == [False, True], out
-        assert c.put([b"untagged"], None) == (False, {"status": [0]})  # untagged PUTs never need the table
-    finally:
-        c.close()
+    with tcp.connect(server.address, timeout_s=30) as c:
+        assert put_small(c, [b"one"], t1) == [0]
+        assert put_small(c, [b"two"], t2) == [0]
+        # --max-namespaces 2: a third tag is refused for PUT and RETIRE alike
+        refused(lambda: put_small(c, [b"three"], t3), ErrorCode.BUSY, "namespace tag table full", "nothing stored")
+        refused(lambda: c.request(P.RetireRequest(ns=t3)), ErrorCode.BUSY, "namespace tag table full",
+                "nothing retired")
+        assert c.request(P.ExistsRequest([b"one", b"two", b"three"])).msg.present == [True, True, False]
+        assert c.request(P.RetireRequest(ns=t1)).msg.generation == 1  # a known tag still retires
+        assert c.request(P.RetireRequest(ns=t1)).msg.generation == 2  # and again: safe to repeat
+        assert c.request(P.ExistsRequest([b"one", b"two"])).msg.present == [False, True]
+        assert put_small(c, [b"untagged"], None) == [0]  # untagged PUTs never need the table
 
 
 def test_retire_while_another_thread_gets_in_a_loop(server):
@@ -257,15 +215,6 @@ def test_retire_while_another_thread_gets_in_a_loop(server):
 # ---------------------------------------------------------------- native: the SSD tier and restarts
 
 SZ = 256 * 1024
-
-
-@pytest.fixture
-def tier_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="kvf-retire-", dir=TMP)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def tier_args(d: str) -> list[str]:
