@@ -299,3 +299,47 @@ def test_a_torn_last_retirement_record_is_ignored_and_an_earlier_bad_one_stops_t
         f.write(struct.pack("B", b[0] ^ 1))
     with pytest.raises(RuntimeError, match="retirements file"):
         start_server("4MiB", extra_args=tier_args(tier_dir), timeout_s=30)
+
+
+def test_a_retired_group_leaves_whole(server):
+    """Grouped objects tagged in one PUT frame: the retire drops every part of the group (one
+    policy entry), on both servers."""
+    keys = [b"grp-%d" % i for i in range(4)]
+    vals = [value(k, 500) for k in keys]
+    msg = P.PutRequest(keys=keys, sizes=[500] * 4, checksums=[P.checksum(k, v) for k, v in zip(keys, vals)],
+                       groups=[b"g1"] * 3 + [b"g2"], group_parts=[3, 3, 3, 1], ns=A)
+    with tcp.connect(server.address, timeout_s=30) as c:
+        assert c.request(msg, vals).msg.status == [0, 0, 0, 0]
+        assert c.request(P.StatsRequest()).msg.stats["groups"] == 2
+        assert c.request(P.RetireRequest(ns=A)).msg.generation == 1
+        assert c.request(P.LookupRequest([keys[1]])).msg.count == 0  # one part found stale takes its group
+        st = c.request(P.StatsRequest()).msg.stats
+        assert st["retired_objects_freed"] >= 3 and st["groups"] <= 1, st
+        assert c.request(P.ExistsRequest(keys)).msg.present == [False] * 4
+        st = c.request(P.StatsRequest()).msg.stats
+        assert (st["groups"], st["group_objects"], st["objects"], st["retired_objects_freed"]) == (0, 0, 0, 4), st
+
+
+def test_the_native_server_frees_retired_objects_without_a_lookup():
+    """The control thread's bounded sweep gives a retired namespace's space back even if nobody
+    asks for its keys again (the reference server frees them on lookup or eviction only)."""
+    pytest.importorskip("kvfabric._native", reason="the sweep is the native server's")
+    keys = [b"sw-%04d" % i for i in range(300)]
+    with start_server(capacity="16MiB") as srv, tcp.connect(srv.address, timeout_s=30) as c:
+        for i in range(0, 300, 100):
+            chunk = keys[i:i + 100]
+            vals = [value(k, 4000) for k in chunk]
+            msg = P.PutRequest(keys=chunk, sizes=[4000] * 100, checksums=[P.checksum(k, v) for k, v in zip(chunk, vals)],
+                               ns=A)
+            assert c.request(msg, vals).msg.status == [0] * 100
+        assert put_small(c, [b"keep"], B) == [0]
+        assert c.request(P.RetireRequest(ns=A)).msg.generation == 1
+
+        def swept():
+            st = c.request(P.StatsRequest()).msg.stats
+            return st if st["objects"] == 1 else None
+
+        st = wait_for(swept, timeout_s=60)
+        assert st, c.request(P.StatsRequest()).msg.stats
+        assert st["retired_objects_freed"] == 300 and st["bytes_used"] == 100, st
+        assert c.request(P.ExistsRequest([b"keep"])).msg.present == [True]
