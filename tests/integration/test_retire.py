@@ -343,3 +343,68 @@ def test_the_native_server_frees_retired_objects_without_a_lookup():
         assert st, c.request(P.StatsRequest()).msg.stats
         assert st["retired_objects_freed"] == 300 and st["bytes_used"] == 100, st
         assert c.request(P.ExistsRequest([b"keep"])).msg.present == [True]
+
+
+def test_retires_under_concurrent_puts_and_gets_keep_the_server_consistent(server):
+    """Writers PUT under the tag and a reader GETs while the tag is retired five times: nothing
+    raises, nothing wrong is read, and afterwards the server's count matches what EXISTS sees and
+    a last retire leaves none of the tag."""
+    from kvfabric import Client
+
+    clients = [Client([server.address]) for _ in range(3)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    wrong: list[bytes] = []
+    puts = [0]
+    written: set[bytes] = set()
+
+    def writer(c, prefix: bytes) -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                ks = [prefix + b"-%05d" % (i + j) for j in range(8)]
+                c.put(ks, [value(k, 2048) for k in ks], ns_tag=A)
+                written.update(ks)
+                puts[0] += 1
+                i += 8
+        except BaseException as e:
+            errors.append(e)
+
+    def reader(c) -> None:
+        try:
+            while not stop.is_set():
+                ks = sorted(written)[:64]
+                for k, g in zip(ks, c.get(ks)):
+                    if g is not None and bytes(g) != value(k, 2048):
+                        wrong.append(k)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(clients[0], b"w0"), daemon=True),
+               threading.Thread(target=writer, args=(clients[1], b"w1"), daemon=True),
+               threading.Thread(target=reader, args=(clients[2],), daemon=True)]
+    admin = Client([server.address])
+    try:
+        for t in threads:
+            t.start()
+        for gen in range(1, 6):
+            target = puts[0] + 4
+            assert wait_for(lambda: puts[0] >= target or errors, timeout_s=60), "the writers stopped"
+            assert admin.retire(A) == {server.address: gen}
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert not wrong, f"wrong bytes read for {wrong[:4]}"
+        keys = sorted(written)
+        held = sum(admin.exists(keys))
+        assert admin.stats()["servers"][server.address]["objects"] == held
+        admin.retire(A)
+        assert not any(admin.exists(keys))
+        st = admin.stats()["servers"][server.address]
+        assert st["objects"] == 0 and st["retires"] == 6, st
+    finally:
+        stop.set()
+        admin.close()
+        for c in clients:
+            c.close()
