@@ -87,7 +87,7 @@ from . import protocol, sharding, transport
 from ._fanout import Conversation, _FanOut, _small
 from ._shard import _Counters, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
-from .errors import ConfigError, ConnectionClosed, ErrorCode, RetireError
+from .errors import ConfigError, ConnectionClosed, ErrorCode, KVFabricError, RetireError
 from .keys import BlockKey, KeyHasher, Namespace, namespace_tag
 from .membership import Membership, StaticMembership
 from .membership.handoff import HandOff, PreviousViews, Repairer
@@ -585,17 +585,24 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
             tag = namespace_tag(namespace)
         deadline = self._deadline(timeout_s)
         answers: dict[str, int] = {}
+        errors: dict[str, str] = {}  # a server's own refusal (BUSY: its tag table is full), said as it said it
         shards = self._shards
 
         def job_for(shard: _Shard):
             def job(conn: transport.Connection, deadline: float) -> None:
-                answers[shard.address] = conn.request(protocol.RetireRequest(ns=tag), deadline=deadline).msg.generation
+                try:
+                    reply = conn.request(protocol.RetireRequest(ns=tag), deadline=deadline)
+                except KVFabricError as e:
+                    errors[shard.address] = str(e)
+                    raise
+                answers[shard.address] = reply.msg.generation
                 self._counters.add(requests=1)
             return job
 
         ok = self._fan_out([(s, job_for(s)) for s in shards], deadline)
-        results: dict[str, int | str] = {s.address: answers[s.address] if good else (s.last_error or "unreachable")
-                                         for s, good in zip(shards, ok)}
+        results: dict[str, int | str] = {
+            s.address: answers[s.address] if good else (errors.get(s.address) or s.last_error or "unreachable")
+            for s, good in zip(shards, ok)}
         failed = [a for a, r in results.items() if isinstance(r, str)]
         if failed:
             for a in failed:

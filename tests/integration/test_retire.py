@@ -157,6 +157,13 @@ def test_a_full_tag_table_refuses_new_tags_clearly_and_keeps_the_known_ones(serv
         assert c.request(P.RetireRequest(ns=t1)).msg.generation == 2  # and again: safe to repeat
         assert c.request(P.ExistsRequest([b"one", b"two"])).msg.present == [False, True]
         assert put_small(c, [b"untagged"], None) == [0]  # untagged PUTs never need the table
+    from kvfabric import Client
+
+    with Client([server.address]) as client:  # the client says why, in RetireError
+        with pytest.raises(RetireError, match="namespace tag table full") as ei:
+            client.retire(t3)
+        assert "namespace tag table full" in ei.value.results[server.address]
+        assert client.retire(t2) == {server.address: 1}  # and the server is not taken for down
 
 
 def test_retire_while_another_thread_gets_in_a_loop(server):
