@@ -336,8 +336,8 @@ def test_the_native_server_frees_retired_objects_without_a_lookup():
         for i in range(0, 300, 100):
             chunk = keys[i:i + 100]
             vals = [value(k, 4000) for k in chunk]
-            msg = P.PutRequest(keys=chunk, sizes=[4000] * 100, checksums=[P.checksum(k, v) for k, v in zip(chunk, vals)],
-                               ns=A)
+            sums = [P.checksum(k, v) for k, v in zip(chunk, vals)]
+            msg = P.PutRequest(keys=chunk, sizes=[4000] * 100, checksums=sums, ns=A)
             assert c.request(msg, vals).msg.status == [0] * 100
         assert put_small(c, [b"keep"], B) == [0]
         assert c.request(P.RetireRequest(ns=A)).msg.generation == 1
