@@ -100,6 +100,7 @@ static int add_mirrors(PyObject *d)
     struct { const char *name; long long v; } ints[] = {
         {"version", KVF_VERSION}, {"lat_buckets", KVF_LAT_BUCKETS}, {"page_bytes", KVF_PAGE},
         {"nonce_bytes", KVF_NONCE_BYTES}, {"proof_bytes", KVF_PROOF_BYTES},
+        {"ns_tag_bytes", KVF_NS_TAG_BYTES},
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         if (!(v = PyLong_FromLongLong(ints[i].v)) || PyDict_SetItemString(d, ints[i].name, v)) { Py_XDECREF(v); return -1; }
@@ -121,14 +122,14 @@ static PyObject *py_constants(PyObject *self, PyObject *noargs)
 {
     (void)self; (void)noargs;
     PyObject *d = Py_BuildValue(
-        "{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
+        "{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
         "s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},"
         "s:{s:i,s:i,s:i,s:i,s:i},"
         "s:{s:I,s:I,s:I,s:K,s:K,s:I},"
         "s:{s:i,s:i,s:i,s:i,s:i},s:I}",
         "ops", "HELLO", KVF_OP_HELLO, "PING", KVF_OP_PING, "EXISTS", KVF_OP_EXISTS, "LOOKUP", KVF_OP_LOOKUP,
         "GET", KVF_OP_GET, "PUT", KVF_OP_PUT, "DELETE", KVF_OP_DELETE, "STATS", KVF_OP_STATS,
-        "AUTH", KVF_OP_AUTH, "errors", "BAD_MAGIC", KVF_E_BAD_MAGIC, "BAD_VERSION", KVF_E_BAD_VERSION, "UNKNOWN_OPCODE",
+        "AUTH", KVF_OP_AUTH, "RETIRE", KVF_OP_RETIRE, "errors", "BAD_MAGIC", KVF_E_BAD_MAGIC, "BAD_VERSION", KVF_E_BAD_VERSION, "UNKNOWN_OPCODE",
         KVF_E_UNKNOWN_OPCODE, "MALFORMED", KVF_E_MALFORMED, "TOO_MANY_KEYS", KVF_E_TOO_MANY_KEYS,
         "PAYLOAD_TOO_LARGE", KVF_E_PAYLOAD_TOO_LARGE, "META_TOO_LARGE", KVF_E_META_TOO_LARGE, "LENGTH_MISMATCH",
         KVF_E_LENGTH_MISMATCH, "AUTH_FAILED", KVF_E_AUTH_FAILED, "TOO_MANY_IN_FLIGHT", KVF_E_TOO_MANY_IN_FLIGHT,

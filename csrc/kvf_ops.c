@@ -27,6 +27,7 @@
 
 #include "kvf_hash.h"
 #include "kvf_mac.h"
+#include "kvf_ns.h"
 #include "kvf_tier.h"
 
 /* ---------------------------------------------------------------- HELLO, AUTH (protocol 3)
@@ -179,6 +180,44 @@ static void op_auth(struct conn *c, struct kvf_meta m)
     kvf_conn_next_request(c);
 }
 
+/* ---------------------------------------------------------------- RETIRE (issue 27)
+ *
+ * Bumps the tag's generation (kvf_ns.h): from the reply on, every object stored under an
+ * older one is a miss in DRAM (kvf_store.c's find) and on the SSD tier (kvf_tier_ifind),
+ * each freed where it is found, by the control thread's bounded sweep, or by eviction.
+ * O(1): no object is visited here. With an SSD tier the new generation is appended to the
+ * retirements file and fdatasync'd on this thread before the reply (RETIRE is rare). */
+static void op_retire(struct conn *c, struct kvf_meta m)
+{
+    const uint8_t *tag;
+    _Static_assert(KVF_NS_TAG_BYTES == 16, "the message below names the tag's size");
+    if (find_bin(m, KVF_F_NS, KVF_NS_TAG_BYTES, &tag)) {
+        kvf_reject(c, KVF_E_MALFORMED, KVF_F_NS " must be a 16-byte namespace tag (bin)");
+        return;
+    }
+    struct kvf_ns *ns = kvf_store_ns(c->srv->st);
+    uint64_t gen = 0;
+    int rc = ns ? kvf_ns_retire(ns, tag, &gen) : -ENOSYS;
+    if (rc == -ENOSPC) {
+        kvf_reject(c, KVF_E_BUSY, "namespace tag table full: this server knows as many tags as it can hold; "
+                                  "nothing retired");
+        return;
+    }
+    if (rc) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "RETIRE not applied: %s", rc == -EOVERFLOW ? "the tag's generation cannot grow"
+                 : rc == -ENOSYS ? "this server has no namespace table" : strerror(-rc));
+        kvf_reject(c, KVF_E_INTERNAL, msg);
+        return;
+    }
+    KVF_REPLY_BEGIN(32, 0);
+    kvf_mw_map(&w, 1);
+    kvf_mw_cstr(&w, KVF_F_GENERATION);
+    kvf_mw_uint(&w, gen);
+    kvf_reply_finish(c, rp, KVF_OP_RETIRE, KVF_FLAG_REPLY, w.len, 0);
+    kvf_conn_next_request(c);
+}
+
 /* ---------------------------------------------------------------- keys */
 
 static void op_keys(struct conn *c, struct kvf_meta m, int op)
@@ -320,7 +359,7 @@ void kvf_ops_request(struct conn *c)
         auth_failed(c, "authenticate with HELLO and AUTH first");
         return;
     }
-    if (op < KVF_OP_HELLO || (op > KVF_OP_AUTH && (op < KVF_OP_SHM_ATTACH || op > KVF_OP_SHM_COMMIT))) {
+    if (op < KVF_OP_HELLO || (op > KVF_OP_RETIRE && (op < KVF_OP_SHM_ATTACH || op > KVF_OP_SHM_COMMIT))) {
         kvf_reject(c, KVF_E_UNKNOWN_OPCODE, "unknown opcode");
         return;
     }
@@ -336,6 +375,7 @@ void kvf_ops_request(struct conn *c)
     switch (op) {
     case KVF_OP_HELLO: op_hello(c, m); break;
     case KVF_OP_AUTH: op_auth(c, m); break;
+    case KVF_OP_RETIRE: op_retire(c, m); break;
     case KVF_OP_PING: {
         KVF_REPLY_BEGIN(8, 0);
         kvf_mw_map(&w, 0);

@@ -41,6 +41,7 @@ enum kvf_op {
     KVF_OP_DELETE = 7,
     KVF_OP_STATS = 8,
     KVF_OP_AUTH = 9, /* the client's proof over the server's HELLO nonce */
+    KVF_OP_RETIRE = 10, /* bump a namespace tag's generation: its objects are misses (issue 27) */
     /* Same-host (shm) control operations, only on a unix-socket connection
      * that negotiated "shm". See kvfabric/transport/shm.py. */
     KVF_OP_SHM_ATTACH = 32,  /* reply carries the arena memfd (SCM_RIGHTS) */
@@ -92,6 +93,8 @@ enum kvf_put_status {
 #define KVF_PROOF_BYTES 32u
 #define KVF_HELLO_SERVER_LABEL "kvfabric-hello-server-v3"
 #define KVF_HELLO_CLIENT_LABEL "kvfabric-hello-client-v3"
+/* A namespace tag's bytes (PUT ns, RETIRE ns; kvfabric.protocol.NS_TAG_BYTES, kvf_ns.h). */
+#define KVF_NS_TAG_BYTES 16u
 /* Cap on a LOOKUP / shm lease, ms (kvfabric.protocol.MAX_LEASE_MS). */
 #define KVF_MAX_LEASE_MS 3600000u
 
@@ -106,6 +109,7 @@ enum kvf_put_status {
 #define KVF_F_CODE "code"
 #define KVF_F_COUNT "count"
 #define KVF_F_DELETED "deleted"
+#define KVF_F_GENERATION "generation"
 #define KVF_F_GROUPS "groups"
 #define KVF_F_GROUP_PARTS "group_parts"
 #define KVF_F_KEYS "keys"
@@ -113,6 +117,7 @@ enum kvf_put_status {
 #define KVF_F_LEASE_MS "lease_ms"
 #define KVF_F_MESSAGE "message"
 #define KVF_F_NONCE "nonce"
+#define KVF_F_NS "ns"
 #define KVF_F_OFFSETS "offsets"
 #define KVF_F_PARENTS "parents"
 #define KVF_F_PRESENT "present"

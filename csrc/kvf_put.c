@@ -61,6 +61,7 @@ void kvf_op_put(struct conn *c, struct kvf_meta m)
         }
     }
     if ((e = kvf_parse_groups(c, m, b, n))) { kvf_reject(c, e, kvf_groups_error(e)); return; }
+    if ((e = kvf_parse_ns(c, m, &b->nsref))) { kvf_reject(c, e, kvf_ns_error(e)); return; }
     b->gopen = 0;
     uint64_t total = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -92,7 +93,7 @@ static void finish_object(struct conn *c, uint32_t i, int received)
     }
     if (b->gopen) { b->status[i] = KVF_PUT_PENDING; return; } /* committed with its group */
     int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], b->csums[i], b->parents[i],
-                              b->plens[i]);
+                              b->plens[i], b->nsref);
     b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
     if (rc == 0) s->ctr.puts++;
     if (rc == 0 && s->tier) /* written through to the shared tier, if any (a copy, queued) */
@@ -122,7 +123,7 @@ void kvf_put_group_close(struct kvf_server *s, struct batch *b)
             if (b->status[k] == KVF_PUT_PENDING) b->gruns[m++] = k;
         if (m && kvf_store_commit_group(s->st, m, b->gruns, b->keys, b->klens, b->offs, b->sizes, b->csums,
                                         b->parents[b->gruns[0]], b->plens[b->gruns[0]], b->groups[g], b->glens[g],
-                                        b->gparts[g], b->status) < 0) {
+                                        b->gparts[g], b->nsref, b->status) < 0) {
             b->gfail = KVF_PUT_NO_SPACE; /* out of index memory: the slots were given back */
             for (uint32_t k = 0; k < m; k++) b->status[b->gruns[k]] = KVF_PUT_NO_SPACE;
         }

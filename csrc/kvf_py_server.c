@@ -3,6 +3,7 @@
  * them (run/stop, event drain, evict by key, stats). Eviction policy stays in Python. */
 #include "kvf_module_int.h"
 
+#include "kvf_ns.h"
 #include "kvf_protocol.h"
 #include "kvf_server.h"
 #include "kvf_shared.h"
@@ -22,6 +23,7 @@ typedef struct {
     struct kvf_server *srv;
     struct kvf_tier *tier; /* attached to srv, or NULL */
     struct kvf_shared *shared; /* --shared-path tier, or NULL (the C config points at it) */
+    struct kvf_ns *ns; /* namespace tags and generations (the store's, issue 27) */
     char *auth, *server_id;
     uint32_t *shm_uids, *shm_gids; /* the C config points at these */
     PyObject *hello, *extra; /* bytes kept alive for the C config */
@@ -45,6 +47,7 @@ static void Server_dealloc(ServerObject *self)
     if (!self->running) tier_close(self);
     if (self->srv && !self->running) kvf_server_free(self->srv);
     if (self->st && !self->running) kvf_store_free(self->st);
+    if (self->ns && !self->running) kvf_ns_free(self->ns);
     if (self->shared && !self->running) kvf_shared_close(self->shared);
     PyMem_Free(self->auth);
     PyMem_Free(self->server_id);
@@ -61,7 +64,7 @@ PyDoc_STRVAR(Server_doc,
 "       max_object=64<<20, max_in_flight=64, zerocopy=-1, event_ring=65536, stall_ms=0,\n"
 "       max_lease_ms=0, min_rate=0, shm_uids=(), shm_gids=(), idle_ms=0,\n"
 "       preauth_ms=0, drain_ms=0, reply_conn_budget=0, reply_budget=0, request_budget=0, reserve_budget=0,\n"
-"       shared_path=None, shared_fsync=0, tier_gid=-1, server_id='')\n"
+"       shared_path=None, shared_fsync=0, tier_gid=-1, server_id='', ns_max=65535)\n"
 "The io_uring data plane over a memfd arena of `capacity` bytes. hello_pairs: the HELLO reply's\n"
 "static entries (msgpack key/value pairs, no map header); C adds auth_required and, with auth\n"
 "(the pool token), the connection's nonce and its proof over server_id (kvfabric.protocol.auth). The caller owns the\n"
@@ -73,6 +76,8 @@ PyDoc_STRVAR(Server_doc,
 "shared_path: the shared-filesystem tier's directory (kvf_shared.h; shared_fsync 1: fdatasync\n"
 "every object before it is linked into place); NativeError when it cannot be used. With auth, its\n"
 "files carry a MAC keyed by the token (format 2). tier_gid: the tier group (-1 none).\n"
+"ns_max: namespace tags the server can know (PUT ns, RETIRE; issue 27), 1..65535; a new tag past\n"
+"it is refused BUSY. With an SSD tier its retirements persist in the first path (kvf_ns.h).\n"
 "Raises ValueError for bad sizes, NativeError when io_uring or the memory is unavailable.");
 
 /* A sequence of at most 64 uids/gids -> a PyMem array (NULL when empty). 0 or -1 with an exception. */
@@ -108,7 +113,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
                              "max_object", "max_in_flight", "zerocopy", "event_ring", "stall_ms", "max_lease_ms", "min_rate",
                              "shm_uids", "shm_gids", "idle_ms", "preauth_ms", "drain_ms", "reply_conn_budget",
                              "reply_budget", "request_budget", "reserve_budget", "shared_path", "shared_fsync", "tier_gid",
-                             "server_id", NULL};
+                             "server_id", "ns_max", NULL};
     struct kvf_server_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     unsigned long long capacity;
@@ -123,17 +128,17 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     unsigned long long max_payload = KVF_MAX_PAYLOAD_BYTES, max_object = KVF_MAX_OBJECT_BYTES;
     cfg.max_in_flight = KVF_MAX_IN_FLIGHT;
     cfg.zerocopy = -1;
-    unsigned int event_ring = 65536;
+    unsigned int event_ring = 65536, ns_max = KVF_NS_MAX_SLOTS;
     unsigned long long min_rate = 0, reply_conn_budget = 0, reply_budget = 0, request_budget = 0, reserve_budget = 0;
     PyObject *uids_o = NULL, *gids_o = NULL;
     if (self->srv) { PyErr_SetString(PyExc_RuntimeError, "Server already initialised"); return -1; }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKziLz", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiK|$SSzIIIIKKIiIIIKOOIIIKKKKziLzI", kwlist, &cfg.tcp_fd, &cfg.unix_fd, &capacity,
                                      &hello, &extra, &auth, &cfg.max_conns, &cfg.max_keys,
                                      &cfg.max_key_bytes, &cfg.max_meta, &max_payload, &max_object,
                                      &cfg.max_in_flight, &cfg.zerocopy, &event_ring, &cfg.stall_ms,
                                      &cfg.max_lease_ms, &min_rate, &uids_o, &gids_o, &cfg.idle_ms, &cfg.preauth_ms,
                                      &cfg.drain_ms, &reply_conn_budget, &reply_budget, &request_budget, &reserve_budget,
-                                     &shared_path, &shared_fsync, &tier_gid, &server_id))
+                                     &shared_path, &shared_fsync, &tier_gid, &server_id, &ns_max))
         return -1;
     if (id_list(uids_o, &self->shm_uids, &cfg.n_shm_uids, "shm_uids") ||
         id_list(gids_o, &self->shm_gids, &cfg.n_shm_gids, "shm_gids"))
@@ -173,6 +178,9 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     }
     rc = kvf_store_new(&self->st, capacity, event_ring);
     if (rc) { raise_errno(rc, 0, "creating the arena"); return -1; }
+    rc = kvf_ns_new(&self->ns, ns_max);
+    if (rc) { raise_errno(rc, 0, "creating the namespace tag table (ns_max 1..65535)"); return -1; }
+    kvf_store_set_ns(self->st, self->ns);
     if (auth) {
         self->auth = PyMem_Malloc(strlen(auth) + 1);
         if (!self->auth) { PyErr_NoMemory(); return -1; }
@@ -318,6 +326,19 @@ static PyObject *Server_space_done(ServerObject *self, PyObject *arg)
     return PyLong_FromUnsignedLongLong(r);
 }
 
+static PyObject *Server_sweep(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    unsigned long max = PyLong_AsUnsignedLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    if (max > (1ul << 20)) return PyErr_Format(PyExc_ValueError, "sweep looks at most %lu entries a call", 1ul << 20);
+    uint32_t freed;
+    Py_BEGIN_ALLOW_THREADS
+    freed = kvf_store_sweep(self->st, (uint32_t)max);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(freed);
+}
+
 static void keys_cb(const uint8_t *k, uint32_t kl, uint64_t size, void *arg)
 {
     PyObject *t = Py_BuildValue("(y#K)", (const char *)k, (Py_ssize_t)kl, (unsigned long long)size);
@@ -407,12 +428,12 @@ static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *
         return PyErr_Format(PyExc_ValueError, "gid must be -1 (none) or a group id");
     }
     struct kvf_tier_cfg cfg = {paths, (uint32_t)n, capacity, write_queue, admit,
-                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4, gid};
+                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4, gid, self->ns};
     char err[512];
-    int rc;
+    int rc = 0;
     struct kvf_tier *t = NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvf_tier_open(&t, &cfg, err, sizeof err);
+    rc = kvf_tier_open(&t, &cfg, err, sizeof err); /* loads the namespace retirements (cfg.ns) before its scan */
     Py_END_ALLOW_THREADS
     Py_DECREF(seq);
     if (rc) {
@@ -491,6 +512,9 @@ static PyMethodDef Server_methods[] = {
     {"evict", (PyCFunction)Server_evict, METH_O, evict_doc},
     {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},
     {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},
+    {"sweep", (PyCFunction)Server_sweep, METH_O,
+     "sweep(max) -> objects freed: look at up to max entries (from where the last call stopped) and free those of "
+     "a retired namespace generation"},
     {"keys", (PyCFunction)Server_keys, METH_NOARGS, "[(key, size)] of every indexed object (policy resync)"},
     {"auth_failures", (PyCFunction)Server_auth_failures, METH_NOARGS,
      "auth_failures() -> ([peer, ...], lost): peers refused AUTH_FAILED since the last call (at most 16 kept)"},

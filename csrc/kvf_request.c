@@ -9,6 +9,8 @@
 #define _GNU_SOURCE
 #include "kvf_server_int.h"
 
+#include "kvf_ns.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -113,6 +115,25 @@ const char *kvf_groups_error(int e)
 {
     return e == KVF_E_BAD_KEY ? "groups must be keys"
            : "groups and group_parts: both lists as long as keys, and every part of each group named, consecutively";
+}
+
+int kvf_parse_ns(struct conn *c, struct kvf_meta m, uint64_t *nsref)
+{
+    struct kvf_mr r;
+    const uint8_t *tag;
+    uint32_t len;
+    *nsref = 0;
+    if (kvf_mr_find(m.p, m.n, KVF_F_NS, &r) || kvf_mr_is_nil(&r)) return 0;
+    if (kvf_mr_bin(&r, &tag, &len) || len != KVF_NS_TAG_BYTES) return KVF_E_MALFORMED;
+    struct kvf_ns *ns = kvf_store_ns(c->srv->st);
+    return !ns || kvf_ns_ref(ns, tag, nsref) ? KVF_E_BUSY : 0;
+}
+
+const char *kvf_ns_error(int e)
+{
+    _Static_assert(KVF_NS_TAG_BYTES == 16, "the message below names the tag's size");
+    return e == KVF_E_BUSY ? "namespace tag table full: this server knows as many tags as it can hold; nothing stored"
+                           : KVF_F_NS " must be a 16-byte namespace tag (bin) or nil";
 }
 
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n)

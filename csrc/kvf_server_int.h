@@ -132,6 +132,7 @@ struct batch {
     uint32_t gstart, gend; /* PUT: the group run being received, [gstart, gend), while gopen */
     uint8_t gopen, gfail;  /* gfail: the status that refuses the whole run (0: none yet) */
     uint8_t *status;
+    uint64_t nsref;  /* PUT: the frame's namespace ref (kvf_ns_ref of its ns tag; 0 untagged) */
     uint8_t *keybuf; /* RESERVE: keys copied out of the meta buffer */
     uint64_t park_round;
     uint32_t cap;    /* entries allocated (batch_alloc sizes them to the request) */
@@ -324,6 +325,10 @@ int kvf_parse_keys(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t 
 const char *kvf_keys_error(int e);             /* the message of kvf_parse_keys's code */
 int kvf_parse_groups(struct conn *c, struct kvf_meta m, struct batch *b, uint32_t n);
 const char *kvf_groups_error(int e);           /* the message of kvf_parse_groups's code */
+/* ns (PUT, issue 27): absent or nil -> *nsref 0; a KVF_NS_TAG_BYTES bin -> its ref (interned);
+ * else MALFORMED; BUSY when the server's tag table is full. */
+int kvf_parse_ns(struct conn *c, struct kvf_meta m, uint64_t *nsref);
+const char *kvf_ns_error(int e);
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n);
 int kvf_parse_uint(struct kvf_meta m, const char *name, uint64_t *v, int required);
 /* {"status": [...]} (with_offsets: + "res" and "offsets", the shm RESERVE's) */

@@ -89,6 +89,7 @@ void kvf_shm_conn_gone(struct conn *c)
 static int reserve_groups(struct conn *c, const uint8_t *m, size_t mn, uint32_t n)
 {
     struct batch *b = &c->resv;
+    b->nsref = 0; /* shm puts carry no namespace tag (the client sends tagged PUTs over the socket) */
     int e = kvf_parse_groups(c, (struct kvf_meta){m, mn}, b, n);
     if (e || n == 0 || !b->groups[0]) return e;
     if (!c->resv_groups && !(c->resv_groups = malloc((size_t)c->srv->cfg.max_keys * KVF_KEY_MAX)))
@@ -362,7 +363,7 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
             continue;
         }
         int rc = kvf_store_commit(s->st, b->keys[i], b->klens[i], b->offs[i], b->sizes[i], cs[i], b->parents[i],
-                                  b->plens[i]);
+                                  b->plens[i], 0);
         b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
         if (rc == 0) s->ctr.puts++;
         if (rc == 0 && s->tier) /* written through to the shared tier, if any (a copy, queued) */

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "kvf_ns.h"
 #include "kvf_tier.h"
 
 static const char *const tr_names[4] = {"tcp", "native", "shm", "nixl"};
@@ -54,6 +55,11 @@ static int stats_write(struct kvf_server *s, struct kvf_mw *w)
     KV("groups_stored", s->ctr.groups_stored);
     KV("groups_refused", s->ctr.groups_refused);
     KV("groups_torn", s->ctr.groups_torn);
+    struct kvf_ns_stats ns = {0, 0, 0};
+    if (kvf_store_ns(s->st)) kvf_ns_stats(kvf_store_ns(s->st), &ns);
+    KV("namespaces", ns.tags);
+    KV("retires", ns.retires);
+    KV("retired_objects_freed", ns.freed);
     KV("bytes_in", s->ctr.bytes_in);
     KV("bytes_out", s->ctr.bytes_out);
     KV("connections", s->ctr.connections);

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include "kvf_store.h"
 #include "kvf_pages.h"
+#include "kvf_ns.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -39,6 +40,7 @@ struct entry {
     uint32_t grp;  /* group record, NONE when not grouped */
     uint32_t gnext; /* next member of the group (a ring) */
     uint64_t off, size, csum;
+    uint64_t nsref; /* its namespace tag's slot and generation when stored (kvf_ns.h), 0 untagged */
     int64_t lease_until_ms;
 };
 
@@ -71,6 +73,8 @@ struct kvf_store {
     int exhausted, low_signaled;
     kvf_evict_hook evict_hook;
     void *evict_arg;
+    uint32_t sweep_at; /* kvf_store_sweep's cursor */
+    struct kvf_ns *ns; /* namespace generations (NULL: none): a stale entry is a miss, freed when found */
 };
 
 int64_t kvf_now_ms(void)
@@ -89,11 +93,22 @@ static inline uint32_t bucket(struct kvf_store *st, const uint8_t *key, uint32_t
     return (uint32_t)XXH3_64bits(key, klen) & (st->nbuckets - 1);
 }
 
+static void drop_stale(struct kvf_store *st, uint32_t id);
+
+/* The live entry of key, or NONE. An entry of a retired namespace generation (issue 27)
+ * is unindexed here (its whole group; freed now, or on its last pin's release) and
+ * counted freed: every caller sees a miss, and the policy a REMOVE. */
 static uint32_t find(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
     for (uint32_t i = st->buckets[bucket(st, key, klen)]; i != NONE; i = st->ents[i].next) {
         struct entry *e = &st->ents[i];
-        if (e->klen == klen && memcmp(e->key, key, klen) == 0) return i;
+        if (e->klen == klen && memcmp(e->key, key, klen) == 0) {
+            if (e->nsref && st->ns && kvf_ns_stale(st->ns, e->nsref)) {
+                drop_stale(st, i);
+                return NONE;
+            }
+            return i;
+        }
     }
     return NONE;
 }
@@ -221,6 +236,21 @@ static void remove_group_but(struct kvf_store *st, uint32_t id, uint32_t keep)
 /* ---------------------------------------------------------------- events */
 
 static void event(struct kvf_store *st, int type, const uint8_t *key, uint32_t klen, uint64_t size,
+                  const uint8_t *parent, uint32_t plen, const struct group *g);
+
+/* Unindex id (a stale entry: its namespace generation was retired) and its group, as a
+ * DELETE would, and count the objects freed. Lock held. */
+static void drop_stale(struct kvf_store *st, uint32_t id)
+{
+    struct group *g = id < st->nents && st->ents[id].grp != NONE ? &st->grps[st->ents[id].grp] : NULL;
+    uint32_t rep = g ? g->rep : id;
+    event(st, KVF_EV_REMOVE, st->ents[rep].key, st->ents[rep].klen, 0, NULL, 0, g);
+    kvf_ns_count_freed(st->ns, g ? g->members : 1);
+    if (g) remove_group_but(st, id, NONE);
+    else remove_entry(st, id);
+}
+
+static void event(struct kvf_store *st, int type, const uint8_t *key, uint32_t klen, uint64_t size,
                   const uint8_t *parent, uint32_t plen, const struct group *g)
 {
     if (type == KVF_EV_ACCESS && g && st->ring_len) {
@@ -344,9 +374,10 @@ void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size)
 
 /* Fill entry id (from new_entry) as a live object of group grp (NONE: none) and link it in. */
 static void index_entry(struct kvf_store *st, uint32_t id, const uint8_t *key, uint32_t klen, uint64_t off,
-                        uint64_t size, uint64_t csum, uint32_t grp)
+                        uint64_t size, uint64_t csum, uint32_t grp, uint64_t nsref)
 {
     struct entry *e = &st->ents[id];
+    e->nsref = nsref;
     memcpy(e->key, key, klen);
     e->klen = (uint8_t)klen;
     e->state = E_LIVE;
@@ -368,7 +399,7 @@ static void index_entry(struct kvf_store *st, uint32_t id, const uint8_t *key, u
 /* pins NULL: a held key's slot is freed (kvf_store_commit); else the stored entry is pinned
  * (*pins = its id) and a held key's slot, or every slot on ENOMEM, stays the caller's. */
 static int commit_one(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
-                      uint64_t csum, const uint8_t *parent, uint32_t plen, uint32_t *pins)
+                      uint64_t csum, const uint8_t *parent, uint32_t plen, uint64_t nsref, uint32_t *pins)
 {
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     pthread_mutex_lock(&st->mu);
@@ -384,7 +415,7 @@ static int commit_one(struct kvf_store *st, const uint8_t *key, uint32_t klen, u
         pthread_mutex_unlock(&st->mu);
         return -ENOMEM;
     }
-    index_entry(st, id, key, klen, off, size, csum, NONE);
+    index_entry(st, id, key, klen, off, size, csum, NONE, nsref);
     if (pins) { /* pinned for the GET that read it (a hit, as kvf_store_acquire counts one) */
         st->ents[id].pins = 1;
         st->ents[id].hits = 1;
@@ -397,15 +428,15 @@ static int commit_one(struct kvf_store *st, const uint8_t *key, uint32_t klen, u
 }
 
 int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
-                     uint64_t csum, const uint8_t *parent, uint32_t plen)
+                     uint64_t csum, const uint8_t *parent, uint32_t plen, uint64_t nsref)
 {
-    return commit_one(st, key, klen, off, size, csum, parent, plen, NULL);
+    return commit_one(st, key, klen, off, size, csum, parent, plen, nsref, NULL);
 }
 
 int kvf_store_commit_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
-                            uint64_t csum, uint32_t *id)
+                            uint64_t csum, uint64_t nsref, uint32_t *id)
 {
-    return commit_one(st, key, klen, off, size, csum, NULL, 0, id);
+    return commit_one(st, key, klen, off, size, csum, NULL, 0, nsref, id);
 }
 
 /* Room for `n` more entries and one group record, so that nothing fails halfway. */
@@ -434,7 +465,7 @@ static int ensure_room(struct kvf_store *st, uint32_t n)
 static int commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
                         const uint8_t *klens, const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
                         const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
-                        uint8_t *status, uint32_t *pins)
+                        uint64_t nsref, uint8_t *status, uint32_t *pins)
 {
     if (n == 0 || glen == 0 || glen > KVF_KEY_MAX || gparts == 0) return -EINVAL;
     pthread_mutex_lock(&st->mu);
@@ -466,7 +497,7 @@ static int commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx, c
         }
         if (st->objects >= st->nbuckets && grow_buckets(st)) { /* keep chains long rather than fail */ }
         uint32_t id = new_entry(st); /* cannot fail: ensure_room */
-        index_entry(st, id, keys[k], klens[k], offs[k], sizes[k], csums[k], gi);
+        index_entry(st, id, keys[k], klens[k], offs[k], sizes[k], csums[k], gi, nsref);
         st->ents[id].gnext = first == NONE ? id : first; /* the ring: first -> ... -> id -> first */
         if (prev != NONE) st->ents[prev].gnext = id;
         if (first == NONE) first = id;
@@ -500,17 +531,18 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
                            const uint8_t *klens,
                            const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
                            const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
-                           uint32_t gparts, uint8_t *status)
+                           uint32_t gparts, uint64_t nsref, uint8_t *status)
 {
-    return commit_group(st, n, idx, keys, klens, offs, sizes, csums, parent, plen, gkey, glen, gparts, status, NULL);
+    return commit_group(st, n, idx, keys, klens, offs, sizes, csums, parent, plen, gkey, glen, gparts, nsref, status,
+                        NULL);
 }
 
 int kvf_store_commit_group_pinned(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
                                   const uint8_t *klens, const uint64_t *offs, const uint64_t *sizes,
                                   const uint64_t *csums, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
-                                  uint8_t *status, uint32_t *ids)
+                                  uint64_t nsref, uint8_t *status, uint32_t *ids)
 {
-    return commit_group(st, n, idx, keys, klens, offs, sizes, csums, NULL, 0, gkey, glen, gparts, status, ids);
+    return commit_group(st, n, idx, keys, klens, offs, sizes, csums, NULL, 0, gkey, glen, gparts, nsref, status, ids);
 }
 
 int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,
@@ -624,10 +656,10 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
         void *arg = st->evict_arg;
         uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
         uint32_t klen2 = e->klen, hits = e->hits;
-        uint64_t off = e->off, size = e->size, csum = e->csum;
+        uint64_t off = e->off, size = e->size, csum = e->csum, nsref = e->nsref;
         memcpy(key2, e->key, klen2);
         pthread_mutex_unlock(&st->mu);
-        fn(arg, key2, klen2, st->base + off, size, csum, hits, NULL, 0, 0);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits, NULL, 0, 0, nsref);
         pthread_mutex_lock(&st->mu);
         e = &st->ents[i]; /* the array may have grown meanwhile */
         e->pins = 0;
@@ -681,10 +713,10 @@ static int64_t evict_group(struct kvf_store *st, uint32_t id)
         struct entry *e = &st->ents[ids[k]];
         uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
         uint32_t klen2 = e->klen;
-        uint64_t off = e->off, size = e->size, csum = e->csum;
+        uint64_t off = e->off, size = e->size, csum = e->csum, nsref = e->nsref;
         memcpy(key2, e->key, klen2);
         pthread_mutex_unlock(&st->mu);
-        fn(arg, key2, klen2, st->base + off, size, csum, hits, gkey, glen, gparts);
+        fn(arg, key2, klen2, st->base + off, size, csum, hits, gkey, glen, gparts, nsref);
         pthread_mutex_lock(&st->mu);
     }
     for (k = 0; k < n; k++) {
@@ -809,6 +841,27 @@ uint64_t kvf_store_round(struct kvf_store *st, int *exhausted)
     *exhausted = st->exhausted;
     pthread_mutex_unlock(&st->mu);
     return r;
+}
+
+void kvf_store_set_ns(struct kvf_store *st, struct kvf_ns *ns) { st->ns = ns; }
+struct kvf_ns *kvf_store_ns(struct kvf_store *st) { return st->ns; }
+
+uint32_t kvf_store_sweep(struct kvf_store *st, uint32_t max)
+{
+    uint32_t freed = 0;
+    if (!st->ns) return 0;
+    pthread_mutex_lock(&st->mu);
+    for (uint32_t k = 0; k < max && st->nents; k++) {
+        uint32_t i = st->sweep_at++ % st->nents;
+        struct entry *e = &st->ents[i];
+        if (e->state == E_LIVE && e->nsref && kvf_ns_stale(st->ns, e->nsref)) {
+            uint32_t n = e->grp != NONE ? st->grps[e->grp].members : 1;
+            drop_stale(st, i);
+            freed += n;
+        }
+    }
+    pthread_mutex_unlock(&st->mu);
+    return freed;
 }
 
 int kvf_store_check(struct kvf_store *st)

@@ -72,9 +72,11 @@ uint64_t kvf_store_capacity(struct kvf_store *st);
 int kvf_store_reserve(struct kvf_store *st, uint64_t size, uint64_t *off);
 void kvf_store_unreserve(struct kvf_store *st, uint64_t off, uint64_t size);
 /* Index a reserved, filled slot. Returns 0 (stored) or 1 (key already held:
- * the slot is freed). Records an INSERT event. */
+ * the slot is freed). Records an INSERT event. nsref (every commit): the
+ * objects' namespace ref (kvf_ns_ref; 0 untagged): once its generation is
+ * retired the objects are misses, unindexed by whatever looks them up. */
 int kvf_store_commit(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
-                     uint64_t csum, const uint8_t *parent, uint32_t plen);
+                     uint64_t csum, const uint8_t *parent, uint32_t plen, uint64_t nsref);
 /* Index the n reserved, filled slots of ONE group (issue 23) as one unit, under one
  * lock; part k is entry idx[k] of the arrays: status[idx[k]] = 0 stored or 1 already held (that slot freed; an object is in at
  * most one group, so a held part stays in the group it has). The stored parts form
@@ -87,18 +89,18 @@ int kvf_store_commit_group(struct kvf_store *st, uint32_t n, const uint32_t *idx
                            const uint8_t *klens,
                            const uint64_t *offs, const uint64_t *sizes, const uint64_t *csums,
                            const uint8_t *parent, uint32_t plen, const uint8_t *gkey, uint32_t glen,
-                           uint32_t gparts, uint8_t *status);
+                           uint32_t gparts, uint64_t nsref, uint8_t *status);
 /* The same, for a slot the caller keeps sending from (a GET streamed while it is read from
  * the SSD tier): the stored entry is pinned at once (*id, kvf_store_release it), so no
  * eviction can take the slot in between; a held key (1) or ENOMEM leaves the slot
  * reserved, the caller's to unreserve. commit_group_pinned: ids[idx[k]] likewise, for the
  * parts stored (status 0); held parts' slots stay the caller's, and all of them on ENOMEM. */
 int kvf_store_commit_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint64_t off, uint64_t size,
-                            uint64_t csum, uint32_t *id);
+                            uint64_t csum, uint64_t nsref, uint32_t *id);
 int kvf_store_commit_group_pinned(struct kvf_store *st, uint32_t n, const uint32_t *idx, const uint8_t *const *keys,
                                   const uint8_t *klens, const uint64_t *offs, const uint64_t *sizes,
                                   const uint64_t *csums, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
-                                  uint8_t *status, uint32_t *ids);
+                                  uint64_t nsref, uint8_t *status, uint32_t *ids);
 /* Pin an entry for reading. -ENOENT on a miss. Records an ACCESS event. */
 int kvf_store_acquire(struct kvf_store *st, const uint8_t *key, uint32_t klen, uint32_t *id, uint64_t *off,
                       uint64_t *size, uint64_t *csum);
@@ -147,8 +149,19 @@ int64_t kvf_now_ms(void);
  * NULL fn: none. Set it while no eviction runs (before the control thread
  * starts, after it stopped). */
 typedef void (*kvf_evict_hook)(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                               uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
+                               uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
+                               uint64_t nsref);
 void kvf_store_set_evict_hook(struct kvf_store *st, kvf_evict_hook fn, void *arg);
+
+/* The namespace table (kvf_ns.h) whose generations decide which entries are stale;
+ * set once before the store is used (NULL: none). The store does not own it. */
+struct kvf_ns;
+void kvf_store_set_ns(struct kvf_store *st, struct kvf_ns *ns);
+struct kvf_ns *kvf_store_ns(struct kvf_store *st);
+/* Control thread: look at up to max entries from where the last call stopped and
+ * unindex those of a retired generation (a bounded sweep: retired objects free their
+ * space without waiting for eviction). Returns the objects freed. */
+uint32_t kvf_store_sweep(struct kvf_store *st, uint32_t max);
 
 /* Allocator self-check for tests: 0 when free lists and tags agree. */
 int kvf_store_check(struct kvf_store *st);

@@ -41,6 +41,9 @@ static void rebuild_record(struct kvf_tier *t, uint64_t loc, const struct tier_r
     uint8_t gkey[KVF_KEY_MAX];
     uint32_t glen, gparts;
     if (kvf_tier_grp_get((const uint8_t *)h, gkey, &glen, &gparts)) { t->st.corrupt++; return; } /* its group part torn */
+    uint64_t nsref = 0;
+    int nsr = (h->flags & TIER_F_TOMB) ? 0 : kvf_tier_ns_get(t, (const uint8_t *)h, &nsref);
+    if (nsr < 0) { t->st.corrupt++; return; } /* its namespace part torn, or no room for its tag */
     uint32_t i = kvf_tier_ifind(t, h->key, h->klen);
     if (i != TIER_NONE && t->ents[i].seq >= h->seq) return; /* a later record of the key is indexed */
     if (i != TIER_NONE) kvf_tier_iremove(t, i);
@@ -53,7 +56,10 @@ static void rebuild_record(struct kvf_tier *t, uint64_t loc, const struct tier_r
     e->csum = h->csum;
     e->ghash = glen ? kvf_tier_ghash(gkey, glen) : 0;
     e->gparts = gparts;
-    e->state = (h->flags & TIER_F_TOMB) ? TE_TOMB : TE_LIVE;
+    e->nsref = nsref;
+    /* a retired generation's record removes the key like a tombstone would */
+    e->state = (h->flags & TIER_F_TOMB) || nsr == 1 ? TE_TOMB : TE_LIVE;
+    if (nsr == 1) kvf_ns_count_freed(t->ns, 1);
     if (e->state == TE_LIVE) {
         t->st.objects++;
         t->st.bytes += e->size;
@@ -278,6 +284,7 @@ int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *e
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
     t->nfiles = cfg->npaths;
+    t->ns = cfg->ns;
     t->admit = cfg->admit;
     t->write_queue = cfg->write_queue ? cfg->write_queue : 64ull << 20;
     t->promote_max = cfg->promote_max ? cfg->promote_max : 1ull << 30;
@@ -307,6 +314,14 @@ int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *e
         t->st.capacity = t->nsegs * seg;
         for (uint32_t i = 0; i < t->nfiles; i++)
             if ((rc = open_file(t, i, cfg->paths[i], segs, cfg->gid, err, errlen))) goto fail;
+        /* the retirements (kvf_ns.h) beside the first file, its directory checked by open_file:
+         * loaded before the scan, which drops the records of retired generations */
+        if (t->ns && (rc = kvf_ns_persist(t->ns, cfg->paths[0]))) {
+            ERR("the namespace retirements file %s/%s: %s", cfg->paths[0], KVF_NS_FILE,
+                rc == -EBADMSG ? "a record before the last fails its checksum (not a torn append)"
+                : rc == -EPERM ? "not a regular file of this user with one link" : strerror(-rc));
+            goto fail;
+        }
         if ((rc = rebuild(t))) { ERR("reading the SSD tier: %s", strerror(-rc)); goto fail; }
     }
     if ((rc = kvf_ring_init(&t->ring, 256))) { ERR("io_uring for the tier: %s", strerror(-rc)); goto fail; }
@@ -413,7 +428,8 @@ int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
 /* ---------------------------------------------------------------- write-behind */
 
 void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                       uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts)
+                       uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
+                       uint64_t nsref)
 {
     struct kvf_tier *t = arg;
     if (t->sh && t->sh_write_evicted) kvf_tier_shared_put(t, key, klen, val, size, csum);
@@ -459,7 +475,9 @@ void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8
     t->ents[i].loc = (uint64_t)(uintptr_t)j;
     t->ents[i].ghash = glen ? kvf_tier_ghash(gkey, glen) : 0;
     t->ents[i].gparts = gparts;
+    t->ents[i].nsref = nsref;
     pthread_mutex_unlock(&t->mu);
+    j->nsref = nsref; /* its tag and generation go into the record's header block */
     j->glen = (uint8_t)glen; /* written into the record's header block (kvf_tier_grp_fill) */
     j->gparts = gparts;
     if (glen) memcpy(j->gkey, gkey, glen);

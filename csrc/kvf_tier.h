@@ -86,6 +86,10 @@ struct kvf_tier_job {
     uint8_t gkey[KVF_KEY_MAX];
     uint8_t glen;
     uint32_t gparts;
+    /* its namespace ref (kvf_ns.h; 0 untagged): SSD_WRITE writes the tag and generation into
+     * the header block, SSD_READ reads them back (a retired generation is -ESTALE, a miss) so
+     * that a promotion keeps the object retirable */
+    uint64_t nsref;
     /* SSD_READ of a streamed GET (stream set by the loop before posting): a value over
      * 2 x KVF_TIER_CHUNK is read in up to 8 chunks at once; as they land in order the tier
      * thread checks the header, hashes them and raises `sendable` (atomic: value bytes the
@@ -128,6 +132,7 @@ struct kvf_tier_cfg {
     uint64_t promote_max;     /* bytes of arena slots (whole pages per object) one request may promote (over: misses) */
     int64_t gid;              /* the tier group (--tier-group), -1 none: a new tier file is 0640 of this group,
                                  and an existing one may be readable and writable by it */
+    struct kvf_ns *ns;        /* namespace generations (the store's, kvf_store_ns), NULL: none */
 };
 
 /* Every counter is kept as it changes: kvf_tier_stats is O(1). */
@@ -196,7 +201,8 @@ int kvf_tier_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 /* Store eviction hook (kvf_store_set_evict_hook; control thread): stage a copy of the evicted object
  * for write-behind, or count why not (admission, already on the tier, queue full). */
 void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                       uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
+                       uint64_t csum, uint32_t hits, const uint8_t *gkey, uint32_t glen, uint32_t gparts,
+                       uint64_t nsref);
 
 /* The server's side (kvf_tier_ops.c). Attach before kvf_server_run: the loop
  * then parks GET/LOOKUP keys found on a tier, EXISTS and DELETE see the tier,

@@ -25,10 +25,19 @@ static inline uint32_t ibucket(struct kvf_tier *t, const uint8_t *key, uint32_t 
     return (uint32_t)kvf_xxh3_64(key, klen) & (t->nbuckets - 1);
 }
 
+/* An entry of a retired namespace generation (issue 27) is unindexed when found (a miss;
+ * a PENDING write then indexes nothing) and counted freed; the log reclaims its record. */
 uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen)
 {
     for (uint32_t i = t->buckets[ibucket(t, key, klen)]; i != TIER_NONE; i = t->ents[i].next)
-        if (t->ents[i].klen == klen && memcmp(t->ents[i].key, key, klen) == 0) return i;
+        if (t->ents[i].klen == klen && memcmp(t->ents[i].key, key, klen) == 0) {
+            if (t->ents[i].nsref && t->ns && kvf_ns_stale(t->ns, t->ents[i].nsref)) {
+                kvf_tier_iremove(t, i);
+                kvf_ns_count_freed(t->ns, 1);
+                return TIER_NONE;
+            }
+            return i;
+        }
     return TIER_NONE;
 }
 
@@ -240,6 +249,28 @@ int kvf_tier_grp_get(const uint8_t *block, uint8_t gkey[KVF_KEY_MAX], uint32_t *
     *glen = g->glen;
     *gparts = g->gparts;
     return 0;
+}
+
+void kvf_tier_ns_fill(struct kvf_tier *t, uint8_t *block, uint64_t nsref)
+{
+    struct tier_ns *n = (struct tier_ns *)(block + TIER_NS_OFF);
+    memset(n, 0, sizeof *n);
+    if (!nsref || !t->ns || kvf_ns_unref(t->ns, nsref, n->tag, &n->gen)) return;
+    uint64_t seed = ((const struct tier_rec *)block)->hdr_csum;
+    n->used = 1;
+    n->csum = kvf_obj_hash(&seed, sizeof seed, n, offsetof(struct tier_ns, csum));
+}
+
+int kvf_tier_ns_get(struct kvf_tier *t, const uint8_t *block, uint64_t *nsref)
+{
+    const struct tier_ns *n = (const struct tier_ns *)(block + TIER_NS_OFF);
+    uint64_t seed = ((const struct tier_rec *)block)->hdr_csum;
+    *nsref = 0;
+    if (n->used == 0) return 0;
+    if (n->used != 1 || kvf_obj_hash(&seed, sizeof seed, n, offsetof(struct tier_ns, csum)) != n->csum)
+        return -EBADMSG;
+    if (!t->ns) return 0; /* no table: nothing is ever retired */
+    return kvf_ns_reref(t->ns, n->tag, n->gen, nsref);
 }
 
 int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *h)

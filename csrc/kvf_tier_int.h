@@ -38,6 +38,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "kvf_ns.h"
 #include "kvf_tier.h"
 #include "kvf_uring.h"
 
@@ -70,6 +71,18 @@ struct tier_grp {
 };
 _Static_assert(sizeof(struct tier_grp) == 80, "tier_grp is 80 bytes");
 #define TIER_GRP_OFF sizeof(struct tier_rec)
+/* Namespace tags (issue 27): a tagged object's header block carries struct tier_ns after
+ * tier_grp (its tag and the generation it was stored under; csum = xxh3_64 of the bytes
+ * before it seeded with rec.hdr_csum); all zeros: untagged (files written before keep
+ * their meaning, version 1 still). A record whose generation the server's retirements
+ * file (kvf_ns.h) has retired is dropped at the start-up scan and read as a miss. */
+struct tier_ns {
+    uint8_t tag[KVF_NS_TAG_BYTES];
+    uint32_t gen, used;
+    uint64_t csum;
+};
+_Static_assert(sizeof(struct tier_ns) == 32, "tier_ns is 32 bytes");
+#define TIER_NS_OFF (TIER_GRP_OFF + sizeof(struct tier_grp))
 _Static_assert(sizeof(struct tier_super) == 56, "tier_super is 56 bytes");
 
 enum { TE_FREE = 0, TE_LIVE = 1, TE_PENDING = 2, TE_TOMB = 3 /* rebuild only */ };
@@ -82,6 +95,7 @@ struct tent {
     uint64_t size, csum, seq;
     uint64_t ghash;  /* its group: kvf_tier_ghash of the group key, 0 not grouped */
     uint32_t gparts; /* the parts the group stated */
+    uint64_t nsref;  /* its namespace ref (kvf_ns.h), 0 untagged: a retired one is unindexed when found */
 };
 
 struct kvf_tier {
@@ -125,6 +139,7 @@ struct kvf_tier {
     struct { uint8_t *p; uint64_t cap; } bcache[64];
     uint32_t nbc;
     uint64_t bc_bytes;
+    struct kvf_ns *ns; /* namespace generations (the store's), or NULL */
     /* policy */
     int admit;
     uint64_t write_queue, promote_max;
@@ -150,6 +165,11 @@ int kvf_tier_rec_check(struct kvf_tier *t, uint64_t loc, const struct tier_rec *
 void kvf_tier_grp_fill(uint8_t *block, const uint8_t *gkey, uint32_t glen, uint32_t gparts);
 /* Read it back from a checked header block: 0 (glen 0: not grouped) or -EBADMSG */
 int kvf_tier_grp_get(const uint8_t *block, uint8_t gkey[KVF_KEY_MAX], uint32_t *glen, uint32_t *gparts);
+/* The namespace part of a header block whose tier_rec is filled (nsref 0: none written) */
+void kvf_tier_ns_fill(struct kvf_tier *t, uint8_t *block, uint64_t nsref);
+/* Read it back from a checked header block: 0 (*nsref set, 0 untagged), 1 its generation is
+ * retired, -EBADMSG torn, -ENOSPC the tag table is full */
+int kvf_tier_ns_get(struct kvf_tier *t, const uint8_t *block, uint64_t *nsref);
 /* The index's hash of a group key (never 0) */
 uint64_t kvf_tier_ghash(const uint8_t *gkey, uint32_t glen);
 /* Unindex every group with fewer live records than its parts (the start-up scan); returns how many */

@@ -285,7 +285,8 @@ static int verify_header(struct kvf_tier *t, struct kvf_tier_job *j)
     if (kvf_tier_grp_get(j->iov[0].iov_base, j->gkey, &glen, &gparts)) return -EBADMSG;
     j->glen = (uint8_t)glen;
     j->gparts = gparts;
-    return 0;
+    int ns = kvf_tier_ns_get(t, j->iov[0].iov_base, &j->nsref); /* its namespace, for the promotion */
+    return ns == 1 ? -ESTALE : ns ? -EBADMSG : 0;  /* a retired generation: a miss, not corrupt */
 }
 
 /* Verify a read record; 0, -ESTALE (overwritten since looked up), -EBADMSG. */
@@ -544,6 +545,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
             kvf_tier_rec_fill(t, j->loc, (struct tier_rec *)j->buf, j->key, j->klen, j->op == KVF_JOB_SSD_TOMB ? 0 : j->size,
                               j->op == KVF_JOB_SSD_TOMB ? 0 : j->csum, j->seq, j->op == KVF_JOB_SSD_TOMB ? TIER_F_TOMB : 0);
             kvf_tier_grp_fill(j->buf, j->gkey, j->op == KVF_JOB_SSD_TOMB ? 0 : j->glen, j->gparts);
+            kvf_tier_ns_fill(t, j->buf, j->op == KVF_JOB_SSD_TOMB ? 0 : j->nsref);
             kvf_tier_where(t, j->loc, &fd, &off);
             q->opcode = IORING_OP_WRITE;
             q->addr = (uint64_t)(uintptr_t)j->buf;

@@ -256,7 +256,7 @@ static uint64_t promote_groups(struct kvf_server *s, struct kvf_tier_req *r, str
             r->jobs[pr->job[k]]->dst = NULL; /* the slot is the store's now (or given back): never unreserved again */
         /* commit frees the slots of keys that arrived meanwhile, and every slot on ENOMEM */
         if (kvf_store_commit_group(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums, NULL, 0,
-                                   g->gkey, g->glen, g->gparts, pr->status) == 0)
+                                   g->gkey, g->glen, g->gparts, g->nsref, pr->status) == 0)
             for (uint32_t k = 0; k < m; k++) stored += pr->status[k] == 0;
     }
     return stored;
@@ -283,7 +283,7 @@ static int finish(struct conn *c)
         if (ok && ssd && j->glen && pr) { pr->ok[i] = 1; hits++; continue; } /* promoted with its group, below */
         if (ok) {
             /* commit frees the slot itself when the key arrived meanwhile (1) or on ENOMEM */
-            int rc = kvf_store_commit(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, NULL, 0);
+            int rc = kvf_store_commit(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, NULL, 0, j->nsref);
             if (ssd) { hits++; prom += rc == 0; }
         } else {
             if (j->dst) kvf_store_unreserve(s->st, j->slot_off, j->size);
@@ -552,7 +552,7 @@ static void stream_end(struct conn *c, struct kvf_tier_req *r)
         struct kvf_tier_job *g = r->jobs[i];
         uint32_t m = gather_group(r, pr, i);
         if (kvf_store_commit_group_pinned(s->st, m, pr->idx, pr->keys, pr->klens, pr->offs, pr->sizes, pr->csums,
-                                          g->gkey, g->glen, g->gparts, pr->status, pr->ids))
+                                          g->gkey, g->glen, g->gparts, g->nsref, pr->status, pr->ids))
             continue; /* out of memory: not promoted, the reply keeps the slots */
         for (uint32_t k = 0; k < m; k++) {
             if (pr->status[k]) continue; /* held already: the slot stays the reply's */
@@ -625,7 +625,7 @@ static void stream_job(struct conn *c, struct kvf_tier_req *r, uint32_t i)
     r->hits++;
     if (!j->glen) {
         uint32_t id;
-        if (kvf_store_commit_pinned(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, &id) == 0) {
+        if (kvf_store_commit_pinned(s->st, j->key, j->klen, j->slot_off, j->size, j->csum, j->nsref, &id) == 0) {
             g->entry = id; /* promoted, and pinned until the reply is done */
             j->dst = NULL;
             r->prom++;

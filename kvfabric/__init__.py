@@ -18,10 +18,11 @@ from .errors import (
     KVFabricError,
     ProtocolError,
     RemoteError,
+    RetireError,
     TransportError,
     TransportUnavailable,
 )
-from .keys import BlockKey, KeyAlgorithm, KeyHasher, Namespace, prefix_keys
+from .keys import BlockKey, KeyAlgorithm, KeyHasher, Namespace, namespace_tag, prefix_keys
 
 __version__ = "0.1.0"
 
@@ -42,9 +43,11 @@ __all__ = [
     "ProtocolError",
     "PutResult",
     "RemoteError",
+    "RetireError",
     "TransportError",
     "TransportUnavailable",
     "__version__",
+    "namespace_tag",
     "parse_servers",
     "parse_size",
     "prefix_keys",

@@ -87,8 +87,8 @@ from . import protocol, sharding, transport
 from ._fanout import Conversation, _FanOut, _small
 from ._shard import _Counters, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
-from .errors import ConfigError, ConnectionClosed, ErrorCode
-from .keys import BlockKey, KeyHasher, Namespace
+from .errors import ConfigError, ConnectionClosed, ErrorCode, KVFabricError, RetireError
+from .keys import BlockKey, KeyHasher, Namespace, namespace_tag
 from .membership import Membership, StaticMembership
 from .membership.handoff import HandOff, PreviousViews, Repairer
 from ._plan import (PutResult, check_contiguous_groups, combine_puts, leading_run, plan_chunks, plan_groups,
@@ -363,6 +363,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         parents: Sequence[bytes | None] | None = None,
         placement: Sequence[bytes] | None = None,
         groups: Sequence[bytes] | None = None,
+        ns_tag: bytes | None = None,
         timeout_s: float | None = None,
     ) -> PutResult:
         """Store ``values[i]`` (any contiguous buffer) under ``keys[i]`` on all its owners.
@@ -376,11 +377,15 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         A group's keys (all of them in this call) go to each owner in one
         request, never split: a group that alone exceeds a server's request
         limits, or holds one object over its object limit, is refused whole
-        (counted dropped). Never raises for a failing shard: those keys count
-        as dropped.
+        (counted dropped). ``ns_tag`` (16 bytes, :func:`kvfabric.keys.namespace_tag`)
+        tags every object so that :meth:`retire` of the tag drops them pool-wide; such
+        PUTs travel as frames on the socket even on shm and nixl connections. Never
+        raises for a failing shard: those keys count as dropped.
         """
         self._check_open()
         keys = self._keys(keys)
+        if ns_tag is not None and (type(ns_tag) is not bytes or len(ns_tag) != protocol.NS_TAG_BYTES):
+            raise ValueError(f"ns_tag must be {protocol.NS_TAG_BYTES} bytes (kvfabric.keys.namespace_tag)")
         route, group = self._placement(keys, placement, groups)
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
@@ -421,6 +426,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                         checksums=[sums[i] for i in chunk],
                         parents=None if parents is None else [parents[i] for i in chunk],
                         **_group_fields(group, chunk),
+                        ns=ns_tag,
                     )
                     reply = conn.request(msg, [views[i] for i in chunk], deadline=deadline).msg
                     if len(reply.status) != len(chunk):
@@ -560,6 +566,50 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
 
         self._scatter(self._by_owner(self._owners(route)), job_for, deadline)
         return sum(deleted.values())
+
+    def retire(self, namespace: Namespace | bytes, *, timeout_s: float | None = None) -> dict[str, int]:
+        """Retire a namespace pool-wide (issue 27): one RETIRE to every member server, in parallel.
+
+        ``namespace``: a 16-byte tag as PUT with ``ns_tag`` (bytes of another length are hashed
+        with :func:`~kvfabric.keys.namespace_tag`, as is a :class:`~kvfabric.keys.Namespace`).
+        Each server bumps the tag's generation: every object stored under it before, in DRAM
+        and on its SSD tier, is a miss from its reply on (O(1) per server; the space is freed
+        lazily). Returns ``{address: generation}``. Raises :class:`~kvfabric.errors.RetireError`
+        (with every server's result) when any server did not answer or refused, after all were
+        tried: a retirement that some server missed is never reported as done.
+        """
+        self._check_open()
+        if isinstance(namespace, (bytes, bytearray)) and len(namespace) == protocol.NS_TAG_BYTES:
+            tag = bytes(namespace)
+        else:
+            tag = namespace_tag(namespace)
+        deadline = self._deadline(timeout_s)
+        answers: dict[str, int] = {}
+        errors: dict[str, str] = {}  # a server's own refusal (BUSY: its tag table is full), said as it said it
+        shards = self._shards
+
+        def job_for(shard: _Shard):
+            def job(conn: transport.Connection, deadline: float) -> None:
+                try:
+                    reply = conn.request(protocol.RetireRequest(ns=tag), deadline=deadline)
+                except KVFabricError as e:
+                    errors[shard.address] = str(e)
+                    raise
+                answers[shard.address] = reply.msg.generation
+                self._counters.add(requests=1)
+            return job
+
+        ok = self._fan_out([(s, job_for(s)) for s in shards], deadline)
+        results: dict[str, int | str] = {
+            s.address: answers[s.address] if good else (errors.get(s.address) or s.last_error or "unreachable")
+            for s, good in zip(shards, ok)}
+        failed = [a for a, r in results.items() if isinstance(r, str)]
+        if failed:
+            for a in failed:
+                log.error("RETIRE of namespace tag %s not applied on %s: %s", tag.hex(), a, results[a])
+            raise RetireError(f"namespace tag {tag.hex()} not retired on {len(failed)} of {len(shards)} servers: "
+                              + "; ".join(f"{a}: {results[a]}" for a in failed), results)
+        return answers
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """``{"client": {counters, "shards": {address: state}}, "servers": {address: STATS map}}``.

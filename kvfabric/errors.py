@@ -82,6 +82,17 @@ class RemoteError(KVFabricError):
         self.message = message
 
 
+class RetireError(KVFabricError):
+    """``Client.retire`` did not reach every server (issue 27): ``results`` maps each server's
+    address to its new generation (int) or the error that stopped it (str). The servers that
+    answered have retired the tag; the others may still serve its objects, so the caller must
+    retry (RETIRE is safe to repeat) or take those servers out."""
+
+    def __init__(self, message: str, results: dict[str, int | str]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
 class AuthError(RemoteError):
     """The pool-token exchange of HELLO failed on this side (protocol 3).
 

@@ -132,6 +132,21 @@ class Namespace:
             raise ConfigError(f"namespace.extras holds a value msgpack cannot encode: {exc}") from exc
 
 
+#: Bytes of a namespace tag (the wire's ``kvfabric.protocol.NS_TAG_BYTES``).
+NS_TAG_BYTES = 16
+
+
+def namespace_tag(namespace: Namespace | bytes) -> bytes:
+    """The 16-byte tag a PUT carries (``Client.put(..., ns_tag=)``) and ``Client.retire`` retires
+    (issue 27): a BLAKE2b digest of ``namespace``'s canonical bytes (a :class:`Namespace`) or of
+    the given bytes (any other version label: weights fingerprint, policy step), under a label
+    of its own so that it never equals a key or a namespace digest."""
+    raw = namespace.canonical() if isinstance(namespace, Namespace) else namespace
+    if not isinstance(raw, (bytes, bytearray)) or not raw:
+        raise ConfigError("namespace_tag needs a Namespace or non-empty bytes")
+    return hashlib.blake2b(bytes(raw), digest_size=NS_TAG_BYTES, person=b"kvfabric-nstag").digest()
+
+
 def _sorted(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {k: _sorted(obj[k]) for k in sorted(obj)}

@@ -72,6 +72,8 @@ from .messages import (
     PingRequest,
     PutReply,
     PutRequest,
+    RetireReply,
+    RetireRequest,
     ShmAttachReply,
     ShmAttachRequest,
     ShmCommitReply,
@@ -94,6 +96,7 @@ from .wire import (
     MAGIC,
     MAX_IN_FLIGHT,
     MAX_LEASE_MS,
+    NS_TAG_BYTES,
     META_FIELDS,
     MAX_KEY_BYTES,
     MAX_KEYS_PER_BATCH,
@@ -197,5 +200,5 @@ __all__ = [
     "decode_reply", "ErrorCode", "KeysMessage", "ShmAttachRequest", "ShmAttachReply", "ShmLeaseRequest",
     "ShmLeaseReply", "ShmReleaseRequest", "ShmReserveRequest", "ShmReserveReply", "ShmCommitRequest",
     "ShmCommitReply", "AuthRequest", "AuthReply", "auth", "NONCE_BYTES", "PROOF_BYTES", "new_nonce", "server_proof",
-    "client_proof", "proof_ok", "check_token",
+    "client_proof", "proof_ok", "check_token", "RetireRequest", "RetireReply", "NS_TAG_BYTES",
 ]

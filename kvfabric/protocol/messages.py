@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from ..errors import ErrorCode, ProtocolError
 from .auth import NONCE_BYTES, PROOF_BYTES, new_nonce
-from .wire import BAD_VERSION_MESSAGE, DEFAULT_LIMITS, MAX_LEASE_MS, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
+from .wire import BAD_VERSION_MESSAGE, DEFAULT_LIMITS, MAX_LEASE_MS, NS_TAG_BYTES, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +306,10 @@ class PutRequest(Message):
     server admits, evicts, leases, deletes and tiers a group as one unit; a
     frame carries every part of each group it names, consecutively (see
     :func:`_groups`), and every part of a refused group gets the same status.
+
+    ``ns`` (optional, issue 27): the namespace tag (:data:`NS_TAG_BYTES` bytes) of
+    every object of the frame; :class:`RetireRequest` of that tag drops them all.
+    Absent or nil: untagged (never retired).
     """
 
     op: ClassVar[Op] = Op.PUT
@@ -315,6 +319,7 @@ class PutRequest(Message):
     parents: Sequence[bytes | None] | None = None
     groups: Sequence[bytes] | None = None
     group_parts: Sequence[int] | None = None
+    ns: bytes | None = None
 
     def to_meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {"keys": list(self.keys), "sizes": list(self.sizes), "checksums": list(self.checksums)}
@@ -323,6 +328,8 @@ class PutRequest(Message):
         if self.groups is not None:
             m["groups"] = list(self.groups)
             m["group_parts"] = list(self.group_parts if self.group_parts is not None else ())
+        if self.ns is not None:
+            m["ns"] = self.ns
         return m
 
     def payload_len(self) -> int:
@@ -335,8 +342,9 @@ class PutRequest(Message):
         checksums = _uint_list(meta, "checksums", len(keys))
         parents = _parents(meta, len(keys), limits)  # before groups, as the C data plane checks them
         groups, group_parts = _groups(meta, len(keys), limits)
+        ns = _bin(meta, "ns", NS_TAG_BYTES, required=False)  # after groups, as the C data plane checks it
         return cls(keys=keys, sizes=sizes, checksums=checksums, parents=parents, groups=groups,
-                   group_parts=group_parts)
+                   group_parts=group_parts, ns=ns)
 
 
 def _groups(meta: dict[str, Any], n: int, limits: Limits) -> tuple[list[bytes] | None, list[int] | None]:
@@ -402,6 +410,44 @@ class PutReply(Message):
         if not all(type(s) is int and s in PutStatus._value2member_map_ for s in status):
             raise ProtocolError(ErrorCode.MALFORMED, "unknown put status")
         return cls(status=status)
+
+
+@dataclass(frozen=True, slots=True)
+class RetireRequest(Message):
+    """Retire the namespace tag ``ns`` (issue 27): every object a PUT stored under it before
+    this request, on every tier of the server, is a miss from the reply on (a generation bump
+    per tag, O(1); the objects are freed lazily). Idempotent in effect: a second RETIRE of the
+    same tag bumps the generation again and drops only what was stored in between.
+    ``ns`` not :data:`NS_TAG_BYTES` bytes: MALFORMED. A server whose tag table is full
+    answers BUSY and retires nothing."""
+
+    op: ClassVar[Op] = Op.RETIRE
+    ns: bytes = b""
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"ns": self.ns}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> RetireRequest:
+        return cls(ns=_bin(meta, "ns", NS_TAG_BYTES, required=True))
+
+
+@dataclass(frozen=True, slots=True)
+class RetireReply(Message):
+    """``generation``: the tag's generation now (objects of older ones are retired)."""
+
+    op: ClassVar[Op] = Op.RETIRE
+    generation: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"generation": self.generation}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> RetireReply:
+        g = _field(meta, "generation", int)
+        if not 0 < g <= U64_MAX:
+            raise ProtocolError(ErrorCode.MALFORMED, "generation must be a positive integer")
+        return cls(generation=g)
 
 
 @dataclass(frozen=True, slots=True)
@@ -649,6 +695,7 @@ REQUESTS: dict[int, type[Message]] = {
     Op.DELETE: DeleteRequest,
     Op.STATS: StatsRequest,
     Op.AUTH: AuthRequest,
+    Op.RETIRE: RetireRequest,
     ShmOp.ATTACH: ShmAttachRequest,
     ShmOp.LEASE: ShmLeaseRequest,
     ShmOp.RELEASE: ShmReleaseRequest,
@@ -665,6 +712,7 @@ REPLIES: dict[int, type[Message]] = {
     Op.DELETE: DeleteReply,
     Op.STATS: StatsReply,
     Op.AUTH: AuthReply,
+    Op.RETIRE: RetireReply,
     ShmOp.ATTACH: ShmAttachReply,
     ShmOp.LEASE: ShmLeaseReply,
     ShmOp.RESERVE: ShmReserveReply,

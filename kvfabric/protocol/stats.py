@@ -37,6 +37,11 @@ STATS_FIELDS: dict[str, str] = {
     "groups_stored": "PUT groups admitted whole",
     "groups_refused": "PUT groups refused whole (a part too large, no space, or a checksum mismatch)",
     "groups_torn": "PUT groups dropped whole because their connection died before the last part arrived",
+    # namespaces (issue 27): RETIRE bumps a tag's generation; older objects are misses at once
+    "namespaces": "namespace tags known (stored under by PUT, or retired), at most the server's tag table",
+    "retires": "RETIRE requests applied (each bumps its tag's generation)",
+    "retired_objects_freed": "objects of a retired generation freed since (found by a lookup, evicted, "
+                             "or dropped by an SSD rebuild); the rest go with eviction",
     # traffic and connections
     "bytes_in": "bytes received in frames",
     "bytes_out": "bytes sent in frames",

@@ -49,6 +49,7 @@ class Op(enum.IntEnum):
     DELETE = 7
     STATS = 8
     AUTH = 9  # the client's proof over the server's HELLO nonce (protocol 3, :mod:`.auth`)
+    RETIRE = 10  # drop every object of a namespace tag, on every tier, at once (issue 27; an epoch, not a scan)
 
 
 class ShmOp(enum.IntEnum):
@@ -113,6 +114,9 @@ DEFAULT_LIMITS = Limits()
 #: up again. The one constant: the client, the decoder, both servers' option checks and the
 #: connectors' configs use it (csrc/kvf_protocol.h mirrors it as KVF_MAX_LEASE_MS).
 MAX_LEASE_MS = 3_600_000
+#: A namespace tag (PUT ``ns``, RETIRE ``ns``) is exactly this many bytes: a digest of the namespace
+#: (:func:`kvfabric.keys.namespace_tag`), never the namespace itself.
+NS_TAG_BYTES = 16
 #: Every metadata field name a request or reply carries (STATS keys are :mod:`.stats`'s).
 #: The one list of them: the messages here spell each as written, and the C data plane mirrors
 #: those it reads or writes as ``KVF_F_<NAME>`` in csrc/kvf_protocol.h. tests/unit/test_meta_fields.py
@@ -129,6 +133,8 @@ META_FIELDS: frozenset[str] = frozenset((
     "deleted", "code", "message",
     # PUT / SHM_RESERVE groups (issue 23): a chunk's parts admitted, evicted and tiered as one unit
     "groups", "group_parts",
+    # PUT's namespace tag and RETIRE (issue 27): a namespace retired pool-wide by a generation bump
+    "ns", "generation",
     # shm arena ops
     "lease", "offsets", "res",
     # SHM_ATTACH on a nixl (remote) connection: the NIXL agent that registered the arena, and where

@@ -36,6 +36,9 @@ from ..protocol.wire import MAX_LEASE_MS
 #: call), which is milliseconds unless the engine is saturated; 60 s covers a request that waits in
 #: a long queue after its lookup, while a crashed or misbehaving client pins space for at most a minute.
 DEFAULT_MAX_LEASE_MS = 60_000
+#: Namespace tags a server can know (PUT ``ns``, RETIRE; issue 27; csrc/kvf_ns.h's limit): a tag is
+#: never forgotten (a retired one must stay retired), so this bounds the table for the server's life.
+MAX_NAMESPACES = 65535
 #: Connections idle between frames this long are closed (0: never), so silent sockets cannot hold
 #: --max-connections forever even without a token. Five minutes: far longer than an engine's gap
 #: between requests under load; the client drops pooled connections the server closed and
@@ -99,6 +102,10 @@ class ServerConfig:
                         kind="size", why="a peer trickling bytes slower than a 2000s modem is an attack")
     max_lease_ms: int = opt(DEFAULT_MAX_LEASE_MS, f"cap on LOOKUP and shm leases, 0..{MAX_LEASE_MS}", type=int,
                             group="common", why="see DEFAULT_MAX_LEASE_MS")
+    max_namespaces: int = opt(MAX_NAMESPACES, f"namespace tags the server can know (PUT ns, RETIRE), 1..{MAX_NAMESPACES}",
+                              type=int, group="common",
+                              why="about 1.8 MB of table at the maximum; a tag past it is refused BUSY, since a "
+                                  "retired tag is never forgotten")
     server_id: str | None = opt(None, "id reported in HELLO/STATS (default host:port)", group="common",
                                 why="ownership follows the id; host:port is unique on one network")
     log_level: str = opt("info", "log level (warning: only what needs attention)",

@@ -59,7 +59,7 @@ from .eviction import POLICIES
 from ..sizes import format_size, parse_size
 
 # Every default and limit of the server is declared once, with why, in kvfabric/server/config.py.
-from .config import MAX_LEASE_MS, ServerConfig, add_arguments, load
+from .config import MAX_LEASE_MS, MAX_NAMESPACES, ServerConfig, add_arguments, load
 
 log = logging.getLogger("kvfabric.server")
 
@@ -203,6 +203,8 @@ def validate_common(args: ServerConfig | argparse.Namespace) -> tuple[int, str |
         raise SystemExit(f"kvfabric serve: --capacity {format_size(capacity)}: must be below 16TiB")
     if args.policy not in POLICIES:
         raise SystemExit(f"kvfabric serve: unknown --policy {args.policy!r}; known: {', '.join(sorted(POLICIES))}")
+    if not 1 <= args.max_namespaces <= MAX_NAMESPACES:
+        raise SystemExit(f"kvfabric serve: --max-namespaces must be in 1..{MAX_NAMESPACES}")
     if not 0 <= args.port < 65536:
         raise SystemExit("kvfabric serve: --port must be in 0..65535")
     if args.max_connections < 1:
@@ -390,7 +392,8 @@ def main(argv: list[str]) -> int:
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
-            max_lease_ms=args.max_lease_ms, min_rate=min_rate, **shm, idle_timeout_s=args.idle_timeout,
+            max_lease_ms=args.max_lease_ms, max_namespaces=args.max_namespaces, min_rate=min_rate, **shm,
+            idle_timeout_s=args.idle_timeout,
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
             shared_path=args.shared_path, shared_fsync=args.shared_fsync, tier_group=args.tier_group,
             tier_dir_insecure_ok=args.tier_dir_insecure_ok, prefault=too_big is None,

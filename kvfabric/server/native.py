@@ -62,6 +62,7 @@ from .config import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_LEASE_MS,
+    MAX_NAMESPACES,
     DEFAULT_MIN_RATE,
     DEFAULT_REPLY_BUDGET,
     DEFAULT_REPLY_BUDGET_CONN,
@@ -79,6 +80,9 @@ log = logging.getLogger("kvfabric.server.native")
 
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 _DRAIN_BATCH = 4096
+# Index entries the control thread looks at per round for objects of a retired namespace
+# generation (kvf_store_sweep): bounded work per 100 ms round, the whole index covered over rounds.
+_SWEEP_ENTRIES = 4096
 #: HELLO reply fields C writes itself (csrc/kvf_ops.c op_hello): the rest are passed as static pairs
 _PER_CONNECTION_HELLO = frozenset(("auth_required", "nonce", "proof"))
 
@@ -425,6 +429,7 @@ class NativeServer:
         high_watermark: float = 0.0,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
+        max_namespaces: int = MAX_NAMESPACES,
         min_rate: float = DEFAULT_MIN_RATE,
         shm_socket: str | None = None,
         shm_group: str | int | None = None,
@@ -517,6 +522,7 @@ class NativeServer:
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,
                 max_in_flight=limits.max_in_flight, zerocopy={"auto": -1, "off": 0, "on": 1}[zerocopy],
                 stall_ms=max(0, int(stall_timeout_s * 1000)), max_lease_ms=max(0, int(max_lease_ms)),
+                ns_max=int(max_namespaces),
                 min_rate=max(1, int(min_rate)), shm_uids=[int(u) for u in shm_allow_uids], shm_gids=allow_gids,
                 idle_ms=int(idle_timeout_s * 1000),
                 # with a token, a connection must authenticate within the stall timeout
@@ -722,6 +728,7 @@ class NativeServer:
         while not self._stop.is_set():
             want, free, dropped = srv.wait(100)
             self._log_auth_failures()
+            srv.sweep(_SWEEP_ENTRIES)  # retired namespaces (issue 27): their objects' space back, a bounded bit a round
             self._apply_events()
             if dropped != self._events_dropped:
                 self._events_dropped = dropped

@@ -301,7 +301,8 @@ class NixlConnection(ShmConnection):
         everything else is the ordinary frame on the TCP connection."""
         if self._agent is not None and isinstance(msg, GetRequest):
             return self._get(msg, recv_buffers, deadline)
-        if self._agent is not None and isinstance(msg, PutRequest):
+        # a tagged PUT (ns) goes as a frame: SHM_RESERVE carries no namespace tag
+        if self._agent is not None and isinstance(msg, PutRequest) and msg.ns is None:
             return self._put(msg, payload_parts, deadline)
         return super(ShmConnection, self).request(msg, payload_parts, recv_buffers, deadline=deadline)
 

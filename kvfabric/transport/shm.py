@@ -291,7 +291,7 @@ class ShmConnection(NativeConnection):
         pass over the buffers; other calls leave ``Reply.checksums`` None."""
         if isinstance(msg, GetRequest):
             return self._get(msg, recv_buffers, deadline, checksums)
-        if isinstance(msg, PutRequest):
+        if isinstance(msg, PutRequest) and msg.ns is None:  # a tagged PUT goes as a frame: RESERVE has no ns
             return self._put(msg, payload_parts, deadline)
         return super().request(msg, payload_parts, recv_buffers, deadline=deadline)
 

@@ -13,7 +13,11 @@ of the wire is where its checksum check must catch it.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,6 +26,17 @@ from kvfabric.client import Client
 from kvfabric.config import ClientConfig
 from kvfabric.testing.conformance import TRANSPORT_PAIRS, pair_id, server_kind_unavailable, start_pool_of
 from kvfabric.testing.proxy import FrameProxy
+
+
+@pytest.fixture
+def tier_dir() -> Iterator[str]:
+    """A fresh directory for SSD tier files (``KVFABRIC_TIER_TEST_DIR``: a filesystem with O_DIRECT;
+    default the system's temporary directory), removed after the test."""
+    d = tempfile.mkdtemp(prefix="kvf-tier-", dir=os.environ.get("KVFABRIC_TIER_TEST_DIR") or None)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(params=TRANSPORT_PAIRS, ids=pair_id)

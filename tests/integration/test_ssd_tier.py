@@ -34,15 +34,6 @@ TIER_FILE = "kvfabric-tier.v1"
 REC_MAGIC = b"KVFTREC1"
 
 
-@pytest.fixture
-def tier_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="kvf-tier-", dir=TMP)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def value(key: bytes, size: int = SZ) -> bytes:
     """Distinct bytes per key (and per offset): a wrong object can never look right."""
     block = (key + b"|") * (64 // (len(key) + 1) + 1)

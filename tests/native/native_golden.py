@@ -22,6 +22,8 @@ K2 = bytes(range(16, 48))
 K3 = b"\x5a" * 16
 MISSING = b"\xff" * 16
 ABC = b"abc"
+K4 = b"\x33" * 16
+TAG = bytes(range(100, 116))
 
 # (name, request message, request payload, reply message, reply payload)
 CASES = [
@@ -43,6 +45,14 @@ CASES = [
     ("put_group", p.PutRequest(keys=[K3, MISSING, K2], sizes=[3, 0, 0],
                                checksums=[p.checksum(K3, ABC), p.checksum(MISSING, b""), p.checksum(K2, b"")],
                                groups=[K1, K1, K2], group_parts=[2, 2, 1]), ABC, p.PutReply(status=[0, 0, 0]), b""),
+    # issue 27: an object tagged with namespace TAG, the tag retired (generation 1), then it misses
+    # while K3 (untagged) stays
+    ("put_ns", p.PutRequest(keys=[K4], sizes=[3], checksums=[p.checksum(K4, ABC)], ns=TAG), ABC,
+     p.PutReply(status=[0]), b""),
+    ("exists_ns", p.ExistsRequest(keys=[K4, K3]), b"", p.ExistsReply(present=[True, True]), b""),
+    ("retire", p.RetireRequest(ns=TAG), b"", p.RetireReply(generation=1), b""),
+    ("exists_retired", p.ExistsRequest(keys=[K4, K3]), b"", p.ExistsReply(present=[False, True]), b""),
+    ("retire_again", p.RetireRequest(ns=TAG), b"", p.RetireReply(generation=2), b""),
 ]
 
 # The same-host conversation on the shm (unix) socket of a fresh server with a 16 MiB arena and no

@@ -23,8 +23,10 @@ REQUESTS = [
     p.PutRequest(keys=[KEY], sizes=[5], checksums=[1], parents=[b"parent"]),
     p.PutRequest(keys=[KEY, b"k2", b"k3"], sizes=[1, 2, 3], checksums=[1, 2, 3], groups=[b"g", b"g", b"h"],
                  group_parts=[2, 2, 1]),
+    p.PutRequest(keys=[KEY], sizes=[3], checksums=[1], ns=b"\x11" * 16),
     p.DeleteRequest(keys=[KEY]),
     p.StatsRequest(),
+    p.RetireRequest(ns=bytes(range(16, 32))),
 ]
 REPLIES = [
     p.HelloReply(server="kvfabric/0.1", server_id="127.0.0.1:7070", transports=("tcp",), limits=p.DEFAULT_LIMITS,
@@ -39,6 +41,7 @@ REPLIES = [
     p.PutReply(status=[int(s) for s in p.PutStatus]),
     p.DeleteReply(deleted=2),
     p.StatsReply(stats={"objects": 1, "errors": {"MALFORMED": 2}}),
+    p.RetireReply(generation=3),
 ]
 
 
@@ -105,6 +108,23 @@ GOLDEN = {
         "ce04000000ad6d61785f696e5f666c6967687440a86361706163697479ce40000000ad617574685f7265717569726564c3a5"
         "6e6f6e6365c4200101010101010101010101010101010101010101010101010101010101010101a570726f6f66c420020202"
         "0202020202020202020202020202020202020202020202020202020202",
+    ),
+    # issue 27: RETIRE (opcode 10) carries a bin(16) namespace tag, its reply the tag's generation;
+    # PUT's optional ns is a bin(16) after the other fields
+    "retire": (
+        p.encode_request(p.RetireRequest(ns=bytes(range(16, 32))), 4),
+        "4b56464203000a0004000000000000001600000000000000000000000000000081a26e73c410101112131415161718191a1b1c"
+        "1d1e1f",
+    ),
+    "retire_reply": (
+        p.encode_reply(p.RetireReply(generation=3), 4),
+        "4b56464203000a0104000000000000000d00000000000000000000000000000081aa67656e65726174696f6e03",
+    ),
+    "put_ns": (
+        p.encode_request(p.PutRequest(keys=[KEY], sizes=[3], checksums=[p.checksum(KEY, b"abc")], ns=b"\x11" * 16), 5),
+        "4b5646420300060005000000000000004a00000003000000000000000000000084a46b65797391c410000102030405060708"
+        "090a0b0c0d0e0fa573697a65739103a9636865636b73756d7391cfe9c45c35ea12b664a26e73c41011111111111111111111"
+        "111111111111",
     ),
     "auth": (
         p.encode_request(p.AuthRequest(proof=b"\x07" * 32), 3),
@@ -346,3 +366,28 @@ def test_get_reply_payload_must_match_sizes():
 def test_fatal_codes():
     assert ProtocolError(ErrorCode.BAD_MAGIC, "x").fatal
     assert not ProtocolError(ErrorCode.TOO_MANY_KEYS, "x").fatal
+
+
+@pytest.mark.parametrize("ns", [b"", b"x" * 15, b"x" * 17, "a str tag of 16b", 7, None])
+def test_retire_needs_a_16_byte_tag(ns):
+    """Issue 27: RETIRE's ns is exactly NS_TAG_BYTES of bin (MALFORMED otherwise, nil and absent too)."""
+    meta = {} if ns is None else {"ns": ns}
+    with pytest.raises(ProtocolError) as ei:
+        p.RetireRequest.from_meta(meta)
+    assert ei.value.code == ErrorCode.MALFORMED and "ns must be 16 bytes" in ei.value.message
+
+
+@pytest.mark.parametrize("ns", [b"", b"x" * 15, b"x" * 17, "a str tag of 16b", 7])
+def test_put_ns_is_a_16_byte_tag_or_nil(ns):
+    meta = {"keys": [KEY], "sizes": [1], "checksums": [1], "ns": ns}
+    with pytest.raises(ProtocolError) as ei:
+        p.PutRequest.from_meta(meta)
+    assert ei.value.code == ErrorCode.MALFORMED
+    assert p.PutRequest.from_meta({**meta, "ns": None}).ns is None
+    assert p.PutRequest.from_meta({**meta, "ns": b"t" * 16}).ns == b"t" * 16
+
+
+@pytest.mark.parametrize("gen", [0, -1, "1", None])
+def test_retire_reply_generation_is_positive(gen):
+    with pytest.raises(ProtocolError):
+        p.RetireReply.from_meta({} if gen is None else {"generation": gen})

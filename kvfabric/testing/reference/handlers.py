@@ -56,9 +56,11 @@ from ...protocol import (
     PutReply,
     PutRequest,
     PutStatus,
+    RetireReply,
+    RetireRequest,
     StatsReply,
 )
-from .store import Slot, Store
+from .store import NamespaceTableFull, Slot, Store
 
 log = logging.getLogger("kvfabric.server")
 
@@ -181,6 +183,7 @@ class Handlers:
             Op.DELETE: self._delete,
             Op.STATS: self._stats,
             Op.AUTH: self._auth,
+            Op.RETIRE: self._retire,
         }
 
     # ------------------------------------------------------------------ framing
@@ -204,7 +207,17 @@ class Handlers:
         """Decode and check the metadata; refuses anything but HELLO and AUTH before authentication."""
         if not session.authenticated and header.opcode not in (Op.HELLO, Op.AUTH):
             raise ProtocolError(ErrorCode.AUTH_FAILED, "authenticate with HELLO and AUTH first")
-        return protocol.decode_request(header, meta, session.limits)
+        msg = protocol.decode_request(header, meta, session.limits)
+        if isinstance(msg, PutRequest) and msg.ns is not None:  # the tag interned before any payload is read
+            self._ns_ref(msg.ns)
+        return msg
+
+    def _ns_ref(self, tag: bytes) -> tuple[bytes, int]:
+        try:
+            return self.store.ns_ref(tag)
+        except NamespaceTableFull:
+            raise ProtocolError(ErrorCode.BUSY, "namespace tag table full: this server knows as many tags as it "
+                                                "can hold; nothing stored") from None
 
     def error_reply(self, session: Session | None, opcode: int, request_id: int, exc: ProtocolError) -> Reply:
         """The error frame for ``exc``, counted by code; ``close`` set for fatal codes."""
@@ -284,6 +297,14 @@ class Handlers:
             raise
         return Reply(head, got.views, got.release)
 
+    def _retire(self, session: Session, header: Header, msg: RetireRequest) -> Reply:
+        try:
+            gen = self.store.retire(msg.ns)
+        except NamespaceTableFull:
+            raise ProtocolError(ErrorCode.BUSY, "namespace tag table full: this server knows as many tags as it "
+                                                "can hold; nothing retired") from None
+        return Reply(protocol.encode_reply(RetireReply(gen), header.request_id))
+
     def _delete(self, session: Session, header: Header, msg: Any) -> Reply:
         n = self.store.delete(msg.keys)
         return Reply(protocol.encode_reply(DeleteReply(n), header.request_id))
@@ -300,6 +321,7 @@ class Handlers:
         out["uptime_s"] = round(time.monotonic() - self.started, 3)
         out["free_bytes"] = self.store.arena.free_bytes
         out["stalled_connections"] = out["drops"].get("stalled", 0)  # the min-rate bound included
+        out["namespaces"] = self.store.namespaces()
         for key in protocol.STATS_KEYS:
             out.setdefault(key, 0)  # a mechanism the reference does not have (budgets, idle timeouts)
         for name, source in self.stats_sources.items():
@@ -335,6 +357,7 @@ class PutIngest:
         self._gstart = -1
         self._gfail: PutStatus | None = None
         self._kept: list[tuple[int, Slot]] = []  # verified parts of the open group
+        self._ns = handlers._ns_ref(msg.ns) if msg.ns is not None else None  # interned by decode already
 
     def reserve(self, i: int) -> memoryview | None:
         if self._slot is not None:
@@ -363,7 +386,7 @@ class PutIngest:
         parent = self.msg.parents[i] if self.msg.parents is not None else None
         store = self._h.store
         if self.msg.groups is None:
-            self.status[i] = int(store.commit_put(self.msg.keys[i], slot, self.msg.checksums[i], parent))
+            self.status[i] = int(store.commit_put(self.msg.keys[i], slot, self.msg.checksums[i], parent, self._ns))
             return
         if store.verify_put(self.msg.keys[i], slot, self.msg.checksums[i]):
             self._kept.append((i, slot))
@@ -390,7 +413,7 @@ class PutIngest:
             parent = self.msg.parents[kept[0][0]] if self.msg.parents is not None else None
             g = self.msg.groups[self._gstart]
             got = store.commit_group([(self.msg.keys[k], slot, self.msg.checksums[k]) for k, slot in kept], g,
-                                     self.msg.group_parts[self._gstart], parent)
+                                     self.msg.group_parts[self._gstart], parent, self._ns)
             for (k, _), st in zip(kept, got):
                 self.status[k] = int(st)
         elif self._gfail is not None:

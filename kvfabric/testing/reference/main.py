@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
     threading.stack_size(512 * 1024)  # many connection threads; they need little stack
     raise_fd_limit(args.max_connections + 64)
 
-    store = Store(capacity, args.policy, memfd=args.memfd, max_lease_ms=args.max_lease_ms)
+    store = Store(capacity, args.policy, memfd=args.memfd, max_lease_ms=args.max_lease_ms,
+                  ns_max=args.max_namespaces)
     handlers = Handlers(store, server_id="", transports=["tcp"], auth_token=token)
     tcp = TcpServer(
         handlers, args.host, args.port,

@@ -35,6 +35,13 @@ by themselves (they are compared with the clock); a DELETE still removes a
 leased object at once, since a lease protects against eviction only. Leases
 are capped at ``max_lease_ms``.
 
+Namespaces (issue 27; the C store's rules, csrc/kvf_ns.h): a PUT may tag its objects
+with a namespace tag; each tag has a generation, and an object records the one it was
+stored under (``Entry.ns``). :meth:`Store.retire` bumps it: every older object is a
+miss from then on, dropped from the index (its whole group) by whatever lookup finds it
+and counted in ``retired_objects_freed``; the rest leave with eviction. At most
+``ns_max`` tags are known (a new one past that is refused, :class:`NamespaceTableFull`).
+
 Checksums bind the key to the bytes (protocol 2,
 ``kvfabric.protocol.checksum(key, value)``). A PUT whose checksum does not
 match its key and bytes is refused and counted in ``checksum_rejects``: nothing
@@ -79,9 +86,11 @@ class Group:
 class Entry:
     """One stored object. ``live`` turns False when it leaves the index while still pinned."""
 
-    __slots__ = ("offset", "size", "checksum", "pins", "lease_until", "live", "group")
+    __slots__ = ("offset", "size", "checksum", "pins", "lease_until", "live", "group", "ns")
 
-    def __init__(self, offset: int, size: int, csum: int, group: Group | None = None) -> None:
+    def __init__(self, offset: int, size: int, csum: int, group: Group | None = None,
+                 ns: tuple[bytes, int] | None = None) -> None:
+        self.ns = ns  # (namespace tag, generation when stored), None untagged
         self.offset = offset
         self.size = size
         self.checksum = csum
@@ -127,6 +136,14 @@ class Acquired:
         return sum(s for s in self.sizes if s > 0)
 
 
+class NamespaceTableFull(Exception):
+    """A new namespace tag past the store's ``ns_max`` (the C server answers BUSY)."""
+
+
+#: The C server's default table size (kvf_ns.h KVF_NS_MAX_SLOTS).
+DEFAULT_NS_MAX = 65535
+
+
 class Store:
     """Key -> object index over one :class:`Arena`; thread-safe.
 
@@ -144,7 +161,10 @@ class Store:
         memfd: bool = False,
         clock: Callable[[], float] = time.monotonic,
         max_lease_ms: int = DEFAULT_MAX_LEASE_MS,
+        ns_max: int = DEFAULT_NS_MAX,
     ) -> None:
+        self.ns_max = ns_max
+        self._ns: dict[bytes, int] = {}  # namespace tag -> generation
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.arena = Arena(capacity, memfd=memfd)
         self.capacity = self.arena.capacity
@@ -159,7 +179,7 @@ class Store:
                 "hits", "misses", "puts", "put_exists", "put_too_large", "put_no_space",
                 "checksum_rejects", "evictions", "evicted_bytes", "checksum_failures",
                 "deletes", "lookups", "lookup_keys", "lookup_hits", "exists_keys",
-                "groups_stored", "groups_refused", "groups_torn",
+                "groups_stored", "groups_refused", "groups_torn", "retires", "retired_objects_freed",
             ),
             0,
         )
@@ -178,7 +198,7 @@ class Store:
         """
         need = pages_for(size)
         with self._lock:
-            if key in self._index:
+            if self._find(key) is not None:
                 self.counters["put_exists"] += 1
                 return PutStatus.EXISTS
             if need > self.arena.npages:
@@ -195,7 +215,8 @@ class Store:
                 return PutStatus.NO_SPACE
         return Slot(offset, size, self.arena.view(offset, size))
 
-    def commit_put(self, key: bytes, slot: Slot, csum: int, parent: bytes | None = None) -> PutStatus:
+    def commit_put(self, key: bytes, slot: Slot, csum: int, parent: bytes | None = None,
+                   ns: tuple[bytes, int] | None = None) -> PutStatus:
         """Verify the filled slot against ``csum`` and insert it under ``key``.
 
         Returns ``STORED``; ``CHECKSUM_MISMATCH`` (slot freed, counted in
@@ -211,11 +232,11 @@ class Store:
                 self.arena.free(slot.offset, slot.size)
                 self.counters["checksum_rejects"] += 1
                 return PutStatus.CHECKSUM_MISMATCH
-            if key in self._index:
+            if self._find(key) is not None:
                 self.arena.free(slot.offset, slot.size)
                 self.counters["put_exists"] += 1
                 return PutStatus.EXISTS
-            self._index[key] = Entry(slot.offset, slot.size, csum)
+            self._index[key] = Entry(slot.offset, slot.size, csum, None, ns)
             self._index_pages += pages_for(slot.size)
             self.bytes_used += slot.size
             self.counters["puts"] += 1
@@ -241,7 +262,7 @@ class Store:
         return ok
 
     def commit_group(self, parts: Sequence[tuple[bytes, Slot, int]], group: bytes, group_parts: int,
-                     parent: bytes | None = None) -> list[PutStatus]:
+                     parent: bytes | None = None, ns: tuple[bytes, int] | None = None) -> list[PutStatus]:
         """Index verified group parts ``(key, slot, checksum)`` as one group: a status per part,
         ``STORED`` or ``EXISTS`` (held already, that slot freed; it stays where it is)."""
         out: list[PutStatus] = []
@@ -250,12 +271,12 @@ class Store:
             for key, slot, csum in parts:
                 self._finish(slot)
                 slot.view.release()
-                if key in self._index:
+                if self._find(key) is not None:
                     self.arena.free(slot.offset, slot.size)
                     self.counters["put_exists"] += 1
                     out.append(PutStatus.EXISTS)
                     continue
-                self._index[key] = Entry(slot.offset, slot.size, csum, g)
+                self._index[key] = Entry(slot.offset, slot.size, csum, g, ns)
                 self._index_pages += pages_for(slot.size)
                 self.bytes_used += slot.size
                 self.counters["puts"] += 1
@@ -265,7 +286,7 @@ class Store:
             if g.members:
                 self._groups.add(g)
                 self.counters["groups_stored"] += 1
-                pe = self._index.get(parent) if parent is not None else None
+                pe = self._find(parent) if parent is not None else None
                 self.policy.on_insert(g.rep, g.bytes, pe.group.rep if pe is not None and pe.group else parent)
         return out
 
@@ -358,7 +379,7 @@ class Store:
             until = self._clock() + lease_ms / 1000.0
             count = 0
             for key in keys:
-                e = self._index.get(key)
+                e = self._find(key)
                 if e is None:
                     break
                 count += 1
@@ -373,7 +394,7 @@ class Store:
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             self.counters["exists_keys"] += len(keys)
-            return [k in self._index for k in keys]
+            return [self._find(k) is not None for k in keys]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys``; returns how many objects left (a grouped key takes its whole group).
@@ -381,12 +402,33 @@ class Store:
         n = 0
         with self._lock:
             for key in keys:
-                e = self._index.get(key)
+                e = self._find(key)
                 if e is None:
                     continue
                 n += self._remove_unit(key, e)
             self.counters["deletes"] += n
         return n
+
+    # ------------------------------------------------------------------ namespaces (issue 27)
+
+    def ns_ref(self, tag: bytes) -> tuple[bytes, int]:
+        """The (tag, generation) an object stored now under ``tag`` records; raises
+        :class:`NamespaceTableFull` for a new tag past ``ns_max``."""
+        with self._lock:
+            return tag, self._ns_intern(tag)
+
+    def retire(self, tag: bytes) -> int:
+        """Bump ``tag``'s generation (interned if new): every object stored under it before is a
+        miss from now on. Returns the new generation; :class:`NamespaceTableFull` as ns_ref."""
+        with self._lock:
+            gen = self._ns_intern(tag) + 1
+            self._ns[tag] = gen
+            self.counters["retires"] += 1
+            return gen
+
+    def namespaces(self) -> int:
+        with self._lock:
+            return len(self._ns)
 
     # ------------------------------------------------------------------ stats
 
@@ -481,8 +523,25 @@ class Store:
         if e.pins == 0:
             self.arena.free(e.offset, e.size)
 
-    def _pin(self, key: bytes) -> Entry | None:
+    def _ns_intern(self, tag: bytes) -> int:
+        gen = self._ns.get(tag)
+        if gen is None:
+            if len(self._ns) >= self.ns_max:
+                raise NamespaceTableFull(f"namespace tag table full ({self.ns_max} tags)")
+            gen = self._ns[tag] = 0
+        return gen
+
+    def _find(self, key: bytes) -> Entry | None:
+        """The live entry of ``key``; one of a retired namespace generation is removed (its whole
+        group, as a DELETE would) and counted freed, and the caller sees a miss."""
         e = self._index.get(key)
+        if e is not None and e.ns is not None and self._ns.get(e.ns[0]) != e.ns[1]:
+            self.counters["retired_objects_freed"] += self._remove_unit(key, e)
+            return None
+        return e
+
+    def _pin(self, key: bytes) -> Entry | None:
+        e = self._find(key)
         if e is not None:
             e.pins += 1
         return e
