@@ -207,6 +207,9 @@ VLLM: dict[str, Metric] = _table(
     Metric("held_requests", COUNTER, "finished requests whose blocks are kept until their saves are acknowledged"),
     Metric("weights_updates", COUNTER, "live weight versions bound into the keys after a measurement "
                                        "(kvfabric_vllm.weights)"),
+    Metric("weights_retires", COUNTER, "weights_retire: previous weights' namespaces retired pool-wide (Client.retire)"),
+    Metric("weights_retire_errors", COUNTER, "weights_retire: retires some server did not apply (the old KV ages "
+                                             "out by eviction there; never loaded: its keys are not asked for)"),
     Metric("weights_unversioned", COUNTER, "times the weights the workers hold became unknown (pool off for new "
                                            "requests until refresh_weights_version)"),
     # worker side

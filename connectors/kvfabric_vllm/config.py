@@ -70,6 +70,13 @@ pd_wait_ms         1000      disaggregated prefill (PD): when a request carries 
                              request waits, the batch does not) for at most this long before
                              recomputing the rest (not at all when every server owning the next
                              missing chunk is down)
+weights_retire     false     live weight versions (weights.py, issue 27): tag every save with its
+                             namespace (``Client.put(ns_tag=)``) and, when the keys move to new
+                             weights, retire the previous namespace pool-wide (``Client.retire``:
+                             every server drops it in O(1); ``weights_retires``, failures
+                             ``weights_retire_errors``). Tagged puts travel as frames even on
+                             shm/nixl connections. Only for pools whose engines all follow the
+                             same updates: an engine still on the old weights loses its hits
 hold_until_saved   by role   keep a finished request's KV blocks (vLLM ``delay_free_blocks``)
                              until its saves are acknowledged by the pool (reported through
                              ``get_finished``'s ``finished_sending``); default true for
@@ -172,6 +179,7 @@ class ConnectorConfig:
     register_load_buffer: bool = True
     transfer_buffer_bytes: int = 1024 << 20
     pd_wait_ms: int = 1000
+    weights_retire: bool = False
     hold_until_saved: bool = False
     segment_chunks: int = DEFAULT_SEGMENT_TOKENS // 128   # segment_tokens // chunk_tokens (0: per object)
     kv_heads_per_object: int = 1
@@ -206,7 +214,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
              "load_guard", "load_guard_min_tokens", "load_guard_probe_s",
              "shutdown_drain_s", "save_timeout_s", "max_pending_save_mb", "load", "save", "register_load_buffer",
              "transfer_buffer_mb",
-             "pd_wait_ms", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
+             "pd_wait_ms", "weights_retire", "hold_until_saved", "segment_tokens", "kv_heads_per_object", *_CLIENT_KEYS}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -282,6 +290,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, kv_role: str | None, blo
         register_load_buffer=_bool(extra, "register_load_buffer", True),
         transfer_buffer_bytes=_int(extra, "transfer_buffer_mb", 1024, 1, 1 << 16) << 20,
         pd_wait_ms=_int(extra, "pd_wait_ms", 1000, 0, 60_000),
+        weights_retire=_bool(extra, "weights_retire", False),
         hold_until_saved=_bool(extra, "hold_until_saved", kv_role == "kv_producer"),
         segment_chunks=segment // chunk,
         kv_heads_per_object=_int(extra, "kv_heads_per_object", 1, 1, 1 << 16),

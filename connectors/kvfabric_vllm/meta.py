@@ -49,6 +49,7 @@ class SaveSpec:
     block_ids: list[list[int]]
     placement: list[bytes] | None = None  # per chunk: its placement key (layout.py); None: per object
     weights: tuple[str, ...] = ()         # as LoadSpec.weights: a worker holding others refuses the save
+    ns_tag: bytes | None = None           # weights_retire: the namespace tag every object is put with
 
 
 @dataclass

@@ -95,9 +95,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvfabric.keys import Namespace, namespace_tag
 
 from .config import ConnectorConfig
 from .guard import LoadGuard
@@ -137,6 +139,7 @@ class _Req:
     pd_deadline: float = 0.0         # PD: monotonic time the wait for them ends (0.0: not waiting)
     saves_sent: bool = False         # a SaveSpec of this request went to the workers
     weights: tuple[str, ...] = ()    # the weights its keys were derived under (weights.py), bound at lookup
+    ns_tag: bytes | None = None      # weights_retire: the tag of the namespace its keys were derived in
     guard: tuple[int, int] | None = None  # the load guard's plan for this lookup: (hit tokens, tokens to load)
     stats: dict[str, int] = field(default_factory=dict)
 
@@ -170,6 +173,7 @@ class SchedulerSide:
         self._warned_pd_key = False
         self._warned_guard = False
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfabric-lookup")
+        self._retires: list[Future] = []  # weights_retire: retires of previous namespaces (on self._pool)
         self.guard = LoadGuard(min_tokens=cfg.load_guard_min_tokens, probe_s=cfg.load_guard_probe_s,
                                enabled=cfg.load_guard and cfg.load_async)
 
@@ -193,6 +197,7 @@ class SchedulerSide:
         assert self.keys is not None and self.weights.current is not None
         pk = prompt_keys(self.keys, request.prompt_token_ids, getattr(request, "cache_salt", None))
         st.keys, st.placement, st.weights = pk.chunk_keys, pk.placement, self.weights.current
+        st.ns_tag = namespace_tag(self.keys.namespace) if self.cfg.weights_retire else None
         st.saved_upto, st.pool_run, st.expect_chunks, st.pd_deadline = 0, None, 0, 0.0
         if self.cfg.load and request.kv_transfer_params and not _skips_prefix_cache(request):
             st.expect_chunks = self._expected_chunks(request.kv_transfer_params, st.keys)
@@ -219,13 +224,31 @@ class SchedulerSide:
             return
         self.counters.add("weights_updates")
         base = self._base_keys
-        assert base is not None
+        assert base is not None and self.keys is not None
+        old = self.keys.namespace
         ns = base.namespace
         extras = {k: v for k, v in ns.extras.items() if k != "weights"}
         if tag:
             extras["weights"] = tag
         self.keys = dataclasses.replace(base, namespace=dataclasses.replace(ns, extras=extras))
         log.info("kvfabric: keys now bind weights %s", tag or "of the model files")
+        if self.cfg.weights_retire and self.client is not None and old != self.keys.namespace:
+            self._retires = [f for f in self._retires if not f.done()]
+            self._retires.append(self._pool.submit(self._retire, old))
+
+    def _retire(self, namespace: Namespace) -> None:
+        """``weights_retire``: drop the previous weights' namespace pool-wide (its saves were tagged)."""
+        assert self.client is not None
+        tag = namespace_tag(namespace)
+        try:
+            gens = self.client.retire(tag, timeout_s=self.cfg.save_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a background retire must never crash the scheduler
+            self.counters.add("weights_retire_errors")
+            log.warning("kvfabric: retiring the previous weights' namespace %s failed (its KV ages out by "
+                        "eviction where it was not retired): %r", tag.hex(), exc)
+            return
+        self.counters.add("weights_retires")
+        log.info("kvfabric: previous weights' namespace %s retired on %d servers", tag.hex(), len(gens))
 
     def _weights_known(self) -> bool | None:
         """True: requests can be keyed; None: a reset waits for the workers' measurement; False: the
@@ -453,6 +476,7 @@ class SchedulerSide:
             skip_blocks=(start - c0 * chunk) // bs,
             async_load=self.cfg.load_async,
             weights=st.weights,
+            ns_tag=st.ns_tag,
         )
         if self.cfg.load_async:
             st.loading = True
@@ -558,6 +582,7 @@ class SchedulerSide:
             block_ids=[list(block_ids[c * per : (c + 1) * per]) for c in range(c0, c1)],
             placement=None if st.placement is None else st.placement[c0:c1],
             weights=st.weights,
+            ns_tag=st.ns_tag,
         )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -591,6 +616,8 @@ class SchedulerSide:
         return hold, params
 
     def shutdown(self) -> None:
+        # a retire in flight finishes first (bounded: its own deadline), or the old weights' KV would stay
+        wait(self._retires, timeout=self.cfg.save_timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.client is not None:
             self.client.close()

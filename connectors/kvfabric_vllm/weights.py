@@ -32,6 +32,9 @@ So the version is measured on the workers and bound on the scheduler:
    model object. A reset on workers that were never given the model leaves the version
    unknown: the pool is off (``weights_unversioned``) until ``refresh_weights_version`` runs.
 
+4. With ``weights_retire`` (config.py) saves are tagged with their namespace and the scheduler
+   retires the previous namespace pool-wide when the version changes (``Client.retire``).
+
 Before any of this the namespace binds the model files' fingerprint
 (``config.weights_fingerprint``), as engines that never update always did.
 

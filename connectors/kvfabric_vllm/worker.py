@@ -807,7 +807,7 @@ class WorkerSide:
                 spec.keys, spec.placement, nl,
                 groups=[part_group(self._hasher, k, self.heads, self.tp_rank) for k in spec.keys])
             res = self.client.put(keys, values, parents=parents, placement=place, groups=groups,
-                                  timeout_s=self.cfg.save_timeout_s)
+                                  ns_tag=spec.ns_tag, timeout_s=self.cfg.save_timeout_s)
             # Counted in chunks: a chunk is dropped when any of its objects is; the
             # result counts objects only, so d dropped objects count as ceil(d / parts)
             # chunks (exact when whole chunks are dropped, as with a dead shard or pool).

@@ -258,3 +258,75 @@ def test_the_scheduler_keys_each_request_under_the_weights_it_was_looked_up_unde
             assert step(r3).saves == []                     # nothing keyed under a version saves now
         finally:
             sched.shutdown()
+
+
+def test_weights_retire_tags_saves_and_retires_the_previous_namespace_pool_wide():
+    """``weights_retire: true``, against real servers: every save carries its namespace's tag; when the
+    workers report new weights the previous namespace is retired on every server (its objects miss,
+    another namespace's and untagged objects stay), counted; a server that cannot apply it is counted
+    as a retire error, never a crash."""
+    pytest.importorskip("vllm", reason="the scheduler imports vLLM's metadata classes")
+    pytest.importorskip("kvfabric._native", reason="the native server needs the C extension")
+    from types import SimpleNamespace
+
+    from kvfabric import Client
+    from kvfabric.keys import namespace_tag
+    from kvfabric.testing import wait_for
+    from kvfabric.testing.servers import start_pool
+    from kvfabric_vllm.config import parse_extra_config
+    from kvfabric_vllm.keys import EngineKeys
+    from kvfabric_vllm.meta import KVFabricWorkerMeta
+    from kvfabric_vllm.metrics import Counters
+    from kvfabric_vllm.scheduler import SchedulerSide
+
+    chunk = 16
+    with start_pool(2, capacity="16MiB") as pool:
+        extra = {"servers": pool.addresses, "chunk_tokens": chunk, "lookup_wait_ms": 60_000,
+                 "lookup_timeout_ms": 60_000, "weights_retire": True}
+        e = EngineKeys.for_model(extra, model="org/model", dtype="torch.float32", num_layers=2,
+                                 total_num_kv_heads=2, head_size=8, block_size=chunk)
+        manager = SimpleNamespace(get_block_ids=lambda rid: [list(range(4))])
+        client = Client(pool.addresses)
+        sched = SchedulerSide(parse_extra_config(extra, "kv_both", chunk), client, e, chunk, Counters(),
+                              lambda: manager, LiveWeights(1, files_tag=""))
+        prompt = list(range(100, 100 + 3 * chunk + 1))
+        request = SimpleNamespace(request_id="r1", prompt_token_ids=prompt, kv_transfer_params=None, cache_salt=None,
+                                  num_preemptions=0, skip_reading_prefix_cache=False)
+        so = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r1", num_computed_tokens=0)],
+                             num_scheduled_tokens={"r1": len(prompt)},
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+        try:
+            files_ns = sched.keys.namespace
+            assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+            (save,) = sched.build_connector_meta(so).saves
+            assert save.ns_tag == namespace_tag(files_ns), save      # what the workers put with
+            # objects as the workers store them: the files' namespace (tagged), another tag, untagged
+            old = [b"old-%02d" % i + bytes(10) for i in range(8)]
+            other = [b"oth-%02d" % i + bytes(10) for i in range(8)]
+            plain = [b"pln-%02d" % i + bytes(10) for i in range(8)]
+            for keys, tag in ((old, save.ns_tag), (other, namespace_tag(b"another engine's version")),
+                              (plain, None)):
+                assert client.put(keys, [k * 4 for k in keys], ns_tag=tag).dropped == 0
+
+            sched.take_worker_meta(KVFabricWorkerMeta(WeightsReport({0: (0, "fp-a")})))
+            assert wait_for(lambda: sched.counters.snapshot()["weights_retires"] == 1, timeout_s=60), \
+                sched.counters.snapshot()
+            assert client.exists(old) == [False] * 8
+            assert client.exists(other) == [True] * 8 and client.exists(plain) == [True] * 8
+            servers = client.stats()["servers"]
+            assert sum(s["retires"] for s in servers.values()) == 2, servers   # one RETIRE per server
+
+            r2 = SimpleNamespace(**{**vars(request), "request_id": "r2"})
+            so.scheduled_new_reqs[0].req_id, so.num_scheduled_tokens = "r2", {"r2": len(prompt)}
+            assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+            (save2,) = sched.build_connector_meta(so).saves
+            assert save2.ns_tag == namespace_tag(sched.keys.namespace) != save.ns_tag, save2
+
+            pool[1].stop()                                   # a server that cannot apply the next retire
+            sched.take_worker_meta(KVFabricWorkerMeta(WeightsReport({0: (0, "fp-b")})))
+            assert wait_for(lambda: sched.counters.snapshot()["weights_retire_errors"] == 1, timeout_s=60), \
+                sched.counters.snapshot()
+            assert sched.counters.snapshot()["weights_retires"] == 1
+        finally:
+            sched.shutdown()
+            client.close()

@@ -85,6 +85,29 @@ def test_weights_updated_in_place_never_load_the_old_kv(run_engine, tiny_model, 
         assert b["counters"]["weights_updates"] == 1 and b["counters"]["weights_refused_chunks"] == 0
 
 
+def test_weights_retire_drops_the_old_weights_kv_pool_wide(run_engine, tiny_model, new_weights, cold, cold_new):
+    """``weights_retire: true``: the engine's saves carry their namespace's tag, and the update retires the
+    files' namespace on every server: the old weights' objects are gone from the pool (not merely never
+    asked for), the output is the new weights', and what was saved after the update stays."""
+    name = "rl"
+    with start_pool(2, capacity="64MiB") as pool:
+        a = run_engine([name, name], pool.addresses, args=["--reload-before", "1", "--reload-path", new_weights,
+                                                           "--extra", '{"weights_retire": true}'])
+        assert a["outputs"] == [cold[name], cold_new], a["outputs"]
+        assert a["cached"] == [0, 0], a["cached"]
+        assert _delta(a, 1, "save_chunks") == PROMPT_TOKENS // CHUNK, a["counters_after"]
+        engine = tiny_engine_keys(tiny_model, {"servers": pool.addresses})
+        old = prompt_keys(engine, PROMPTS[name])
+        with Client(pool.addresses) as c:
+            objs = chunk_object_keys(engine.hasher, old.chunk_keys, engine.parts())
+            # the engine's shutdown waited for the retire (the scheduler's counters were read before it)
+            assert c.exists(objs) == [False] * len(objs)
+            servers = c.stats()["servers"]
+            assert [s["retires"] for s in servers.values()] == [1, 1], servers
+            held = sum(s["objects"] for s in servers.values())
+            assert held == len(objs), (held, len(objs), servers)   # the new weights' objects alone
+
+
 def test_weights_updated_in_place_on_a_tp2_engine(run_engine, new_weights, cold, cold_new, monkeypatch):
     """The same at TP=2 (worker processes, vLLM's multi-process executor): every rank measures its
     own shard, the scheduler binds the two fingerprints together once both arrived (vLLM aggregates
