@@ -181,6 +181,16 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     rc = kvf_ns_new(&self->ns, ns_max);
     if (rc) { raise_errno(rc, 0, "creating the namespace tag table (ns_max 1..65535)"); return -1; }
     kvf_store_set_ns(self->st, self->ns);
+    if (self->shared) { /* the pool's retirements in the shared directory: loaded now, appended at each RETIRE */
+        rc = kvf_shared_retired_open(self->shared, self->ns);
+        if (rc) {
+            raise_errno(rc, 0, rc == -EPERM ? "reading the shared tier's retirement records (" KVF_SHARED_RETIRED_DIR
+                                              " is refused: a symlink, not a directory, not this user's, or "
+                                              "writable by others)"
+                                            : "reading the shared tier's retirement records (" KVF_SHARED_RETIRED_DIR ")");
+            return -1;
+        }
+    }
     if (auth) {
         self->auth = PyMem_Malloc(strlen(auth) + 1);
         if (!self->auth) { PyErr_NoMemory(); return -1; }

@@ -117,7 +117,11 @@ SHARED_STATS_FIELDS: dict[str, str] = {
                       "non-regular file, another uid's, or writable by others (a miss)",
     "shared_mac_refused": "shared-tier files refused for their MAC: none or a wrong one under --auth-token "
                           "(written without the token), or one on a server without a token (never served)",
-    "shared_replaced": "shared-tier writes that replaced a file readers refuse (atomically: temporary + rename)",
+    "shared_replaced": "shared-tier writes that replaced a file readers refuse, or a file of the key at an older "
+                       "namespace generation or another tag (atomically: temporary + rename)",
+    "shared_retired": "tagged shared-tier files not served: their namespace generation is retired on this server, "
+                      "their tag did not fit the tag table, or the retirement records could not be read (a miss)",
+    "shared_retire_bad": "retirement records in the shared directory skipped: bad magic, version, checksum or MAC",
 }
 
 #: Implementation-specific keys a server may add, by implementation.
