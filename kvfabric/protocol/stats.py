@@ -101,7 +101,8 @@ SSD_STATS_FIELDS: dict[str, str] = {
 #: The shared-filesystem tier's keys (``--shared-path``; docs/notes/tier-shared.md): present only when a
 #: shared tier is configured.
 SHARED_STATS_FIELDS: dict[str, str] = {
-    "shared_hits": "shared-tier reads that returned an object (verified under the key asked for)",
+    "shared_hits": "shared-tier reads that returned an object (verified under the key asked for; tagged ones "
+                   "of a retired generation included, counted again in shared_retired and not served)",
     "shared_misses": "shared-tier reads that found no file for the key",
     "shared_reads": "shared-tier files read (header and value), verified or not",
     "shared_read_bytes": "value bytes returned by shared-tier reads",

@@ -323,6 +323,10 @@ def check_tier_dir(flag: str, path: str, gid: int | None, insecure_ok: bool) -> 
                       "could plant tier objects there or redirect the server's writes")
 
 
+#: The retirement records' directory under --shared-path (csrc/kvf_shared.h KVF_SHARED_RETIRED_DIR).
+SHARED_RETIRED_DIR = "kvfabric-retired"
+
+
 def check_shared_path(path: str, gid: int | None = None, insecure_ok: bool = False) -> str:
     """The absolute path of a usable ``--shared-path`` directory, or ConfigError saying what is wrong.
 
@@ -337,6 +341,16 @@ def check_shared_path(path: str, gid: int | None = None, insecure_ok: bool = Fal
     if not os.path.isdir(full):
         raise ConfigError(f"--shared-path {full}: not a directory")
     check_tier_dir("--shared-path", full, gid, insecure_ok)
+    # the pool's retirement records (docs/notes/retire.md): the C tier refuses the same (kvf_shared_retired_open),
+    # whatever --tier-dir-insecure-ok says: a redirected records directory could hide retirements
+    records = os.path.join(full, SHARED_RETIRED_DIR)
+    if os.path.islink(records):
+        raise ConfigError(f"--shared-path {full}: {records} is a symlink (the retirement records must be in the "
+                          "directory itself); remove it")
+    if os.path.lexists(records):
+        if not os.path.isdir(records):
+            raise ConfigError(f"--shared-path {full}: {records} is not a directory; remove it")
+        check_tier_dir("--shared-path", records, gid, False)
     probe = os.path.join(full, f".probe.{os.getpid()}.{time.monotonic_ns()}.tmp")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
