@@ -58,12 +58,13 @@ struct kvf_shared {
     uint64_t seq;
     uint64_t nwritten; /* objects written: every KVF_SHARED_SWEEP_EVERY-th sweeps its directory */
     struct kvf_shared_counters ctr; /* updated with atomics (read by STATS on other threads) */
-    /* retirement records (kvf_shared.h): under rmu */
+    /* retirement records (kvf_shared.h). Lock order: rmu, then the tag table's mutex. */
     pthread_mutex_t rmu;
-    int rdir;          /* DIR/KVF_SHARED_RETIRED_DIR, or -1 before kvf_shared_retired_open */
-    int rfd;           /* this server's records file (appends), or -1 until its first RETIRE */
-    uint32_t rfile_n;  /* files this server created (a failed append starts a new one) */
-    struct rfile { dev_t dev; ino_t ino; uint64_t off; } *rfiles; /* files read and how far */
+    int rdir;          /* DIR/KVF_SHARED_RETIRED_DIR, or -1 before kvf_shared_retired_open (then fixed) */
+    int rfd;           /* this server's records file (appends), or -1 until its first RETIRE: the sink's,
+                          serialised by the tag table's mutex (retired_append) */
+    uint32_t rfile_n;  /* files this server created (a failed append starts a new one); the sink's */
+    struct rfile { dev_t dev; ino_t ino; uint64_t off; } *rfiles; /* under rmu: files read and how far */
     uint32_t nrfiles, caprfiles;
 };
 
@@ -815,15 +816,16 @@ int kvf_shared_retired_load(struct kvf_shared *sh, struct kvf_ns *ns)
     return rc;
 }
 
-/* kvf_ns's sink (kvf_ns_retire, under the table's mutex): append (tag, gen) to this server's
- * records file, created on first use, and fdatasync it. A failed or short append closes the file
- * (its tail may be a partial record) and the next RETIRE starts a new one. */
+/* kvf_ns's sink (kvf_ns_retire, under the table's mutex, which serialises the appends: rfd and
+ * rfile_n are only touched here; rmu is NOT taken, since kvf_shared_retired_load holds rmu while
+ * it takes the table's mutex): append (tag, gen) to this server's records file, created on first
+ * use, and fdatasync it. A failed or short append closes the file (its tail may be a partial
+ * record) and the next RETIRE starts a new one. */
 static int retired_append(void *arg, const uint8_t tag[KVF_NS_TAG_BYTES], uint32_t gen)
 {
     struct kvf_shared *sh = arg;
     uint8_t r[KVF_SHARED_RETIRE_REC];
     rec_build(sh, r, tag, gen);
-    pthread_mutex_lock(&sh->rmu);
     int rc = 0;
     if (sh->rfd < 0) {
         char name[64];
@@ -840,7 +842,6 @@ static int retired_append(void *arg, const uint8_t tag[KVF_NS_TAG_BYTES], uint32
         if (!rc && fdatasync(sh->rfd)) rc = -errno; /* always: a retirement must outlive this server */
         if (rc) { close(sh->rfd); sh->rfd = -1; }
     }
-    pthread_mutex_unlock(&sh->rmu);
     if (rc) CTR_ADD(sh, errors, 1);
     return rc;
 }

@@ -207,3 +207,19 @@ def test_a_records_directory_that_is_not_ours_stops_the_start(shared, servers):
     r = _serve_fails("--shared-path", shared)
     assert r.returncode != 0 and "kvfabric-retired" in r.stderr and "symlink" in r.stderr, r.stderr
     assert os.listdir(target) == []
+
+
+def test_a_server_that_missed_the_retire_catches_up_from_the_records(shared, servers):
+    a, b = _serve(shared), _serve(shared)
+    servers += [a, b]
+    oa, ob = _objs(b"ma", 6), _objs(b"mb", 3)
+    assert _put_ns(a.address, oa, A) == [p.PutStatus.STORED] * 6
+    assert _put_ns(a.address, ob, B) == [p.PutStatus.STORED] * 3
+    assert wait_for(lambda: _written(a.address, 9), WAIT_S), _stats(a.address)
+    assert _exact(b.address, oa)  # b knows A now (at generation 0) and holds its objects in DRAM
+    assert _retire(a.address, A) == 1  # only a hears the RETIRE (b was unreachable, say)
+    assert _misses(a.address, oa)
+    # b's control thread reads the records every few seconds: its DRAM copies and the files go stale
+    assert wait_for(lambda: _misses(b.address, oa), WAIT_S), _stats(b.address)
+    assert _exact(b.address, ob)
+    assert _retire(b.address, A) == 2  # and it goes on from the recorded generation
