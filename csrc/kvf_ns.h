@@ -12,7 +12,7 @@
  * `max` tags for the server's life: interning a new tag past it is -ENOSPC, which a PUT
  * and a RETIRE answer with a clear refusal.
  *
- * Persistence (with an SSD tier): kvf_ns_persist loads DIR/KVF_NS_FILE and appends one
+ * Persistence (with an SSD tier; a shared tier keeps its own records, below): kvf_ns_persist loads DIR/KVF_NS_FILE and appends one
  * 32-byte record per RETIRE (tag, generation, checksum), fdatasync'd before the RETIRE
  * is answered, so that after a restart the SSD tier's older records stay retired.
  *

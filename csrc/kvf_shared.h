@@ -64,7 +64,8 @@
  * MAC[32] = HMAC-SHA256(token, KVF_SHARED_RETIRE_LABEL (with its NUL) || bytes [0, 32))
  * in version 2 (zeros in version 1). Each server loads every records file at start (the
  * highest generation per tag wins) and reads their new whole records again before it
- * judges a file of a tag it has not interned. One writer per file, so appends never
+ * judges a file of a tag it has not interned, and every few seconds (the server's control
+ * thread, kvfabric/server/native.py). One writer per file, so appends never
  * interleave on a filesystem without atomic O_APPEND (NFS). A record that fails its
  * checksum, magic, version or MAC is skipped and counted (`retire_bad`); a partial record
  * at a file's end (an append in progress, or one cut by a crash) is left for a later read.
