@@ -34,6 +34,8 @@ struct kvf_ns {
     uint8_t (*tags)[KVF_NS_TAG_BYTES]; /* [max + 1] */
     uint32_t *gens;          /* [max + 1], atomic loads by readers */
     int fd;                  /* the retirements file, or -1 */
+    kvf_ns_sink_fn sink;     /* the shared tier's records (kvf_ns_set_sink), or NULL */
+    void *sink_arg;
     uint64_t retires, freed;
 };
 
@@ -124,6 +126,7 @@ int kvf_ns_retire(struct kvf_ns *ns, const uint8_t tag[KVF_NS_TAG_BYTES], uint64
         uint32_t g = ns->gens[s];
         if (g == UINT32_MAX) err = -EOVERFLOW;
         else if (ns->fd >= 0) err = append(ns->fd, tag, g + 1);
+        if (!err && ns->sink) err = ns->sink(ns->sink_arg, tag, g + 1);
         if (!err) {
             __atomic_store_n(&ns->gens[s], g + 1, __ATOMIC_RELEASE);
             ns->retires++;
@@ -190,6 +193,29 @@ int kvf_ns_persist(struct kvf_ns *ns, const char *dir)
     pthread_mutex_unlock(&ns->mu);
     if (err) close(fd);
     return err;
+}
+
+int kvf_ns_known(struct kvf_ns *ns, const uint8_t tag[KVF_NS_TAG_BYTES])
+{
+    uint64_t h;
+    memcpy(&h, tag, sizeof h);
+    int rc = 0;
+    pthread_mutex_lock(&ns->mu);
+    for (uint32_t i = (uint32_t)h & (ns->hcap - 1);; i = (i + 1) & (ns->hcap - 1)) {
+        uint32_t s = ns->hash[i];
+        if (s && memcmp(ns->tags[s], tag, KVF_NS_TAG_BYTES) == 0) { rc = 1; break; }
+        if (!s) { rc = ns->n == ns->max ? -ENOSPC : 0; break; }
+    }
+    pthread_mutex_unlock(&ns->mu);
+    return rc;
+}
+
+void kvf_ns_set_sink(struct kvf_ns *ns, kvf_ns_sink_fn fn, void *arg)
+{
+    pthread_mutex_lock(&ns->mu);
+    ns->sink = fn;
+    ns->sink_arg = arg;
+    pthread_mutex_unlock(&ns->mu);
 }
 
 void kvf_ns_count_freed(struct kvf_ns *ns, uint64_t n) { __atomic_add_fetch(&ns->freed, n, __ATOMIC_RELAXED); }

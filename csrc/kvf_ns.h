@@ -12,9 +12,14 @@
  * `max` tags for the server's life: interning a new tag past it is -ENOSPC, which a PUT
  * and a RETIRE answer with a clear refusal.
  *
- * Persistence (with an SSD tier): kvf_ns_persist loads DIR/KVF_NS_FILE and appends one
+ * Persistence (with an SSD tier; a shared tier keeps its own records, below): kvf_ns_persist loads DIR/KVF_NS_FILE and appends one
  * 32-byte record per RETIRE (tag, generation, checksum), fdatasync'd before the RETIRE
  * is answered, so that after a restart the SSD tier's older records stay retired.
+ *
+ * Shared tier (kvf_shared.h): a sink (kvf_ns_set_sink) gets every RETIRE's (tag, generation)
+ * after the local file and before the generation changes; a sink that fails fails the RETIRE
+ * (nothing changed). The shared tier loads other servers' retirements with kvf_ns_reref (the
+ * generation only grows: a record can retire more, never less).
  *
  * Threads: intern and retire under the table's mutex (the loop thread; the tier's
  * rebuild before the loop starts); kvf_ns_stale reads a generation with an atomic
@@ -57,6 +62,12 @@ int kvf_ns_reref(struct kvf_ns *ns, const uint8_t tag[KVF_NS_TAG_BYTES], uint32_
  * Call before anything is interned. A torn last record (a crash mid-append) is ignored;
  * -EBADMSG for a record that fails its checksum elsewhere; -ENOSPC more tags than max. */
 int kvf_ns_persist(struct kvf_ns *ns, const char *dir);
+/* 1: tag is interned; 0: it is not and the table has room; -ENOSPC: it is not and the table is full. */
+int kvf_ns_known(struct kvf_ns *ns, const uint8_t tag[KVF_NS_TAG_BYTES]);
+/* Called by kvf_ns_retire under the table's mutex with the new generation, after the local
+ * file's record: 0, or -errno to refuse the RETIRE (nothing changed). fn must not call kvf_ns. */
+typedef int (*kvf_ns_sink_fn)(void *arg, const uint8_t tag[KVF_NS_TAG_BYTES], uint32_t gen);
+void kvf_ns_set_sink(struct kvf_ns *ns, kvf_ns_sink_fn fn, void *arg);
 void kvf_ns_count_freed(struct kvf_ns *ns, uint64_t n);
 void kvf_ns_stats(struct kvf_ns *ns, struct kvf_ns_stats *s);
 

@@ -97,7 +97,8 @@ static void finish_object(struct conn *c, uint32_t i, int received)
     b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
     if (rc == 0) s->ctr.puts++;
     if (rc == 0 && s->tier) /* written through to the shared tier, if any (a copy, queued) */
-        kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], b->csums[i]);
+        kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], b->csums[i],
+                                b->nsref);
 }
 
 /* The group run starting at i: its bounds, and TOO_LARGE at once when it can never fit whole. */
@@ -142,7 +143,8 @@ void kvf_put_group_close(struct kvf_server *s, struct batch *b)
         if (b->status[i] != KVF_PUT_STORED) continue;
         s->ctr.puts++;
         if (s->tier) /* written through to the shared tier, if any (a copy, queued) */
-            kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], b->csums[i]);
+            kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], b->csums[i],
+                                b->nsref);
     }
 }
 

@@ -181,6 +181,16 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     rc = kvf_ns_new(&self->ns, ns_max);
     if (rc) { raise_errno(rc, 0, "creating the namespace tag table (ns_max 1..65535)"); return -1; }
     kvf_store_set_ns(self->st, self->ns);
+    if (self->shared) { /* the pool's retirements in the shared directory: loaded now, appended at each RETIRE */
+        rc = kvf_shared_retired_open(self->shared, self->ns);
+        if (rc) {
+            raise_errno(rc, 0, rc == -EPERM ? "reading the shared tier's retirement records (" KVF_SHARED_RETIRED_DIR
+                                              " is refused: a symlink, not a directory, not this user's, or "
+                                              "writable by others)"
+                                            : "reading the shared tier's retirement records (" KVF_SHARED_RETIRED_DIR ")");
+            return -1;
+        }
+    }
     if (auth) {
         self->auth = PyMem_Malloc(strlen(auth) + 1);
         if (!self->auth) { PyErr_NoMemory(); return -1; }
@@ -337,6 +347,19 @@ static PyObject *Server_sweep(ServerObject *self, PyObject *arg)
     freed = kvf_store_sweep(self->st, (uint32_t)max);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(freed);
+}
+
+static PyObject *Server_shared_retired_refresh(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    if (!self->shared) Py_RETURN_NONE;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvf_shared_retired_load(self->shared, self->ns); /* the records other servers appended since */
+    Py_END_ALLOW_THREADS
+    if (rc) return raise_errno(rc, 0, "reading the shared tier's retirement records");
+    Py_RETURN_NONE;
 }
 
 static void keys_cb(const uint8_t *k, uint32_t kl, uint64_t size, void *arg)
@@ -520,6 +543,10 @@ static PyMethodDef Server_methods[] = {
      "auth_failures() -> ([peer, ...], lost): peers refused AUTH_FAILED since the last call (at most 16 kept)"},
     {"stats_map", (PyCFunction)Server_stats_map, METH_NOARGS,
      "the STATS map, msgpack: the bytes a STATS request is answered with (csrc/kvf_stats.c builds both)"},
+    {"shared_retired_refresh", (PyCFunction)Server_shared_retired_refresh, METH_NOARGS,
+     "shared_retired_refresh(): read the retirement records other servers appended to the shared directory "
+     "since the last read (generations only grow); nothing without a shared tier. OSError when they cannot "
+     "be read."},
     {"tier_open", (PyCFunction)(void (*)(void))Server_tier_open, METH_VARARGS | METH_KEYWORDS, tier_open_doc},
     {"tier_close", (PyCFunction)Server_tier_close, METH_NOARGS,
      "detach and close the tier after the loop and the control thread stopped (queued writes finish first)"},

@@ -21,6 +21,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +58,14 @@ struct kvf_shared {
     uint64_t seq;
     uint64_t nwritten; /* objects written: every KVF_SHARED_SWEEP_EVERY-th sweeps its directory */
     struct kvf_shared_counters ctr; /* updated with atomics (read by STATS on other threads) */
+    /* retirement records (kvf_shared.h). Lock order: rmu, then the tag table's mutex. */
+    pthread_mutex_t rmu;
+    int rdir;          /* DIR/KVF_SHARED_RETIRED_DIR, or -1 before kvf_shared_retired_open (then fixed) */
+    int rfd;           /* this server's records file (appends), or -1 until its first RETIRE: the sink's,
+                          serialised by the tag table's mutex (retired_append) */
+    uint32_t rfile_n;  /* files this server created (a failed append starts a new one); the sink's */
+    struct rfile { dev_t dev; ino_t ino; uint64_t off; } *rfiles; /* under rmu: files read and how far */
+    uint32_t nrfiles, caprfiles;
 };
 
 #define CTR_ADD(sh, f, v) __atomic_fetch_add(&(sh)->ctr.f, (uint64_t)(v), __ATOMIC_RELAXED)
@@ -168,29 +177,63 @@ static uint32_t header_len(const struct kvf_shared *sh, uint32_t klen)
     return KVF_SHARED_HEADER_FIXED + klen + (sh->mac_len ? KVF_SHARED_MAC_BYTES : 0);
 }
 
-/* The file's MAC: HMAC-SHA256(token, label || header bytes [0, 32 + klen) || value). */
+/* The file's MAC: HMAC-SHA256(token, label || header bytes [0, 32 + klen) || value [|| trailer]). */
 static void file_mac(const struct kvf_shared *sh, const uint8_t *h, uint32_t klen, const uint8_t *val,
-                     uint64_t size, uint8_t out[KVF_SHARED_MAC_BYTES])
+                     uint64_t size, const uint8_t *trailer, uint8_t out[KVF_SHARED_MAC_BYTES])
 {
-    const void *parts[3] = {KVF_SHARED_MAC_LABEL, h, val};
-    const size_t lens[3] = {sizeof KVF_SHARED_MAC_LABEL, 32 + (size_t)klen, (size_t)size};
-    kvf_hmac_sha256(sh->mac_key, sh->mac_len, size ? 3 : 2, parts, lens, out);
+    const void *parts[4] = {KVF_SHARED_MAC_LABEL, h};
+    size_t lens[4] = {sizeof KVF_SHARED_MAC_LABEL, 32 + (size_t)klen};
+    size_t n = 2;
+    if (size) { parts[n] = val; lens[n++] = (size_t)size; }
+    if (trailer) { parts[n] = trailer; lens[n++] = KVF_SHARED_NS_BYTES; }
+    kvf_hmac_sha256(sh->mac_key, sh->mac_len, n, parts, lens, out);
 }
 
-static size_t header_build(const struct kvf_shared *sh, uint8_t *h, const uint8_t *key, uint32_t klen,
-                           const uint8_t *val, uint64_t size, uint64_t csum)
+/* The namespace trailer of a tagged file whose header is h (its checksum at h + 32 + klen). */
+static uint64_t trailer_csum(const uint8_t *h, uint32_t klen, const uint8_t *tr)
 {
+    return kvf_obj_hash(h + 32 + klen, 8, tr, 24);
+}
+
+static void trailer_build(const uint8_t *h, uint32_t klen, const struct kvf_shared_ns *ns, uint8_t *tr)
+{
+    memset(tr, 0, KVF_SHARED_NS_BYTES);
+    memcpy(tr, ns->tag, KVF_NS_TAG_BYTES);
+    memcpy(tr + 16, &ns->gen, 4);
+    put64(tr + 24, trailer_csum(h, klen, tr));
+}
+
+/* 0 and *ns filled when tr is a valid trailer of the header h; -EBADMSG. */
+static int trailer_check(const uint8_t *h, uint32_t klen, const uint8_t *tr, struct kvf_shared_ns *ns)
+{
+    uint32_t zero;
+    memcpy(&zero, tr + 20, 4);
+    if (zero || get64(tr + 24) != trailer_csum(h, klen, tr)) return -EBADMSG;
+    ns->tagged = 1;
+    memcpy(ns->tag, tr, KVF_NS_TAG_BYTES);
+    memcpy(&ns->gen, tr + 16, 4);
+    return 0;
+}
+
+/* The header of key's file into h (and with ns tagged, its trailer into tr); its length. */
+static size_t header_build(const struct kvf_shared *sh, uint8_t *h, const uint8_t *key, uint32_t klen,
+                           const uint8_t *val, uint64_t size, uint64_t csum, const struct kvf_shared_ns *ns,
+                           uint8_t *tr)
+{
+    int tagged = ns && ns->tagged;
     uint32_t hlen = header_len(sh, klen);
     memset(h, 0, 32);
     memcpy(h, KVF_SHARED_MAGIC, 4);
     put16(h + 4, sh->mac_len ? KVF_SHARED_VERSION_MAC : KVF_SHARED_VERSION);
     put16(h + 6, (uint16_t)hlen);
     h[8] = (uint8_t)klen;
+    h[9] = tagged ? KVF_SHARED_F_NS : 0;
     put64(h + 16, size);
     put64(h + 24, csum);
     memcpy(h + 32, key, klen);
     put64(h + 32 + klen, kvf_xxh3_64(h, 32 + klen));
-    if (sh->mac_len) file_mac(sh, h, klen, val, size, h + KVF_SHARED_HEADER_FIXED + klen);
+    if (tagged) trailer_build(h, klen, ns, tr);
+    if (sh->mac_len) file_mac(sh, h, klen, val, size, tagged ? tr : NULL, h + KVF_SHARED_HEADER_FIXED + klen);
     return hlen;
 }
 
@@ -206,11 +249,12 @@ static int other_version(struct kvf_shared *sh, const uint8_t *h)
 }
 
 /* 0 when h (header_len bytes read) is a valid header of this tier's version
- * for key whose value is file_size - hlen bytes long (its size and checksum
- * out); -EPERM for a file of the other version (other_version); -EBADMSG
- * otherwise. The MAC itself is checked once the value is read. */
+ * for key whose value is file_size - hlen bytes long (- the trailer when the
+ * flags say tagged: *tagged); its size and checksum out; -EPERM for a file of
+ * the other version (other_version); -EBADMSG otherwise. The MAC itself is
+ * checked once the value is read. */
 static int header_check(struct kvf_shared *sh, const uint8_t *h, const uint8_t *key, uint32_t klen,
-                        uint64_t file_size, uint64_t *size, uint64_t *csum)
+                        uint64_t file_size, uint64_t *size, uint64_t *csum, int *tagged)
 {
     uint32_t hlen = header_len(sh, klen);
     uint16_t want = sh->mac_len ? KVF_SHARED_VERSION_MAC : KVF_SHARED_VERSION;
@@ -218,12 +262,15 @@ static int header_check(struct kvf_shared *sh, const uint8_t *h, const uint8_t *
     if (memcmp(h, KVF_SHARED_MAGIC, 4) || get16(h + 4) != want || get16(h + 6) != hlen ||
         h[8] != klen || memcmp(h + 32, key, klen))
         return -EBADMSG;
-    for (int i = 9; i < 16; i++)
+    if (h[9] & ~KVF_SHARED_F_NS) return -EBADMSG;
+    for (int i = 10; i < 16; i++)
         if (h[i]) return -EBADMSG;
     if (get64(h + 32 + klen) != kvf_xxh3_64(h, 32 + klen)) return -EBADMSG;
     *size = get64(h + 16);
     *csum = get64(h + 24);
-    if (file_size < hlen || *size != file_size - hlen) return -EBADMSG; /* torn or grown */
+    *tagged = h[9] & KVF_SHARED_F_NS;
+    uint64_t extra = *tagged ? KVF_SHARED_NS_BYTES : 0;
+    if (file_size < hlen + extra || *size != file_size - hlen - extra) return -EBADMSG; /* torn or grown */
     return 0;
 }
 
@@ -240,6 +287,8 @@ int kvf_shared_open(struct kvf_shared **out, const struct kvf_shared_cfg *cfg)
     struct kvf_shared *sh = calloc(1, sizeof *sh);
     if (!sh) { close(dfd); return -ENOMEM; }
     sh->dirfd = dfd;
+    sh->rdir = sh->rfd = -1;
+    pthread_mutex_init(&sh->rmu, NULL);
     sh->fsync_mode = cfg->fsync_mode;
     sh->gid = cfg->gid;
     sh->fmode = cfg->gid >= 0 ? 0640 : 0600;
@@ -267,7 +316,13 @@ int kvf_shared_open(struct kvf_shared **out, const struct kvf_shared_cfg *cfg)
         if (close(fd) && !rc) rc = -errno;
         if (unlinkat(dfd, probe, 0) && !rc) rc = -errno;
     }
-    if (rc) { close(dfd); explicit_bzero(sh->mac_key, sizeof sh->mac_key); free(sh); return rc; }
+    if (rc) {
+        close(dfd);
+        pthread_mutex_destroy(&sh->rmu);
+        explicit_bzero(sh->mac_key, sizeof sh->mac_key);
+        free(sh);
+        return rc;
+    }
     *out = sh;
     return 0;
 }
@@ -276,6 +331,10 @@ void kvf_shared_close(struct kvf_shared *sh)
 {
     if (!sh) return;
     close(sh->dirfd);
+    if (sh->rdir >= 0) close(sh->rdir);
+    if (sh->rfd >= 0) close(sh->rfd);
+    free(sh->rfiles);
+    pthread_mutex_destroy(&sh->rmu);
     explicit_bzero(sh->mac_key, sizeof sh->mac_key);
     free(sh);
 }
@@ -295,11 +354,10 @@ static int drop_corrupt(struct kvf_shared *sh, int dfd, const char *name, int fd
     return -EBADMSG;
 }
 
-/* Read exactly the iovecs' bytes at offset 0; 0, -EBADMSG at a short read
+/* Read exactly the iovecs' bytes at offset off; 0, -EBADMSG at a short read
  * (the file is shorter than it said: torn), -errno. */
-static int read_full(int fd, struct iovec *iov, int n)
+static int read_full_at(int fd, off_t off, struct iovec *iov, int n)
 {
-    off_t off = 0;
     while (n > 0) {
         ssize_t r = preadv(fd, iov, n, off);
         if (r < 0) {
@@ -313,6 +371,8 @@ static int read_full(int fd, struct iovec *iov, int n)
     }
     return 0;
 }
+
+static int read_full(int fd, struct iovec *iov, int n) { return read_full_at(fd, 0, iov, n); }
 
 /* Open name in the leaf directory dfd for reading: never following a
  * symlink, never blocking (a FIFO), and only a regular file of ours (fstat
@@ -344,6 +404,9 @@ struct obj {
     int dfd, fd;
     char name[NAME_MAX_LEN];
     uint8_t h[HDR_MAX];
+    int tagged;
+    uint8_t tr[KVF_SHARED_NS_BYTES]; /* the namespace trailer (tagged) */
+    struct kvf_shared_ns ns;
 };
 
 static void obj_close(struct obj *o)
@@ -360,6 +423,8 @@ static int open_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
                        uint64_t *size, uint64_t *csum)
 {
     o->dfd = o->fd = -1;
+    o->tagged = 0;
+    memset(&o->ns, 0, sizeof o->ns);
     int rc = open_leaf(sh, key, klen, 0);
     if (rc < 0) {
         if (rc == -ENOENT || rc == -EPERM) return rc;
@@ -393,16 +458,28 @@ static int open_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
         d->cap = vs;
     }
     struct iovec iov[2] = {{o->h, hlen}, {d->dst, vs}};
-    rc = read_full(o->fd, iov, d->dst && vs && vs <= d->cap ? 2 : 1);
-    if (rc == 0) rc = header_check(sh, o->h, key, klen, file_size, size, csum);
+    int whole = d->dst && vs && vs <= d->cap; /* the value (and a trailer) read with the header */
+    rc = read_full(o->fd, iov, whole ? 2 : 1);
+    if (rc == 0) rc = header_check(sh, o->h, key, klen, file_size, size, csum, &o->tagged);
+    if (rc == 0 && o->tagged) {
+        if (whole) {
+            memcpy(o->tr, d->dst + *size, KVF_SHARED_NS_BYTES); /* the trailer landed after the value */
+        } else { /* the value (when it fits) and the trailer, after the header */
+            int val = d->dst && *size && *size <= d->cap;
+            struct iovec tv[2] = {{d->dst, *size}, {o->tr, KVF_SHARED_NS_BYTES}};
+            rc = read_full_at(o->fd, (off_t)(hlen + (val ? 0 : *size)), val ? tv : tv + 1, val ? 2 : 1);
+        }
+        if (rc == 0) rc = trailer_check(o->h, klen, o->tr, &o->ns);
+    }
     if (rc == -EBADMSG) return drop_corrupt(sh, o->dfd, o->name, o->fd);
     if (rc && rc != -EPERM) CTR_ADD(sh, errors, 1);
     return rc;
 }
 
 static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, struct dest *d, uint64_t *size,
-                       uint64_t *csum)
+                       uint64_t *csum, struct kvf_shared_ns *ns)
 {
+    memset(ns, 0, sizeof *ns);
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     if (!d->dst && !d->alloc) d->cap = 0;
     uint64_t t0 = now_us();
@@ -421,13 +498,14 @@ static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
             if (kvf_obj_hash(key, klen, d->dst, sz) != cs) {
                 rc = drop_corrupt(sh, o.dfd, o.name, o.fd);
             } else if (sh->mac_len &&
-                       (file_mac(sh, o.h, klen, d->dst, sz, mac),
+                       (file_mac(sh, o.h, klen, d->dst, sz, o.tagged ? o.tr : NULL, mac),
                         !kvf_ct_equal(mac, o.h + KVF_SHARED_HEADER_FIXED + klen, KVF_SHARED_MAC_BYTES))) {
                 CTR_ADD(sh, mac_refused, 1); /* written without the token: refused, left for the writer to replace */
                 rc = -EPERM;
             } else {
                 *size = sz;
                 *csum = cs;
+                *ns = o.ns;
                 CTR_ADD(sh, hits, 1);
                 CTR_ADD(sh, read_bytes, sz);
             }
@@ -441,17 +519,17 @@ static int read_object(struct kvf_shared *sh, const uint8_t *key, uint32_t klen,
 }
 
 int kvf_shared_read(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, uint8_t *dst, uint64_t cap,
-                    uint64_t *size, uint64_t *csum)
+                    uint64_t *size, uint64_t *csum, struct kvf_shared_ns *ns)
 {
     struct dest d = {dst, cap, NULL, NULL};
-    return read_object(sh, key, klen, &d, size, csum);
+    return read_object(sh, key, klen, &d, size, csum, ns);
 }
 
 int kvf_shared_read_alloc(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, kvf_shared_alloc_fn alloc,
-                          void *arg, uint64_t *size, uint64_t *csum)
+                          void *arg, uint64_t *size, uint64_t *csum, struct kvf_shared_ns *ns)
 {
     struct dest d = {NULL, 0, alloc, arg};
-    return read_object(sh, key, klen, &d, size, csum);
+    return read_object(sh, key, klen, &d, size, csum, ns);
 }
 
 /* ---------------------------------------------------------------- write */
@@ -519,43 +597,56 @@ static void sweep_dir(int dfd)
 }
 
 /* What a write finds at the key's name (the leaf directory dfd): 0 nothing, 1 a file of this object
- * that readers serve (ours; with a MAC key one whose MAC is `mac` and whose length is hlen + size),
- * 2 something readers refuse (a symlink, a FIFO, another uid's file, another version, a wrong MAC):
- * to be replaced. Anything it cannot look at counts as 2 as well. */
+ * that readers serve and that need not be replaced, 2 something to replace: what readers refuse (a
+ * symlink, a FIFO, another uid's file, another version, a wrong MAC, another length), or a file of
+ * this key whose namespace differs from ns (untagged where ns is tagged or the reverse, another tag,
+ * an older generation: readers would miss it). With a MAC key, 1 only for a file whose MAC is `mac`
+ * (the same object at the same generation); without one, a file of this tag at a newer generation
+ * than ns's is kept (1). Anything it cannot look at counts as 2 as well. */
 static int found_at_name(struct kvf_shared *sh, int dfd, const char *name, uint32_t klen, uint64_t size,
-                         const uint8_t *mac)
+                         const uint8_t *mac, const struct kvf_shared_ns *ns)
 {
     struct stat st;
+    int tagged = ns && ns->tagged;
     if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW)) return errno == ENOENT ? 0 : 2;
     if (!S_ISREG(st.st_mode) || !trusted(sh, &st)) return 2;
-    if (!sh->mac_len) return 1;
     uint32_t hlen = header_len(sh, klen);
-    if ((uint64_t)st.st_size != hlen + size) return 2;
+    if ((uint64_t)st.st_size != hlen + size + (tagged ? KVF_SHARED_NS_BYTES : 0)) return 2;
+    if (!sh->mac_len && !tagged) return 1; /* as before namespaces: the file's flags are checked below only when
+                                              tagged (an untagged file of this length is this object's) */
     int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) return 2;
-    uint8_t h[HDR_MAX];
-    struct iovec iov = {h, hlen};
+    uint8_t h[HDR_MAX], tr[KVF_SHARED_NS_BYTES];
+    struct iovec iov = {h, hlen}, tv = {tr, sizeof tr};
+    struct kvf_shared_ns fns;
+    memset(&fns, 0, sizeof fns);
     int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && read_full(fd, &iov, 1) == 0 &&
-             get16(h + 4) == KVF_SHARED_VERSION_MAC &&
-             kvf_ct_equal(h + KVF_SHARED_HEADER_FIXED + klen, mac, KVF_SHARED_MAC_BYTES);
+             get16(h + 4) == (sh->mac_len ? KVF_SHARED_VERSION_MAC : KVF_SHARED_VERSION) &&
+             (h[9] & KVF_SHARED_F_NS) == (tagged ? KVF_SHARED_F_NS : 0);
+    if (ok && sh->mac_len) ok = kvf_ct_equal(h + KVF_SHARED_HEADER_FIXED + klen, mac, KVF_SHARED_MAC_BYTES);
+    else if (ok) /* tagged, no MAC: keep a valid trailer of this tag at this generation or a newer one */
+        ok = read_full_at(fd, (off_t)(hlen + size), &tv, 1) == 0 && get64(h + 32 + klen) == kvf_xxh3_64(h, 32 + klen) &&
+             trailer_check(h, klen, tr, &fns) == 0 && memcmp(fns.tag, ns->tag, KVF_NS_TAG_BYTES) == 0 &&
+             fns.gen >= ns->gen;
     close(fd);
     return ok ? 1 : 2;
 }
 
 int kvf_shared_write(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, const uint8_t *src, uint64_t size,
-                     uint64_t csum)
+                     uint64_t csum, const struct kvf_shared_ns *ns)
 {
+    if (ns && !ns->tagged) ns = NULL;
     if (klen == 0 || klen > KVF_KEY_MAX) return -EINVAL;
     if (kvf_obj_hash(key, klen, src, size) != csum) { CTR_ADD(sh, errors, 1); return -EBADMSG; }
     uint64_t t0 = now_us();
     char name[NAME_MAX_LEN], tmp[NAME_MAX_LEN];
-    uint8_t h[HDR_MAX];
-    size_t hlen = header_build(sh, h, key, klen, src, size, csum);
+    uint8_t h[HDR_MAX], tr[KVF_SHARED_NS_BYTES];
+    size_t hlen = header_build(sh, h, key, klen, src, size, csum, ns, tr);
     final_name(key, klen, name);
     int dfd = open_leaf(sh, key, klen, 1);
     int rc = dfd < 0 ? dfd : 0, replace = 0;
     if (!rc) {
-        replace = found_at_name(sh, dfd, name, klen, size, h + KVF_SHARED_HEADER_FIXED + klen);
+        replace = found_at_name(sh, dfd, name, klen, size, h + KVF_SHARED_HEADER_FIXED + klen, ns);
         if (replace == 1) rc = -EEXIST;
     }
     int fd = -1;
@@ -569,8 +660,12 @@ int kvf_shared_write(struct kvf_shared *sh, const uint8_t *key, uint32_t klen, c
         else rc = set_mode(sh, fd, sh->fmode); /* whatever the umask */
     }
     if (fd >= 0) {
-        struct iovec iov[2] = {{h, hlen}, {(void *)src, size}};
-        if (!rc) rc = write_full(fd, iov, size ? 2 : 1);
+        struct iovec iov[3] = {{h, hlen}, {(void *)src, size}, {tr, KVF_SHARED_NS_BYTES}};
+        int n = 1;
+        if (size) n++;
+        else iov[1] = iov[2];
+        if (ns) n++;
+        if (!rc) rc = write_full(fd, iov, n);
         if (!rc && sh->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fdatasync(fd)) rc = -errno;
         if (close(fd) && !rc) rc = -errno; /* NFS reports write errors at close */
         if (!rc) rc = replace ? (renameat(dfd, tmp, dfd, name) ? -errno : 0) : link_into_place(sh, dfd, tmp, name);
@@ -608,9 +703,164 @@ int kvf_shared_delete(struct kvf_shared *sh, const uint8_t *key, uint32_t klen)
     return rc;
 }
 
+/* ---------------------------------------------------------------- retirement records */
+
+/* The record of (tag, gen) into r (KVF_SHARED_RETIRE_REC bytes). */
+static void rec_build(const struct kvf_shared *sh, uint8_t *r, const uint8_t *tag, uint32_t gen)
+{
+    memset(r, 0, KVF_SHARED_RETIRE_REC);
+    memcpy(r, "KVFR", 4);
+    put16(r + 4, sh->mac_len ? 2 : 1);
+    put16(r + 6, KVF_SHARED_RETIRE_REC);
+    memcpy(r + 8, tag, KVF_NS_TAG_BYTES);
+    memcpy(r + 24, &gen, 4);
+    put64(r + 32, kvf_xxh3_64(r, 32));
+    if (sh->mac_len) {
+        const void *parts[2] = {KVF_SHARED_RETIRE_LABEL, r};
+        const size_t lens[2] = {sizeof KVF_SHARED_RETIRE_LABEL, 32};
+        kvf_hmac_sha256(sh->mac_key, sh->mac_len, 2, parts, lens, r + 40);
+    }
+}
+
+/* 0 and (tag, gen) out when r is a valid record for this server (with a MAC key: version 2 and
+ * its MAC; without: version 1), -EBADMSG. */
+static int rec_check(const struct kvf_shared *sh, const uint8_t *r, uint8_t *tag, uint32_t *gen)
+{
+    uint32_t zero;
+    memcpy(&zero, r + 28, 4);
+    if (memcmp(r, "KVFR", 4) || get16(r + 4) != (sh->mac_len ? 2 : 1) || get16(r + 6) != KVF_SHARED_RETIRE_REC ||
+        zero || get64(r + 32) != kvf_xxh3_64(r, 32))
+        return -EBADMSG;
+    if (sh->mac_len) {
+        uint8_t mac[KVF_SHARED_MAC_BYTES];
+        const void *parts[2] = {KVF_SHARED_RETIRE_LABEL, r};
+        const size_t lens[2] = {sizeof KVF_SHARED_RETIRE_LABEL, 32};
+        kvf_hmac_sha256(sh->mac_key, sh->mac_len, 2, parts, lens, mac);
+        if (!kvf_ct_equal(mac, r + 40, KVF_SHARED_MAC_BYTES)) return -EBADMSG;
+    }
+    memcpy(tag, r + 8, KVF_NS_TAG_BYTES);
+    memcpy(gen, r + 24, 4);
+    return 0;
+}
+
+/* Under rmu: the new whole records of the records file `name` (in sh->rdir) into ns. Refused
+ * files (a symlink, a FIFO, not ours) are skipped and counted; 0 or -errno (-E2BIG: too many files). */
+static int load_file(struct kvf_shared *sh, struct kvf_ns *ns, const char *name)
+{
+    int fd = openat(sh->rdir, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        if (errno == ENOENT) return 0;
+        if (errno == ELOOP || errno == ENXIO) { refused(sh); return 0; }
+        return -errno;
+    }
+    struct stat st;
+    if (fstat(fd, &st)) { int e = -errno; close(fd); return e; }
+    if (!S_ISREG(st.st_mode) || !trusted(sh, &st)) { close(fd); refused(sh); return 0; }
+    struct rfile *f = NULL;
+    for (uint32_t i = 0; i < sh->nrfiles && !f; i++)
+        if (sh->rfiles[i].dev == st.st_dev && sh->rfiles[i].ino == st.st_ino) f = &sh->rfiles[i];
+    if (!f) {
+        if (sh->nrfiles == KVF_SHARED_RETIRED_FILES_MAX) { close(fd); return -E2BIG; }
+        if (sh->nrfiles == sh->caprfiles) {
+            uint32_t cap = sh->caprfiles ? 2 * sh->caprfiles : 16;
+            struct rfile *nf = realloc(sh->rfiles, cap * sizeof *nf);
+            if (!nf) { close(fd); return -ENOMEM; }
+            sh->rfiles = nf;
+            sh->caprfiles = cap;
+        }
+        f = &sh->rfiles[sh->nrfiles++];
+        f->dev = st.st_dev;
+        f->ino = st.st_ino;
+        f->off = 0;
+    }
+    uint64_t end = (uint64_t)st.st_size - (uint64_t)st.st_size % KVF_SHARED_RETIRE_REC; /* whole records only */
+    int rc = 0;
+    uint8_t buf[KVF_SHARED_RETIRE_REC * 64];
+    while (f->off < end && !rc) {
+        uint64_t n = end - f->off < sizeof buf ? end - f->off : sizeof buf;
+        struct iovec iov = {buf, (size_t)n};
+        if ((rc = read_full_at(fd, (off_t)f->off, &iov, 1))) break;
+        for (uint64_t o = 0; o < n; o += KVF_SHARED_RETIRE_REC) {
+            uint8_t tag[KVF_NS_TAG_BYTES];
+            uint32_t gen;
+            uint64_t ref;
+            if (rec_check(sh, buf + o, tag, &gen)) { CTR_ADD(sh, retire_bad, 1); continue; }
+            /* the generation only grows; a tag past a full table is not held (its files are misses) */
+            (void)kvf_ns_reref(ns, tag, gen, &ref);
+        }
+        f->off += n;
+    }
+    close(fd);
+    return rc == -EBADMSG ? 0 : rc; /* shorter than fstat said: truncated meanwhile, read again next time */
+}
+
+int kvf_shared_retired_load(struct kvf_shared *sh, struct kvf_ns *ns)
+{
+    pthread_mutex_lock(&sh->rmu);
+    int rc = sh->rdir < 0 ? -EBADF : 0;
+    int fd = rc ? -1 : dup(sh->rdir);
+    DIR *dp = fd < 0 ? NULL : fdopendir(fd);
+    if (!rc && !dp) { rc = -errno; if (fd >= 0) close(fd); }
+    if (dp) {
+        rewinddir(dp);
+        struct dirent *e;
+        while (!rc && (e = readdir(dp))) {
+            size_t n = strlen(e->d_name);
+            if (e->d_name[0] == '.' || n < 5 || strcmp(e->d_name + n - 4, ".rec")) continue;
+            rc = load_file(sh, ns, e->d_name);
+        }
+        closedir(dp); /* closes fd */
+    }
+    pthread_mutex_unlock(&sh->rmu);
+    if (rc && rc != -E2BIG && rc != -EBADF) CTR_ADD(sh, errors, 1);
+    return rc;
+}
+
+/* kvf_ns's sink (kvf_ns_retire, under the table's mutex, which serialises the appends: rfd and
+ * rfile_n are only touched here; rmu is NOT taken, since kvf_shared_retired_load holds rmu while
+ * it takes the table's mutex): append (tag, gen) to this server's records file, created on first
+ * use, and fdatasync it. A failed or short append closes the file (its tail may be a partial
+ * record) and the next RETIRE starts a new one. */
+static int retired_append(void *arg, const uint8_t tag[KVF_NS_TAG_BYTES], uint32_t gen)
+{
+    struct kvf_shared *sh = arg;
+    uint8_t r[KVF_SHARED_RETIRE_REC];
+    rec_build(sh, r, tag, gen);
+    int rc = 0;
+    if (sh->rfd < 0) {
+        char name[64];
+        snprintf(name, sizeof name, "%016llx-%u.rec", (unsigned long long)sh->nonce, sh->rfile_n++);
+        int fd = openat(sh->rdir, name, O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC | O_NOFOLLOW, sh->fmode);
+        if (fd < 0) rc = -errno;
+        else if ((rc = set_mode(sh, fd, sh->fmode))) close(fd);
+        else sh->rfd = fd;
+        if (!rc && sh->fsync_mode == KVF_SHARED_FSYNC_ALWAYS && fsync(sh->rdir) && errno != EINVAL) rc = -errno;
+    }
+    if (!rc) {
+        ssize_t w = write(sh->rfd, r, sizeof r);
+        rc = w == (ssize_t)sizeof r ? 0 : w < 0 ? -errno : -EIO;
+        if (!rc && fdatasync(sh->rfd)) rc = -errno; /* always: a retirement must outlive this server */
+        if (rc) { close(sh->rfd); sh->rfd = -1; }
+    }
+    if (rc) CTR_ADD(sh, errors, 1);
+    return rc;
+}
+
+int kvf_shared_retired_open(struct kvf_shared *sh, struct kvf_ns *ns)
+{
+    pthread_mutex_lock(&sh->rmu);
+    int rc = sh->rdir >= 0 ? -EALREADY : open_subdir(sh, sh->dirfd, KVF_SHARED_RETIRED_DIR, 1);
+    if (rc >= 0) { sh->rdir = rc; rc = 0; }
+    pthread_mutex_unlock(&sh->rmu);
+    if (!rc) rc = kvf_shared_retired_load(sh, ns);
+    if (!rc) kvf_ns_set_sink(ns, retired_append, sh);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- counters */
 
 void kvf_shared_count_drop(struct kvf_shared *sh) { CTR_ADD(sh, write_drops, 1); }
+void kvf_shared_count_retired(struct kvf_shared *sh) { CTR_ADD(sh, retired, 1); }
 
 void kvf_shared_counters(struct kvf_shared *sh, struct kvf_shared_counters *out)
 {
@@ -629,10 +879,12 @@ void kvf_shared_stats_write(struct kvf_shared *sh, struct kvf_mw *w)
     const char *names[KVF_SHARED_STATS_PAIRS] = {
         "shared_hits", "shared_misses", "shared_reads", "shared_read_bytes", "shared_writes", "shared_write_bytes",
         "shared_write_drops", "shared_errors", "shared_corrupt", "shared_exists", "shared_read_us_total",
-        "shared_write_us_total", "shared_refused", "shared_mac_refused", "shared_replaced"};
+        "shared_write_us_total", "shared_refused", "shared_mac_refused", "shared_replaced", "shared_retired",
+        "shared_retire_bad"};
     const uint64_t v[KVF_SHARED_STATS_PAIRS] = {c.hits,        c.misses,   c.reads,    c.read_bytes,  c.writes,
                                                 c.write_bytes, c.write_drops, c.errors, c.corrupt,    c.exists,
-                                                c.read_us,     c.write_us, c.refused,  c.mac_refused, c.replaced};
+                                                c.read_us,     c.write_us, c.refused,  c.mac_refused, c.replaced,
+                                                c.retired,     c.retire_bad};
     for (uint32_t i = 0; i < KVF_SHARED_STATS_PAIRS; i++) {
         kvf_mw_cstr(w, names[i]);
         kvf_mw_uint(w, v[i]);

@@ -367,7 +367,7 @@ static void op_commit(struct conn *c, const uint8_t *m, size_t mn)
         b->status[i] = rc == 0 ? KVF_PUT_STORED : rc == 1 ? KVF_PUT_EXISTS : KVF_PUT_NO_SPACE;
         if (rc == 0) s->ctr.puts++;
         if (rc == 0 && s->tier) /* written through to the shared tier, if any (a copy, queued) */
-            kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], cs[i]);
+            kvf_tier_shared_put(s->tier, b->keys[i], b->klens[i], s->base + b->offs[i], b->sizes[i], cs[i], 0);
         s->ctr.bytes_in += b->sizes[i];
     }
     c->resv_open = 0;

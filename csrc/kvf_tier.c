@@ -432,7 +432,7 @@ void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8
                        uint64_t nsref)
 {
     struct kvf_tier *t = arg;
-    if (t->sh && t->sh_write_evicted) kvf_tier_shared_put(t, key, klen, val, size, csum);
+    if (t->sh && t->sh_write_evicted) kvf_tier_shared_put(t, key, klen, val, size, csum, nsref);
     if (!t->nfiles) return;
     uint64_t rec = tier_rec_len(size);
     pthread_mutex_lock(&t->mu);

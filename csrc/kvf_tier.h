@@ -118,6 +118,11 @@ struct kvf_tier_job {
  * so the pool keeps it when this server is lost. Evicted objects are written
  * too only with set_shared's write_evicted (off in `kvfabric serve`: they
  * were written at PUT). A DELETE posts SHARED_DELETE (kvf_tier_shared_delete).
+ * Namespaces (issue 27): a tagged object's file carries its tag and generation; a
+ * SHARED_READ of a tagged file whose generation this server has retired is a miss
+ * (-ESTALE, counted in shared_retired), and one of a tag the table has not interned
+ * first reads the shared retirement records again (kvf_shared_retired_load); a
+ * promoted object keeps its ref (j->nsref), so it stays retirable in DRAM.
  */
 struct kvf_shared;
 
@@ -169,9 +174,11 @@ int kvf_tier_has_shared(struct kvf_tier *t);
 int kvf_tier_has_ssd(struct kvf_tier *t); /* 1 with --ssd-path files; 0: the tier thread runs a shared tier alone */
 /* Loop thread, after a PUT (or shm COMMIT) stored key: post a copy of its
  * bytes as a SHARED_WRITE job; over the write-queue bound (or out of memory)
- * it is dropped and counted (shared_write_drops). Nothing without a shared tier. */
+ * it is dropped and counted (shared_write_drops). Nothing without a shared tier.
+ * nsref: the object's namespace ref (kvf_ns.h, 0 untagged): the file carries its tag
+ * and generation; an object retired before the tier thread reaches it is not written. */
 void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                         uint64_t csum);
+                         uint64_t csum, uint64_t nsref);
 /* Loop thread, DELETE: post a SHARED_DELETE job (FIFO: after any queued write of the key). */
 void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 

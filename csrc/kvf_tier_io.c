@@ -204,7 +204,7 @@ void kvf_tier_job_release(struct kvf_tier *t, struct kvf_tier_job *j)
 /* A copy of a stored (PUT) or evicted object for the shared tier (its own
  * job; the same write-queue bound; drops counted by the shared tier). */
 void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, const uint8_t *val, uint64_t size,
-                         uint64_t csum)
+                         uint64_t csum, uint64_t nsref)
 {
     if (!t->sh) return;
     uint64_t rec = tier_rec_len(size);
@@ -224,6 +224,7 @@ void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, 
         return;
     }
     memcpy(buf + KVF_TIER_BLOCK, val, size);
+    j->nsref = nsref;
     kvf_tier_post_write(t, j, KVF_JOB_SHARED_WRITE, key, klen, size, csum, buf, rec);
 }
 
@@ -251,12 +252,35 @@ void kvf_tier_shared_delete(struct kvf_tier *t, const uint8_t *key, uint32_t kle
     kvf_tier_post(t, j);
 }
 
+/* A tagged shared file read (fns): 0 and its ref in *nsref when its generation is live here
+ * (a newer one than this server knew is adopted: its writer saw more retirements, so this
+ * server retires more, never less); -ESTALE when it is retired, its tag does not fit the table
+ * (never served untagged), or the records could not be read for a tag not seen before. */
+static int shared_ns_ref(struct kvf_tier *t, const struct kvf_shared_ns *fns, uint64_t *nsref)
+{
+    *nsref = 0;
+    if (!fns->tagged || !t->ns) return 0; /* no table: nothing is ever retired */
+    int known = kvf_ns_known(t->ns, fns->tag);
+    if (known == 0 && kvf_shared_retired_load(t->sh, t->ns)) known = -EIO; /* other servers' retirements first */
+    int rc = known < 0 ? known : kvf_ns_reref(t->ns, fns->tag, fns->gen, nsref);
+    if (rc == 0) return 0;
+    kvf_shared_count_retired(t->sh);
+    *nsref = 0;
+    return -ESTALE;
+}
+
 /* The shared tier (kvf_shared.h) counts its own outcomes (shared_* STATS). */
 static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
 {
     if (!t->sh) { j->result = -ENOENT; return; }
     if (j->op == KVF_JOB_SHARED_WRITE) {
-        (void)kvf_shared_write(t->sh, j->key, j->klen, j->buf + KVF_TIER_BLOCK, j->size, j->csum);
+        struct kvf_shared_ns fns;
+        memset(&fns, 0, sizeof fns);
+        if (j->nsref && t->ns) {
+            if (kvf_ns_stale(t->ns, j->nsref)) return; /* retired before it reached the filesystem: not written */
+            fns.tagged = kvf_ns_unref(t->ns, j->nsref, fns.tag, &fns.gen) == 0;
+        }
+        (void)kvf_shared_write(t->sh, j->key, j->klen, j->buf + KVF_TIER_BLOCK, j->size, j->csum, &fns);
         return;
     }
     if (j->op == KVF_JOB_SHARED_DELETE) {
@@ -266,7 +290,9 @@ static void shared_job(struct kvf_tier *t, struct kvf_tier_job *j)
     if (j->stop && __atomic_load_n(j->stop, __ATOMIC_RELAXED)) { j->result = -ECANCELED; return; }
     uint64_t size = 0, csum = 0;
     struct shared_room room = {t, j}; /* one open, one read into a staging buffer sized from the file */
-    int rc = kvf_shared_read_alloc(t->sh, j->key, j->klen, shared_alloc, &room, &size, &csum);
+    struct kvf_shared_ns fns;
+    int rc = kvf_shared_read_alloc(t->sh, j->key, j->klen, shared_alloc, &room, &size, &csum, &fns);
+    if (rc == 0) rc = shared_ns_ref(t, &fns, &j->nsref); /* promoted with its ref: retirable in DRAM */
     if (rc && j->stop) __atomic_store_n(j->stop, 1, __ATOMIC_RELAXED); /* a LOOKUP's run ends here */
     j->result = rc;
     j->size = size;

@@ -101,7 +101,8 @@ SSD_STATS_FIELDS: dict[str, str] = {
 #: The shared-filesystem tier's keys (``--shared-path``; docs/notes/tier-shared.md): present only when a
 #: shared tier is configured.
 SHARED_STATS_FIELDS: dict[str, str] = {
-    "shared_hits": "shared-tier reads that returned an object (verified under the key asked for)",
+    "shared_hits": "shared-tier reads that returned an object (verified under the key asked for; tagged ones "
+                   "of a retired generation included, counted again in shared_retired and not served)",
     "shared_misses": "shared-tier reads that found no file for the key",
     "shared_reads": "shared-tier files read (header and value), verified or not",
     "shared_read_bytes": "value bytes returned by shared-tier reads",
@@ -117,7 +118,11 @@ SHARED_STATS_FIELDS: dict[str, str] = {
                       "non-regular file, another uid's, or writable by others (a miss)",
     "shared_mac_refused": "shared-tier files refused for their MAC: none or a wrong one under --auth-token "
                           "(written without the token), or one on a server without a token (never served)",
-    "shared_replaced": "shared-tier writes that replaced a file readers refuse (atomically: temporary + rename)",
+    "shared_replaced": "shared-tier writes that replaced a file readers refuse, or a file of the key at an older "
+                       "namespace generation or another tag (atomically: temporary + rename)",
+    "shared_retired": "tagged shared-tier files not served: their namespace generation is retired on this server, "
+                      "their tag did not fit the tag table, or the retirement records could not be read (a miss)",
+    "shared_retire_bad": "retirement records in the shared directory skipped: bad magic, version, checksum or MAC",
 }
 
 #: Implementation-specific keys a server may add, by implementation.

@@ -83,6 +83,9 @@ _DRAIN_BATCH = 4096
 # Index entries the control thread looks at per round for objects of a retired namespace
 # generation (kvf_store_sweep): bounded work per 100 ms round, the whole index covered over rounds.
 _SWEEP_ENTRIES = 4096
+# How often the control thread reads the retirement records other servers appended to the shared
+# directory (one readdir and one fstat per records file, and their new whole records).
+_SHARED_RECORDS_S = 5.0
 #: HELLO reply fields C writes itself (csrc/kvf_ops.c op_hello): the rest are passed as static pairs
 _PER_CONNECTION_HELLO = frozenset(("auth_required", "nonce", "proof"))
 
@@ -323,6 +326,10 @@ def check_tier_dir(flag: str, path: str, gid: int | None, insecure_ok: bool) -> 
                       "could plant tier objects there or redirect the server's writes")
 
 
+#: The retirement records' directory under --shared-path (csrc/kvf_shared.h KVF_SHARED_RETIRED_DIR).
+SHARED_RETIRED_DIR = "kvfabric-retired"
+
+
 def check_shared_path(path: str, gid: int | None = None, insecure_ok: bool = False) -> str:
     """The absolute path of a usable ``--shared-path`` directory, or ConfigError saying what is wrong.
 
@@ -337,6 +344,16 @@ def check_shared_path(path: str, gid: int | None = None, insecure_ok: bool = Fal
     if not os.path.isdir(full):
         raise ConfigError(f"--shared-path {full}: not a directory")
     check_tier_dir("--shared-path", full, gid, insecure_ok)
+    # the pool's retirement records (docs/notes/retire.md): the C tier refuses the same (kvf_shared_retired_open),
+    # whatever --tier-dir-insecure-ok says: a redirected records directory could hide retirements
+    records = os.path.join(full, SHARED_RETIRED_DIR)
+    if os.path.islink(records):
+        raise ConfigError(f"--shared-path {full}: {records} is a symlink (the retirement records must be in the "
+                          "directory itself); remove it")
+    if os.path.lexists(records):
+        if not os.path.isdir(records):
+            raise ConfigError(f"--shared-path {full}: {records} is not a directory; remove it")
+        check_tier_dir("--shared-path", records, gid, False)
     probe = os.path.join(full, f".probe.{os.getpid()}.{time.monotonic_ns()}.tmp")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -561,6 +578,7 @@ class NativeServer:
         self._stop = threading.Event()
         self._stopping = False
         self._events_dropped = 0
+        self._next_records_read = time.monotonic() + _SHARED_RECORDS_S  # loaded at start (Server init)
         self.loop_error: BaseException | None = None  # set if the io_uring loop failed (the process should stop)
         self._threads: list[threading.Thread] = []
         self._drain_timeout_s = drain_timeout_s
@@ -729,6 +747,8 @@ class NativeServer:
             want, free, dropped = srv.wait(100)
             self._log_auth_failures()
             srv.sweep(_SWEEP_ENTRIES)  # retired namespaces (issue 27): their objects' space back, a bounded bit a round
+            if self.shared_path is not None and time.monotonic() >= self._next_records_read:
+                self._read_shared_records()
             self._apply_events()
             if dropped != self._events_dropped:
                 self._events_dropped = dropped
@@ -738,6 +758,17 @@ class NativeServer:
                 exhausted = self._evict(free, max(self._high, free + want) if want else self._high, want)
                 if want:
                     srv.space_done(exhausted)
+
+    def _read_shared_records(self) -> None:
+        """Read the retirements other servers recorded in the shared directory since the last round
+        (docs/notes/retire.md): a server that missed a RETIRE (down or unreachable when it was sent)
+        retires the same within _SHARED_RECORDS_S. A failure is logged, and the next round tries again."""
+        self._next_records_read = time.monotonic() + _SHARED_RECORDS_S
+        try:
+            self._srv.shared_retired_refresh()
+        except OSError as e:
+            log.warning("shared tier %s: the retirement records could not be read (%s); tagged objects of "
+                        "namespaces this server has not seen are misses until they can", self.shared_path, e)
 
     def _log_auth_failures(self) -> None:
         """Log the peers the data plane refused with AUTH_FAILED since the last round (C keeps 16 a round)."""
