@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["params_fingerprint", "refresh_weights_version", "LiveWeights", "WeightsReport"]
+__all__ = ["params_fingerprint", "refresh_weights_version", "KVFabricWorkerExtension", "LiveWeights", "WeightsReport"]
 
 _SAMPLES, _SAMPLE_ELEMS = 8, 256
 _VERSION_MAX = 256   # characters of a driver-given version string
@@ -176,3 +176,24 @@ class LiveWeights:
         if not self.current:
             return self.files_tag
         return "live-" + hashlib.sha256("\0".join(self.current).encode()).hexdigest()[:32]
+
+
+class KVFabricWorkerExtension:
+    """Worker methods an OpenAI server can run by name: start vLLM with ``--worker-extension-cls
+    kvfabric_vllm.weights.KVFabricWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``, then
+    ``POST /collective_rpc {"method": "refresh_weights_version"}`` (optionally ``"kwargs":
+    {"version": "step-42"}``).
+
+    vLLM 0.32's ``/collective_rpc`` endpoint calls a worker attribute named by a string with string
+    arguments only (no pickled function), so the function above cannot be sent over HTTP; vLLM mixes
+    this class into its worker class, which gives the name. ``reload_weights`` (``{"kwargs":
+    {"weights_path": DIR}}``) is vLLM's own and needs nothing from here."""
+
+    def refresh_weights_version(self, version: str = "") -> str:
+        """:func:`refresh_weights_version` on this worker (raises without the kvfabric connector)."""
+        return refresh_weights_version(self, version)
+
+    def kvfabric_weights_fingerprint(self) -> str:
+        """This worker's :func:`params_fingerprint` now, bound nowhere: a check any engine (with or
+        without the connector) can answer that its weights in memory changed."""
+        return params_fingerprint(self.get_model().named_parameters())
