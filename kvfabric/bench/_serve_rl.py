@@ -5,8 +5,12 @@ as the trace workload (``_serve_engines``):
 
 * **groups**: ``prompts`` tasks, each sampled ``group`` times (GRPO-style); the
   ``group`` sessions of a task share its first prompt (a system prompt shared by
-  every task, then the task's own tokens), sampled at ``temperature`` with a seed
-  per (session, turn), so their answers differ;
+  every task, then the task's own tokens), sampled at ``temperature``, so their
+  answers differ. Unseeded: vLLM 0.32's CPU build kills the engine core on a
+  request with its own ``seed`` whose prefill is split over steps (its
+  ``_bookkeeping_sync`` calls ``set_offset`` on a CPU generator: "CPU Generator
+  does not use offset"), so answers differ between runs and configurations
+  (their lengths do not: ``ignore_eos``);
 * **multi-turn agent sessions**: turn ``t + 1``'s prompt is turn ``t``'s prompt,
   the answer the engine returned (its token ids) and an observation of
   ``obs_tokens`` from the "environment";
@@ -244,8 +248,7 @@ def run_rl(spec: RLSpec, urls: list[str], config: str, vocab: int, weights_dirs:
             inst = (s + step) % n
             res = RLResult(len(results) + s, s, inst, time.perf_counter() - t_start, step=step, version=version)
             body = {"model": "tiny", "prompt": prompts[s], "max_tokens": spec.output_tokens, "ignore_eos": True,
-                    "temperature": spec.temperature, "seed": spec.seed * 1_000_003 + s * 1009 + step,
-                    "return_token_ids": True}
+                    "temperature": spec.temperature, "return_token_ids": True}   # no per-request seed: below
             try:
                 ttft, e2e, usage, ids = stream_completion(urls[inst], body, REQUEST_TIMEOUT_S)
                 res.ttft_s, res.e2e_s = ttft, e2e

@@ -6,6 +6,8 @@ on exit) and replays a Mooncake trace against each configuration in turn::
     kvfabric bench serve --engine-python .venvs/vllm/bin/python [--trace mooncake-conversation]
         [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd,route-rr,route,vllm-route]
         [--instances 2] [--kv-mib 128] [--dram-mib 256] [--ssd-mib 1024] [--out bench-results/serve.json]
+    kvfabric bench serve --workload rl --engine-python .venvs/vllm/bin/python [--rl-prompts 4 --rl-group 4
+        --rl-turns 4 --rl-update-every 2 --rl-env-delay-ms 1000] [--configs vllm,kvfabric,kvfabric-retire]
 
 The parts (each a module beside this one):
 
@@ -39,6 +41,17 @@ also r over the connector's own load time per token, from vLLM's metrics
 of the kvfabric run. The model shape (``--layers --kv-heads --head-dim``)
 sets the KV bytes per token and with them r; ``--calibrate-only`` measures r
 and stops.
+
+**RL rollouts** (``--workload rl``; ``_serve_rl``): groups of ``--rl-group``
+samples of ``--rl-prompts`` prompts, ``--rl-turns`` agent turns each (one turn
+of every session per step, an environment delay between steps), every turn on
+another generator than the previous, a weight update in memory on every
+generator every ``--rl-update-every`` steps (over the servers' HTTP dev
+endpoints: ``reload_weights`` + ``refresh_weights_version``, a worker
+extension), on ``vllm``, ``kvfabric``, ``kvfabric-retire`` (``weights_retire``)
+and the control ``kvfabric-unversioned``; reports rollout tokens/s, TTFT,
+hits, the connector's weight counters per generator and stale hits (must be 0
+but in the control). No calibration in this mode.
 
 A configuration that cannot run here (its server exits before it answers)
 is reported as not runnable with the engine's own error, never replaced.
@@ -259,10 +272,16 @@ def run_rl_config(config: str, opt: Options, spec, vocab: int, weights_dirs: lis
         p0 = pool_counters(dep.pool.addresses) if dep.pool else None
         c0, m0, b0 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
         bar = _bar(spec.sessions * spec.turns, f"{config} rl", progress)
-        res = rl.run_rl(spec, dep.urls, config, vocab, weights_dirs,
-                        on_done=(lambda r: bar.update(1)) if bar is not None else (lambda r: None))
-        if bar is not None:
-            bar.close()
+        try:
+            res = rl.run_rl(spec, dep.urls, config, vocab, weights_dirs,
+                            on_done=(lambda r: bar.update(1)) if bar is not None else (lambda r: None))
+        except Exception as e:       # an update's RPC failed: say so with the engine's own error if one died
+            dead = dep.dead()
+            raise RuntimeError(f"{config}: the RL run failed ({type(e).__name__}: {e})"
+                               + ("; an engine died:\n" + "\n".join(dead) if dead else "")) from e
+        finally:
+            if bar is not None:
+                bar.close()
         dead = dep.dead()
         if dead:
             raise RuntimeError(f"{config}: an engine died during the run:\n" + "\n".join(dead))
