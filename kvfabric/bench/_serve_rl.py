@@ -248,7 +248,7 @@ def run_rl(spec: RLSpec, urls: list[str], config: str, vocab: int, weights_dirs:
             inst = (s + step) % n
             res = RLResult(len(results) + s, s, inst, time.perf_counter() - t_start, step=step, version=version)
             body = {"model": "tiny", "prompt": prompts[s], "max_tokens": spec.output_tokens, "ignore_eos": True,
-                    "temperature": spec.temperature, "return_token_ids": True}   # no per-request seed: below
+                    "temperature": spec.temperature, "return_token_ids": True}   # no per-request seed: module docstring
             try:
                 ttft, e2e, usage, ids = stream_completion(urls[inst], body, REQUEST_TIMEOUT_S)
                 res.ttft_s, res.e2e_s = ttft, e2e
