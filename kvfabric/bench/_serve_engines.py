@@ -446,6 +446,7 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
     return str(py), str(sites[0])
 
 
-__all__ = ["CONFIGS", "LABELS", "POOL_CONFIGS", "RL_CONFIGS", "OFFLOAD_VARIANTS", "ROUTE_POLICY", "Deployment", "NotRunnable", "Options", "Shape",
+__all__ = ["CONFIGS", "LABELS", "POOL_CONFIGS", "RL_CONFIGS", "OFFLOAD_VARIANTS", "ROUTE_POLICY", "Deployment",
+           "NotRunnable", "Options", "Shape",
            "build_model", "engine_env", "lmcache_installation", "machine_busy_s", "route_stats", "start",
            "tree_cpu_s"]

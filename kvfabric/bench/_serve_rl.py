@@ -120,7 +120,8 @@ class RLSpec:
 
     def describe(self) -> dict[str, Any]:
         return {**self.__dict__, "sessions": self.sessions, "steps": self.turns, "updates": self.updates,
-                "requests": self.sessions * self.turns, "output_tokens": self.sessions * self.turns * self.output_tokens,
+                "requests": self.sessions * self.turns,
+                "output_tokens": self.sessions * self.turns * self.output_tokens,
                 "max_context_tokens": self.max_context}
 
 
@@ -272,7 +273,8 @@ def run_rl(spec: RLSpec, urls: list[str], config: str, vocab: int, weights_dirs:
         generate_s += time.perf_counter() - t0
         done = [r for r in step_results if r is not None]
         for s in range(spec.sessions):
-            seqs.append(_Seq((step, s), version, step_results[s].sent_s if step_results[s] else 0.0, prompts[s] + answers[s]))
+            sent = step_results[s].sent_s if step_results[s] else 0.0
+            seqs.append(_Seq((step, s), version, sent, prompts[s] + answers[s]))
         _measure_stale(done, prompts, seqs)
         results.extend(done)
         for s in range(spec.sessions):
@@ -349,11 +351,11 @@ def print_rl(report: dict[str, Any], out=None) -> None:
     for cfg in report["configs"]:
         for run in cfg.get("runs", []):
             rl = run["rl"]
-            hit = run["vllm_prefix_hit_rate"]
+            hit, loaded = run["vllm_prefix_hit_rate"], run["prefill_loaded_fraction"]
             print(f"{cfg['label']:<44} {rl['rollout_output_tokens_per_s']:>13.1f} "
                   f"{run['ttft_ms_p50'] or 0:>9.0f} {run['ttft_ms_p99'] or 0:>8.0f} "
                   f"{'-' if hit is None else format(hit, '.1%'):>8} "
-                  f"{'-' if run['prefill_loaded_fraction'] is None else format(run['prefill_loaded_fraction'], '.1%'):>7} "
+                  f"{'-' if loaded is None else format(loaded, '.1%'):>7} "
                   f"{'-' if run['pool_get_hit_rate'] is None else format(run['pool_get_hit_rate'], '.1%'):>8} "
                   f"{'/'.join(f'{x:g}' for x in rl['weights_updates_per_generator']):>9} "
                   f"{rl['weights_refused_chunks']:>7g} {rl['stale_tokens']:>9} {rl['stale_requests']:>9}", file=out)
