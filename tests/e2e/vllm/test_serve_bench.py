@@ -109,7 +109,7 @@ def test_serve_bench_rl_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--workload", "rl", "--engine-python", sys.executable,
            "--configs", "vllm,kvfabric", "--rl-prompts", "2", "--rl-group", "2", "--rl-turns", str(RL_TURNS),
            "--rl-update-every", "3", "--rl-system-tokens", "128", "--rl-prompt-tokens", "128", "--rl-obs-tokens", "128",
-           "--rl-output-tokens", "16", "--rl-env-delay-ms", "300", "--max-model-len", "1024", "--instances", "2",
+           "--rl-output-tokens", "16", "--rl-env-delay-ms", "1500", "--max-model-len", "1024", "--instances", "2",
            "--pool-servers", "1", "--layers", str(LAYERS), "--heads", "2", "--kv-heads", str(KV_HEADS),
            "--head-dim", "64", "--hidden", "128", "--kv-mib", "16", "--dram-mib", "64", "--no-progress",
            "--out", str(out)]
@@ -143,6 +143,8 @@ def test_serve_bench_rl_smoke(tmp_path):
     a, d = by["vllm"]["runs"][0]["rl"], by["kvfabric"]["runs"][0]["rl"]
     assert a["weights_updates_per_generator"] == [0, 0], a                   # no connector
     assert d["weights_updates_per_generator"] == [1, 1], d                   # one new version bound on each
+    # the reset was answered although the engines sat idle past lookup_timeout_ms before the next turn
+    assert [w["weights_unversioned"] for w in d["weights"]] == [0, 0], d
     (upd,) = d["updates"]
     assert all(g["bound"] == g["after"] for g in upd["generators"]), upd    # the connector measured the new weights
     assert by["kvfabric"]["runs"][0]["pool"]["puts"] > 0, by["kvfabric"]["runs"][0]["pool"]
