@@ -293,6 +293,9 @@ def run_rl_config(config: str, opt: Options, spec, vocab: int, weights_dirs: lis
                       "router_s": 0.0, "machine_busy_s": m1 - m0}
         row["cpu"]["others_s"] = max(0.0, row["cpu"]["machine_busy_s"] - row["cpu"]["engines_s"]
                                      - row["cpu"]["l2_s"] - row["cpu"]["bench_s"])
+        used = row["cpu"]["engines_s"] + row["cpu"]["l2_s"]
+        out_tokens = sum(r.output_tokens for r in res.results if not r.error)
+        row["output_tokens_per_cpu_s"] = out_tokens / used if used else None
         row["rl"] = rl.rl_figures(res, w0, rl.weights_counters(dep.urls))
         row["load"] = spec.sessions
         row["loadavg"] = os.getloadavg()
