@@ -476,7 +476,6 @@ class SchedulerSide:
             skip_blocks=(start - c0 * chunk) // bs,
             async_load=self.cfg.load_async,
             weights=st.weights,
-            ns_tag=st.ns_tag,
         )
         if self.cfg.load_async:
             st.loading = True

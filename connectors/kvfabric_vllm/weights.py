@@ -26,7 +26,8 @@ So the version is measured on the workers and bound on the scheduler:
    namespace of every request looked up from then on; a request is bound to the version it was
    looked up under (``LoadSpec.weights`` / ``SaveSpec.weights``).
 3. ``reset_prefix_cache(reset_connector=True)`` (or a pause with ``clear_cache``) makes the
-   scheduler hold new lookups (bounded by ``lookup_timeout_ms``) until every worker has
+   scheduler hold new lookups (bounded by ``lookup_timeout_ms`` from the first lookup held: an idle
+   engine runs no step to measure in) until every worker has
    measured its weights again (``KVFabricMetadata.weights_epoch``): after a first
    ``refresh_weights_version`` the reset alone suffices for later in-place updates of the same
    model object. A reset on workers that were never given the model leaves the version
@@ -56,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["params_fingerprint", "refresh_weights_version", "LiveWeights", "WeightsReport"]
+__all__ = ["params_fingerprint", "refresh_weights_version", "KVFabricWorkerExtension", "LiveWeights", "WeightsReport"]
 
 _SAMPLES, _SAMPLE_ELEMS = 8, 256
 _VERSION_MAX = 256   # characters of a driver-given version string
@@ -132,6 +133,7 @@ class LiveWeights:
         self.current: tuple[str, ...] | None = ()
         self._ranks: dict[int, tuple[int, str]] = {}
         self._pending_since = 0.0        # monotonic time of the unanswered reset (0: none)
+        self._held_since = 0.0           # when a lookup first waited for it (0: none yet)
 
     @property
     def pending(self) -> bool:
@@ -142,6 +144,7 @@ class LiveWeights:
         has measured its weights again; the new epoch."""
         self.epoch += 1
         self._pending_since = time.monotonic() if now is None else now
+        self._held_since = 0.0
         return self.epoch
 
     def report(self, rep: WeightsReport) -> bool:
@@ -155,16 +158,25 @@ class LiveWeights:
             return False
         fps = tuple(self._ranks[r][1] for r in range(self.tp_size))
         new = None if not all(fps) else fps
-        self._pending_since = 0.0
+        self._pending_since = self._held_since = 0.0
         changed, self.current = new != self.current, new
         return changed
 
     def expire(self, limit_s: float, now: float | None = None) -> bool:
-        """A reset unanswered for ``limit_s``: the version is unknown (pool off); True if so now."""
+        """Called by a lookup that waits for the reset's measurement: the reset unanswered ``limit_s``
+        after the first such lookup makes the version unknown (pool off); True if so now.
+
+        The clock starts at the first waiting lookup, not at the reset: the workers measure at the
+        next engine step, and an idle engine (an RL driver resets between rollouts) runs none until
+        a request comes, however long after the reset that is."""
         now = time.monotonic() if now is None else now
-        if not self.pending or now - self._pending_since <= limit_s:
+        if not self.pending:
             return False
-        self._pending_since = 0.0
+        if not self._held_since:
+            self._held_since = now
+        if now - self._held_since <= limit_s:
+            return False
+        self._pending_since = self._held_since = 0.0
         self.current = None
         return True
 
@@ -176,3 +188,24 @@ class LiveWeights:
         if not self.current:
             return self.files_tag
         return "live-" + hashlib.sha256("\0".join(self.current).encode()).hexdigest()[:32]
+
+
+class KVFabricWorkerExtension:
+    """Worker methods an OpenAI server can run by name: start vLLM with ``--worker-extension-cls
+    kvfabric_vllm.weights.KVFabricWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``, then
+    ``POST /collective_rpc {"method": "refresh_weights_version"}`` (optionally ``"kwargs":
+    {"version": "step-42"}``).
+
+    vLLM 0.32's ``/collective_rpc`` endpoint calls a worker attribute named by a string with string
+    arguments only (no pickled function), so the function above cannot be sent over HTTP; vLLM mixes
+    this class into its worker class, which gives the name. ``reload_weights`` (``{"kwargs":
+    {"weights_path": DIR}}``) is vLLM's own and needs nothing from here."""
+
+    def refresh_weights_version(self, version: str = "") -> str:
+        """:func:`refresh_weights_version` on this worker (raises without the kvfabric connector)."""
+        return refresh_weights_version(self, version)
+
+    def kvfabric_weights_fingerprint(self) -> str:
+        """This worker's :func:`params_fingerprint` now, bound nowhere: a check any engine (with or
+        without the connector) can answer that its weights in memory changed."""
+        return params_fingerprint(self.get_model().named_parameters())

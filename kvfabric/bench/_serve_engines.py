@@ -52,6 +52,9 @@ CONNECTORS = ROOT / "connectors"
 CHUNK_TOKENS = 128          # the kvfabric connector's chunk: vLLM's CPU block size
 
 CONFIGS = ("vllm", "vllm-offload", "lmcache", "kvfabric", "kvfabric-ssd", "route-rr", "route", "vllm-route")
+# the RL workload's (``--workload rl``, _serve_rl): vLLM alone and the DRAM pool as above, plus the pool with
+# ``weights_retire`` and a control whose driver never tells the connector (stale KV is served: the detector works)
+RL_CONFIGS = ("vllm", "kvfabric", "kvfabric-retire", "kvfabric-unversioned")
 LABELS = {"vllm": "(a) vLLM alone, prefix cache, KV limited",
           "vllm-offload": "(b) vLLM + its CPU OffloadingConnector",
           "lmcache": "(c) vLLM + LMCache remote server (peer L2)",
@@ -59,7 +62,12 @@ LABELS = {"vllm": "(a) vLLM alone, prefix cache, KV limited",
           "kvfabric-ssd": "(e) vLLM + kvfabric pool, DRAM + SSD",
           "route-rr": "(f) (d) behind kvfabric route, round robin",
           "route": "(g) (d) behind kvfabric route, KV-aware",
-          "vllm-route": "(h) (a) behind kvfabric route, KV-aware"}
+          "vllm-route": "(h) (a) behind kvfabric route, KV-aware",
+          "kvfabric-retire": "(d') (d) with weights_retire",
+          "kvfabric-unversioned": "(x) (d), connector never told: CONTROL"}
+# pool configurations and the connector settings each adds
+POOL_CONFIGS = {"kvfabric": {}, "kvfabric-ssd": {}, "route-rr": {}, "route": {},
+                "kvfabric-retire": {"weights_retire": True}, "kvfabric-unversioned": {}}
 # the router's policy per configuration that has one (the same deployment otherwise: (d), or (a) for
 # vllm-route, plus each engine's KV events)
 ROUTE_POLICY = {"route-rr": "rr", "route": "kv", "vllm-route": "kv"}
@@ -107,12 +115,13 @@ def engine_env(python: str, extra_path: list[str] = ()) -> dict[str, str]:
     return env
 
 
-def build_model(python: str, out: Path, shape: Shape, timeout_s: float = 600) -> Path:
+def build_model(python: str, out: Path, shape: Shape, timeout_s: float = 600, seed: int = 0) -> Path:
     """Build the random-weight Llama of ``shape`` in ``out`` with the engine's interpreter (it has torch and
-    transformers); RuntimeError with the builder's output when it fails."""
+    transformers), its weights drawn with ``seed`` (another seed: the same architecture, other weights, what an
+    RL trainer pushes); RuntimeError with the builder's output when it fails."""
     code = ("import sys, kvfabric_vllm.tinymodel as t; "
             f"t.TINY_LLAMA = dict(t.TINY_LLAMA, **{shape.overrides()!r}); "
-            "print(t.build_tiny_llama(sys.argv[1]))")
+            f"print(t.build_tiny_llama(sys.argv[1], seed={int(seed)}))")
     proc = subprocess.run([python, "-c", code, str(out)], env=engine_env(python), capture_output=True, text=True,
                           timeout=timeout_s)
     if proc.returncode != 0:
@@ -139,6 +148,7 @@ class Options:
     lmcache_site: str = ""           # site-packages of an LMCache installation ("" = none)
     lmcache_python: str = ""         # its interpreter, for its remote server
     start_timeout_s: float = 900.0
+    engine_extra: tuple[str, ...] = ()   # more arguments for every vLLM server (the RL workload's extension)
 
 
 @dataclass
@@ -188,12 +198,13 @@ def _engine_args(opt: Options, port: int) -> list[str]:
             "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
             "--kv-cache-memory-bytes", str(opt.kv_bytes), "--max-model-len", str(opt.max_model_len),
             "--max-num-batched-tokens", str(opt.max_batched_tokens), "--seed", "0",
-            "--enable-prompt-tokens-details", "--enable-prefix-caching"]
+            "--enable-prompt-tokens-details", "--enable-prefix-caching", *opt.engine_extra]
 
 
-def _kvfabric_flag(servers: list[str]) -> list[str]:
+def _kvfabric_flag(servers: list[str], extra: dict | None = None) -> list[str]:
     flag = {"kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric_vllm.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"servers": servers, "chunk_tokens": CHUNK_TOKENS}}
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"servers": servers, "chunk_tokens": CHUNK_TOKENS, **(extra or {})}}
     return ["--kv-transfer-config", json.dumps(flag)]
 
 
@@ -248,11 +259,13 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
             events = [["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                          "endpoint": f"tcp://*:{free_port()}"})]
                       for _ in range(opt.instances)]
-        if config in ("kvfabric", "kvfabric-ssd", "route-rr", "route"):
+        if config in POOL_CONFIGS:
             pool = _start_pool(opt, ssd=config == "kvfabric-ssd")
             if config == "kvfabric-ssd":
                 settings.update(ssd_bytes=opt.ssd_bytes, ssd_paths=pool.ssd_paths)
-            extra = _kvfabric_flag(pool.addresses)
+            extra = _kvfabric_flag(pool.addresses, POOL_CONFIGS[config])
+            if POOL_CONFIGS[config]:
+                settings.update(connector_extra=POOL_CONFIGS[config])
             settings.update(pool=pool.addresses, dram_bytes=opt.dram_bytes, server_transports=opt.server_transports)
         elif config == "vllm-offload":
             gib = opt.dram_bytes / opt.instances / (1 << 30)
@@ -433,6 +446,7 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
     return str(py), str(sites[0])
 
 
-__all__ = ["CONFIGS", "LABELS", "OFFLOAD_VARIANTS", "ROUTE_POLICY", "Deployment", "NotRunnable", "Options", "Shape",
+__all__ = ["CONFIGS", "LABELS", "POOL_CONFIGS", "RL_CONFIGS", "OFFLOAD_VARIANTS", "ROUTE_POLICY", "Deployment",
+           "NotRunnable", "Options", "Shape",
            "build_model", "engine_env", "lmcache_installation", "machine_busy_s", "route_stats", "start",
            "tree_cpu_s"]

@@ -58,13 +58,23 @@ class Result:
 def complete(url: str, prompt: list[int], max_tokens: int, model: str = "tiny",
              timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[float, float, dict]:
     """One streamed completion: (TTFT s, end-to-end s, usage); raises on any failure."""
+    ttft, e2e, usage, _ = stream_completion(url, {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0.0, "ignore_eos": True}, timeout_s)
+    return ttft, e2e, usage
+
+
+def stream_completion(url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S,
+                      ) -> tuple[float, float, dict, list[int]]:
+    """``body`` (a completion request) streamed with the usage in the last event: (TTFT s, end-to-end s,
+    usage, the output's token ids when ``body`` asks ``return_token_ids``, else []); raises on any failure.
+    TTFT is taken at the first event that carries generated text or token ids."""
     u = urlsplit(url)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    ids: list[int] = []
     try:
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", data, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
@@ -75,15 +85,17 @@ def complete(url: str, prompt: list[int], max_tokens: int, model: str = "tiny",
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if ttft is None and any(c.get("text") for c in event.get("choices") or []):
-                ttft = time.perf_counter() - t0
+            for c in event.get("choices") or []:
+                if ttft is None and (c.get("text") or c.get("token_ids")):
+                    ttft = time.perf_counter() - t0
+                ids.extend(c.get("token_ids") or ())
             usage = event.get("usage") or usage
         e2e = time.perf_counter() - t0
     finally:
         conn.close()
     if not usage:
         raise RuntimeError("the stream ended without usage")
-    return (e2e if ttft is None else ttft), e2e, usage
+    return (e2e if ttft is None else ttft), e2e, usage, ids
 
 
 class _RoundRobin:
@@ -156,4 +168,4 @@ def run(workload: Workload, urls: list[str], *, concurrency: int | None, epoch: 
     return [r for r in results if r is not None], wall
 
 
-__all__ = ["Result", "complete", "run"]
+__all__ = ["Result", "complete", "run", "stream_completion"]

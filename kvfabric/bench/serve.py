@@ -6,6 +6,8 @@ on exit) and replays a Mooncake trace against each configuration in turn::
     kvfabric bench serve --engine-python .venvs/vllm/bin/python [--trace mooncake-conversation]
         [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd,route-rr,route,vllm-route]
         [--instances 2] [--kv-mib 128] [--dram-mib 256] [--ssd-mib 1024] [--out bench-results/serve.json]
+    kvfabric bench serve --workload rl --engine-python .venvs/vllm/bin/python [--rl-prompts 4 --rl-group 4
+        --rl-turns 4 --rl-update-every 2 --rl-env-delay-ms 1000] [--configs vllm,kvfabric,kvfabric-retire]
 
 The parts (each a module beside this one):
 
@@ -40,6 +42,17 @@ of the kvfabric run. The model shape (``--layers --kv-heads --head-dim``)
 sets the KV bytes per token and with them r; ``--calibrate-only`` measures r
 and stops.
 
+**RL rollouts** (``--workload rl``; ``_serve_rl``): groups of ``--rl-group``
+samples of ``--rl-prompts`` prompts, ``--rl-turns`` agent turns each (one turn
+of every session per step, an environment delay between steps), every turn on
+another generator than the previous, a weight update in memory on every
+generator every ``--rl-update-every`` steps (over the servers' HTTP dev
+endpoints: ``reload_weights`` + ``refresh_weights_version``, a worker
+extension), on ``vllm``, ``kvfabric``, ``kvfabric-retire`` (``weights_retire``)
+and the control ``kvfabric-unversioned``; reports rollout tokens/s, TTFT,
+hits, the connector's weight counters per generator and stale hits (must be 0
+but in the control). No calibration in this mode.
+
 A configuration that cannot run here (its server exits before it answers)
 is reported as not runnable with the engine's own error, never replaced.
 Prints a table, writes JSON (``--out``) and a PNG (``--plot``). Exit
@@ -59,7 +72,7 @@ from typing import Any
 
 from ..testing.poll import wait_for
 from . import proc_cpu_s, write_json
-from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, NotRunnable, Options, Shape,
+from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, RL_CONFIGS, NotRunnable, Options, Shape,
                              build_model, lmcache_installation, machine_busy_s, route_stats, start)
 from ._serve_load import Result, complete, run
 from ._serve_report import delta, plot, pool_counters, print_table, summarize, vllm_counters
@@ -235,6 +248,121 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
     return entry
 
 
+def run_rl_config(config: str, opt: Options, spec, vocab: int, weights_dirs: list[str],
+                  progress: bool) -> dict[str, Any]:
+    """Start ``config`` with the RL extension, run the RL workload once (``_serve_rl``), stop it; its entry."""
+    from . import _serve_rl as rl
+
+    entry: dict[str, Any] = {"config": config, "label": LABELS[config], "runs": []}
+    t0 = time.monotonic()
+    try:
+        dep = start(config, opt, {"VLLM_SERVER_DEV_MODE": "1"})
+    except NotRunnable as e:
+        entry["not_runnable"] = str(e).strip().splitlines()[0]
+        print(f"{config}: NOT RUNNABLE here: {entry['not_runnable']}", file=sys.stderr)
+        return entry
+    entry["start_s"] = time.monotonic() - t0
+    entry["settings"] = dep.settings
+    try:
+        entry["fingerprints_at_start"] = rl.prepare(dep.urls, config)
+        for url in dep.urls:                       # warm-up, after prepare: its first version is bound now
+            complete(url, list(range(8, 8 + 2 * CHUNK_TOKENS)), 2)
+        v0 = vllm_counters(dep.urls)
+        w0 = rl.weights_counters(dep.urls)
+        p0 = pool_counters(dep.pool.addresses) if dep.pool else None
+        c0, m0, b0 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
+        bar = _bar(spec.sessions * spec.turns, f"{config} rl", progress)
+        try:
+            res = rl.run_rl(spec, dep.urls, config, vocab, weights_dirs,
+                            on_done=(lambda r: bar.update(1)) if bar is not None else (lambda r: None))
+        except Exception as e:       # an update's RPC failed: say so with the engine's own error if one died
+            dead = dep.dead()
+            raise RuntimeError(f"{config}: the RL run failed ({type(e).__name__}: {e})"
+                               + ("; an engine died:\n" + "\n".join(dead) if dead else "")) from e
+        finally:
+            if bar is not None:
+                bar.close()
+        dead = dep.dead()
+        if dead:
+            raise RuntimeError(f"{config}: an engine died during the run:\n" + "\n".join(dead))
+        v = settled_vllm_counters(dep.urls, v0, sum(r.output_tokens for r in res.results if not r.error))
+        p = delta(p0, pool_counters(dep.pool.addresses)) if dep.pool else None
+        c1, m1, b1 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
+        row = summarize(res.results, res.wall_s, {r.index for r in res.results if r.step}, v, p)
+        row["cpu"] = {"engines_s": c1["engines"] - c0["engines"], "l2_s": c1["l2"] - c0["l2"], "bench_s": b1 - b0,
+                      "router_s": 0.0, "machine_busy_s": m1 - m0}
+        row["cpu"]["others_s"] = max(0.0, row["cpu"]["machine_busy_s"] - row["cpu"]["engines_s"]
+                                     - row["cpu"]["l2_s"] - row["cpu"]["bench_s"])
+        used = row["cpu"]["engines_s"] + row["cpu"]["l2_s"]
+        out_tokens = sum(r.output_tokens for r in res.results if not r.error)
+        row["output_tokens_per_cpu_s"] = out_tokens / used if used else None
+        row["rl"] = rl.rl_figures(res, w0, rl.weights_counters(dep.urls))
+        row["load"] = spec.sessions
+        row["loadavg"] = os.getloadavg()
+        row["results"] = [r.to_json() for r in res.results]
+        entry["runs"].append(row)
+    finally:
+        dep.stop()
+    return entry
+
+
+def rl_main(args: argparse.Namespace, shape: Shape) -> int:
+    """``--workload rl``: the RL rollout preset (``_serve_rl``) over ``--configs`` (default: vLLM alone and the
+    DRAM pool with and without ``weights_retire``)."""
+    from . import _serve_rl as rl
+
+    configs = [c for c in (args.configs or "vllm,kvfabric,kvfabric-retire").split(",") if c]
+    bad = [c for c in configs if c not in RL_CONFIGS]
+    try:
+        spec = rl.RLSpec(prompts=args.rl_prompts, group=args.rl_group, turns=args.rl_turns,
+                         update_every=args.rl_update_every, system_tokens=args.rl_system_tokens,
+                         prompt_tokens=args.rl_prompt_tokens, obs_tokens=args.rl_obs_tokens,
+                         output_tokens=args.rl_output_tokens, env_delay_s=args.rl_env_delay_ms / 1000,
+                         temperature=args.rl_temperature, seed=args.seed)
+    except ValueError as e:
+        print(f"kvfabric bench serve: {e}", file=sys.stderr)
+        return 2
+    if bad or not configs or args.instances < 2 or spec.max_context >= args.max_model_len:
+        print(f"kvfabric bench serve --workload rl: need configs among {', '.join(RL_CONFIGS)} (got {bad or configs}), "
+              f"--instances >= 2 (sessions move between generators), and --max-model-len above the longest "
+              f"context ({spec.max_context} tokens)", file=sys.stderr)
+        return 2
+    d = spec.describe()
+    print(f"rl workload: {d['prompts']} prompts x {d['group']} samples = {d['sessions']} sessions, {d['turns']} turns "
+          f"(steps), a weight update every {d['update_every']} steps ({d['updates']} in all) on each of "
+          f"{args.instances} generators, environment delay {spec.env_delay_s:g} s, contexts up to "
+          f"{d['max_context_tokens']} tokens, {d['requests']} requests", flush=True)
+    report: dict[str, Any] = {"args": vars(args), "workload": "rl", "rl": d, "instances": args.instances,
+                              "shape": {**shape.__dict__, "kv_bytes_per_token": shape.kv_bytes_per_token},
+                              "configs": []}
+    logs = Path(args.logs or Path(args.out).with_suffix("").as_posix() + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    report["logs"] = str(logs)
+    with tempfile.TemporaryDirectory(prefix="kvf-serve-rl-") as tmp:
+        model = args.model or str(build_model(args.engine_python, Path(tmp) / "model", shape))
+        # update k loads the k-th other random model of the same shape (seed k): other weights each time
+        weights = [str(build_model(args.engine_python, Path(tmp) / f"weights-{k}", shape, seed=k))
+                   for k in range(1, spec.updates + 1)]
+        report["weights_dirs"] = len(weights)
+        opt = Options(python=args.engine_python, model=model, instances=args.instances, kv_bytes=_mib(args.kv_mib),
+                      dram_bytes=_mib(args.dram_mib), ssd_bytes=_mib(args.ssd_mib), ssd_dir=args.ssd_dir,
+                      pool_servers=args.pool_servers, max_model_len=args.max_model_len,
+                      max_batched_tokens=args.max_model_len, workdir=logs,
+                      server_transports=args.server_transports, engine_extra=("--worker-extension-cls", rl.EXTENSION))
+        for config in configs:
+            report["configs"].append(run_rl_config(config, opt, spec, shape.vocab, weights, args.progress))
+    report["loadavg"] = os.getloadavg()
+    print(f"load average {report['loadavg'][0]:.1f} {report['loadavg'][1]:.1f} on {os.cpu_count()} CPUs")
+    if any(c.get("runs") for c in report["configs"]):
+        print_table(report)
+        rl.print_rl(report)
+    for c in report["configs"]:
+        if c.get("not_runnable"):
+            print(f"NOT RUN {c['label']}: {c['not_runnable']}")
+    write_json(args.out, report)
+    return 0 if any(c.get("runs") for c in report["configs"]) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench serve", description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default="mooncake-conversation", help="bundled trace name or file")
@@ -249,7 +377,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--mode", choices=["closed", "open"], default="closed")
     ap.add_argument("--loads", default="1,4", help="closed: sessions in flight; open: speed-ups (comma list)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default=None,
+                    help=f"some of {','.join(CONFIGS)} (default all); --workload rl: some of {','.join(RL_CONFIGS)} "
+                         f"(default vllm,kvfabric,kvfabric-retire)")
+    ap.add_argument("--workload", choices=["trace", "rl"], default="trace",
+                    help="trace: replay --trace's sessions; rl: RL rollouts (groups, agent turns, weight updates)")
+    rlg = ap.add_argument_group("--workload rl")
+    rlg.add_argument("--rl-prompts", type=int, default=4, help="prompts (tasks) per run")
+    rlg.add_argument("--rl-group", type=int, default=4, help="samples per prompt (sessions = prompts x group)")
+    rlg.add_argument("--rl-turns", type=int, default=4, help="agent turns per session (= steps)")
+    rlg.add_argument("--rl-update-every", type=int, default=2, help="steps between weight updates")
+    rlg.add_argument("--rl-system-tokens", type=int, default=256, help="system prompt shared by every prompt")
+    rlg.add_argument("--rl-prompt-tokens", type=int, default=384, help="each prompt's own tokens")
+    rlg.add_argument("--rl-obs-tokens", type=int, default=128, help="environment observation per turn")
+    rlg.add_argument("--rl-output-tokens", type=int, default=64, help="generated tokens per turn")
+    rlg.add_argument("--rl-env-delay-ms", type=float, default=1000.0, help="environment delay between steps")
+    rlg.add_argument("--rl-temperature", type=float, default=1.0)
     ap.add_argument("--instances", type=int, default=2,
                     help="vLLM instances (behind round-robin routing, or kvfabric route for route configs)")
     ap.add_argument("--pool-servers", type=int, default=2)
@@ -277,7 +420,14 @@ def main(argv: list[str] | None = None) -> int:
                                                  "(default: --out without .json, plus -logs)")
     args = ap.parse_args(argv)
 
-    configs = [c for c in args.configs.split(",") if c]
+    shape = Shape(args.layers, args.heads, args.kv_heads, args.head_dim, args.hidden)
+    if args.workload == "rl":
+        if _mib(args.kv_mib) < (args.max_model_len + CHUNK_TOKENS) * shape.kv_bytes_per_token:
+            print(f"kvfabric bench serve: --kv-mib {args.kv_mib:g} cannot hold one request of --max-model-len "
+                  f"{args.max_model_len}", file=sys.stderr)
+            return 2
+        return rl_main(args, shape)
+    configs = [c for c in (args.configs or ",".join(CONFIGS)).split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
     try:
         loads = [float(x) for x in args.loads.split(",") if x]
@@ -287,7 +437,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfabric bench serve: need configs among {', '.join(CONFIGS)} (got {bad or configs}), positive "
               f"--loads, --instances and --pool-servers >= 1", file=sys.stderr)
         return 2
-    shape = Shape(args.layers, args.heads, args.kv_heads, args.head_dim, args.hidden)
     need = (args.max_model_len + CHUNK_TOKENS) * shape.kv_bytes_per_token
     if _mib(args.kv_mib) < need:
         print(f"kvfabric bench serve: --kv-mib {args.kv_mib:g} cannot hold one request of --max-model-len "

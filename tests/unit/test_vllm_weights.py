@@ -59,10 +59,17 @@ def test_a_rank_without_a_model_makes_the_version_unknown():
 def test_an_unanswered_reset_expires_to_unknown():
     w = LiveWeights(1, files_tag="f")
     w.reset(now=10.0)
-    assert not w.expire(1.0, now=11.0) and w.pending
-    assert w.expire(1.0, now=11.5)
+    # the clock starts at the first lookup that waits (an idle engine runs no step to measure in)
+    assert not w.expire(1.0, now=50.0) and w.pending
+    assert not w.expire(1.0, now=51.0) and w.pending
+    assert w.expire(1.0, now=51.5)
     assert not w.pending and w.current is None and w.tag() is None
-    assert not w.expire(1.0, now=20.0)
+    assert not w.expire(1.0, now=60.0)
+    # a later reset starts a new clock; a report in time answers it
+    w.reset(now=70.0)
+    assert not w.expire(1.0, now=80.0)
+    assert w.report(WeightsReport({0: (2, "m")})) and not w.pending
+    assert not w.expire(1.0, now=90.0) and w.current == ("m",)
 
 
 def test_reports_merge_per_rank_keeping_the_newest_epoch():

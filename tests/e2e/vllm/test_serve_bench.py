@@ -94,3 +94,57 @@ def test_serve_bench_route_smoke(tmp_path):
     v, pool = run["vllm"], run["pool"]
     assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS, (pool, v)
     assert v["tokens_external_kv_transfer"] == v["kvfabric_load_tokens"] == v["external_hits"], v
+
+
+RL_SESSIONS, RL_TURNS = 4, 4
+
+
+def test_serve_bench_rl_smoke(tmp_path):
+    """``--workload rl`` at its smallest (issue 27 part 4): two prompts of two samples, four turns, one weight
+    update (after turn 3) on each of two generators, vLLM alone (a) and the DRAM pool (d). Asserted: every
+    request answered, the update was real on every generator (its weights' fingerprint changed, to the same one
+    everywhere), the connector bound the new version once per generator (``weights_updates``), no stale hit, and
+    the JSON's structure. Never a speed, nor how much the pool was hit (timing)."""
+    out = tmp_path / "rl.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--workload", "rl", "--engine-python", sys.executable,
+           "--configs", "vllm,kvfabric", "--rl-prompts", "2", "--rl-group", "2", "--rl-turns", str(RL_TURNS),
+           "--rl-update-every", "3", "--rl-system-tokens", "128", "--rl-prompt-tokens", "128", "--rl-obs-tokens", "128",
+           "--rl-output-tokens", "16", "--rl-env-delay-ms", "1500", "--max-model-len", "1024", "--instances", "2",
+           "--pool-servers", "1", "--layers", str(LAYERS), "--heads", "2", "--kv-heads", str(KV_HEADS),
+           "--head-dim", "64", "--hidden", "128", "--kv-mib", "16", "--dram-mib", "64", "--no-progress",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                                  f"--- stderr\n{proc.stderr[-6000:]}")
+    rep = json.loads(out.read_text())
+    assert rep["workload"] == "rl" and rep["rl"]["sessions"] == RL_SESSIONS and rep["rl"]["updates"] == 1, rep["rl"]
+    by = {c["config"]: c for c in rep["configs"]}
+    assert set(by) == {"vllm", "kvfabric"}, list(by)
+    for name, cfg in by.items():
+        assert not cfg.get("not_runnable"), (name, cfg.get("not_runnable"))
+        (run,) = cfg["runs"]
+        assert run["requests"] == RL_SESSIONS * RL_TURNS and run["errors"] == 0, (name, run["errors_sample"])
+        res = run["results"]
+        assert all(r["output_tokens"] == 16 and r["ttft_s"] > 0 for r in res), res
+        # rebalanced: every turn of a session on another generator than its previous turn
+        turns = {(r["session"], r["step"]): r["instance"] for r in res}
+        assert all(turns[s, t] != turns[s, t - 1] for s in range(RL_SESSIONS) for t in range(1, RL_TURNS)), turns
+        assert [r["version"] for r in res] == [0] * 12 + [1] * 4, [r["version"] for r in res]
+        rl = run["rl"]
+        (upd,) = rl["updates"]
+        assert upd["after_step"] == 3 and len(upd["generators"]) == 2, upd
+        # the update was real on every generator: other weights in memory, the same new ones on both
+        afters = {tuple(g["after"]) for g in upd["generators"]}
+        assert all(g["before"] != g["after"] for g in upd["generators"]) and len(afters) == 1, upd
+        assert rl["stale_tokens"] == 0 and rl["stale_requests"] == 0, rl
+        assert all(r["stale_tokens"] == 0 and r["cached_tokens"] <= r["legit_tokens"] for r in res), res
+        assert rl["rollout_output_tokens_per_s"] > 0 and set(rl["weights"][0]) >= {
+            "weights_updates", "weights_refused_chunks", "weights_retires"}, rl
+    a, d = by["vllm"]["runs"][0]["rl"], by["kvfabric"]["runs"][0]["rl"]
+    assert a["weights_updates_per_generator"] == [0, 0], a                   # no connector
+    assert d["weights_updates_per_generator"] == [1, 1], d                   # one new version bound on each
+    # the reset was answered although the engines sat idle past lookup_timeout_ms before the next turn
+    assert [w["weights_unversioned"] for w in d["weights"]] == [0, 0], d
+    (upd,) = d["updates"]
+    assert all(g["bound"] == g["after"] for g in upd["generators"]), upd    # the connector measured the new weights
+    assert by["kvfabric"]["runs"][0]["pool"]["puts"] > 0, by["kvfabric"]["runs"][0]["pool"]
