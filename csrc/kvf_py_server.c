@@ -287,6 +287,29 @@ static PyObject *Server_drain(ServerObject *self, PyObject *arg)
     return out;
 }
 
+static PyObject *Server_tier_events(ServerObject *self, PyObject *arg)
+{
+    NEED_SRV(self);
+    long max = PyLong_AsLong(arg);
+    if (max <= 0 || max > 1 << 16) return PyErr_Format(PyExc_ValueError, "max must be in 1..2**16");
+    if (!self->tier) return Py_BuildValue("([]K)", 0ull);
+    struct kvf_tier_event *ev = PyMem_Malloc(sizeof(struct kvf_tier_event) * (size_t)max);
+    if (!ev) return PyErr_NoMemory();
+    uint64_t dropped = 0;
+    uint32_t n = kvf_tier_events_drain(self->tier, ev, (uint32_t)max, &dropped);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *t = Py_BuildValue("(iy#Ky#IK)", ev[i].type, (const char *)ev[i].key, (Py_ssize_t)ev[i].klen,
+                                    (unsigned long long)ev[i].size, ev[i].glen ? (const char *)ev[i].gkey : NULL,
+                                    (Py_ssize_t)ev[i].glen, ev[i].gparts, (unsigned long long)ev[i].ghash);
+        if (!t) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, t);
+    }
+    PyMem_Free(ev);
+    if (!out) return NULL;
+    return Py_BuildValue("(NK)", out, (unsigned long long)dropped);
+}
+
 static int key_arg(PyObject *arg, Py_buffer *b)
 {
     if (PyObject_GetBuffer(arg, b, PyBUF_SIMPLE)) return -1;
@@ -409,7 +432,7 @@ static PyObject *Server_auth_failures(ServerObject *self, PyObject *noargs)
 }
 
 PyDoc_STRVAR(tier_open_doc,
-"tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0, gid=-1)\n"
+"tier_open(paths, capacity, admit=0, write_queue=64<<20, promote_max=0, gid=-1, events=0)\n"
 "Open the SSD tier (one file per directory in paths; capacity bytes in all), rebuild its index from\n"
 "the files and attach it: evicted objects are written behind, GET/LOOKUP read missing keys back.\n"
 "admit: 0 all, 1 only objects read at least once. promote_max: bytes of arena slots (whole 4 KiB\n"
@@ -417,21 +440,24 @@ PyDoc_STRVAR(tier_open_doc,
 "(0: capacity of the arena / 4). Before run(). Raises OSError(errno, reason) when a path is missing\n"
 "or unwritable, O_DIRECT is unsupported (EINVAL), the space cannot be preallocated (ENOSPC).\n"
 "paths may be empty (no SSD tier: the tier thread alone, for the shared tier of shared_path).\n"
+"events: SSD index events kept for tier_events() (0: none recorded).\n"
 "gid: the tier group (-1 none): a new tier file is 0640 of it, an existing one may be group-readable.\n"
 "A tier file that is a symlink, not a regular file, has other links, belongs to another uid or is\n"
 "open to group or others beyond that is refused (OSError with the reason).");
 
 static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"paths", "capacity", "admit", "write_queue", "promote_max", "gid", NULL};
+    static char *kwlist[] = {"paths", "capacity", "admit", "write_queue", "promote_max", "gid", "events", NULL};
     PyObject *paths_o;
     unsigned long long capacity, write_queue = 64ull << 20, promote_max = 0;
     int admit = 0;
     long long gid = -1;
+    unsigned int events = 0;
     NEED_SRV(self);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OK|iKKL", kwlist, &paths_o, &capacity, &admit, &write_queue,
-                                     &promote_max, &gid))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OK|iKKLI", kwlist, &paths_o, &capacity, &admit, &write_queue,
+                                     &promote_max, &gid, &events))
         return NULL;
+    if (events > KVF_TIER_EVENTS_MAX) return PyErr_Format(PyExc_ValueError, "events must be 0..%u", KVF_TIER_EVENTS_MAX);
     if (self->tier || self->running) return PyErr_Format(PyExc_RuntimeError, "tier already open, or running");
     if (admit != KVF_ADMIT_ALL && admit != KVF_ADMIT_HIT) return PyErr_Format(PyExc_ValueError, "admit is 0 or 1");
     PyObject *seq = PySequence_Fast(paths_o, "paths must be a sequence of str");
@@ -451,7 +477,8 @@ static PyObject *Server_tier_open(ServerObject *self, PyObject *args, PyObject *
         return PyErr_Format(PyExc_ValueError, "gid must be -1 (none) or a group id");
     }
     struct kvf_tier_cfg cfg = {paths, (uint32_t)n, capacity, write_queue, admit,
-                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4, gid, self->ns};
+                               promote_max ? promote_max : kvf_store_capacity(self->st) / 4, gid, self->ns,
+                               events};
     char err[512];
     int rc = 0;
     struct kvf_tier *t = NULL;
@@ -533,6 +560,9 @@ static PyMethodDef Server_methods[] = {
     {"drain", (PyCFunction)Server_drain, METH_O, "drain(max) -> [(type, key, size, parent|None, group|None)] (1 insert, 2 access, 3 remove; a group's "
      "events name it by its representative key, size its bytes)"},
     {"evict", (PyCFunction)Server_evict, METH_O, evict_doc},
+    {"tier_events", (PyCFunction)Server_tier_events, METH_O,
+     "tier_events(max) -> ([(type, key, size, gkey|None, gparts, ghash)], dropped ever): the SSD index's events "
+     "(1 stored, 2 removed; gkey on a group object's STORED only) kept since tier_open(events=N), oldest first"},
     {"is_pinned", (PyCFunction)Server_is_pinned, METH_O, "is_pinned(key) -> bool"},
     {"space_done", (PyCFunction)Server_space_done, METH_O, "space_done(exhausted) -> round; wakes parked PUTs"},
     {"sweep", (PyCFunction)Server_sweep, METH_O,

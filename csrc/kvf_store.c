@@ -636,6 +636,14 @@ int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 
 static int64_t evict_group(struct kvf_store *st, uint32_t id);
 
+/* The REMOVE event of an eviction (lock held): the policy, which chose the victim, has forgotten it
+ * already and skips it; the server's KV events (--kv-events) publish it. */
+static void evicted_event(struct kvf_store *st, uint32_t id)
+{
+    const struct entry *r = rep_of(st, id);
+    event(st, KVF_EV_REMOVE, r->key, r->klen, 0, NULL, 0, group_of(st, id));
+}
+
 int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
 {
     pthread_mutex_lock(&st->mu);
@@ -643,31 +651,34 @@ int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen)
     int64_t rc;
     if (i == NONE) rc = -ENOENT;
     else if (unit_pinned(st, i, kvf_now_ms())) rc = -EBUSY;
-    else if (st->ents[i].grp != NONE) rc = evict_group(st, i);
-    else if (st->evict_hook) {
-        /* unindexed now, its slot kept (DEAD, one pin) while the hook copies it out */
-        struct entry *e = &st->ents[i];
-        rc = (int64_t)pages_for(e->size) * KVF_PAGE;
-        unlink_entry(st, i);
-        e->state = E_DEAD;
-        e->pins = 1;
-        st->evictions++;
-        kvf_evict_hook fn = st->evict_hook;
-        void *arg = st->evict_arg;
-        uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
-        uint32_t klen2 = e->klen, hits = e->hits;
-        uint64_t off = e->off, size = e->size, csum = e->csum, nsref = e->nsref;
-        memcpy(key2, e->key, klen2);
-        pthread_mutex_unlock(&st->mu);
-        fn(arg, key2, klen2, st->base + off, size, csum, hits, NULL, 0, 0, nsref);
-        pthread_mutex_lock(&st->mu);
-        e = &st->ents[i]; /* the array may have grown meanwhile */
-        e->pins = 0;
-        release_entry(st, i);
-    } else {
-        rc = (int64_t)pages_for(st->ents[i].size) * KVF_PAGE;
-        remove_entry(st, i);
-        st->evictions++;
+    else {
+        evicted_event(st, i);
+        if (st->ents[i].grp != NONE) rc = evict_group(st, i);
+        else if (st->evict_hook) {
+            /* unindexed now, its slot kept (DEAD, one pin) while the hook copies it out */
+            struct entry *e = &st->ents[i];
+            rc = (int64_t)pages_for(e->size) * KVF_PAGE;
+            unlink_entry(st, i);
+            e->state = E_DEAD;
+            e->pins = 1;
+            st->evictions++;
+            kvf_evict_hook fn = st->evict_hook;
+            void *arg = st->evict_arg;
+            uint8_t key2[KVF_KEY_MAX]; /* copies: the entry array may be reallocated while unlocked */
+            uint32_t klen2 = e->klen, hits = e->hits;
+            uint64_t off = e->off, size = e->size, csum = e->csum, nsref = e->nsref;
+            memcpy(key2, e->key, klen2);
+            pthread_mutex_unlock(&st->mu);
+            fn(arg, key2, klen2, st->base + off, size, csum, hits, NULL, 0, 0, nsref);
+            pthread_mutex_lock(&st->mu);
+            e = &st->ents[i]; /* the array may have grown meanwhile */
+            e->pins = 0;
+            release_entry(st, i);
+        } else {
+            rc = (int64_t)pages_for(st->ents[i].size) * KVF_PAGE;
+            remove_entry(st, i);
+            st->evictions++;
+        }
     }
     pthread_mutex_unlock(&st->mu);
     return rc;

@@ -115,7 +115,8 @@ int kvf_store_lookup(struct kvf_store *st, const uint8_t *key, uint32_t klen, in
 /* Objects removed (a grouped object takes its whole group), 0 absent. Records REMOVE. */
 int kvf_store_delete(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 /* Evict on the policy's word: bytes freed (whole pages, > 0), -ENOENT absent, -EBUSY pinned.
- * A grouped key evicts its whole group, and is pinned while any of its objects is. */
+ * A grouped key evicts its whole group, and is pinned while any of its objects is. Records REMOVE
+ * (the policy has forgotten the victim already; the KV events publish it). */
 int64_t kvf_store_evict(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 int kvf_store_is_pinned(struct kvf_store *st, const uint8_t *key, uint32_t klen);
 /* Copy up to `max` events out; returns how many. */

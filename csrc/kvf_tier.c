@@ -63,6 +63,7 @@ static void rebuild_record(struct kvf_tier *t, uint64_t loc, const struct tier_r
     if (e->state == TE_LIVE) {
         t->st.objects++;
         t->st.bytes += e->size;
+        kvf_tier_event(t, KVF_TIER_EV_STORED, e, gkey, glen);
     }
 }
 
@@ -292,6 +293,9 @@ int kvf_tier_open(struct kvf_tier **out, const struct kvf_tier_cfg *cfg, char *e
     t->nbuckets = 1024;
     t->buckets = malloc(sizeof(uint32_t) * t->nbuckets);
     int rc = -ENOMEM;
+    if (cfg->events > KVF_TIER_EVENTS_MAX) { ERR("at most %u SSD events kept", KVF_TIER_EVENTS_MAX); rc = -EINVAL; goto fail; }
+    if (cfg->events && !(t->ev = malloc(sizeof *t->ev * cfg->events))) goto fail;
+    t->ev_cap = cfg->events; /* before the scan: the objects it finds are STORED events too */
     if (!t->buckets || posix_memalign((void **)&t->scratch, KVF_TIER_BLOCK, KVF_TIER_BLOCK)) goto fail;
     memset(t->buckets, 0xff, sizeof(uint32_t) * t->nbuckets);
     memset(t->scratch, 0, KVF_TIER_BLOCK);
@@ -335,6 +339,7 @@ fail:
     free(t->buckets);
     free(t->ents);
     free(t->scratch);
+    free(t->ev);
     free(t);
     return rc;
 }
@@ -351,6 +356,7 @@ void kvf_tier_close(struct kvf_tier *t)
     free(t->buckets);
     free(t->ents);
     free(t->scratch);
+    free(t->ev);
     free(t);
 }
 
@@ -496,6 +502,20 @@ void kvf_tier_count(struct kvf_tier *t, uint64_t hits, uint64_t misses, uint64_t
 }
 
 uint64_t kvf_tier_promote_max(struct kvf_tier *t) { return t->promote_max; }
+
+uint32_t kvf_tier_events_drain(struct kvf_tier *t, struct kvf_tier_event *out, uint32_t max, uint64_t *dropped)
+{
+    pthread_mutex_lock(&t->mu);
+    uint32_t n = t->ev_len < max ? t->ev_len : max;
+    for (uint32_t i = 0; i < n; i++) out[i] = t->ev[(t->ev_head + i) % t->ev_cap];
+    if (n) {
+        t->ev_head = (t->ev_head + n) % t->ev_cap;
+        t->ev_len -= n;
+    }
+    *dropped = t->ev_dropped;
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
 
 void kvf_tier_stats(struct kvf_tier *t, struct kvf_tier_stats *s)
 {

@@ -138,6 +138,23 @@ struct kvf_tier_cfg {
     int64_t gid;              /* the tier group (--tier-group), -1 none: a new tier file is 0640 of this group,
                                  and an existing one may be readable and writable by it */
     struct kvf_ns *ns;        /* namespace generations (the store's, kvf_store_ns), NULL: none */
+    uint32_t events;          /* SSD index events kept for kvf_tier_events_drain (0: none recorded; the
+                                 server's --kv-events, issue 26), at most KVF_TIER_EVENTS_MAX */
+};
+
+/* SSD index events (issue 26): STORED when an object's record becomes live (written, or found by the
+ * start-up scan), REMOVED when a live object leaves the index (reclaimed with its segment, deleted,
+ * superseded, corrupt, retired). A group's objects name it by gkey on STORED and by ghash
+ * (kvf_tier_ghash) on both, so that a reader can name a group's removal after its store. A full
+ * ring drops the event and counts it: the reader then knows its view is no longer exact. */
+#define KVF_TIER_EVENTS_MAX (1u << 22)
+enum { KVF_TIER_EV_STORED = 1, KVF_TIER_EV_REMOVED = 2 };
+struct kvf_tier_event {
+    uint8_t type, klen, glen;
+    uint32_t gparts;
+    uint64_t ghash, size;
+    uint8_t key[KVF_KEY_MAX];
+    uint8_t gkey[KVF_KEY_MAX]; /* STORED of a group's object only */
 };
 
 /* Every counter is kept as it changes: kvf_tier_stats is O(1). */
@@ -224,6 +241,9 @@ struct kvf_tier *kvf_server_detach_tier(struct kvf_server *s);
 void kvf_tier_count(struct kvf_tier *t, uint64_t hits, uint64_t misses, uint64_t promotions);
 uint64_t kvf_tier_promote_max(struct kvf_tier *t);
 void kvf_tier_stats(struct kvf_tier *t, struct kvf_tier_stats *s);
+/* Move up to max recorded SSD index events, oldest first, into out; returns how many. *dropped: the
+ * events dropped ever because the ring was full (0 with cfg.events 0, which records none). */
+uint32_t kvf_tier_events_drain(struct kvf_tier *t, struct kvf_tier_event *out, uint32_t max, uint64_t *dropped);
 /* The "ssd_*" STATS pairs, msgpack (inside a map the caller opened). */
 void kvf_tier_stats_mw(struct kvf_tier *t, struct kvf_mw *w);
 

@@ -104,10 +104,29 @@ void kvf_tier_iremove(struct kvf_tier *t, uint32_t i)
     if (e->state == TE_LIVE) {
         t->st.objects--;
         t->st.bytes -= e->size;
+        kvf_tier_event(t, KVF_TIER_EV_REMOVED, e, NULL, 0);
     }
     e->state = TE_FREE;
     e->next = t->ent_free;
     t->ent_free = i;
+}
+
+void kvf_tier_event(struct kvf_tier *t, int type, const struct tent *e, const uint8_t *gkey, uint32_t glen)
+{
+    if (!t->ev_cap) return;
+    if (t->ev_len == t->ev_cap) {
+        t->ev_dropped++;
+        return;
+    }
+    struct kvf_tier_event *v = &t->ev[(t->ev_head + t->ev_len++) % t->ev_cap];
+    v->type = (uint8_t)type;
+    v->klen = e->klen;
+    memcpy(v->key, e->key, e->klen);
+    v->size = e->size;
+    v->ghash = e->ghash;
+    v->gparts = e->gparts;
+    v->glen = gkey && e->ghash ? (uint8_t)glen : 0;
+    if (v->glen) memcpy(v->gkey, gkey, glen);
 }
 
 static int u64_cmp(const void *a, const void *b)

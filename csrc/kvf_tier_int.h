@@ -144,6 +144,10 @@ struct kvf_tier {
     int admit;
     uint64_t write_queue, promote_max;
     struct kvf_tier_stats st;
+    /* SSD index events (kvf_tier_events_drain), a ring of ev_cap (0: none recorded) */
+    struct kvf_tier_event *ev;
+    uint32_t ev_cap, ev_head, ev_len;
+    uint64_t ev_dropped;
 };
 
 static inline uint64_t tier_round(uint64_t n) { return (n + KVF_TIER_BLOCK - 1) & ~(uint64_t)(KVF_TIER_BLOCK - 1); }
@@ -153,6 +157,8 @@ static inline uint64_t tier_rec_len(uint64_t size) { return KVF_TIER_BLOCK + tie
 uint32_t kvf_tier_ifind(struct kvf_tier *t, const uint8_t *key, uint32_t klen);
 uint32_t kvf_tier_iadd(struct kvf_tier *t, const uint8_t *key, uint32_t klen); /* TIER_NONE: out of memory */
 void kvf_tier_iremove(struct kvf_tier *t, uint32_t i);
+/* Record an SSD index event for entry e (under t->mu; gkey: STORED of a group's object, else NULL). */
+void kvf_tier_event(struct kvf_tier *t, int type, const struct tent *e, const uint8_t *gkey, uint32_t glen);
 void kvf_tier_drop_segment(struct kvf_tier *t, uint64_t g); /* unindex every record in global segment g */
 /* file and file offset of a global log position */
 void kvf_tier_where(struct kvf_tier *t, uint64_t loc, int *fd, uint64_t *off);

@@ -673,6 +673,7 @@ static void run_batch(struct kvf_tier *t, struct kvf_tier_job *list)
                     e->seq = j->seq;
                     t->st.objects++;
                     t->st.bytes += e->size;
+                    kvf_tier_event(t, KVF_TIER_EV_STORED, e, j->gkey, j->glen);
                 }
             } else { /* EIO, ENOSPC, EROFS, a short write: counted, the object is not kept */
                 t->st.errors++;

@@ -83,7 +83,7 @@ SERVER_GAUGES = frozenset({
     "groups", "group_objects", "groups_incomplete",  # issue 23: indexed groups now
 })
 #: STATS keys that are maps of numbers -> the label of their keys.
-SERVER_LABELS = {"errors": "code", "transports_in_use": "transport", "drops": "reason"}
+SERVER_LABELS = {"errors": "code", "transports_in_use": "transport", "drops": "reason", "kv_events": "kind"}
 #: STATS keys exported under another name: a counter's family must not end in _total (Prometheus
 #: adds it) nor clash with a gauge (``connections`` is the gauge of open connections).
 SERVER_PROM_NAMES = {"connections_total": "connections_accepted"}
@@ -109,7 +109,10 @@ _OPTIONAL_HELP = {
 def _server_metrics() -> list[Metric]:
     out = [Metric("server", INFO, "identity of this pool server", SERVER_INFO_KEYS),
            Metric("request_seconds", HISTOGRAM,
-                  "service time: request header received -> reply queued (log2 buckets from 1 us)", ("op",))]
+                  "service time: request header received -> reply queued (log2 buckets from 1 us)", ("op",)),
+           Metric("kv_events", COUNTER, "the KV events publisher (--kv-events, kvfabric/server/kv_events.py): "
+                                        "batches, events published, resets (AllBlocksCleared after a loss), "
+                                        "lost events, replays served, bad replay requests", ("kind",))]
     # the product server's keys (the test reference's own extras are not exported by anything)
     keys = {**STATS_FIELDS, **SSD_STATS_FIELDS, **SHARED_STATS_FIELDS}
     for k in STATS_OPTIONAL_KEYS["native"]:

@@ -39,37 +39,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import msgpack
-
 from ..keys import KeyHasher, Namespace
+from ..protocol.kv_events import MAX_PAYLOAD_BYTES, EventError, decode_batch
 
 log = logging.getLogger("kvfabric.route.events")
 
 POLL_S = 0.2                       # a subscriber checks its stop flag this often
 DEFAULT_MAX_ENTRIES = 1 << 18      # blocks per instance (~40 MiB of index at most)
-MAX_PAYLOAD_BYTES = 64 << 20       # one event batch; larger ones are dropped (counted)
 RCVHWM = 10_000                    # batches queued in ZMQ before it drops (the publisher's side re-sends none)
 MAX_BLOCK_TOKENS = 1 << 16
-
-
-class EventError(ValueError):
-    """A payload that is not a vLLM KV event batch."""
-
-
-def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
-    """``(ts, events)`` of one msgpack ``KVEventBatch``; EventError when it is not one."""
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise EventError(f"event batch of {len(payload)} bytes (limit {MAX_PAYLOAD_BYTES})")
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise EventError(f"not msgpack: {exc}") from None
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], (list, tuple)):
-        raise EventError(f"not a KVEventBatch [ts, events, ...]: {type(batch).__name__}")
-    events = [e for e in batch[1] if isinstance(e, dict)]
-    if len(events) != len(batch[1]):
-        raise EventError("an event is not a map (vLLM 0.32 encodes each as a map tagged by 'type')")
-    return float(batch[0]), events
 
 
 class EngineIndex:

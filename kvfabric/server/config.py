@@ -161,6 +161,17 @@ class ServerConfig:
                                  "dropped; idle keep-alive ones too) and each write of its answer may wait",
                                  type=float, why="Prometheus sends its ~300-byte request at once; a half-sent "
                                                  "request must not hold a thread for good")
+    kv_events: str | None = opt(None, "publish this server's stored/removed objects by medium (DRAM, SSD) as "
+                                "vLLM KV events on a ZMQ PUB socket bound here, tcp://HOST:PORT or ipc://PATH "
+                                "(default: off; kvfabric/server/kv_events.py)", metavar="ENDPOINT",
+                                why="off unless asked: one more open port, and a consumer to feed")
+    kv_events_replay: str | None = opt(None, "with --kv-events: vLLM's replay ROUTER socket bound here, which "
+                                       "answers a subscriber's request for the batches from a sequence number on",
+                                       metavar="ENDPOINT", why="only consumers that recover gaps need it")
+    kv_events_ring: int = opt(65536, "events kept for the publisher: the SSD tier's ring in C and the queue to "
+                              "the publisher thread; a full one is published as AllBlocksCleared (counted in "
+                              "kv_events resets)", type=int, metavar="N",
+                              why="~10 MiB of rings; a round of the control thread moves far fewer")
     # ------------------------------------------------------------ SSD tier (docs/notes/tier.md)
     ssd_path: tuple[str, ...] = opt((), "directory of the SSD tier (its file kvfabric-tier.v1 is preallocated "
                                     "there; O_DIRECT required); repeat for several disks (default: no SSD tier)",

@@ -358,6 +358,10 @@ def main(argv: list[str]) -> int:
         tier = {"ssd_write_queue": _size("--ssd-write-queue", args.ssd_write_queue)}
         if tier["ssd_write_queue"] < 8192:
             raise SystemExit("kvfabric serve: --ssd-write-queue must be at least 8KiB")
+    if args.kv_events_replay and not args.kv_events:
+        raise SystemExit("kvfabric serve: --kv-events-replay needs --kv-events")
+    if not 1 <= args.kv_events_ring <= 1 << 22:
+        raise SystemExit("kvfabric serve: --kv-events-ring must be in 1..4194304")
     if args.idle_timeout < 0:
         raise SystemExit("kvfabric serve: --idle-timeout must be >= 0 (0 = never)")
     if args.drain_timeout <= 0:
@@ -397,6 +401,7 @@ def main(argv: list[str]) -> int:
             drain_timeout_s=args.drain_timeout, reserve_budget=reserve, **budgets, **tier,
             shared_path=args.shared_path, shared_fsync=args.shared_fsync, tier_group=args.tier_group,
             tier_dir_insecure_ok=args.tier_dir_insecure_ok, prefault=too_big is None,
+            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_ring=args.kv_events_ring,
         )
     except ListenError as e:
         print(f"kvfabric serve: {e}", file=sys.stderr)
@@ -413,7 +418,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         server.start()  # returns once the port accepts connections (the C loop listens when it runs)
-    except TransportUnavailable as e:
+    except (TransportUnavailable, ConfigError) as e:
         print(f"kvfabric serve: the server cannot start: {e}", file=sys.stderr)
         return 2
     warn_without_token(token, args.etcd)  # once it serves: a server that did not start opened nothing

@@ -56,6 +56,8 @@ from .. import __version__
 from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
+from .kv_events import DEFAULT_RING as DEFAULT_EVENTS_RING
+from .kv_events import PoolEvents
 from ..sizes import format_size
 from .config import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -468,6 +470,9 @@ class NativeServer:
         tier_group: str | int | None = None,
         tier_dir_insecure_ok: bool = False,
         prefault: bool = True,
+        kv_events: str | None = None,
+        kv_events_replay: str | None = None,
+        kv_events_ring: int = DEFAULT_EVENTS_RING,
     ) -> None:
         if _native is None:
             raise TransportUnavailable(f"the C extension is not built: {_IMPORT_ERROR}")
@@ -486,6 +491,10 @@ class NativeServer:
             raise ConfigError(f"unknown transports {sorted(unknown)}")
         if shared_fsync not in SHARED_FSYNC_MODES:
             raise ConfigError(f"shared_fsync must be always|never, got {shared_fsync!r}")
+        self.kv_events = (PoolEvents(kv_events, replay_endpoint=kv_events_replay, ring=kv_events_ring)
+                          if kv_events is not None else None)
+        if kv_events is None and kv_events_replay is not None:
+            raise ConfigError("--kv-events-replay needs --kv-events")
         tier_gid = resolve_group(tier_group) if tier_group is not None else None
         for d in ssd_paths:
             check_tier_dir("--ssd-path", os.path.abspath(d), tier_gid, tier_dir_insecure_ok)
@@ -562,7 +571,7 @@ class NativeServer:
                             "read and write every byte of the arena through NIXL", self.port)
         if ssd_paths:
             self._open_tier(ssd_paths, ssd_capacity, ssd_admit, ssd_write_queue, ssd_promote_max,
-                            -1 if tier_gid is None else tier_gid)
+                            -1 if tier_gid is None else tier_gid, kv_events_ring if self.kv_events else 0)
         elif self.shared_path is not None:  # the tier thread alone runs the shared tier's I/O
             self._srv.tier_open([], 0, write_queue=int(ssd_write_queue), promote_max=int(ssd_promote_max or 0))
         if self.shared_path is not None:
@@ -605,7 +614,7 @@ class NativeServer:
             raise ConfigError(f"--transports lists nixl but it cannot be used here: {e}") from e
 
     def _open_tier(self, paths: Sequence[str], capacity: int, admit: str, write_queue: int,
-                   promote_max: int | None, gid: int) -> None:
+                   promote_max: int | None, gid: int, events: int = 0) -> None:
         """Open the SSD tier (rebuilding its index from the files) and attach it to the data plane.
 
         ConfigError (the server does not start) for bad options, a missing or unwritable directory, a
@@ -619,7 +628,8 @@ class NativeServer:
             raise ConfigError("ssd_capacity must be > 0 and ssd_write_queue >= 8 KiB")
         try:
             self._srv.tier_open([os.path.abspath(p) for p in paths], int(capacity), admit={"all": 0, "hit": 1}[admit],
-                                write_queue=int(write_queue), promote_max=int(promote_max or 0), gid=gid)
+                                write_queue=int(write_queue), promote_max=int(promote_max or 0), gid=gid,
+                                events=events)
         except OSError as e:
             self._close_sockets()
             raise ConfigError(f"SSD tier: {e.strerror or e}") from e
@@ -639,6 +649,13 @@ class NativeServer:
         accepts only when the loop can answer. Raises ``TransportUnavailable``
         when the loop fails to start (the threads are stopped).
         """
+        if self.kv_events is not None:
+            try:
+                self.kv_events.start()   # bound before the data plane runs: no event is published to nobody
+            except ConfigError:
+                self._srv.tier_close()
+                self._close_sockets()
+                raise
         for target, name in ((self._run_loop, "kvf-io_uring"), (self._control, "kvf-control")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -678,6 +695,8 @@ class NativeServer:
         self._stop.set()
         for t in self._threads[1:]:
             t.join(10)
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if not self._threads or not self._threads[0].is_alive():
             self._srv.tier_close()  # after the loop and the control thread: queued write-behind finishes
             if self._nixl is not None:  # no connection is left to start a transfer
@@ -696,6 +715,8 @@ class NativeServer:
         out = msgpack.unpackb(self._srv.stats_map(), raw=False)
         out["zerocopy"] = "send_zc" in out["data_plane"]
         out["fixed_buffers"] = out["data_plane"].endswith("+fixed")
+        if self.kv_events is not None:
+            out["kv_events"] = self.kv_events.snapshot()
         return out
 
     def _close_sockets(self) -> None:
@@ -749,7 +770,7 @@ class NativeServer:
             srv.sweep(_SWEEP_ENTRIES)  # retired namespaces (issue 27): their objects' space back, a bounded bit a round
             if self.shared_path is not None and time.monotonic() >= self._next_records_read:
                 self._read_shared_records()
-            self._apply_events()
+            self._apply_events(dropped)
             if dropped != self._events_dropped:
                 self._events_dropped = dropped
                 self._resync()
@@ -778,10 +799,22 @@ class NativeServer:
         if lost:
             log.warning("AUTH_FAILED from %d more peers (not named: over 16 in 100 ms)", lost)
 
-    def _apply_events(self) -> None:
+    def _apply_events(self, dropped: int) -> None:
         policy = self.policy
+        pub = self.kv_events
+        if pub is not None:   # the SSD tier's events (each medium's events keep their order; media are apart)
+            ssd: list[Any] = []
+            while True:
+                got, ssd_dropped = self._srv.tier_events(_DRAIN_BATCH)
+                ssd.extend(got)   # at most the ring (--kv-events-ring)
+                if len(got) < _DRAIN_BATCH:
+                    break
+            pub.ssd(ssd, ssd_dropped)
+        drained: list[Any] = []
         while True:
             events = self._srv.drain(_DRAIN_BATCH)
+            if pub is not None:
+                drained.extend(e for e in events if e[0] != EV_ACCESS)   # the store's ring, and what came meanwhile
             # a group's events name it by its representative key (its first part stored) with the group's
             # bytes: the policy sees one entry per group, and evicting that key evicts the whole group
             for kind, key, size, parent, _group in events:
@@ -793,6 +826,8 @@ class NativeServer:
                 elif self._sizes.pop(key, None) is not None:
                     policy.on_remove(key)
             if len(events) < _DRAIN_BATCH:
+                if pub is not None:
+                    pub.dram(drained, dropped)
                 return
 
     def _resync(self) -> None:
