@@ -278,3 +278,24 @@ def test_a_client_killed_holding_a_reservation_and_a_lease_frees_both(serve, ucx
     assert wait_for(lambda: stats(srv.address)["free_bytes"] == free_before), stats(srv.address)
     with client(srv.address) as c:
         assert c.get([b"never", b"held"]) == [None, b"h" * 8192]
+
+
+def test_a_peer_that_never_releases_loses_its_lease_at_max_lease_ms(serve):
+    """A client that leases an object over nixl and then neither reads nor releases: the server drops the
+    lease at --max-lease-ms (counted), the object can be evicted again, and the connection still answers
+    (a late release is harmless)."""
+    srv = serve("--max-lease-ms", "500")
+    with client(srv.address) as c:
+        assert c.put([b"held"], [b"h" * 8192]).stored == 1
+    conn = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        lease = conn._control(p.ShmLeaseRequest(keys=[b"held"]), None)
+        assert lease.sizes == [8192] and stats(srv.address)["pinned"] == 1, lease
+        assert wait_for(lambda: stats(srv.address)["shm_leases_expired"] == 1, 60), stats(srv.address)
+        assert stats(srv.address)["pinned"] == 0
+        conn._control(p.ShmReleaseRequest(lease=lease.lease), None)   # late: harmless
+        assert conn.request(p.PingRequest()).msg == p.PingReply()
+    finally:
+        conn.close()
+    with client(srv.address) as c:
+        assert c.delete([b"held"]) == 1   # no pin left: the slot is the server's again
