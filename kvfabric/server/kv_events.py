@@ -35,7 +35,8 @@ rather than wait for it, and replies to replay requests are sent without waiting
 the queue was full, events were lost: the publisher sends ``AllBlocksCleared`` (counted ``resets``)
 and forgets its SSD group counts, so that a consumer under-predicts (misses what was stored before),
 never over-predicts a removed block from a lost removal. The replay buffer keeps at most
-``buffer_steps`` batches and ``buffer_bytes`` bytes.
+``buffer_steps`` batches and ``buffer_bytes`` bytes. What all this can hold is :func:`kv_events_bytes`
+(~124 MiB at the defaults), counted in the server's start-up memory check.
 
 Counters (``kv_events`` in :meth:`NativeServer.stats`, ``kvfabric_kv_events_total{kind}`` on the
 metrics port): ``batches``, ``events`` (published), ``resets``, ``lost`` (events dropped before
@@ -59,7 +60,7 @@ log = logging.getLogger("kvfabric.server.kv_events")
 
 DEFAULT_RING = 65536          # SSD tier events kept in C, and events queued for the publisher thread
 DEFAULT_BUFFER_STEPS = 10_000  # batches kept for replay (vLLM's default)
-DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_BUFFER_BYTES = 16 << 20
 DEFAULT_HWM = 100_000         # batches queued per subscriber in ZMQ before it drops (vLLM's default)
 MAX_RING = 1 << 22            # KVF_TIER_EVENTS_MAX (csrc/kvf_tier.h)
 MAX_BATCH = 1024              # events per published batch
@@ -68,6 +69,21 @@ POLL_S = 0.05                 # the publisher thread's wake-up period (replay re
 # store events (csrc/kvf_store.h) and SSD events (csrc/kvf_tier.h)
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 TIER_STORED, TIER_REMOVED = 1, 2
+
+# memory (kvfabric/server/memory.py counts it in the start-up check)
+TIER_EVENT_BYTES = 152        # sizeof(struct kvf_tier_event): the SSD ring in C
+PY_EVENT_BYTES = 512          # one event held in Python (drained, translated or queued), generously
+BATCH_OVERHEAD_BYTES = 256    # one replay-buffer entry besides its payload
+
+
+def kv_events_bytes(ring: int, store_ring: int, buffer_steps: int = DEFAULT_BUFFER_STEPS,
+                    buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> int:
+    """Bytes of DRAM the publisher holds at most: the SSD ring, a round's drained events (the SSD ring's
+    and the store's, ``store_ring``: NativeServer's EVENT_RING), the queue to the publisher thread, the
+    replay buffer. Computed from the bounds, not measured; the SSD group counts (one entry per group
+    with a part on SSD) come on top, like the index's."""
+    return (ring * (TIER_EVENT_BYTES + 2 * PY_EVENT_BYTES) + store_ring * PY_EVENT_BYTES
+            + buffer_bytes + buffer_steps * BATCH_OVERHEAD_BYTES)
 
 
 def check_endpoint(flag: str, endpoint: str) -> str:
@@ -312,4 +328,4 @@ class PoolEvents:
                 self.counts["replays"] += 1
 
 
-__all__ = ["DEFAULT_RING", "PoolEvents", "check_endpoint"]
+__all__ = ["DEFAULT_RING", "PoolEvents", "check_endpoint", "kv_events_bytes"]

@@ -378,8 +378,9 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit(args.max_connections + 64)
 
+    from .kv_events import kv_events_bytes
     from .memory import available_memory, dram_needs, over_memory_warning
-    from .native import ListenError, NativeServer, listen_error, native_unavailable_reason
+    from .native import EVENT_RING, ListenError, NativeServer, listen_error, native_unavailable_reason
 
     why = native_unavailable_reason()
     if why is not None:
@@ -387,7 +388,8 @@ def main(argv: list[str]) -> int:
         return 2
     needs = dram_needs(capacity, reply_budget=budgets["reply_budget"], request_budget=budgets["request_budget"],
                        tier_write_queue=tier.get("ssd_write_queue", 0),
-                       metrics_connections=None if args.metrics_port is None else args.metrics_max_connections)
+                       metrics_connections=None if args.metrics_port is None else args.metrics_max_connections,
+                       kv_events=kv_events_bytes(args.kv_events_ring, EVENT_RING) if args.kv_events else 0)
     too_big = over_memory_warning(capacity, needs, available_memory())
     if too_big:
         log.warning("%s", too_big)

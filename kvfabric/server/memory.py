@@ -13,6 +13,8 @@ What the server takes in DRAM (docs/notes/server.md has the measured bound):
 * the buffers bounded by ``--reply-budget`` and ``--request-budget``, and with a tier the staging
   queue bounded by ``--ssd-write-queue``; per stored object ~1 KiB and per open connection ~32 KiB
   come on top and are not known at start-up.
+* with ``--kv-events``, the KV events publisher's rings, queue and replay buffer
+  (:func:`kvfabric.server.kv_events.kv_events_bytes`, ~124 MiB at the defaults);
 * with ``--metrics-port``, the metrics endpoint (:func:`metrics_bytes`): prometheus_client and the
   endpoint's serving thread, and per connection it serves at once (``--metrics-max-connections``;
   later ones are refused, kvfabric/server/httpd.py) a thread's touched stack, a request head of at
@@ -48,12 +50,14 @@ def metrics_bytes(max_connections: int) -> int:
 
 
 def dram_needs(capacity: int, *, reply_budget: int, request_budget: int, tier_write_queue: int = 0,
-               metrics_connections: int | None = None) -> int:
+               metrics_connections: int | None = None, kv_events: int = 0) -> int:
     """Bytes of DRAM a server holds at the configured bounds once its arena is full (objects and
     connections aside): arena + page map + fixed part + budgets + tier staging queue + the metrics
-    endpoint's share (``metrics_connections``: its ``--metrics-max-connections``; None: no endpoint)."""
+    endpoint's share (``metrics_connections``: its ``--metrics-max-connections``; None: no endpoint)
+    + the KV events publisher's (``kv_events``: :func:`kvfabric.server.kv_events.kv_events_bytes`, 0 off)."""
     metrics = 0 if metrics_connections is None else metrics_bytes(metrics_connections)
-    return capacity + capacity // 256 + FIXED_BYTES + reply_budget + request_budget + tier_write_queue + metrics
+    return (capacity + capacity // 256 + FIXED_BYTES + reply_budget + request_budget + tier_write_queue + metrics
+            + kv_events)
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int | None:

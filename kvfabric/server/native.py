@@ -82,6 +82,7 @@ log = logging.getLogger("kvfabric.server.native")
 
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 _DRAIN_BATCH = 4096
+EVENT_RING = 65536   # the store's INSERT/ACCESS/REMOVE ring (csrc/kvf_store.h), drained by the control thread
 # Index entries the control thread looks at per round for objects of a retired namespace
 # generation (kvf_store_sweep): bounded work per 100 ms round, the whole index covered over rounds.
 _SWEEP_ENTRIES = 4096
@@ -542,7 +543,7 @@ class NativeServer:
         try:
             self._srv = _native.Server(
                 self._tcp.fileno(), self._unix.fileno() if self._unix else -1, capacity,
-                hello_pairs=hello_pairs, stats_extra=extra_bytes, server_id=self.server_id,
+                hello_pairs=hello_pairs, stats_extra=extra_bytes, server_id=self.server_id, event_ring=EVENT_RING,
                 auth=auth_token, max_conns=max_connections, max_keys=limits.max_keys_per_batch,
                 max_key_bytes=limits.max_key_bytes, max_meta=limits.max_meta_bytes,
                 max_payload=limits.max_payload_bytes, max_object=limits.max_object_bytes,

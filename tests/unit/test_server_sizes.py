@@ -113,3 +113,15 @@ def test_help_lists_every_policy_with_a_line():
     for name, cls in POLICIES.items():
         line = next(ln for ln in text.splitlines() if ln.split()[:1] == [name])
         assert cls.summary in line and len(line) <= 80, line
+
+
+def test_dram_needs_counts_the_kv_events_publisher():
+    from kvfabric.server import kv_events
+
+    cap = 1 << 30
+    share = kv_events.kv_events_bytes(1000, 65536)
+    assert share == (1000 * (kv_events.TIER_EVENT_BYTES + 2 * kv_events.PY_EVENT_BYTES)
+                     + 65536 * kv_events.PY_EVENT_BYTES + kv_events.DEFAULT_BUFFER_BYTES
+                     + kv_events.DEFAULT_BUFFER_STEPS * kv_events.BATCH_OVERHEAD_BYTES)
+    assert memory.dram_needs(cap, reply_budget=1, request_budget=1, kv_events=share) == (
+        cap + cap // 256 + memory.FIXED_BYTES + 2 + share)
