@@ -30,8 +30,11 @@ what it holds.
 Never slows the data plane: the C loop records events in bounded rings (the store's, which the
 eviction policy reads too, and the SSD tier's, ``--kv-events-ring`` entries) drained by the control
 thread, which hands them to this publisher's own thread through a bounded queue (``--kv-events-ring``
-events too); the ZMQ PUB socket drops messages for a subscriber whose queue (``hwm`` batches) is full
-rather than wait for it, and replies to replay requests are sent without waiting too. When a ring or
+events too); the ZMQ PUB socket drops messages for a subscriber whose queue (``hwm`` batches, 256) is full
+rather than wait for it, and replies to replay requests are sent without waiting too. So a
+subscriber that connects and never reads costs at most :func:`subscriber_bytes` (16 MiB); ZMQ's PUB
+socket has no cap on how many may connect, so bind loopback or an ``ipc://`` path in a directory
+only the pool's users can reach. When a ring or
 the queue was full, events were lost: the publisher sends ``AllBlocksCleared`` (counted ``resets``)
 and forgets its SSD group counts, so that a consumer under-predicts (misses what was stored before),
 never over-predicts a removed block from a lost removal. The replay buffer keeps at most
@@ -61,9 +64,10 @@ log = logging.getLogger("kvfabric.server.kv_events")
 DEFAULT_RING = 65536          # SSD tier events kept in C, and events queued for the publisher thread
 DEFAULT_BUFFER_STEPS = 10_000  # batches kept for replay (vLLM's default)
 DEFAULT_BUFFER_BYTES = 16 << 20
-DEFAULT_HWM = 100_000         # batches queued per subscriber in ZMQ before it drops (vLLM's default)
+DEFAULT_HWM = 256             # batches ZMQ queues per subscriber before it drops (vLLM's: 100,000)
 MAX_RING = 1 << 22            # KVF_TIER_EVENTS_MAX (csrc/kvf_tier.h)
-MAX_BATCH = 1024              # events per published batch
+MAX_BATCH = 256               # events per published batch: < 64 KiB of msgpack (keys are at most 64 bytes)
+BATCH_BYTES_MAX = 64 << 10
 POLL_S = 0.05                 # the publisher thread's wake-up period (replay requests, stop)
 
 # store events (csrc/kvf_store.h) and SSD events (csrc/kvf_tier.h)
@@ -84,6 +88,12 @@ def kv_events_bytes(ring: int, store_ring: int, buffer_steps: int = DEFAULT_BUFF
     with a part on SSD) come on top, like the index's."""
     return (ring * (TIER_EVENT_BYTES + 2 * PY_EVENT_BYTES) + store_ring * PY_EVENT_BYTES
             + buffer_bytes + buffer_steps * BATCH_OVERHEAD_BYTES)
+
+
+def subscriber_bytes(hwm: int = DEFAULT_HWM) -> int:
+    """Bytes ZMQ may queue for one connected subscriber (or replay requester) that does not read: ``hwm``
+    batches of at most BATCH_BYTES_MAX (16 MiB at the defaults), the kernel's socket buffers aside."""
+    return hwm * BATCH_BYTES_MAX
 
 
 def check_endpoint(flag: str, endpoint: str) -> str:
@@ -328,4 +338,4 @@ class PoolEvents:
                 self.counts["replays"] += 1
 
 
-__all__ = ["DEFAULT_RING", "PoolEvents", "check_endpoint", "kv_events_bytes"]
+__all__ = ["DEFAULT_RING", "PoolEvents", "check_endpoint", "kv_events_bytes", "subscriber_bytes"]
