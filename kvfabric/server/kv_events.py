@@ -174,34 +174,28 @@ class PoolEvents:
 
     # ------------------------------------------------------------------ control thread side
 
-    def dram(self, events: Sequence[tuple[int, bytes, int, bytes | None, bytes | None]], dropped: int) -> None:
-        """The store events the control thread drained in one round (``(kind, key, size, parent, group)``)
-        and the store's count of events dropped ever, read before the drain. A round that finds the
-        count changed publishes a reset instead of its events: they may be older than the lost ones
-        (a removal among those would leave a consumer a stale block), and whatever came after the loss
-        is published from the next round on."""
-        lost = dropped != self._store_dropped
-        self._store_dropped = dropped
-        out = []
+    def round(self, dram: Sequence[tuple[int, bytes, int, bytes | None, bytes | None]], dram_dropped: int,
+              ssd: Sequence[tuple[int, bytes, int, bytes | None, int, int]], ssd_dropped: int) -> None:
+        """One round of the control thread: the store events it drained (``(kind, key, size, parent,
+        group)``) with the store's count of events dropped ever (read before the drain), and the SSD
+        tier's (``(kind, key, size, gkey, gparts, ghash)``, drained before the store's) with its count;
+        queued in that order, at once. A count that changed since the last round means events were
+        lost: the round's events are not published (they may be older than the lost ones: a removal
+        among those would leave a consumer a stale block) and a reset is; after an SSD loss the group
+        counts are forgotten too (a part's removal may be among the lost). What came after the loss is
+        published from the next round on."""
+        lost = dram_dropped != self._store_dropped or ssd_dropped != self._tier_dropped
+        if ssd_dropped != self._tier_dropped:
+            self._ssd = _SsdGroups()
+        self._store_dropped, self._tier_dropped = dram_dropped, ssd_dropped
+        out: list[tuple[bool, str, bytes, bytes | None]] = []
         if not lost:
-            for kind, key, _size, parent, group in events:
+            for kind, key, _size, parent, group in dram:
                 if kind == EV_INSERT:
                     out.append((True, MEDIUM_DRAM, group or key, None if group else parent))
                 elif kind == EV_REMOVE:
                     out.append((False, MEDIUM_DRAM, group or key, None))
-        self._put(out, lost=lost)
-
-    def ssd(self, events: Sequence[tuple[int, bytes, int, bytes | None, int, int]], dropped: int) -> None:
-        """The SSD tier's events drained in one round (``(kind, key, size, gkey, gparts, ghash)``) and
-        its count of events dropped ever, read with the last drain; a loss as in :meth:`dram`, and the
-        group counts are forgotten (a part's removal may be among the lost)."""
-        lost = dropped != self._tier_dropped
-        self._tier_dropped = dropped
-        out: list[tuple[bool, str, bytes, bytes | None]] = []
-        if lost:
-            self._ssd = _SsdGroups()
-        else:
-            for kind, key, _size, gkey, gparts, ghash in events:
+            for kind, key, _size, gkey, gparts, ghash in ssd:
                 self._ssd.apply(kind, key, gkey, gparts, ghash, out)
         self._put(out, lost=lost)
 

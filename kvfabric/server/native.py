@@ -803,14 +803,15 @@ class NativeServer:
     def _apply_events(self, dropped: int) -> None:
         policy = self.policy
         pub = self.kv_events
-        if pub is not None:   # the SSD tier's events (each medium's events keep their order; media are apart)
-            ssd: list[Any] = []
-            while True:
-                got, ssd_dropped = self._srv.tier_events(_DRAIN_BATCH)
-                ssd.extend(got)   # at most the ring (--kv-events-ring)
-                if len(got) < _DRAIN_BATCH:
-                    break
-            pub.ssd(ssd, ssd_dropped)
+        ssd: list[Any] = []
+        ssd_dropped = 0
+        # the SSD tier's events are drained before the store's and published after them: a move's DRAM
+        # removal (recorded when evicted) then comes before its SSD store (recorded when the write landed)
+        while pub is not None:
+            got, ssd_dropped = self._srv.tier_events(_DRAIN_BATCH)
+            ssd.extend(got)   # at most the ring (--kv-events-ring) and what came meanwhile
+            if len(got) < _DRAIN_BATCH:
+                break
         drained: list[Any] = []
         while True:
             events = self._srv.drain(_DRAIN_BATCH)
@@ -828,7 +829,7 @@ class NativeServer:
                     policy.on_remove(key)
             if len(events) < _DRAIN_BATCH:
                 if pub is not None:
-                    pub.dram(drained, dropped)
+                    pub.round(drained, dropped, ssd, ssd_dropped)
                 return
 
     def _resync(self) -> None:

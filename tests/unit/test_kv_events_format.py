@@ -28,7 +28,7 @@ def test_decode_refuses_what_is_not_a_batch():
 
 
 def _ssd(pub, events, dropped=0):
-    pub.ssd(events, dropped)
+    pub.round([], 0, events, dropped)
     with pub._cv:
         out = list(pub._queue)
         pub._queue.clear()
@@ -64,20 +64,21 @@ def test_a_lost_ssd_event_is_a_reset_and_forgets_the_group_counts(pub):
 
 
 def test_a_lost_store_event_drops_the_round_and_what_was_queued(pub):
-    pub.dram([(k.EV_INSERT, b"a", 1, None, None)], 0)
-    pub.dram([(k.EV_INSERT, b"b", 1, None, None)], 3)
+    pub.round([(k.EV_INSERT, b"a", 1, None, None)], 0, [], 0)
+    pub.round([(k.EV_INSERT, b"b", 1, None, None)], 3, [], 0)
     with pub._cv:
         assert list(pub._queue) == [] and pub._lost and pub.counts["lost"] == 1
     pub._lost = False
-    pub.dram([(k.EV_INSERT, b"c", 1, b"parent", None), (k.EV_ACCESS, b"c", 0, None, None),
-              (k.EV_REMOVE, b"r", 0, None, b"grp")], 3)
-    with pub._cv:
-        assert list(pub._queue) == [(True, f.MEDIUM_DRAM, b"c", b"parent"), (False, f.MEDIUM_DRAM, b"grp", None)]
+    pub.round([(k.EV_INSERT, b"c", 1, b"parent", None), (k.EV_ACCESS, b"c", 0, None, None),
+               (k.EV_REMOVE, b"r", 0, None, b"grp")], 3, [(k.TIER_STORED, b"s", 1, None, 0, 0)], 0)
+    with pub._cv:   # DRAM first, then SSD: a move's removal before its store
+        assert list(pub._queue) == [(True, f.MEDIUM_DRAM, b"c", b"parent"), (False, f.MEDIUM_DRAM, b"grp", None),
+                                    (True, f.MEDIUM_SSD, b"s", None)]
 
 
 def test_a_full_queue_is_a_loss(pub):
-    pub.dram([(k.EV_INSERT, b"%d" % i, 1, None, None) for i in range(60)], 0)
-    pub.dram([(k.EV_INSERT, b"x%d" % i, 1, None, None) for i in range(10)], 0)
+    pub.round([(k.EV_INSERT, b"%d" % i, 1, None, None) for i in range(60)], 0, [], 0)
+    pub.round([(k.EV_INSERT, b"x%d" % i, 1, None, None) for i in range(10)], 0, [], 0)
     with pub._cv:
         assert len(pub._queue) == 0 and pub._lost and pub.counts["lost"] == 70
 
