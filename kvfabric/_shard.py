@@ -27,8 +27,8 @@ gets a connection to one server and what happens when that server fails:
   :func:`kvfabric.transport.base.hello`) is refused in ``_connect``: counted
   (``servers_refused``), logged with its address, and the shard stays down.
 * :class:`_Registration`: the buffers the caller asked to register
-  (``Client.register_buffers``); each ``native`` connection picks up the
-  current set when it is next acquired.
+  (``Client.register_buffers``); each ``native`` or ``nixl`` connection picks
+  up the current set when it is next acquired.
 * :class:`_Down`, :class:`_Busy`: how ``_Shard.acquire`` says "skip this
   shard" (down) or "no connection freed up before the deadline" (busy).
 
@@ -85,8 +85,8 @@ class _Registration:
 
     :meth:`set` replaces the set (``None`` drops it) and bumps a generation;
     :meth:`apply` brings one connection up to date the next time it is
-    acquired. Only ``native`` connections register (``tcp`` cannot, ``shm``
-    copies out of the arena). A connection that cannot register (io_uring
+    acquired. ``native`` connections register them with io_uring, ``nixl`` ones
+    with NIXL (``tcp`` cannot, ``shm`` copies out of the arena). A connection that cannot register (io_uring
     setup or the kernel refusing the pinning, e.g. over RLIMIT_MEMLOCK) keeps
     receiving with recvmsg: the failure is logged once per generation and
     counted, never raised out of a GET.
@@ -110,7 +110,7 @@ class _Registration:
             return {"buffers": len(bufs), "bytes": sum(memoryview(b).nbytes for b in bufs)}
 
     def apply(self, conn: transport.Connection) -> None:
-        if conn.name != "native" or getattr(conn, "_kvf_reg_gen", 0) == self.gen:
+        if conn.name not in ("native", "nixl") or getattr(conn, "_kvf_reg_gen", 0) == self.gen:
             return
         with self._lock:
             gen, buffers = self.gen, self.buffers
@@ -126,8 +126,8 @@ class _Registration:
             with self._lock:
                 warn, self._warned_gen = self._warned_gen != gen, gen
             if warn:
-                log.warning("kvfabric: cannot register receive buffers on %s (%s); GETs there use recvmsg",
-                            conn.address, e)
+                log.warning("kvfabric: cannot register receive buffers on %s (%s); GETs there %s", conn.address, e,
+                            "use recvmsg" if conn.name == "native" else "register their buffers per call")
 
 
 class _Reconnector:

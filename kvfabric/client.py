@@ -218,8 +218,10 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
 
         ``get_into`` objects whose buffer lies inside one of them (the buffer or
         any slice) are then received with io_uring ``READ_FIXED`` instead of
-        ``recvmsg`` (see ``NativeConnection.register_buffers``). Each pooled
-        ``native`` connection registers the current set the next time it is
+        ``recvmsg`` (see ``NativeConnection.register_buffers``); on ``nixl``
+        connections they are registered with NIXL once, and READs into them
+        register nothing per call (``NixlConnection.register_buffers``). Each pooled
+        ``native`` or ``nixl`` connection registers the current set the next time it is
         used; ``tcp`` and ``shm`` connections ignore it. Replaces an earlier
         set. Limits are checked now (ValueError, nothing changed); a connection
         that cannot register later keeps recvmsg, logged and counted in
@@ -234,7 +236,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         self._registration.set(check_registration(buffers, max_buffers=max_buffers, max_bytes=max_bytes))
 
     def unregister_buffers(self) -> None:
-        """Drop the registered set; each native connection unregisters when next used."""
+        """Drop the registered set; each native or nixl connection unregisters when next used."""
         self._registration.set(None)
 
     @property

@@ -18,8 +18,10 @@ mapping's address (``_native.Server.set_remote_arena``). A client:
   its own (one per process);
 * GET = ``SHM_LEASE`` (the found objects pinned: offsets, sizes, checksums),
   one NIXL ``READ`` of the whole block list from the arena straight into the
-  caller's buffers (registered with the client's agent for the call), then
-  ``SHM_RELEASE``. The :class:`~kvfabric.client.Client` verifies every object
+  caller's buffers, then ``SHM_RELEASE``. The caller's buffers are registered
+  with the client's agent for the call, unless they lie inside buffers given to
+  ``Client.register_buffers`` (:meth:`NixlConnection.register_buffers`: registered once
+  and kept; the vLLM connector registers its KV tensors so), then the call registers nothing. The :class:`~kvfabric.client.Client` verifies every object
   against the lease's checksum, so a slot reused under an expired lease reads
   as a miss;
 * PUT = ``SHM_RESERVE`` (slots in no index), one NIXL ``WRITE`` of the
@@ -84,6 +86,7 @@ from ..protocol import (
     ShmReserveRequest,
 )
 from .base import Reply, get_sinks, hello
+from .native import MAX_REGISTERED_BUFFERS, MAX_REGISTERED_BYTES, check_registration
 from .native import connect as _native_connect
 from .native import probe as _native_probe
 from .shm import ShmConnection
@@ -199,6 +202,33 @@ _agent_lock = threading.Lock()
 _agents: dict[str, Any] = {}  # UCX_TLS at creation -> this process's agent for it
 _peers: dict[tuple[str, bytes], str] = {}  # (UCX_TLS, server agent metadata) -> its name in that agent
 _logged: set[str] = set()
+_pinned: dict[tuple[int, tuple[tuple[int, int], ...]], list[Any]] = {}  # (agent, regions) -> [reg, users]
+
+
+def _pin(agent: Any, regions: tuple[tuple[int, int], ...]) -> None:
+    """Register ``regions`` with ``agent`` once for every connection that asks for the same set."""
+    with _agent_lock:
+        held = _pinned.get((id(agent), regions))
+        if held is None:
+            reg = agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
+            held = _pinned[(id(agent), regions)] = [reg, 0]
+        held[1] += 1
+
+
+def _unpin(agent: Any, regions: tuple[tuple[int, int], ...]) -> None:
+    with _agent_lock:
+        held = _pinned.get((id(agent), regions))
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _pinned[(id(agent), regions)]
+            agent.deregister_memory(held[0])
+
+
+def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]]) -> bool:
+    """Every (address, length) of ``local`` lies inside one of ``regions`` (merged, few)."""
+    return all(any(r <= a and a + n <= r + rn for r, rn in regions) for a, n in local)
 
 
 def _peer(md: bytes) -> tuple[Any, str]:
@@ -268,6 +298,9 @@ class NixlConnection(ShmConnection):
         self._peer_name = ""
         self._base = 0
         self._capacity = 0
+        self._regions: tuple[tuple[int, int], ...] = ()   # registered once (register_buffers)
+        self._held: list[Any] = []                          # their buffers, kept exported
+        self._reg_stats = {"xfers_registered": 0, "xfers_per_call": 0}
 
     def _hello(self, client_name: str, auth_token: str | None, deadline: float) -> HelloReply:
         return hello(lambda m: self.request(m, deadline=deadline).msg, self.address, client_name, ("nixl",),
@@ -277,8 +310,39 @@ class NixlConnection(ShmConnection):
         return self._agent is not None
 
     def close(self) -> None:
+        self.unregister_buffers()
         self._agent = None
         super().close()
+
+    def register_buffers(self, buffers: Sequence[Any], *, max_buffers: int = MAX_REGISTERED_BUFFERS,
+                         max_bytes: int = MAX_REGISTERED_BYTES) -> None:
+        """Register reused buffers with this process's NIXL agent once (shared with every connection that
+        registers the same set): later transfers whose local ranges lie inside them register nothing.
+        Replaces an earlier registration; the buffers stay exported until :meth:`unregister_buffers` or
+        :meth:`close`. ValueError as :meth:`NativeConnection.register_buffers` (checked before anything
+        is registered); TransportError when NIXL refuses the registration."""
+        if self._agent is None:
+            raise TransportError(f"nixl connection to {self.address} is not attached")
+        bufs = check_registration(buffers, max_buffers=max_buffers, max_bytes=max_bytes)
+        regions = tuple(_merged([_addr(b) for b in bufs]))
+        self.unregister_buffers()
+        try:
+            _pin(self._agent, regions)
+        except Exception as e:  # nixl's bindings raise plain exceptions
+            raise TransportError(f"nixl: registering {len(regions)} buffer regions failed: {e}") from e
+        self._regions, self._held = regions, bufs
+
+    def unregister_buffers(self) -> None:
+        if self._regions and self._agent is not None:
+            _unpin(self._agent, self._regions)
+        self._regions, self._held = (), []
+
+    def registered_stats(self) -> dict[str, int] | None:
+        """``{buffers, bytes, xfers_registered, xfers_per_call}``: transfers that used the registration and
+        transfers that registered their own buffers, or None without a registration."""
+        if not self._regions:
+            return None
+        return {"buffers": len(self._held), "bytes": sum(n for _, n in self._regions), **self._reg_stats}
 
     def _attach(self, deadline: float) -> None:
         rep = self._control(ShmAttachRequest(), deadline)
@@ -318,7 +382,12 @@ class NixlConnection(ShmConnection):
                 self.close()
                 raise ProtocolError(protocol.ErrorCode.MALFORMED, f"arena range {off}+{n} outside the arena")
         agent = self._agent
-        reg = agent.register_memory([(a, n, 0, "") for a, n in _merged(local)], "DRAM")
+        if self._regions and _covered(local, self._regions):
+            reg = None
+            self._reg_stats["xfers_registered"] += 1
+        else:
+            reg = agent.register_memory([(a, n, 0, "") for a, n in _merged(local)], "DRAM")
+            self._reg_stats["xfers_per_call"] += 1
         handle = None
         try:
             ldescs = agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")

@@ -299,3 +299,38 @@ def test_a_peer_that_never_releases_loses_its_lease_at_max_lease_ms(serve):
         conn.close()
     with client(srv.address) as c:
         assert c.delete([b"held"]) == 1   # no pin left: the slot is the server's again
+
+
+def test_registered_buffers_are_registered_with_nixl_once(serve):
+    """Client.register_buffers reaches nixl connections: GETs into the registered buffer (or a slice) register
+    nothing per call, GETs elsewhere still do, and the bytes are exact either way."""
+    srv = serve()
+    vals = {b"r%d" % i: os.urandom(100_000 + i) for i in range(4)}
+    with client(srv.address) as c:
+        assert c.put(list(vals), list(vals.values())).stored == 4
+    conn = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        slab = np.zeros(1 << 20, dtype=np.uint8)
+        conn.register_buffers([slab])
+        views = [memoryview(slab)[i * 200_000:i * 200_000 + len(v)] for i, v in enumerate(vals.values())]
+        rep = conn.request(p.GetRequest(list(vals)), recv_buffers=views)
+        assert rep.msg.sizes == [len(v) for v in vals.values()]
+        assert [bytes(v) for v in views] == list(vals.values())
+        assert conn.registered_stats() == {"buffers": 1, "bytes": 1 << 20, "xfers_registered": 1,
+                                           "xfers_per_call": 0}, conn.registered_stats()
+        other = bytearray(len(vals[b"r0"]))
+        conn.request(p.GetRequest([b"r0"]), recv_buffers=[other])
+        assert bytes(other) == vals[b"r0"] and conn.registered_stats()["xfers_per_call"] == 1
+        conn.unregister_buffers()
+        assert conn.registered_stats() is None
+        with pytest.raises(ValueError):
+            conn.register_buffers([bytes(10)])   # read-only: refused before anything is registered
+    finally:
+        conn.close()
+    with client(srv.address) as c:   # through the Client: each pooled nixl connection takes the set
+        slab = np.zeros(1 << 20, dtype=np.uint8)
+        c.register_buffers([slab])
+        out = [memoryview(slab)[:len(vals[b"r1"])]]
+        assert c.get_into([b"r1"], out) == [len(vals[b"r1"])] and bytes(out[0]) == vals[b"r1"]
+        st = c.stats()["client"]
+        assert st["buffer_registrations"] >= 1 and st["buffer_registration_failures"] == 0, st
