@@ -15,10 +15,10 @@ simply unavailable (the import error is its reason). To add one, add a line to
 first by ``auto``.
 
 Choosing: a named transport that is unavailable raises ``TransportUnavailable``;
-there is never a silent fallback to a slower one. ``nixl`` is used only when
-named (``auto`` skips it). ``auto`` tries the available
-transports fastest first, moves on only on ``TransportUnavailable``, and logs
-the one it chose.
+there is never a silent fallback to a slower one. ``nixl`` is tried by ``auto``
+only where its ``auto_reason()`` is None (an active RDMA port). ``auto`` tries the
+available transports fastest first, moves on only on ``TransportUnavailable``,
+and logs, once per server, the one it chose and why it skipped the faster ones.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class _Entry:
     name: str
     module: str
     rank: int  # lower = faster; auto tries ascending
-    auto: bool = True  # False: only when asked for by name (auto never tries it)
+    auto: bool = True  # False: auto tries it only when its module's auto_reason() is None
 
 
 # The one place transports are registered.
@@ -50,8 +50,8 @@ _TRANSPORTS: tuple[_Entry, ...] = (
     _Entry("tcp", "kvfabric.transport.tcp", rank=100),
     _Entry("native", "kvfabric.transport.native", rank=50),
     _Entry("shm", "kvfabric.transport.shm", rank=10),
-    # one-sided READ/WRITE into the server's arena through NIXL (UCX); only by name: auto does not probe
-    # UCX for an RDMA device yet, and over UCX tcp it is slower than native (docs/notes/nixl.md)
+    # one-sided READ/WRITE into the server's arena through NIXL (UCX); auto only with an active RDMA port:
+    # over UCX tcp it is slower than native (docs/notes/nixl.md)
     _Entry("nixl", "kvfabric.transport.nixl", rank=40, auto=False),
 )
 
@@ -121,10 +121,13 @@ def connect(name: str, address: str, config: ClientConfig, *, client_name: str =
         return got.connect(address, **kwargs)
     reasons = []
     for tname in available():
-        if not _entry(tname).auto:
-            continue
         mod = _load(_entry(tname))
         assert not isinstance(mod, str)
+        if not _entry(tname).auto:
+            why = mod.auto_reason()
+            if why is not None:
+                reasons.append(f"{tname}: {why}")
+                continue
         try:
             conn = mod.connect(address, **kwargs)
         except TransportUnavailable as e:

@@ -49,9 +49,12 @@ arena; checksums catch torn or stale objects, not a writer that forges them.
 Offer ``nixl`` only to engines the operator trusts as much as the server, and
 set a token: without one, anyone who reaches the TCP port can attach.
 
-Negotiation: ``nixl`` is never picked by ``transport: auto`` (this slice does
-not probe UCX for an RDMA device); asked for by name it is nixl or
-:class:`~kvfabric.errors.TransportUnavailable`, never a silent fallback.
+Negotiation: ``transport: auto`` picks nixl (after shm, before native) only when the server offers it
+and this host has an active RDMA port (:func:`auto_reason`, read from sysfs); otherwise it says why in
+the one line it logs for the server and goes on to native. Asked for by name it is nixl or
+:class:`~kvfabric.errors.TransportUnavailable`, never a silent fallback. Which UCX transports a
+connection really uses is UCX's choice (``UCX_TLS``, logged with the first connection to a server);
+an RDMA port with a UCX built without verbs still runs over tcp (``ucx_info -d`` tells).
 """
 
 from __future__ import annotations
@@ -125,6 +128,41 @@ def probe() -> str | None:
     if reason is not None:
         return reason
     return _IMPORT_ERROR if _nixl() is None else None
+
+
+SYSFS_RDMA = "/sys/class/infiniband"
+
+
+def rdma_ports(root: str = SYSFS_RDMA) -> list[str]:
+    """The RDMA ports of this host that are up: ``DEVICE/PORT`` for each ``ports/N/state`` under ``root``
+    that reads ``ACTIVE`` (the kernel's view, what UCX's verbs transports would use); [] without any."""
+    out = []
+    try:
+        devices = sorted(os.listdir(root))
+    except OSError:
+        return out
+    for dev in devices:
+        try:
+            ports = sorted(os.listdir(os.path.join(root, dev, "ports")))
+        except OSError:
+            continue
+        for port in ports:
+            try:
+                with open(os.path.join(root, dev, "ports", port, "state"), encoding="ascii") as f:
+                    state = f.read()
+            except OSError:
+                continue
+            if "ACTIVE" in state:
+                out.append(f"{dev}/{port}")
+    return out
+
+
+def auto_reason(root: str = SYSFS_RDMA) -> str | None:
+    """Why ``transport: auto`` should not pick nixl here (None: it may): without an active RDMA port UCX
+    would carry nixl over tcp, slower than ``native`` (docs/notes/nixl.md). An active port is not proof
+    that the installed UCX has verbs: ``ucx_info -d`` must list ``rc_verbs``/``rc_mlx5`` for it."""
+    ports = rdma_ports(root)
+    return None if ports else f"no active RDMA port in {root} (UCX would run over tcp, slower than native)"
 
 
 def _new_agent(role: str, progress_thread: bool) -> Any:

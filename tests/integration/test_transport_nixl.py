@@ -7,6 +7,7 @@ Skipped, with the reason, where nixl is not importable (it lives in its own virt
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from kvfabric.client import Client
 from kvfabric.config import ClientConfig
 from kvfabric.errors import DeadlineExceeded, RemoteError, TransportError, TransportUnavailable
 from kvfabric.transport.base import dial
+from kvfabric.transport import nixl
 from kvfabric.transport.nixl import NixlConnection
 from kvfabric.testing.servers import start_server
 from kvfabric.testing.poll import wait_for
@@ -138,12 +140,28 @@ def test_forced_nixl_is_nixl_or_a_clear_error(ucx_tls):
     try:
         with pytest.raises(TransportUnavailable, match="does not offer nixl"):
             transport.connect("nixl", srv.address, ClientConfig())
-        # auto never picks nixl
+        # auto never picks nixl from a server that does not offer it
         conn = transport.connect("auto", srv.address, ClientConfig())
         assert conn.name != "nixl"
         conn.close()
     finally:
         srv.stop()
+
+
+def test_auto_skips_nixl_without_an_rdma_port_and_says_so(serve, caplog):
+    """These machines have no RDMA device: auto against a server offering nixl takes native, and its one log
+    line for the server names why nixl was skipped. (With an active port auto would try nixl first: the
+    sysfs reading is unit-tested in tests/unit/test_nixl_rdma.py.)"""
+    assert nixl.rdma_ports() == []
+    srv = serve()
+    with caplog.at_level(logging.INFO, logger="kvfabric.transport"):
+        conn = transport.connect("auto", srv.address, ClientConfig())
+    try:
+        assert conn.name == "native", conn.name
+    finally:
+        conn.close()
+    lines = [r.getMessage() for r in caplog.records if "chosen for" in r.getMessage()]
+    assert len(lines) == 1 and "nixl: no active RDMA port" in lines[0], lines
 
 
 def test_a_corrupted_arena_byte_is_a_miss(serve):
