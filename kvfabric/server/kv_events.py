@@ -70,7 +70,8 @@ MAX_BATCH = 256               # events per published batch: < 64 KiB of msgpack 
 BATCH_BYTES_MAX = 64 << 10
 POLL_S = 0.05                 # the publisher thread's wake-up period (replay requests, stop)
 
-# store events (csrc/kvf_store.h) and SSD events (csrc/kvf_tier.h)
+# store events (csrc/kvf_store.h enum kvf_event_type; the eviction policy reads them too, native.py)
+# and SSD events (csrc/kvf_tier.h)
 EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 TIER_STORED, TIER_REMOVED = 1, 2
 

@@ -57,7 +57,7 @@ from ..errors import ConfigError, KVFabricError, TransportUnavailable
 from ..protocol import DEFAULT_LIMITS, HelloReply, Limits
 from .eviction import EvictionPolicy, make_policy
 from .kv_events import DEFAULT_RING as DEFAULT_EVENTS_RING
-from .kv_events import PoolEvents
+from .kv_events import EV_ACCESS, EV_INSERT, PoolEvents
 from ..sizes import format_size
 from .config import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -80,7 +80,6 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 log = logging.getLogger("kvfabric.server.native")
 
-EV_INSERT, EV_ACCESS, EV_REMOVE = 1, 2, 3
 _DRAIN_BATCH = 4096
 EVENT_RING = 65536   # the store's INSERT/ACCESS/REMOVE ring (csrc/kvf_store.h), drained by the control thread
 # Index entries the control thread looks at per round for objects of a retired namespace
