@@ -31,6 +31,7 @@ SMOKED = {
     "get_cpu": "tests/integration/test_bench_get_cpu.py::test_get_cpu_quick_writes_table_and_json",
     "gpu_transfer": "tests/e2e/vllm/test_bench_smoke.py::test_gpu_transfer_smoke",
     "keys": "tests/integration/test_bench_smoke.py::test_keys_smoke",
+    "kv_events": "tests/integration/test_bench_smoke.py::test_kv_events_smoke",
     "lmcache_backend": "tests/e2e/lmcache/test_bench_smoke.py::test_lmcache_backend_smoke",
     "lookup": "tests/integration/test_bench_server.py::test_bench_lookup_measures_both_servers_beside_ping",
     "pd": "tests/e2e/vllm/test_bench_smoke.py::test_pd_smoke",
@@ -151,3 +152,22 @@ def test_vllm_ttft_trace_times_the_clients_checksums_where_they_are_now(monkeypa
     monkeypatch.delattr(reads, "_object_checksum")
     with pytest.raises(vllm_ttft.TraceTargetMissing, match=r"kvfabric\._reads\._object_checksum not found"):
         vllm_ttft._Trace().install_client()
+
+
+@needs_native
+def test_kv_events_smoke(tmp_path, capsys):
+    """Three real servers (events off, on with a reader, on with a subscriber that never reads): every PUT
+    answered, the reader received every event the server published, nothing lost."""
+    pytest.importorskip("zmq")
+    from kvfabric.bench import kv_events
+
+    out = tmp_path / "kv_events.json"
+    assert kv_events.main(["--puts", "300", "--dram-mib", "1", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    rows = {r["config"]: r for r in rep["rows"]}
+    assert set(rows) == {"off", "on", "stuck"}, rows
+    for r in rows.values():
+        assert r["puts"] == 300 and r["dropped"] == 0 and r["evictions"] > 0, r
+    assert rows["on"]["received"] == rows["on"]["events"] > 0 and rows["on"]["lost"] == 0, rows["on"]
+    assert rows["stuck"]["events"] > 0 and rows["off"]["events"] is None, rows
+    assert "vs off" in capsys.readouterr().out
