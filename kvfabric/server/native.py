@@ -653,8 +653,7 @@ class NativeServer:
             try:
                 self.kv_events.start()   # bound before the data plane runs: no event is published to nobody
             except ConfigError:
-                self._srv.tier_close()
-                self._close_sockets()
+                self.stop()   # nothing runs yet: closes the tier, the nixl export and the sockets
                 raise
         for target, name in ((self._run_loop, "kvf-io_uring"), (self._control, "kvf-control")):
             t = threading.Thread(target=target, name=name, daemon=True)
