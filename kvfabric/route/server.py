@@ -11,8 +11,8 @@ Two modes, one HTTP front (grown out of the PD example proxy, ``examples/pd/prox
 ``POST /v1/completions`` or ``/v1/chat/completions`` goes, unchanged, to the instance with the
 lowest predicted time to first token (:mod:`.fleet`, :mod:`.cost`): the prompt's tokens already in
 that instance's prefix cache (its vLLM KV events, :mod:`.events`) cost nothing, those in the pool
-(a LOOKUP of the connector's chunk keys, :mod:`.pool`; only with ``--pool-config``) cost their
-load, the rest their prefill, plus the instance's queue. The prompt's token ids are the request's
+(a LOOKUP of the connector's chunk keys, :mod:`.pool`; only with ``--pool-config``; with
+``--pool-events``, the pool servers' KV events instead, no round trip) cost their load, the rest their prefill, plus the instance's queue. The prompt's token ids are the request's
 own when it sends ids; a text prompt or chat messages are tokenized by an instance's ``/tokenize``
 (deadline ``--tokenize-timeout-s``) when any instance has KV events or a pool is configured; no
 token ids means the choice is by queue alone (least loaded). An instance that refuses the
@@ -77,7 +77,7 @@ from ..server.httpd import BoundedHandler, BoundedHTTPServer, Limits
 from ..sizes import parse_size
 from .cost import Prediction
 from .fleet import POLICIES, Costs, Fleet, Instance
-from .pool import EngineShape, PoolView
+from .pool import EngineShape, PoolEventsView, PoolView
 
 log = logging.getLogger("kvfabric.route")
 _RELAY_BYTES = 64 << 10
@@ -464,6 +464,9 @@ def parser(prog: str = "kvfabric route") -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=EngineShape.block_size,
                     help=f"with --pool-config: vLLM's block size (default {EngineShape.block_size})")
     ap.add_argument("--pool-timeout-s", type=float, default=0.05, help="deadline of a pool LOOKUP (default 0.05)")
+    ap.add_argument("--pool-events", default=None, metavar="ENDPOINT[,ENDPOINT...]",
+                    help="with --pool-config: read what the pool holds from its servers' KV events (kvfabric serve "
+                         "--kv-events) instead of a LOOKUP per request")
     ap.add_argument("--prefill-s-per-token", type=float, default=Costs.prefill_s_per_token,
                     help="prior until measured from an instance's /metrics")
     ap.add_argument("--load-s-per-token", type=float, default=Costs.load_s_per_token,
@@ -518,9 +521,13 @@ def build(args: argparse.Namespace) -> Router:
     if args.pool_config:
         if not args.model:
             raise ValueError("--pool-config needs --model (the engines' model directory)")
-        pool = PoolView(json.loads(args.pool_config), EngineShape(args.model, args.kv_dtype, args.kv_layout,
-                                                                  args.block_size),
-                        timeout_s=args.pool_timeout_s)
+        shape = EngineShape(args.model, args.kv_dtype, args.kv_layout, args.block_size)
+        if args.pool_events:
+            pool = PoolEventsView(json.loads(args.pool_config), shape, [e for e in args.pool_events.split(",") if e])
+        else:
+            pool = PoolView(json.loads(args.pool_config), shape, timeout_s=args.pool_timeout_s)
+    elif args.pool_events:
+        raise ValueError("--pool-events needs --pool-config and --model (the keys are the connector's)")
     fleet = Fleet([*insts["both"], *insts["prefill"], *insts["decode"]], policy=args.policy, pool=pool,
                   costs=Costs(args.prefill_s_per_token, args.load_s_per_token, args.decode_s_per_running),
                   poll_s=args.poll_s, poll_timeout_s=args.poll_timeout_s, index_entries=args.index_entries)

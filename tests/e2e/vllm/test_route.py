@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from kvfabric.route.pool import EngineShape, PoolView
+from kvfabric.route.pool import EngineShape, PoolEventsView, PoolView
 from kvfabric.testing import wait_for
 from kvfabric.testing.servers import start_pool, stop_process_group
 from kvfabric_vllm.tinymodel import random_prompt
@@ -58,8 +58,9 @@ def _cached(answer: dict) -> int:
 
 
 class Deployment:
-    def __init__(self, model, pool, urls, procs, router, router_proc, extra):
+    def __init__(self, model, pool, urls, procs, router, router_proc, extra, pool_events):
         self.model, self.pool, self.urls, self.procs = model, pool, urls, procs
+        self.pool_events = pool_events
         self.router, self.router_proc, self.extra = router, router_proc, extra
 
     def stats(self) -> dict:
@@ -80,7 +81,8 @@ def dep(tiny_model, tmp_path_factory):
     old = os.environ.get("VLLM_SERVER_DEV_MODE")
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"            # POST /reset_prefix_cache
     try:
-        with start_pool(1, capacity="128MiB") as pool:
+        pool_events = f"ipc://{tmp}/pool-events"
+        with start_pool(1, capacity="128MiB", extra_args=["--kv-events", pool_events]) as pool:
             try:
                 urls, logs = [], []
                 for name in ("a", "b"):
@@ -106,7 +108,8 @@ def dep(tiny_model, tmp_path_factory):
                 line = router.stdout.readline()
                 assert line.startswith("kvfabric route listening on "), \
                     (line, (tmp / "router.log").read_text()[-3000:])
-                yield Deployment(tiny_model, pool, urls, procs, "http://" + line.split()[-1], router, extra)
+                yield Deployment(tiny_model, pool, urls, procs, "http://" + line.split()[-1], router, extra,
+                                 pool_events)
             finally:
                 for p in reversed(procs):
                     if p.poll() is None:
@@ -153,6 +156,25 @@ def test_pool_residency_is_seen_with_the_connectors_keys(dep):
         assert wait_for(lambda: view.leading_tokens(r) == PROMPT_TOKENS // CHUNK * CHUNK, WAIT_S), view.counts
     finally:
         view.close()
+    # the same from the pool server's KV events (kvfabric route --pool-events): the chunks the connector
+    # saved came as BlockStored of their groups. The subscriber joins now, so a second prompt is warmed
+    # after it: its chunks are found, the first prompt's (published before it joined) are not.
+    events_view = PoolEventsView(dep.extra, EngineShape(dep.model), [dep.pool_events])
+    try:
+        joined = events_view.subscribers[0]
+        for n in range(100):   # a SUB socket connects asynchronously: new chunks saved until one batch arrives
+            if joined.counts["batches"]:
+                break
+            _complete(a, dep.model, random_prompt(CHUNK + 10, seed=1000 + n))
+            wait_for(lambda: joined.counts["batches"] > 0, 2)
+        assert joined.counts["batches"] > 0, joined.snapshot()
+        r2 = random_prompt(PROMPT_TOKENS, seed=47)
+        _warm(dep, a, r2)
+        assert wait_for(lambda: events_view.leading_tokens(r2) == PROMPT_TOKENS // CHUNK * CHUNK, WAIT_S), \
+            (events_view.counts, events_view.index.counts, events_view.subscribers[0].snapshot())
+        assert events_view.index.counts["bad_events"] == 0, events_view.index.counts
+    finally:
+        events_view.close()
     req = urllib.request.Request(a + "/reset_prefix_cache", b"", method="POST")
     with urllib.request.urlopen(req, timeout=60):
         pass
