@@ -1,7 +1,7 @@
 """``kvfabric route``: send each request to the vLLM instance where its KV is cheapest (docs/route.md).
 
 * :mod:`.events`: vLLM's KV events -> per-instance prefix residency in kvfabric keys;
-* :mod:`.pool`: the pool's residency of a prompt (LOOKUP of the vLLM connector's keys);
+* :mod:`.pool`: the pool's residency of a prompt (LOOKUP of the vLLM connector's keys, or the pool's KV events);
 * :mod:`.cost`: the predicted time to first token;
 * :mod:`.fleet`: the instances, their /metrics, the choice;
 * :mod:`.server`: the OpenAI-compatible HTTP front, kv and pd modes, and the CLI.
