@@ -286,18 +286,18 @@ class PoolEvents:
                     events.extend(block_stored([h], m, parent=p) if stored else block_removed([h], m)
                                   for stored, m, h, p in items)
                     payload = encode_batch(time.time(), events)
+                    buffer.append((seq, payload))   # counted and kept before it is sent: a subscriber that
+                    buffered += len(payload)        # received batch N finds N counted and replayable
+                    while len(buffer) > self.buffer_steps or (buffered > self.buffer_bytes and len(buffer) > 1):
+                        buffered -= len(buffer.popleft()[1])
+                    with self._cv:
+                        self.counts["batches"] += 1
+                        self.counts["events"] += len(events)
                     try:
                         pub.send_multipart((self.topic, seq_bytes(seq), payload), zmq.NOBLOCK)
                     except zmq.Again:
                         pass   # no subscriber can take it now: it stays in the replay buffer
-                    buffer.append((seq, payload))
-                    buffered += len(payload)
-                    while len(buffer) > self.buffer_steps or (buffered > self.buffer_bytes and len(buffer) > 1):
-                        buffered -= len(buffer.popleft()[1])
                     seq += 1
-                    with self._cv:
-                        self.counts["batches"] += 1
-                        self.counts["events"] += len(events)
                     continue
                 if stopping:
                     return
@@ -322,6 +322,8 @@ class PoolEvents:
                     self.counts["bad_replays"] += 1
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
+            with self._cv:   # counted before the answer goes out: whoever got it sees it counted
+                self.counts["replays"] += 1
             try:
                 for s, payload in list(buffer):
                     if s >= start:
@@ -329,8 +331,6 @@ class PoolEvents:
                 replay.send_multipart((ident, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
             except zmq.Again:
                 pass   # that subscriber does not read: its answer is cut, it asks again
-            with self._cv:
-                self.counts["replays"] += 1
 
 
 __all__ = ["DEFAULT_RING", "PoolEvents", "check_endpoint", "kv_events_bytes", "subscriber_bytes"]
