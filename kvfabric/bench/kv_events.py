@@ -20,6 +20,7 @@ are the point.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import urllib.request
@@ -27,13 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from . import write_json
+from ._servers import percentile
 
 CONFIGS = ("off", "on", "stuck")
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def _events(server: Any) -> dict[str, float]:
@@ -112,14 +109,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({
                 "config": c, "puts": len(lat[c]), "dropped": errors[c],
                 "puts_per_s": len(lat[c]) / sum(lat[c]), "vs_off": base / sum(lat[c]),
-                "p50_us": _percentile(lat[c], 0.5) * 1e6, "p99_us": _percentile(lat[c], 0.99) * 1e6,
+                "p50_us": percentile(sorted(lat[c]), 0.5) * 1e6, "p99_us": percentile(sorted(lat[c]), 0.99) * 1e6,
                 "evictions": stats[c].get("evictions", 0),
                 "events": ev.get("events"), "batches": ev.get("batches"), "lost": ev.get("lost"),
                 "resets": ev.get("resets"), "received": received if c == "on" else None,
             })
         return {"benchmark": "kv_events", "object_kib": args.object_kib, "dram_mib": args.dram_mib,
                 "puts_per_server": args.puts, "working_set_objects": n_keys, "transport": args.transport,
-                "load_avg": list(__import__("os").getloadavg()), "rows": rows}
+                "load_avg": list(os.getloadavg()), "rows": rows}
     finally:
         for s in socks:
             s.close(0)

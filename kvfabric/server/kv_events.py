@@ -139,8 +139,8 @@ class _SsdGroups:
 
 
 class PoolEvents:
-    """The publisher (module docstring). ``dram`` / ``ssd`` are called by the control thread with what
-    it drained; everything ZMQ runs on this object's thread. ``start`` binds (ConfigError when it
+    """The publisher (module docstring). ``round`` is called by the control thread with what it
+    drained; everything ZMQ runs on this object's thread. ``start`` binds (ConfigError when it
     cannot), ``stop`` joins."""
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
