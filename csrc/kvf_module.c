@@ -100,7 +100,7 @@ static int add_mirrors(PyObject *d)
     struct { const char *name; long long v; } ints[] = {
         {"version", KVF_VERSION}, {"lat_buckets", KVF_LAT_BUCKETS}, {"page_bytes", KVF_PAGE},
         {"nonce_bytes", KVF_NONCE_BYTES}, {"proof_bytes", KVF_PROOF_BYTES},
-        {"ns_tag_bytes", KVF_NS_TAG_BYTES},
+        {"ns_tag_bytes", KVF_NS_TAG_BYTES}, {"medium_dram", KVF_MEDIUM_DRAM}, {"medium_ssd", KVF_MEDIUM_SSD},
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         if (!(v = PyLong_FromLongLong(ints[i].v)) || PyDict_SetItemString(d, ints[i].name, v)) { Py_XDECREF(v); return -1; }

@@ -232,6 +232,17 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         kvf_reject(c, KVF_E_MALFORMED, "lease_ms must be in 0..3600000");
         return;
     }
+    /* LOOKUP media: where each counted key is (a byte each: KVF_MEDIUM_*), and nothing is read
+     * from a tier: a key only on the SSD tier counts from its index, unleased and not promoted
+     * (the client decides whether reading it is worth it); the shared tier is not consulted */
+    int media = 0;
+    if (op == KVF_OP_LOOKUP) {
+        struct kvf_mr fr;
+        if (!kvf_mr_find(m.p, m.n, KVF_F_MEDIA, &fr) && kvf_mr_bool(&fr, &media)) {
+            kvf_reject(c, KVF_E_MALFORMED, "media must be a bool");
+            return;
+        }
+    }
     struct batch *b = &c->b;
     int trust = 0;
     if (op == KVF_OP_GET) {
@@ -251,7 +262,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
             return;
         }
     }
-    if (s->tier && kvf_tier_park(c, op, b, n)) return; /* keys on a tier: read, promote, come back */
+    if (s->tier && !media && kvf_tier_park(c, op, b, n)) return; /* keys on a tier: read, promote, come back */
     if (op == KVF_OP_GET) {
         KVF_REPLY_BEGIN(32 + (size_t)n * 20, n);
         uint32_t found = 0;
@@ -320,11 +331,25 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         if (s->cfg.max_lease_ms && lease_ms > s->cfg.max_lease_ms) lease_ms = s->cfg.max_lease_ms;
         int64_t until = lease_ms ? kvf_now_ms() + (int64_t)lease_ms : 0;
         uint32_t count = 0;
-        while (count < n && kvf_store_lookup(s->st, b->keys[count], b->klens[count], until)) count++;
-        KVF_REPLY_BEGIN(32, 0);
-        kvf_mw_map(&w, 1);
+        uint8_t *medium = b->status; /* n bytes, free in a LOOKUP */
+        for (; count < n; count++) {
+            uint64_t loc, seq, size, csum;
+            if (kvf_store_lookup(s->st, b->keys[count], b->klens[count], until))
+                medium[count] = KVF_MEDIUM_DRAM;
+            else if (media && s->tier &&
+                     kvf_tier_find(s->tier, b->keys[count], b->klens[count], &loc, &seq, &size, &csum) > 0)
+                medium[count] = KVF_MEDIUM_SSD;
+            else
+                break;
+        }
+        KVF_REPLY_BEGIN(48 + (size_t)count, 0);
+        kvf_mw_map(&w, media ? 2 : 1);
         kvf_mw_cstr(&w, KVF_F_COUNT);
         kvf_mw_uint(&w, count);
+        if (media) {
+            kvf_mw_cstr(&w, KVF_F_MEDIA);
+            kvf_mw_bin(&w, medium, count);
+        }
         kvf_reply_finish(c, rp, KVF_OP_LOOKUP, KVF_FLAG_REPLY, w.len, 0);
     } else { /* DELETE */
         uint32_t del = 0;

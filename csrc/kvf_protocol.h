@@ -97,6 +97,9 @@ enum kvf_put_status {
 #define KVF_NS_TAG_BYTES 16u
 /* Cap on a LOOKUP / shm lease, ms (kvfabric.protocol.MAX_LEASE_MS). */
 #define KVF_MAX_LEASE_MS 3600000u
+/* LOOKUP with media: each counted key's medium, one byte each (kvfabric.protocol.MEDIUM_DRAM / MEDIUM_SSD). */
+#define KVF_MEDIUM_DRAM 0u
+#define KVF_MEDIUM_SSD 1u
 
 /* Metadata field names C reads or writes (kvfabric.protocol.META_FIELDS owns
  * them; tests/unit/test_meta_fields.py checks every one is spelled as there and
@@ -115,6 +118,7 @@ enum kvf_put_status {
 #define KVF_F_KEYS "keys"
 #define KVF_F_LEASE "lease"
 #define KVF_F_LEASE_MS "lease_ms"
+#define KVF_F_MEDIA "media"
 #define KVF_F_MESSAGE "message"
 #define KVF_F_NONCE "nonce"
 #define KVF_F_NS "ns"

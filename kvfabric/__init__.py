@@ -6,7 +6,7 @@ detail unless docs/ARCHITECTURE.md names it.
 
 from __future__ import annotations
 
-from .client import Client, PutResult
+from .client import Client, LookupRun, PutResult
 from .config import ClientConfig, parse_servers, parse_size
 from .errors import (
     AuthError,
@@ -39,6 +39,7 @@ __all__ = [
     "KVFabricError",
     "KeyAlgorithm",
     "KeyHasher",
+    "LookupRun",
     "Namespace",
     "ProtocolError",
     "PutResult",

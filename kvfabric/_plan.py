@@ -13,11 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .protocol import PutStatus
 
-__all__ = ["PutResult", "plan_chunks", "plan_groups", "leading_run", "whole_group_run", "whole_groups",
+__all__ = ["LookupRun", "PutResult", "plan_chunks", "plan_groups", "leading_run", "whole_group_run", "whole_groups",
            "check_contiguous_groups", "combine_puts"]
+
+
+class LookupRun(NamedTuple):
+    """:meth:`Client.lookup_media`'s answer: ``count`` leading keys held, ``on_ssd`` of them held
+    only on a server's SSD tier (None where the medium is unknown: without ``media``, or with
+    replicas, whose presence comes from EXISTS)."""
+
+    count: int
+    on_ssd: int | None
 
 
 @dataclass(frozen=True, slots=True)

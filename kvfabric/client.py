@@ -91,13 +91,13 @@ from .errors import ConfigError, ConnectionClosed, ErrorCode, KVFabricError, Ret
 from .keys import BlockKey, KeyHasher, Namespace, namespace_tag
 from .membership import Membership, StaticMembership
 from .membership.handoff import HandOff, PreviousViews, Repairer
-from ._plan import (PutResult, check_contiguous_groups, combine_puts, leading_run, plan_chunks, plan_groups,
+from ._plan import (LookupRun, PutResult, check_contiguous_groups, combine_puts, leading_run, plan_chunks, plan_groups,
                     whole_group_run, whole_groups)
 from ._reads import _Reads
 from ._routing import _Routing, _View
 from .protocol import PutStatus
 
-__all__ = ["Client", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
+__all__ = ["Client", "LookupRun", "PutResult", "plan_chunks", "leading_run", "combine_puts"]
 
 log = logging.getLogger("kvfabric.client")
 
@@ -481,7 +481,15 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, *, placement: Sequence[bytes] | None = None,
                groups: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
-        """Length of the longest leading run of ``keys`` that the pool holds.
+        """Length of the longest leading run of ``keys`` that the pool holds (details: :meth:`lookup_media`,
+        which also says how many of them are on a server's SSD tier)."""
+        return self.lookup_media(keys, lease_ms, placement=placement, groups=groups, timeout_s=timeout_s,
+                                 media=False).count
+
+    def lookup_media(self, keys: Sequence[bytes], lease_ms: int = 0, *, placement: Sequence[bytes] | None = None,
+                     groups: Sequence[bytes] | None = None, timeout_s: float | None = None,
+                     media: bool = True) -> LookupRun:
+        """The longest leading run of ``keys`` that the pool holds, and how many of them are on SSD.
 
         One LOOKUP per shard, in parallel: shard ``s`` gets its keys in prompt
         order and answers how many of them it holds from the start, so its
@@ -504,6 +512,15 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         per shard holding its placement keys (more only past a server's
         request limits). Hand-off (a membership change) is not applied to
         placement-routed calls.
+
+        ``media`` (issue 26 part 3): each server says where every key it counted
+        is and reads nothing from its SSD tier for the lookup (no prefetch into
+        DRAM, no lease on those keys; the shared tier is not consulted);
+        :attr:`LookupRun.on_ssd` is how many keys of the run only an SSD tier
+        holds, for a caller that weighs loading them against recomputing. A GET
+        of them then streams from the disk. ``on_ssd`` is None without
+        ``media``, and with ``replicas > 1`` (presence then comes from EXISTS,
+        which does not say the medium).
         """
         self._check_open()
         keys = self._keys(keys)
@@ -513,7 +530,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         if type(lease_ms) is not int or not 0 <= lease_ms <= protocol.MAX_LEASE_MS:
             raise ValueError(f"lease_ms must be an int in 0..{protocol.MAX_LEASE_MS}, got {lease_ms!r}")
         if not keys:
-            return 0
+            return LookupRun(0, 0 if media else None)
         deadline = self._deadline(timeout_s)
         if self.config.replicas > 1:
             present = [False] * len(keys)
@@ -521,19 +538,26 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
             run = next((i for i, p in enumerate(present) if not p), len(keys))
             run = self._handoff_run(keys, run, deadline) if group is None else whole_group_run(run, group)
             self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
-            return run
+            return LookupRun(run, None)
         shard_keys = self._primary_groups(route)
         if not shard_keys:  # no members: nothing is held
             self._counters.add(lookup_misses=len(keys))
-            return 0
+            return LookupRun(0, 0 if media else None)
         first_missing: dict[int, int] = {}  # shard -> global index of its first missing key
+        on_ssd: set[int] = set()             # with media: global indexes a server counted from its SSD tier
 
         def talk_for(shard: _Shard, idx: list[int]) -> Callable[[], Conversation]:
             def talk() -> Conversation:
                 for chunk in self._chunks(shard, idx):
-                    msg = protocol.LookupRequest(keys=list(map(keys.__getitem__, chunk)), lease_ms=lease_ms)
-                    count = (yield msg).msg.count
+                    msg = protocol.LookupRequest(keys=list(map(keys.__getitem__, chunk)), lease_ms=lease_ms,
+                                                 media=media)
+                    reply = (yield msg).msg
+                    count = reply.count
                     self._counters.add(requests=1)
+                    if media:
+                        if reply.media is None:  # a server that ignored the flag: the media are unknown
+                            raise protocol.ProtocolError(ErrorCode.MALFORMED, "LOOKUP media: the reply has none")
+                        on_ssd.update(i for i, m in zip(chunk, reply.media) if m == protocol.MEDIUM_SSD)
                     if count < len(chunk):
                         first_missing[shard.index] = chunk[count]
                         return
@@ -545,7 +569,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         run = leading_run(len(keys), list(first_missing.values()))
         run = self._handoff_run(keys, run, deadline) if group is None else whole_group_run(run, group)
         self._counters.add(lookup_hits=run, lookup_misses=len(keys) - run)
-        return run
+        return LookupRun(run, sum(1 for i in on_ssd if i < run) if media else None)
 
     def delete(self, keys: Sequence[bytes], *, placement: Sequence[bytes] | None = None,
                timeout_s: float | None = None) -> int:

@@ -96,6 +96,8 @@ from .wire import (
     MAGIC,
     MAX_IN_FLIGHT,
     MAX_LEASE_MS,
+    MEDIUM_DRAM,
+    MEDIUM_SSD,
     NS_TAG_BYTES,
     META_FIELDS,
     MAX_KEY_BYTES,
@@ -190,7 +192,7 @@ def decode_reply(header: Header, meta_buf: Any, expected: Op, limits: Limits = D
 __all__ = [
     "MAGIC", "VERSION", "BAD_VERSION_MESSAGE", "HEADER", "HEADER_SIZE", "FLAG_REPLY", "FLAG_ERROR", "Op", "ShmOp", "PutStatus",
     "Limits", "DEFAULT_LIMITS", "PRE_AUTH_LIMITS", "MAX_KEYS_PER_BATCH", "MAX_KEY_BYTES",
-    "MAX_META_BYTES", "MAX_PAYLOAD_BYTES", "MAX_OBJECT_BYTES", "MAX_IN_FLIGHT", "MAX_LEASE_MS", "META_FIELDS", "checksum",
+    "MAX_META_BYTES", "MAX_PAYLOAD_BYTES", "MAX_OBJECT_BYTES", "MAX_IN_FLIGHT", "MAX_LEASE_MS", "MEDIUM_DRAM", "MEDIUM_SSD", "META_FIELDS", "checksum",
     "checksum_parts",
     "Header", "pack_header", "unpack_header", "check_request_opcode", "encode_meta", "decode_meta",
     "Message", "HelloRequest", "HelloReply", "PingRequest", "PingReply", "ExistsRequest",

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from ..errors import ErrorCode, ProtocolError
 from .auth import NONCE_BYTES, PROOF_BYTES, new_nonce
-from .wire import BAD_VERSION_MESSAGE, DEFAULT_LIMITS, MAX_LEASE_MS, NS_TAG_BYTES, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
+from .wire import BAD_VERSION_MESSAGE, DEFAULT_LIMITS, MAX_LEASE_MS, MEDIUM_DRAM, MEDIUM_SSD, NS_TAG_BYTES, U64_MAX, VERSION, Limits, Op, PutStatus, ShmOp, _field, _keys, _uint_list
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,16 +201,27 @@ class LookupRequest(Message):
     """How many leading keys of ``keys`` does this server hold?
 
     ``lease_ms`` > 0 pins the found objects against eviction for that long.
+
+    ``media``: the reply says where each counted key is (:attr:`LookupReply.media`) and the
+    server reads nothing from a tier for it: a key only on its SSD tier counts from the tier's
+    index, without a lease and without being promoted to DRAM (without ``media`` such keys are
+    read back and promoted before the reply: a prefetch for the GET that follows). A caller that
+    weighs a load against recomputing asks this way, then GETs what it chose to load (the SSD
+    objects then stream from the disk). The shared tier is not consulted with ``media``: a key
+    only there ends the run.
     """
 
     op: ClassVar[Op] = Op.LOOKUP
     keys: Sequence[bytes] = ()
     lease_ms: int = 0
+    media: bool = False
 
     def to_meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {"keys": list(self.keys)}
         if self.lease_ms:
             m["lease_ms"] = self.lease_ms
+        if self.media:
+            m["media"] = True
         return m
 
     @classmethod
@@ -218,23 +229,34 @@ class LookupRequest(Message):
         lease_ms = _field(meta, "lease_ms", int, default=0)
         if not 0 <= lease_ms <= MAX_LEASE_MS:
             raise ProtocolError(ErrorCode.MALFORMED, f"lease_ms must be in 0..{MAX_LEASE_MS}")
-        return cls(keys=_keys(meta, limits), lease_ms=lease_ms)
+        media = _field(meta, "media", bool, default=False)
+        return cls(keys=_keys(meta, limits), lease_ms=lease_ms, media=media)
 
 
 @dataclass(frozen=True, slots=True)
 class LookupReply(Message):
+    """``count``: the leading keys held. ``media`` (only when the request asked for it): one byte
+    per counted key, :data:`MEDIUM_DRAM` or :data:`MEDIUM_SSD`; None otherwise."""
+
     op: ClassVar[Op] = Op.LOOKUP
     count: int = 0
+    media: bytes | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {"count": self.count}
+        m: dict[str, Any] = {"count": self.count}
+        if self.media is not None:
+            m["media"] = bytes(self.media)
+        return m
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> LookupReply:
         count = _field(meta, "count", int)
         if count < 0:
             raise ProtocolError(ErrorCode.MALFORMED, "count must be >= 0")
-        return cls(count=count)
+        media = _field(meta, "media", bytes) if "media" in meta else None
+        if media is not None and (len(media) != count or any(b not in (MEDIUM_DRAM, MEDIUM_SSD) for b in media)):
+            raise ProtocolError(ErrorCode.MALFORMED, "media must be one known medium byte per counted key")
+        return cls(count=count, media=media)
 
 
 @dataclass(frozen=True, slots=True)

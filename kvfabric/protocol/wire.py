@@ -114,6 +114,9 @@ DEFAULT_LIMITS = Limits()
 #: up again. The one constant: the client, the decoder, both servers' option checks and the
 #: connectors' configs use it (csrc/kvf_protocol.h mirrors it as KVF_MAX_LEASE_MS).
 MAX_LEASE_MS = 3_600_000
+#: LOOKUP with ``media``: the medium of each counted key, one byte each (csrc/kvf_protocol.h KVF_MEDIUM_*).
+MEDIUM_DRAM = 0
+MEDIUM_SSD = 1
 #: A namespace tag (PUT ``ns``, RETIRE ``ns``) is exactly this many bytes: a digest of the namespace
 #: (:func:`kvfabric.keys.namespace_tag`), never the namespace itself.
 NS_TAG_BYTES = 16
@@ -129,7 +132,7 @@ META_FIELDS: frozenset[str] = frozenset((
     "max_keys_per_batch", "max_key_bytes", "max_meta_bytes", "max_payload_bytes", "max_object_bytes",
     "max_in_flight",
     # requests and replies
-    "keys", "present", "lease_ms", "count", "client_verifies", "sizes", "checksums", "parents", "status",
+    "keys", "present", "lease_ms", "count", "media", "client_verifies", "sizes", "checksums", "parents", "status",
     "deleted", "code", "message",
     # PUT / SHM_RESERVE groups (issue 23): a chunk's parts admitted, evicted and tiered as one unit
     "groups", "group_parts",

@@ -286,6 +286,8 @@ class Generator:
             meta = {"keys": self.keys()}
         elif op == Op.LOOKUP:
             meta = {"keys": self.keys(), "lease_ms": r.choice([0, 0, 1, 500, 3_600_000, 3_600_001, 1 << 63])}
+            if r.random() < 0.3:
+                meta["media"] = r.choice([True, False, 1, None, b"x"])
         elif op == Op.GET:
             cv = r.random() < 0.3
             meta = {"keys": self.keys(), "client_verifies": cv}

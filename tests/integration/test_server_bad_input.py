@@ -167,6 +167,11 @@ def test_malformed_metadata_keeps_connection_usable(server):
         expect_error(s, ErrorCode.MALFORMED)
         s.sendall(frame(P.Op.GET, {"keys": "notalist"}))
         expect_error(s, ErrorCode.MALFORMED)
+        for bad in (1, None, b"x", "yes"):  # LOOKUP media is a bool (issue 26 part 3)
+            s.sendall(frame(P.Op.LOOKUP, {"keys": [b"k"], "media": bad}))
+            expect_error(s, ErrorCode.MALFORMED)
+        meta, _ = request(s, P.Op.LOOKUP, {"keys": [b"k"], "media": True})
+        assert meta == {"count": 0, "media": b""}, meta
         request(s, P.Op.PING, {})
     assert_serving(server)
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvfabric import Client, ClientConfig, LookupRun
 from kvfabric import protocol as p
 from kvfabric.testing import wait_for
 from kvfabric.testing.servers import start_server
@@ -284,6 +285,34 @@ def test_lookup_promotes_so_the_next_get_is_a_dram_hit(tier_dir):
         assert bytes(r.payload) == b"".join(value(k) for k in run)
         assert stats(c)["ssd_reads"] == 3  # DRAM hits now
         assert c.request(p.LookupRequest(on_tier[8:16])).msg.count == 4  # the cap ends the run
+
+
+def test_lookup_with_media_says_where_each_key_is_and_reads_nothing(tier_dir):
+    """Issue 26 part 3: LOOKUP media counts SSD keys from the index (no read, no promotion, no
+    promotion cap) and names each counted key's medium; the GET that follows streams them."""
+    keys = [b"lkm%04d" % i for i in range(32)]
+    srv, c, on_tier = _fill_and_settle(tier_dir, keys)
+    with srv, c:
+        in_dram = keys[len(on_tier):]
+        run = [in_dram[0], *on_tier[:6], in_dram[1]]   # 6 SSD objects: past the 4-object promotion cap
+        r = c.request(p.LookupRequest(run + [b"absent", in_dram[2]], media=True)).msg
+        assert (r.count, list(r.media)) == (8, [p.MEDIUM_DRAM] + [p.MEDIUM_SSD] * 6 + [p.MEDIUM_DRAM]), r
+        st = stats(c)
+        assert st["ssd_reads"] == 0 and st["ssd_promotions"] == 0, st
+        # without media the reply has no media and the run is read and promoted, as before
+        plain = c.request(p.LookupRequest(on_tier[6:8])).msg
+        assert (plain.count, plain.media) == (2, None)
+        assert stats(c)["ssd_reads"] == 2
+        # what a media LOOKUP counted is served by GET, streamed from the disk
+        got = c.request(p.GetRequest(on_tier[:4]))
+        assert got.msg.sizes == [SZ] * 4 and bytes(got.payload) == b"".join(value(k) for k in on_tier[:4])
+        # a key whose medium changed is said as it is now
+        r = c.request(p.LookupRequest(on_tier[:2], media=True)).msg
+        assert list(r.media) == [p.MEDIUM_DRAM] * 2, r
+        # the Client's view: the run and how much of it only the SSD tier holds
+        with Client([srv.address], config=ClientConfig(transport="native")) as cl:
+            assert cl.lookup_media(run + [b"absent"]) == LookupRun(8, 2)  # the GET promoted on_tier[:4]
+            assert cl.lookup_media(run, media=False) == LookupRun(8, None)
 
 
 def test_one_request_promotes_at_most_a_quarter_of_the_arena(tier_dir):

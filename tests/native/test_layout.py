@@ -50,6 +50,7 @@ def test_mirrored_constants_match_both_ways():
     assert c["lat_buckets"] == metrics.LAT_BUCKETS, (c["lat_buckets"], metrics.LAT_BUCKETS)
     assert c["lat_ops"] == metrics.LAT_OPS, (c["lat_ops"], metrics.LAT_OPS)
     assert c["page_bytes"] == arena.PAGE_SIZE, (c["page_bytes"], arena.PAGE_SIZE)
+    assert (c["medium_dram"], c["medium_ssd"]) == (p.MEDIUM_DRAM, p.MEDIUM_SSD), (c["medium_dram"], c["medium_ssd"])
     # HELLO's proofs (kvfabric.protocol.auth)
     assert (c["nonce_bytes"], c["proof_bytes"]) == (p.NONCE_BYTES, p.PROOF_BYTES), (c["nonce_bytes"], c["proof_bytes"])
     assert (c["hello_server_label"], c["hello_client_label"]) == (p.auth.SERVER_LABEL, p.auth.CLIENT_LABEL)

@@ -18,6 +18,7 @@ REQUESTS = [
     p.ExistsRequest(keys=[KEY, b"k2"]),
     p.LookupRequest(keys=[KEY], lease_ms=250),
     p.LookupRequest(keys=[KEY]),
+    p.LookupRequest(keys=[KEY, b"k2"], lease_ms=9, media=True),
     p.GetRequest(keys=[KEY, b"x" * 64]),
     p.PutRequest(keys=[KEY, b"k2"], sizes=[3, 0], checksums=[p.checksum(KEY, b"abc"), p.checksum(b"k2", b"")]),
     p.PutRequest(keys=[KEY], sizes=[5], checksums=[1], parents=[b"parent"]),
@@ -37,6 +38,8 @@ REPLIES = [
     p.PingReply(),
     p.ExistsReply(present=[True, False]),
     p.LookupReply(count=3),
+    p.LookupReply(count=3, media=bytes([p.MEDIUM_DRAM, p.MEDIUM_SSD, p.MEDIUM_DRAM])),
+    p.LookupReply(count=0, media=b""),
     p.GetReply(sizes=[3, -1, 0], checksums=[7, 0, 9]),
     p.PutReply(status=[int(s) for s in p.PutStatus]),
     p.DeleteReply(deleted=2),
@@ -391,3 +394,18 @@ def test_put_ns_is_a_16_byte_tag_or_nil(ns):
 def test_retire_reply_generation_is_positive(gen):
     with pytest.raises(ProtocolError):
         p.RetireReply.from_meta({} if gen is None else {"generation": gen})
+
+
+@pytest.mark.parametrize("meta", [{"count": 2, "media": b"\x00"}, {"count": 1, "media": b"\x02"},
+                                  {"count": 1, "media": [0]}, {"count": 1, "media": None}])
+def test_lookup_reply_media_is_one_known_byte_per_counted_key(meta):
+    with pytest.raises(p.ProtocolError) as e:
+        p.LookupReply.from_meta(meta)
+    assert e.value.code == ErrorCode.MALFORMED
+
+
+@pytest.mark.parametrize("media", [1, None, b"x", "yes"])
+def test_lookup_request_media_is_a_bool(media):
+    with pytest.raises(p.ProtocolError) as e:
+        p.LookupRequest.from_meta({"keys": [KEY], "media": media})
+    assert e.value.code == ErrorCode.MALFORMED

@@ -286,7 +286,9 @@ class Handlers:
 
     def _lookup(self, session: Session, header: Header, msg: Any) -> Reply:
         count = self.store.lookup(msg.keys, msg.lease_ms)
-        return Reply(protocol.encode_reply(LookupReply(count), header.request_id))
+        # the reference server has no tiers: every counted key is in its memory
+        media = bytes([protocol.MEDIUM_DRAM]) * count if msg.media else None
+        return Reply(protocol.encode_reply(LookupReply(count, media), header.request_id))
 
     def _get(self, session: Session, header: Header, msg: Any) -> Reply:
         got = self.store.acquire(msg.keys, max_bytes=session.limits.max_payload_bytes, verify=not msg.client_verifies)
