@@ -332,15 +332,21 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         int64_t until = lease_ms ? kvf_now_ms() + (int64_t)lease_ms : 0;
         uint32_t count = 0;
         uint8_t *medium = b->status; /* n bytes, free in a LOOKUP */
+        /* SSD keys count up to one request's promotion cap, in arena slots, as the prefetch and a GET
+         * do: the run is what one GET can serve (past the cap a GET's SSD keys are misses) */
+        uint64_t budget = media && s->tier ? kvf_tier_promote_max(s->tier) : 0, slots = 0;
         for (; count < n; count++) {
             uint64_t loc, seq, size, csum;
-            if (kvf_store_lookup(s->st, b->keys[count], b->klens[count], until))
+            if (kvf_store_lookup(s->st, b->keys[count], b->klens[count], until)) {
                 medium[count] = KVF_MEDIUM_DRAM;
-            else if (media && s->tier &&
-                     kvf_tier_find(s->tier, b->keys[count], b->klens[count], &loc, &seq, &size, &csum) > 0)
-                medium[count] = KVF_MEDIUM_SSD;
-            else
+                continue;
+            }
+            if (!media || !s->tier ||
+                kvf_tier_find(s->tier, b->keys[count], b->klens[count], &loc, &seq, &size, &csum) <= 0)
                 break;
+            slots += (size + KVF_PAGE - 1) / KVF_PAGE * KVF_PAGE;
+            if (slots > budget) break;
+            medium[count] = KVF_MEDIUM_SSD;
         }
         KVF_REPLY_BEGIN(48 + (size_t)count, 0);
         kvf_mw_map(&w, media ? 2 : 1);

@@ -14,10 +14,14 @@ windows of at least ``min_tokens`` tokens):
   time the request really waits in ``WAITING_FOR_REMOTE_KVS``. Loads in flight together
   share the clock (:class:`BusyClock`: seconds with at least one load in flight), so
   queued loads are not counted twice. Tokens are the ones scheduled to load, failed ones
-  included (a load that times out counts its whole wait). One estimate per connector:
-  the pool does not say which tier served a GET (DRAM, SSD, shared), so the rate is the
-  mix of tiers this engine's loads saw lately; :func:`leading_tokens_to_load` takes
-  per-tier runs for when it does. Sync loads (``load_async: false``) run inside the
+  included (a load that times out counts its whole wait). **One estimate per medium**:
+  the connector's lookup asks the pool where each object is (``Client.lookup_media``: the
+  servers read nothing from their SSD tier for it, so a slow disk costs only the loads
+  that read it), and a load that has any token on a server's SSD tier is an ``ssd`` load,
+  the others ``dram`` loads; each kind has its own clock and rate (seconds per token over
+  all its tokens: a load mixing both media is priced as an SSD one). Where the medium is
+  unknown (a pool with ``replicas > 1``, whose presence comes from EXISTS) loads count as
+  ``dram``. Sync loads (``load_async: false``) run inside the
   step and are not measured: the guard then never has a load rate and loads as before.
 * **prefill**: seconds per locally computed prompt token, from the scheduler's own step
   clock: the time from one ``build_connector_meta`` (scheduling step N) to the next
@@ -33,13 +37,15 @@ windows of at least ``min_tokens`` tokens):
   with async scheduling, which overlaps the two, it is not measured: not run here.)
 
 Decision (:meth:`LoadGuard.plan`): once per lookup, for the tokens a hit would load beyond
-vLLM's local hit. Until both rates have a measured window it loads everything, as before.
-Then it loads the leading tokens whose predicted load time is below their predicted
-recompute time (:func:`leading_tokens_to_load`; with one rate for every token that is all
-or nothing) and vLLM computes the rest; a cut load is counted (``loads_skipped_slower``).
-A skipped load gives the load estimate no new sample, so a pool that became fast again
-would never be seen: while loads are being skipped, one is let through when the last
-load sample is older than ``probe_s`` (and none is in flight).
+vLLM's local hit, with the rate of the hit's kind (``ssd`` when any of them is on an SSD
+tier). Until the prefill rate and that kind's load rate have a measured window it loads
+everything, as before. Then it loads the leading tokens whose predicted load time is below
+their predicted recompute time (:func:`leading_tokens_to_load`; with one rate for every
+token that is all or nothing) and vLLM computes the rest; a cut load is counted
+(``loads_skipped_slower``). A skipped load gives the load estimate no new sample, so a pool
+that became fast again would never be seen: while loads of a kind are being skipped, one is
+let through when that kind's last load sample is older than ``probe_s`` (and none of its
+loads is in flight).
 
 The rates compare what one request waits; they do not price what recompute costs the rest
 of the batch (an async load leaves the engine free for other requests, a recompute
@@ -55,7 +61,10 @@ from collections.abc import Iterable, Sequence
 
 from kvfabric.route.cost import Rate
 
-__all__ = ["BusyClock", "LoadGuard", "leading_tokens_to_load"]
+__all__ = ["BusyClock", "LoadGuard", "MEDIA", "leading_tokens_to_load"]
+
+#: the kinds of load the guard keeps a rate for: every token in DRAM, or some on an SSD tier
+MEDIA = ("dram", "ssd")
 
 #: a placeholder the Rates need; never used for a decision (``Rate.measured`` gates every use)
 _UNUSED_PRIOR = 1.0
@@ -105,8 +114,21 @@ class BusyClock:
         self.open -= 1
 
 
+class _LoadKind:
+    """One kind of load's (``dram`` or ``ssd``) clock, token count and rate."""
+
+    def __init__(self, min_tokens: int) -> None:
+        self.rate = Rate(_UNUSED_PRIOR, min_tokens=min_tokens)
+        self.rate.observe(0.0, 0)        # the counters start at zero: the first window starts now
+        self.clock = BusyClock()
+        self.tokens = 0
+        self.in_flight = 0
+        self.last_at: float | None = None  # when a load of this kind last reported
+
+
 class LoadGuard:
-    """The scheduler side's two rates and the per-lookup decision (module docstring).
+    """The scheduler side's rates (prefill; load per medium) and the per-lookup decision (module
+    docstring).
 
     Not thread-safe: vLLM calls the scheduler side from its one scheduler thread."""
 
@@ -117,14 +139,10 @@ class LoadGuard:
             raise ValueError(f"probe_s must be finite and > 0, got {probe_s!r}")
         self.enabled = enabled
         self.probe_s = probe_s
-        self.load = Rate(_UNUSED_PRIOR, min_tokens=min_tokens)
+        self.kinds = {m: _LoadKind(min_tokens) for m in MEDIA}
         self.prefill = Rate(_UNUSED_PRIOR, min_tokens=min_tokens)
-        self.load.observe(0.0, 0)        # the counters start at zero: the first window starts now
         self.prefill.observe(0.0, 0)
-        self._clock = BusyClock()
-        self._load_tokens = 0
-        self._loading: dict[str, int] = {}      # req_id -> tokens of its load in flight
-        self._last_load_at: float | None = None  # when a load last reported
+        self._loading: dict[str, tuple[int, str]] = {}  # req_id -> (tokens, kind) of its load in flight
         self._prefill_s = 0.0
         self._prefill_tokens = 0
         # the last step: when its scheduling ended, its prompt tokens, whether it may be counted,
@@ -137,22 +155,40 @@ class LoadGuard:
 
     # ------------------------------------------------------------------ measurements
 
-    def load_started(self, req_id: str, tokens: int, now: float) -> None:
-        """An async load of ``tokens`` was scheduled for ``req_id``."""
+    @property
+    def load(self) -> Rate:
+        """The ``dram`` loads' rate (every token of the load in DRAM, or the medium unknown)."""
+        return self.kinds["dram"].rate
+
+    @property
+    def load_ssd(self) -> Rate:
+        """The ``ssd`` loads' rate (some token of the load on a server's SSD tier)."""
+        return self.kinds["ssd"].rate
+
+    def load_started(self, req_id: str, tokens: int, now: float, kind: str = "dram") -> None:
+        """An async load of ``tokens`` was scheduled for ``req_id``; ``kind``: ``ssd`` when some of
+        them are on an SSD tier (:data:`MEDIA`)."""
+        if kind not in self.kinds:
+            raise ValueError(f"kind must be one of {MEDIA}, got {kind!r}")
         if req_id in self._loading:            # vLLM never schedules two loads of one request at once
             self.load_finished(req_id, now)
-        self._clock.start(now)
-        self._loading[req_id] = tokens
+        k = self.kinds[kind]
+        k.clock.start(now)
+        k.in_flight += 1
+        self._loading[req_id] = (tokens, kind)
 
     def load_finished(self, req_id: str, now: float) -> None:
         """``req_id``'s load reported done (or failed); unknown ids are ignored."""
-        tokens = self._loading.pop(req_id, None)
-        if tokens is None:
+        entry = self._loading.pop(req_id, None)
+        if entry is None:
             return
-        self._clock.stop(now)
-        self._load_tokens += tokens
-        self._last_load_at = now
-        self.load.observe(self._clock.total, self._load_tokens)
+        tokens, kind = entry
+        k = self.kinds[kind]
+        k.clock.stop(now)
+        k.in_flight -= 1
+        k.tokens += tokens
+        k.last_at = now
+        k.rate.observe(k.clock.total, k.tokens)
 
     def inline(self, seconds: float) -> None:
         """The connector spent ``seconds`` inside vLLM's scheduling (not the engine's step time)."""
@@ -184,19 +220,27 @@ class LoadGuard:
 
     @property
     def measured(self) -> bool:
+        """The prefill rate and the ``dram`` load rate have a measured window."""
         return self.load.measured and self.prefill.measured
 
-    def plan(self, tokens: int, now: float) -> int | None:
-        """Tokens of a ``tokens``-token hit to load; None when the guard did not weigh it (off, or a
-        rate without a measured window yet: load everything, as before)."""
-        if not self.enabled or tokens <= 0 or not self.measured:
+    def plan(self, tokens: int, now: float, ssd_tokens: int = 0) -> int | None:
+        """Tokens of a ``tokens``-token hit to load, ``ssd_tokens`` of which are on an SSD tier;
+        None when the guard did not weigh it (off, or the prefill rate or this kind's load rate
+        without a measured window yet: load everything, as before)."""
+        k = self.kinds["ssd" if ssd_tokens > 0 else "dram"]
+        if not self.enabled or tokens <= 0 or not (k.rate.measured and self.prefill.measured):
             return None
-        keep = leading_tokens_to_load([(tokens, self.load.value)], self.prefill.value)
-        if keep < tokens and not self._loading and (
-                self._last_load_at is None or now - self._last_load_at >= self.probe_s):
-            return tokens                      # a probe: the load rate is old, measure it again
+        keep = leading_tokens_to_load([(tokens, k.rate.value)], self.prefill.value)
+        if keep < tokens and not k.in_flight and (k.last_at is None or now - k.last_at >= self.probe_s):
+            return tokens                      # a probe: this kind's rate is old, measure it again
         return keep
+
+    @staticmethod
+    def kind(ssd_tokens: int | None) -> str:
+        """The kind of a load with ``ssd_tokens`` on an SSD tier (None: unknown, counted as ``dram``)."""
+        return "ssd" if ssd_tokens else "dram"
 
     def to_json(self) -> dict:
         return {"load_s_per_token": self.load.value if self.load.measured else None,
+                "load_ssd_s_per_token": self.load_ssd.value if self.load_ssd.measured else None,
                 "prefill_s_per_token": self.prefill.value if self.prefill.measured else None}

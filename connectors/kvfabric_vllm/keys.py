@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfabric import Client, KeyHasher, Namespace
+from kvfabric import Client, KeyHasher, LookupRun, Namespace
 
 from .config import (ConnectorConfig, kv_layout_name, make_namespace, parse_extra_config, request_namespace,
                      weights_fingerprint)
@@ -99,6 +99,11 @@ class PromptKeys:
 
     def held_chunks(self, client: Client, engine: EngineKeys, *, timeout_s: float, lease_ms: int = 0,
                     probe: bool = True) -> int:
+        """:meth:`held_run`'s count of chunks (the servers prefetch what is on their SSD tier)."""
+        return self.held_run(client, engine, timeout_s=timeout_s, lease_ms=lease_ms, probe=probe, media=False).count
+
+    def held_run(self, client: Client, engine: EngineKeys, *, timeout_s: float, lease_ms: int = 0,
+                 probe: bool = True, media: bool = True) -> LookupRun:
         """Leading chunks the pool holds whole: every object (every layer and KV head) that an engine's
         ranks need together, each chunk one group routed by its placement key (one request per shard
         per stage); the whole call within ``timeout_s`` (KVFabricError past it or on failure).
@@ -109,7 +114,12 @@ class PromptKeys:
         object of only the chunks below that bound, with the lease (``lease_ms``), decides. A chunk
         still counts only when all its objects were found (the probe never adds one); what the probe
         saves is the keys (hashing, wire, server) of the chunks past the first one missing. The second
-        stage is skipped when the probe finds nothing."""
+        stage is skipped when the probe finds nothing.
+
+        Counted in chunks: ``LookupRun(chunks held, chunks with an object only on an SSD tier)``.
+        ``media`` (:meth:`Client.lookup_media`): the servers read nothing from their SSD tier for
+        the lookup and say which objects are there (``on_ssd`` None without it, or where the pool
+        cannot say: replicas); without it they prefetch those objects into DRAM before answering."""
         deadline = time.monotonic() + timeout_s
         parts, probe_parts = engine.parts(), engine.probe_parts()
         upto = len(self.chunk_keys)
@@ -119,11 +129,15 @@ class PromptKeys:
                                     timeout_s=max(0.001, deadline - time.monotonic()))
             upto = next((i for i, p in enumerate(present) if not p), len(objs)) // len(probe_parts)
             if not upto:
-                return 0
+                return LookupRun(0, 0 if media else None)
         objs, place, groups = self.objects(engine, upto=upto)
-        found = client.lookup(objs, lease_ms=lease_ms, placement=place, groups=groups,
-                              timeout_s=max(0.001, deadline - time.monotonic()))
-        return found // len(parts)
+        run = client.lookup_media(objs, lease_ms=lease_ms, placement=place, groups=groups,
+                                  timeout_s=max(0.001, deadline - time.monotonic()), media=media)
+        chunks = run.count // len(parts)
+        if run.on_ssd is None:
+            return LookupRun(chunks, None)
+        # a chunk's objects are one group, tiered whole; a torn count still prices the chunk as SSD
+        return LookupRun(chunks, min(chunks, -(-run.on_ssd // len(parts))))
 
 
 def prompt_keys(engine: EngineKeys, token_ids: Sequence[int], cache_salt: str | None = None) -> PromptKeys:

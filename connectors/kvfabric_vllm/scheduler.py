@@ -99,6 +99,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvfabric import LookupRun
 from kvfabric.keys import Namespace, namespace_tag
 
 from .config import ConnectorConfig
@@ -130,6 +131,7 @@ class _Req:
     lookup_t0: float = 0.0
     lookup_epoch: int = -1           # request.num_preemptions when the lookup was started
     pool_run: int | None = None      # leading chunks the pool holds (None: not known yet)
+    pool_ssd: int | None = None      # of those, chunks with objects on a server's SSD tier (None: unknown)
     hit_counted: bool = False        # lookup_hit_tokens added for this lookup
     local_computed: int = 0          # vLLM's local hit passed to the last lookup call
     saved_upto: int = 0              # chunks [0, saved_upto) are in the pool or being put
@@ -292,13 +294,15 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ lookup
 
-    def _lookup_all_parts(self, keys: list[bytes], lease_ms: int, placement: list[bytes] | None = None) -> int:
-        """Leading chunks the pool holds whole (``PromptKeys.held_chunks``: every object the engine's
-        ranks need, in two stages when ``lookup_probe``), within ``lookup_timeout_ms``."""
+    def _lookup_all_parts(self, keys: list[bytes], lease_ms: int, placement: list[bytes] | None = None) -> LookupRun:
+        """Leading chunks the pool holds whole (``PromptKeys.held_run``: every object the engine's
+        ranks need, in two stages when ``lookup_probe``), within ``lookup_timeout_ms``. With the load
+        guard on, the servers say which chunks are on their SSD tier and read nothing for the lookup
+        (guard.py: an SSD hit is weighed on its own rate); otherwise they prefetch them into DRAM."""
         assert self.client is not None and self.keys is not None
-        return PromptKeys(keys, placement).held_chunks(self.client, self.keys, lease_ms=lease_ms,
-                                                       timeout_s=self.cfg.lookup_timeout_ms / 1000,
-                                                       probe=self.cfg.lookup_probe)
+        return PromptKeys(keys, placement).held_run(self.client, self.keys, lease_ms=lease_ms,
+                                                    timeout_s=self.cfg.lookup_timeout_ms / 1000,
+                                                    probe=self.cfg.lookup_probe, media=self.guard.enabled)
 
     def _start_lookup(self, st: _Req, epoch: int, lease: bool) -> bool:
         """Start (again, after a preemption) the lookup of every whole prompt chunk; True if started."""
@@ -310,7 +314,7 @@ class SchedulerSide:
                 st.lookup.cancel()
         self.counters.add("lookups")
         st.lookup_epoch = epoch
-        st.pool_run = None
+        st.pool_run = st.pool_ssd = None
         st.hit_counted = False
         st.guard = None
         st.lookup_t0 = time.monotonic()
@@ -329,7 +333,7 @@ class SchedulerSide:
                 pass
         if st.lookup.done():
             try:
-                st.pool_run = st.lookup.result()
+                st.pool_run, st.pool_ssd = st.lookup.result()
             except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss, never vLLM's error
                 self.counters.fail("lookup_errors", "pool lookup failed: %r", exc)
                 st.pool_run = 0
@@ -374,7 +378,7 @@ class SchedulerSide:
             time.sleep(_POLL_WAIT_S)   # vLLM asks again at once when idle: do not spin its loop
             return True
         self.counters.add("pd_relookups")
-        st.pool_run = None
+        st.pool_run = st.pool_ssd = None
         st.lookup_t0 = now
         st.lookup = self._pool.submit(self._lookup_all_parts, st.keys, self.cfg.lease_ms, st.placement)
         return True
@@ -439,7 +443,8 @@ class SchedulerSide:
         """The tokens of an ``ext``-token hit to load (guard.py): decided once per lookup (again when
         the hit changed, a PD wait's later lookup), ending on a chunk boundary; cuts are counted."""
         if st.guard is None or st.guard[0] != ext:
-            keep = self.guard.plan(ext, time.monotonic())
+            ssd = (st.pool_ssd or 0) * self.cfg.chunk_tokens   # where in the hit is not known: any makes it an SSD load
+            keep = self.guard.plan(ext, time.monotonic(), ssd_tokens=min(ssd, ext))
             if keep is not None:
                 end = (computed + keep) // self.cfg.chunk_tokens * self.cfg.chunk_tokens
                 keep = max(0, end - computed)
@@ -480,7 +485,8 @@ class SchedulerSide:
         if self.cfg.load_async:
             st.loading = True
             self._loading.add(request.request_id)
-            self.guard.load_started(request.request_id, num_external_tokens, time.monotonic())
+            self.guard.load_started(request.request_id, num_external_tokens, time.monotonic(),
+                                    LoadGuard.kind(st.pool_ssd))
         self.counters.add("scheduled_load_tokens", num_external_tokens)
 
     def update_connector_output(self, finished_recving: set[str] | None) -> None:

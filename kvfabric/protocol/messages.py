@@ -204,7 +204,8 @@ class LookupRequest(Message):
 
     ``media``: the reply says where each counted key is (:attr:`LookupReply.media`) and the
     server reads nothing from a tier for it: a key only on its SSD tier counts from the tier's
-    index, without a lease and without being promoted to DRAM (without ``media`` such keys are
+    index (up to one request's promotion cap, as many as one GET could serve), without a lease
+    and without being promoted to DRAM (without ``media`` such keys are
     read back and promoted before the reply: a prefetch for the GET that follows). A caller that
     weighs a load against recomputing asks this way, then GETs what it chose to load (the SSD
     objects then stream from the disk). The shared tier is not consulted with ``media``: a key

@@ -288,15 +288,18 @@ def test_lookup_promotes_so_the_next_get_is_a_dram_hit(tier_dir):
 
 
 def test_lookup_with_media_says_where_each_key_is_and_reads_nothing(tier_dir):
-    """Issue 26 part 3: LOOKUP media counts SSD keys from the index (no read, no promotion, no
-    promotion cap) and names each counted key's medium; the GET that follows streams them."""
+    """Issue 26 part 3: LOOKUP media counts SSD keys from the index (no read, no promotion) up to
+    one request's promotion cap, as a GET could serve them, and names each counted key's medium;
+    the GET that follows streams them."""
     keys = [b"lkm%04d" % i for i in range(32)]
     srv, c, on_tier = _fill_and_settle(tier_dir, keys)
     with srv, c:
         in_dram = keys[len(on_tier):]
-        run = [in_dram[0], *on_tier[:6], in_dram[1]]   # 6 SSD objects: past the 4-object promotion cap
+        run = [in_dram[0], *on_tier[:4], in_dram[1]]   # 4 SSD objects: one request's promotion cap
         r = c.request(p.LookupRequest(run + [b"absent", in_dram[2]], media=True)).msg
-        assert (r.count, list(r.media)) == (8, [p.MEDIUM_DRAM] + [p.MEDIUM_SSD] * 6 + [p.MEDIUM_DRAM]), r
+        assert (r.count, list(r.media)) == (6, [p.MEDIUM_DRAM] + [p.MEDIUM_SSD] * 4 + [p.MEDIUM_DRAM]), r
+        r = c.request(p.LookupRequest(on_tier[10:16], media=True)).msg  # past the cap the run ends
+        assert (r.count, list(r.media)) == (4, [p.MEDIUM_SSD] * 4), r
         st = stats(c)
         assert st["ssd_reads"] == 0 and st["ssd_promotions"] == 0, st
         # without media the reply has no media and the run is read and promoted, as before
@@ -311,6 +314,7 @@ def test_lookup_with_media_says_where_each_key_is_and_reads_nothing(tier_dir):
         assert list(r.media) == [p.MEDIUM_DRAM] * 2, r
         # the Client's view: the run and how much of it only the SSD tier holds
         with Client([srv.address], config=ClientConfig(transport="native")) as cl:
+            run = [in_dram[0], *on_tier[:6], in_dram[1]]
             assert cl.lookup_media(run + [b"absent"]) == LookupRun(8, 2)  # the GET promoted on_tier[:4]
             assert cl.lookup_media(run, media=False) == LookupRun(8, None)
 

@@ -174,3 +174,43 @@ def test_config_switch_defaults_and_limits():
     for bad in ({"load_guard": "no"}, {"load_guard_min_tokens": 0}, {"load_guard_probe_s": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             parse_extra_config({"servers": ["127.0.0.1:1"], **bad}, "kv_both", 128)
+
+
+def _load_kind(g: LoadGuard, t: float, s_per_token: float, kind: str, tokens: int = 1000, rid: str = "l") -> float:
+    g.load_started(rid, tokens, t, kind)
+    t += tokens * s_per_token
+    g.load_finished(rid, t)
+    return t
+
+
+def test_ssd_hits_are_weighed_with_the_ssd_loads_rate_only():
+    """A fast DRAM pool and a throttled SSD tier: DRAM hits load, SSD hits are recomputed, each
+    kind measured on its own loads (issue 26 part 3: the lookup says the medium)."""
+    g = _guard()
+    t = _prefill(g, 0.0, 1e-4)
+    t = _load_kind(g, t, 1e-5, "dram")
+    assert g.plan(1408, t, ssd_tokens=0) == 1408
+    assert g.plan(1408, t, ssd_tokens=128) is None      # no SSD load measured yet: load, measure it
+    t = _load_kind(g, t, 1e-3, "ssd")                    # 10x slower than recomputing
+    assert g.load_ssd.value == pytest.approx(1e-3) and g.load.value == pytest.approx(1e-5)
+    assert g.plan(1408, t, ssd_tokens=128) == 0
+    assert g.plan(1408, t, ssd_tokens=0) == 1408         # DRAM hits are not priced as the disk
+    assert g.to_json() == {"load_s_per_token": pytest.approx(1e-5), "load_ssd_s_per_token": pytest.approx(1e-3),
+                           "prefill_s_per_token": pytest.approx(1e-4)}
+
+
+def test_each_kind_probes_on_its_own_clock():
+    g = _guard()
+    t = _prefill(g, 0.0, 1e-4)
+    t = _load_kind(g, t, 1e-3, "ssd")
+    t = _load_kind(g, t + 20.0, 1e-5, "dram")            # a recent DRAM load is no news of the disk
+    assert g.plan(1408, t, ssd_tokens=64) == 0
+    assert g.plan(1408, t + 10.0, ssd_tokens=64) == 1408  # the SSD sample is 30 s old: probe it
+    g.load_started("probe", 1408, t + 10.0, "ssd")
+    assert g.plan(1408, t + 11.0, ssd_tokens=64) == 0     # one probe at a time
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError):
+        _guard().load_started("r", 10, 0.0, "nvme")
+    assert LoadGuard.kind(None) == LoadGuard.kind(0) == "dram" and LoadGuard.kind(3) == "ssd"

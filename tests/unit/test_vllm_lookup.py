@@ -82,7 +82,7 @@ def test_a_chunk_counts_only_when_every_object_is_held(probe):
                               Counters(), lambda: None)
         try:
             pk = prompt_keys(e, list(range(6 * CHUNK)))
-            lookup = lambda: sched._lookup_all_parts(pk.chunk_keys, 1000, pk.placement)  # noqa: E731
+            lookup = lambda: sched._lookup_all_parts(pk.chunk_keys, 1000, pk.placement).count  # noqa: E731
             before = _lookups(c)
             assert lookup() == 0
             # nothing held: the probe finds nothing and no LOOKUP is sent (without the probe, one)

@@ -120,10 +120,10 @@ def test_worker_saves_a_chunks_layers_on_one_server_and_loads_them_by_placement(
                         held = one.exists(layer_keys(hasher, k, NL))
                         mine = sharding.owners(place[ci], members)[0] == pos
                         assert held == [mine] * NL, (addr, ci, held)
-            assert sched._lookup_all_parts(keys, 0, place) == 6
+            assert sched._lookup_all_parts(keys, 0, place).count == 6
             with Client(pool.addresses) as c:   # one layer of chunk 3 deleted: the server drops its whole group
                 assert c.delete([layer_keys(hasher, keys[3], NL)[1]], placement=[place[3]]) == NL
-            assert sched._lookup_all_parts(keys, 0, place) == 3
+            assert sched._lookup_all_parts(keys, 0, place).count == 3
             b.load([LoadSpec("r", keys[:4], [[9], [10], [11], [12]], placement=place[:4])])
             for li, name in enumerate(NAMES):
                 b.wait_layer(name)

@@ -171,10 +171,10 @@ def test_lookup_counts_only_chunks_held_in_every_layer():
         try:
             keys = [os.urandom(16) for _ in range(4)]
             save(w, keys, [1, 2, 3, 4])
-            assert sched._lookup_all_parts(keys, 0) == 4
+            assert sched._lookup_all_parts(keys, 0).count == 4
             with Client(pool.addresses) as c:
                 assert c.delete([layer_keys(KeyHasher(), keys[2], NL)[1]]) == 1
-            assert sched._lookup_all_parts(keys, 0) == 2
+            assert sched._lookup_all_parts(keys, 0).count == 2
         finally:
             w.shutdown()
             sched.shutdown()
