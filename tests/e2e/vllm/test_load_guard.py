@@ -7,17 +7,24 @@ decision. A slow pool is made by a real mechanism: the engine reaches the server
 :class:`kvfabric.testing.proxy.SlowReplyProxy`, which holds every GET reply ``DELAY_S``
 (lookups answer at once), so the 300-token prompt's 256-token load takes seconds where the
 tiny Llama computes the prompt in tens of milliseconds here. With the fast pool (the server
-itself, a 1500-token prompt) the guard weighs the hit and loads it.
+itself, a 1500-token prompt) the guard weighs the hit and loads it. A real SSD tier whose disk
+reads are throttled (a block-I/O cgroup) makes the third case: the hit is on SSD, priced at the
+SSD loads' own rate, and the lookup reads nothing from the disk.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
+
+import pytest
 
 from kvfabric import Client
 from kvfabric.testing.poll import wait_for
 from kvfabric.testing.proxy import SlowReplyProxy
 from kvfabric.testing.servers import start_pool
+from kvfabric.testing.throttle import ReadThrottle, unavailable
 
 from conftest import CHUNK, GUARD_SLOW_TOKENS, LOADABLE, PARTS, PROMPT_TOKENS
 
@@ -89,4 +96,54 @@ def test_guard_loads_when_the_pool_is_fast(run_engine, cold):
     assert _delta(c2, c1, "loads_guarded") == 1, (c2, why)     # run 2 weighed ...
     assert c2["loads_skipped_slower"] == 0 and c2["skipped_load_tokens"] == 0, (c2, why)   # ... and loaded
     assert _delta(c2, c1, "scheduled_load_tokens") == LOADABLE, (c2, why)
+    print(why)
+
+
+#: the throttled disk: the slow prompt's 256-token load (1 MiB of KV) reads for ~2 s where its
+#: prefill takes tens of ms here (~60x; skipping holds under far more CPU contention than that)
+SSD_READ_BPS = 512 * 1024
+#: a lookup's lease, waited out before the filler so the prompt can leave DRAM between runs
+SSD_LEASE_MS = 500
+
+
+def test_guard_recomputes_ssd_hits_from_a_throttled_disk_and_reads_nothing_for_the_lookup(
+        run_engine, cold, tmp_path_factory):
+    """A real SSD tier whose disk reads are throttled (a block-I/O cgroup on the server process,
+    kvfabric.testing.throttle): between runs the prompt is pushed out of DRAM (the server's DRAM is
+    small; 40 MiB of other objects, the write-behind drained), so run 1's hit is on the SSD tier
+    only: the lookup says so without reading the disk (LOOKUP media), the load streams it through
+    the throttle (the SSD rate's first window). Run 2's SSD hit is predicted slower than prefill:
+    recomputed, and the disk is not read at all."""
+    ssd_dir = str(tmp_path_factory.mktemp("guard-ssd", numbered=True))
+    why_not = unavailable(ssd_dir)
+    if why_not is not None:
+        pytest.skip(f"cannot throttle the SSD tier's disk here: {why_not}")
+    with start_pool(1, capacity="16MiB", extra_args=["--ssd-path", ssd_dir, "--ssd-capacity", "1GiB"]) as pool, \
+            ReadThrottle(ssd_dir, SSD_READ_BPS) as throttle, Client(pool.addresses) as c:
+        throttle.add(pool[0].pid)
+        stats = lambda: next(iter(c.stats()["servers"].values()))  # noqa: E731
+        reads: list[int] = []
+        filler = os.urandom(1 << 20)
+
+        def between(i: int) -> None:
+            _wait_saved(pool.addresses[0], SLOW_SAVED)(i)
+            time.sleep(SSD_LEASE_MS / 1000 + 0.2)
+            assert c.put([os.urandom(16) for _ in range(40)], [filler] * 40).dropped == 0
+            assert wait_for(lambda: stats()["ssd_queue_bytes"] == 0, timeout_s=120), stats()
+            reads.append(stats()["ssd_reads"])
+
+        r = run_engine(["guard_slow"] * 3, pool.addresses, between=between,
+                       args=["--extra", json.dumps({**GUARD, "transport": "native", "lease_ms": SSD_LEASE_MS})])
+        reads.append(stats()["ssd_reads"])
+    c0, c1, c2 = r["counters_after"]
+    why = _guard_line(r) + f"\nserver ssd_reads before run 1, run 2, after: {reads}"
+    assert r["outputs"] == [cold["guard_slow"]] * 3, why
+    assert r["cached"] == [0, SLOW_LOADABLE, 0], (r["cached"], why)
+    # run 1: loaded from the disk, as before (no SSD load rate yet): its objects were read
+    assert _delta(c1, c0, "scheduled_load_tokens") == SLOW_LOADABLE and c1["loads_guarded"] == 0, (c1, why)
+    assert reads[1] - reads[0] >= SLOW_SAVED * PARTS - PARTS, why
+    # run 2: the SSD hit weighed on the SSD loads' rate, skipped; the lookup read nothing
+    assert _delta(c2, c1, "loads_skipped_slower") == 1 and _delta(c2, c1, "scheduled_load_tokens") == 0, (c2, why)
+    assert reads[2] == reads[1], why
+    assert "load_ssd_s_per_token" in why, why
     print(why)
