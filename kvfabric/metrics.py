@@ -198,6 +198,10 @@ VLLM: dict[str, Metric] = _table(
                                             "recomputing (the tokens were recomputed)"),
     Metric("skipped_load_tokens", COUNTER, "tokens of pool hits recomputed because loading them was predicted "
                                            "slower"),
+    Metric("ssd_load_tokens", COUNTER, "tokens of async loads with a chunk on a server's SSD tier (load guard on: "
+                                       "its lookup says the medium)"),
+    Metric("ssd_load_us", COUNTER, "microseconds during which such a load was in flight (the scheduler's clock; "
+                                   "with ssd_load_tokens: the SSD loads' cost per token, which kvfabric route reads)"),
     Metric("save_known_chunks", COUNTER, "prompt chunks not saved because the lookup found them in the pool"),
     Metric("save_unchecked_jobs", COUNTER, "saves sent before their lookup answered (may re-send held chunks)"),
     Metric("pd_waits", COUNTER, "PD consumer: requests that found fewer chunks than the producer reported, "

@@ -235,6 +235,11 @@ class LoadGuard:
             return tokens                      # a probe: this kind's rate is old, measure it again
         return keep
 
+    def totals(self, kind: str) -> tuple[float, int]:
+        """``kind``'s loads so far: (seconds with one in flight, tokens); both only grow."""
+        k = self.kinds[kind]
+        return k.clock.total, k.tokens
+
     @staticmethod
     def kind(ssd_tokens: int | None) -> str:
         """The kind of a load with ``ssd_tokens`` on an SSD tier (None: unknown, counted as ``dram``)."""

@@ -178,6 +178,7 @@ class SchedulerSide:
         self._retires: list[Future] = []  # weights_retire: retires of previous namespaces (on self._pool)
         self.guard = LoadGuard(min_tokens=cfg.load_guard_min_tokens, probe_s=cfg.load_guard_probe_s,
                                enabled=cfg.load_guard and cfg.load_async)
+        self._ssd_counted = (0, 0)        # (ssd_load_us, ssd_load_tokens) counted so far
 
     # ------------------------------------------------------------------ state
 
@@ -503,6 +504,13 @@ class SchedulerSide:
                 # again; the same hit would be loaded (and fail) forever.
                 st.pool_run = 0
                 st.hit_counted = True
+        busy_s, tokens = self.guard.totals("ssd")
+        if tokens > self._ssd_counted[1]:
+            # the SSD loads' clock and tokens as counters: what kvfabric route prices SSD tokens with
+            us = int(busy_s * 1e6)
+            self.counters.add("ssd_load_us", us - self._ssd_counted[0])
+            self.counters.add("ssd_load_tokens", tokens - self._ssd_counted[1])
+            self._ssd_counted = (us, tokens)
 
     # ------------------------------------------------------------------ per step
 

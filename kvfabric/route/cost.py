@@ -1,14 +1,19 @@
 """The router's cost model: the predicted time to first token of one prompt on one instance.
 
 For a prompt of ``P`` tokens an instance holds ``L`` leading tokens in its own prefix cache (its KV
-events) and the pool ``K`` leading tokens (a LOOKUP of the prompt's chunk keys)::
+events) and the pool ``K`` leading tokens (a LOOKUP of the prompt's chunk keys), ``S`` of them in
+chunks with an object only on a server's SSD tier::
 
     from_cache  = L                                   free: already in the engine's KV cache
     from_pool   = max(0, K - L)                       loaded by the connector
+    from_ssd    = min(S, from_pool)                   of those, read from a disk
     recompute   = P - from_cache - from_pool          prefilled
     ttft        = (queued_tokens + recompute) * prefill_s_per_token
-                  + from_pool * load_s_per_token
+                  + (from_pool - from_ssd) * load_s_per_token + from_ssd * load_ssd_s_per_token
                   + running * decode_s_per_running
+
+(Where in the run the SSD chunks are is not known: ``from_ssd`` assumes they are among the tokens
+loaded, the dearer guess.)
 
 ``queued_tokens`` is the prefill work ahead of the prompt: the tokens the router sent to the
 instance that have not produced their first token yet, plus, for requests of other clients (vLLM's
@@ -16,8 +21,9 @@ instance that have not produced their first token yet, plus, for requests of oth
 ``running * decode_s_per_running`` charges the decode batch the prompt's prefill shares steps with
 (the router's requests in flight plus other clients' running ones). The per-instance rates are measured
 (:class:`Rate`: vLLM's ``/metrics``: prefill seconds per computed prompt token, the kvfabric
-connector's load seconds per loaded token), starting from configured priors until enough has been
-seen. Nothing here does I/O.
+connector's load seconds per loaded token; its SSD loads' own, ``vllm:kvfabric_ssd_load_us_total``
+over ``vllm:kvfabric_ssd_load_tokens_total``, where the connector's load guard measured some, else the
+load rate), starting from configured priors until enough has been seen. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Prediction:
     from_pool: int
     recompute: int
     queue_s: float
+    from_ssd: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -42,22 +49,28 @@ class Prediction:
 
 def predict(prompt_tokens: int, cached_tokens: int, pool_tokens: int, *, queued_tokens: float, running: float,
             prefill_s_per_token: float, load_s_per_token: float, decode_s_per_running: float,
-            loads_from_pool: bool = True) -> Prediction:
+            loads_from_pool: bool = True, pool_ssd_tokens: int = 0,
+            load_ssd_s_per_token: float | None = None) -> Prediction:
     """The module docstring's formula; ``loads_from_pool`` False (a PD producer) counts the pool's tokens
-    as recomputed. Token counts are clipped to the prompt; negative or non-finite inputs raise ValueError."""
+    as recomputed; ``load_ssd_s_per_token`` None prices SSD tokens at ``load_s_per_token``. Token counts
+    are clipped to the prompt; negative or non-finite inputs raise ValueError."""
+    ssd_rate = load_s_per_token if load_ssd_s_per_token is None else load_ssd_s_per_token
     for name, v in (("queued_tokens", queued_tokens), ("running", running), ("prefill_s_per_token",
                     prefill_s_per_token), ("load_s_per_token", load_s_per_token),
-                    ("decode_s_per_running", decode_s_per_running)):
+                    ("load_ssd_s_per_token", ssd_rate), ("decode_s_per_running", decode_s_per_running)):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
-    if prompt_tokens < 0 or cached_tokens < 0 or pool_tokens < 0:
-        raise ValueError(f"token counts must be >= 0, got {prompt_tokens}, {cached_tokens}, {pool_tokens}")
+    if prompt_tokens < 0 or cached_tokens < 0 or pool_tokens < 0 or pool_ssd_tokens < 0:
+        raise ValueError(f"token counts must be >= 0, got {prompt_tokens}, {cached_tokens}, {pool_tokens}, "
+                         f"{pool_ssd_tokens}")
     from_cache = min(cached_tokens, prompt_tokens)
     from_pool = max(0, min(pool_tokens, prompt_tokens) - from_cache) if loads_from_pool else 0
+    from_ssd = min(pool_ssd_tokens, from_pool)
     recompute = prompt_tokens - from_cache - from_pool
     queue_s = queued_tokens * prefill_s_per_token + running * decode_s_per_running
-    ttft = queue_s + recompute * prefill_s_per_token + from_pool * load_s_per_token
-    return Prediction(ttft, from_cache, from_pool, recompute, queue_s)
+    ttft = (queue_s + recompute * prefill_s_per_token + (from_pool - from_ssd) * load_s_per_token
+            + from_ssd * ssd_rate)
+    return Prediction(ttft, from_cache, from_pool, recompute, queue_s, from_ssd)
 
 
 class Rate:

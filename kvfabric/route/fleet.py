@@ -6,7 +6,8 @@ token), and what its ``/metrics`` said last (vLLM's ``num_requests_running`` / `
 measured rates, :class:`.cost.Rate`: prefill seconds per computed prompt token from
 ``vllm:request_prefill_time_seconds_sum`` over ``vllm:prompt_tokens_by_source_total{source=
 "local_compute"}``, and load seconds per token from the kvfabric connector's
-``vllm:kvfabric_load_seconds_sum`` over ``vllm:kvfabric_load_tokens_total``).
+``vllm:kvfabric_load_seconds_sum`` over ``vllm:kvfabric_load_tokens_total``, and the connector's SSD
+loads' seconds per token, ``vllm:kvfabric_ssd_load_us_total`` over ``..._ssd_load_tokens_total``).
 
 :class:`Fleet` polls every instance's ``/metrics`` (and, for an instance whose KV-event endpoint
 was not given, vLLM's ``/kv_event_sources`` until it answers) on one background thread, each GET
@@ -72,6 +73,7 @@ class Instance:
     subscriber: Subscriber | None = None
     prefill: Rate | None = None
     load: Rate | None = None
+    load_ssd: Rate | None = None            # SSD loads' rate; until measured, SSD tokens cost ``load``
     running: float = 0.0
     waiting: float = 0.0
     metrics_at: float | None = None         # monotonic time of the last good /metrics
@@ -95,6 +97,7 @@ class Instance:
                 "prefill_measured": bool(self.prefill and self.prefill.measured),
                 "load_s_per_token": self.load.value if self.load else None,
                 "load_measured": bool(self.load and self.load.measured),
+                "load_ssd_s_per_token": self.load_ssd.value if self.load_ssd and self.load_ssd.measured else None,
                 "index": self.index.snapshot() if self.index else None,
                 "events": self.subscriber.snapshot() if self.subscriber else None}
 
@@ -103,7 +106,8 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name (with ``{source="..."}`` kept for the by-source counter): sum over
     the other labels}; only the samples the router uses."""
     want = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:request_prefill_time_seconds_sum",
-            "vllm:kvfabric_load_seconds_sum", "vllm:kvfabric_load_tokens_total")
+            "vllm:kvfabric_load_seconds_sum", "vllm:kvfabric_load_tokens_total", "vllm:kvfabric_ssd_load_us_total",
+            "vllm:kvfabric_ssd_load_tokens_total")
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -165,6 +169,7 @@ class Fleet:
             # off by 2x between equal instances outweighs what a cached prefix saves
             inst.prefill = Rate(costs.prefill_s_per_token, min_tokens=RATE_WINDOW_TOKENS)
             inst.load = Rate(costs.load_s_per_token, min_tokens=RATE_WINDOW_TOKENS)
+            inst.load_ssd = Rate(costs.load_s_per_token, min_tokens=RATE_WINDOW_TOKENS)
             if inst.events:
                 self._subscribe(inst, inst.events, inst.topic)
         self._poller = threading.Thread(target=self._poll_loop, name="kvf-route-poll", daemon=True)
@@ -215,6 +220,9 @@ class Fleet:
                 inst.prefill.observe(m["vllm:request_prefill_time_seconds_sum"], m["local_compute_tokens"])
             if "vllm:kvfabric_load_seconds_sum" in m and "vllm:kvfabric_load_tokens_total" in m:
                 inst.load.observe(m["vllm:kvfabric_load_seconds_sum"], m["vllm:kvfabric_load_tokens_total"])
+            if "vllm:kvfabric_ssd_load_us_total" in m and "vllm:kvfabric_ssd_load_tokens_total" in m:
+                inst.load_ssd.observe(m["vllm:kvfabric_ssd_load_us_total"] / 1e6,
+                                      m["vllm:kvfabric_ssd_load_tokens_total"])
             inst.own_at_poll = inst.in_flight
             inst.metrics_at = time.monotonic()
             inst.down_until = 0.0
@@ -243,20 +251,27 @@ class Fleet:
 
     def pool_tokens(self, tokens: Sequence[int]) -> int:
         """Leading prompt tokens the pool holds; 0 past the deadline (counted)."""
+        return self.pool_run(tokens)[0]
+
+    def pool_run(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(leading prompt tokens the pool holds, of them in chunks on a server's SSD tier only);
+        (0, 0) past the deadline (counted)."""
         if self.pool is None or not tokens:
-            return 0
-        fut = self._lookups.submit(self.pool.leading_tokens, tokens)
+            return 0, 0
+        fut = self._lookups.submit(self.pool.leading_run, tokens)
         try:
             return fut.result(timeout=self.pool_timeout_s + 0.05)
         except FutureTimeout:
             with self._lock:
                 self.counts["pool_lookup_timeouts"] += 1
-            return 0
+            return 0, 0
 
     def predict(self, inst: Instance, tokens: Sequence[int] | None, pool_tokens: int, use_cache: bool,
-                loads_from_pool: bool, now: float, keys: dict[int, list[bytes]] | None = None) -> Prediction:
+                loads_from_pool: bool, now: float, keys: dict[int, list[bytes]] | None = None,
+                pool_ssd_tokens: int = 0) -> Prediction:
         """``inst``'s prediction for ``tokens``; ``keys`` caches the prompt's block keys by block size
-        (instances of one model share them)."""
+        (instances of one model share them); ``pool_ssd_tokens`` of the pool's are priced at ``inst``'s
+        SSD load rate once measured."""
         n = len(tokens) if tokens is not None else int(inst.mean_prompt)
         cached = 0
         bs = inst.index.block_size
@@ -275,7 +290,9 @@ class Fleet:
             running = inst.in_flight + others - others_waiting
             p = predict(n, cached, pool_tokens if use_cache else 0, queued_tokens=queued, running=running,
                         prefill_s_per_token=inst.prefill.value, load_s_per_token=inst.load.value,
-                        decode_s_per_running=self.costs.decode_s_per_running, loads_from_pool=loads_from_pool)
+                        decode_s_per_running=self.costs.decode_s_per_running, loads_from_pool=loads_from_pool,
+                        pool_ssd_tokens=pool_ssd_tokens if use_cache else 0,
+                        load_ssd_s_per_token=inst.load_ssd.value if inst.load_ssd.measured else None)
         if now < inst.down_until:
             p.ttft_s += DOWN_PENALTY_S
         return p
@@ -293,11 +310,13 @@ class Fleet:
         if self.policy == "rr":
             return cands[turn % len(cands)], None
         use_cache = self.policy == "kv" and tokens is not None
+        pool_ssd = 0
         if use_cache and pool_tokens is None:
-            pool_tokens = self.pool_tokens(tokens) if loads_from_pool else 0
+            pool_tokens, pool_ssd = self.pool_run(tokens) if loads_from_pool else (0, 0)
         now = time.monotonic()
         keys: dict[int, list[bytes]] = {}
-        preds = [self.predict(c, tokens, pool_tokens or 0, use_cache, loads_from_pool, now, keys) for c in cands]
+        preds = [self.predict(c, tokens, pool_tokens or 0, use_cache, loads_from_pool, now, keys, pool_ssd)
+                 for c in cands]
         best = min(p.ttft_s for p in preds)
         tied = [i for i, p in enumerate(preds) if p.ttft_s <= best + TIE_S]
         least = min(cands[i].in_flight for i in tied)

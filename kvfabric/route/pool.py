@@ -81,7 +81,7 @@ class PoolView:
         self.chunk_tokens = self.engine.chunk_tokens
         self.timeout_s = timeout_s
         self.client: Client | None = self._client()
-        self.counts = {"lookups": 0, "errors": 0, "hit_chunks": 0}
+        self.counts = {"lookups": 0, "errors": 0, "hit_chunks": 0, "ssd_chunks": 0}
 
     def _client(self) -> Client | None:
         return Client(config=self.cfg.client.with_(timeout_s=self.timeout_s))
@@ -89,18 +89,25 @@ class PoolView:
     def leading_tokens(self, tokens: Sequence[int]) -> int:
         """Leading prompt tokens whose every chunk object (every layer and KV head) the pool holds; 0 when
         the pool does not answer within ``timeout_s``."""
+        return self.leading_run(tokens)[0]
+
+    def leading_run(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(:meth:`leading_tokens`, how many of them are in chunks with an object only on a server's SSD
+        tier). The servers read nothing from their SSD tier for it (``Client.lookup_media``): routing
+        never waits for a disk, and nothing is promoted for an instance that may not be chosen."""
         from kvfabric_vllm.keys import prompt_keys
 
         self.counts["lookups"] += 1
         try:
-            run = prompt_keys(self.engine, tokens).held_chunks(self.client, self.engine, timeout_s=self.timeout_s,
-                                                               probe=self.cfg.lookup_probe)
+            run = prompt_keys(self.engine, tokens).held_run(self.client, self.engine, timeout_s=self.timeout_s,
+                                                            probe=self.cfg.lookup_probe)
         except KVFabricError as exc:
             self.counts["errors"] += 1
             log.debug("pool lookup failed: %s", exc)
-            return 0
-        self.counts["hit_chunks"] += run
-        return run * self.chunk_tokens
+            return 0, 0
+        self.counts["hit_chunks"] += run.count
+        self.counts["ssd_chunks"] += run.on_ssd or 0
+        return run.count * self.chunk_tokens, (run.on_ssd or 0) * self.chunk_tokens
 
     def close(self) -> None:
         if self.client is not None:
@@ -158,6 +165,14 @@ class PoolIndex:
         with self._lock:
             return any(key in held for held in self._held.values())
 
+    def media(self, key: bytes) -> set[str]:
+        """The media (``DRAM``, ``SSD``) some server holds ``key`` on; empty when none does."""
+        with self._lock:
+            out: set[str] = set()
+            for held in self._held.values():
+                out |= held.get(key, set())
+            return out
+
 
 class _Source:
     """One server's stream into a :class:`PoolIndex` (the ``index`` a :class:`~.events.Subscriber` feeds)."""
@@ -176,7 +191,8 @@ class PoolEventsView(PoolView):
 
     A chunk counts as held when, for some TP size ``t`` of the engines sharing the pool (``tp_sizes``,
     default every size that divides the model's KV heads up to 8), the groups its ``t`` ranks save
-    (``kvfabric_vllm.layout.part_group``) are all in the index, on any medium."""
+    (``kvfabric_vllm.layout.part_group``) are all in the index, on any medium; it counts as on SSD when
+    one of those groups is held on SSD only."""
 
     def __init__(self, extra_config: Mapping[str, Any], shape: EngineShape, endpoints: Sequence[str], *,
                  tp_sizes: Sequence[int] | None = None, max_entries: int = 1 << 20) -> None:
@@ -191,24 +207,31 @@ class PoolEventsView(PoolView):
         self.splits = [HeadSplit(heads.total_heads, t, heads.split, heads.per_object) for t in tp_sizes]
         self.index = PoolIndex(max_entries)
         self.subscribers = [Subscriber(ep, self.index.source(ep)) for ep in endpoints]  # type: ignore[arg-type]
-        self.counts = {"lookups": 0, "errors": 0, "hit_chunks": 0}
+        self.counts = {"lookups": 0, "errors": 0, "hit_chunks": 0, "ssd_chunks": 0}
 
     def _client(self) -> Client | None:
         return None   # nothing is asked of the servers
 
-    def leading_tokens(self, tokens: Sequence[int]) -> int:
+    def leading_run(self, tokens: Sequence[int]) -> tuple[int, int]:
         from kvfabric_vllm.keys import prompt_keys
         from kvfabric_vllm.layout import part_group
 
         self.counts["lookups"] += 1
-        run = 0
+        run = ssd = 0
         for ck in prompt_keys(self.engine, tokens).chunk_keys:
-            if not any(all(self.index.holds(part_group(self.hasher, ck, sp, r)) for r in range(sp.tp_size))
-                       for sp in self.splits):
+            held = None
+            for sp in self.splits:
+                media = [self.index.media(part_group(self.hasher, ck, sp, r)) for r in range(sp.tp_size)]
+                if all(media):
+                    held = media
+                    break
+            if held is None:
                 break
             run += 1
+            ssd += any("DRAM" not in m for m in held)
         self.counts["hit_chunks"] += run
-        return run * self.chunk_tokens
+        self.counts["ssd_chunks"] += ssd
+        return run * self.chunk_tokens, ssd * self.chunk_tokens
 
     def close(self) -> None:
         for s in self.subscribers:

@@ -4,6 +4,7 @@ no sockets: exact predictions, measured rates, and which instance a prompt goes 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -143,4 +144,44 @@ def test_vllms_counts_add_only_other_clients_requests():
     assert inst is a, pred
     p = f.predict(b, prompt, 0, True, True, time.monotonic())
     assert math.isclose(p.queue_s, 3 * 1000 * 1e-3), p        # 1 running + 3 waiting - 1 own = 3 waiting
+    f.close()
+
+
+def test_ssd_tokens_are_priced_at_the_ssd_load_rate():
+    """Issue 26: the pool's tokens by tier. 400 to load, 300 of them in chunks only on SSD."""
+    kw = dict(queued_tokens=0, running=0, prefill_s_per_token=1e-3, load_s_per_token=1e-4, decode_s_per_running=0)
+    p = predict(1000, 300, 700, pool_ssd_tokens=300, load_ssd_s_per_token=2e-3, **kw)
+    assert (p.from_pool, p.from_ssd, p.recompute) == (400, 300, 300), p
+    assert math.isclose(p.ttft_s, 300 * 1e-3 + 100 * 1e-4 + 300 * 2e-3), p
+    # an SSD rate not measured yet: SSD tokens cost the load rate (as before the split)
+    q = predict(1000, 300, 700, pool_ssd_tokens=300, **kw)
+    assert math.isclose(q.ttft_s, 300 * 1e-3 + 400 * 1e-4), q
+    # SSD tokens beyond what is loaded count only up to it; a producer loads none
+    assert predict(1000, 650, 700, pool_ssd_tokens=300, load_ssd_s_per_token=2e-3, **kw).from_ssd == 50
+    assert predict(1000, 0, 700, pool_ssd_tokens=300, loads_from_pool=False, **kw).from_ssd == 0
+    with pytest.raises(ValueError):
+        predict(10, 0, 5, pool_ssd_tokens=-1, **kw)
+    with pytest.raises(ValueError):
+        predict(10, 0, 5, pool_ssd_tokens=5, load_ssd_s_per_token=float("inf"), **kw)
+
+
+def test_an_instance_whose_ssd_loads_are_slow_is_priced_by_them():
+    """Two instances, the same prompt in the pool, on SSD: the one whose measured SSD loads are slower
+    than its prefill is predicted to recompute-cost them (its metrics say so), the other loads."""
+    f = _fleet()
+    a, b = f.instances
+    text = "vllm:kvfabric_ssd_load_us_total {us}\nvllm:kvfabric_ssd_load_tokens_total {tok}\n"
+    m0 = parse_metrics(text.format(us=0, tok=0))
+    assert m0 == {"vllm:kvfabric_ssd_load_us_total": 0.0, "vllm:kvfabric_ssd_load_tokens_total": 0.0}
+    for inst, us_per_token in ((a, 5000.0), (b, 10.0)):     # A: 5 ms/token from SSD; B: 10 us/token
+        inst.load_ssd.observe(0.0, 0)
+        m = parse_metrics(text.format(us=us_per_token * 10000, tok=10000))
+        inst.load_ssd.observe(m["vllm:kvfabric_ssd_load_us_total"] / 1e6, m["vllm:kvfabric_ssd_load_tokens_total"])
+    assert a.load_ssd.measured and math.isclose(a.load_ssd.value, 5e-3) and math.isclose(b.load_ssd.value, 1e-5)
+    now = time.monotonic()
+    pa = f.predict(a, list(range(512)), 512, True, True, now, pool_ssd_tokens=512)
+    pb = f.predict(b, list(range(512)), 512, True, True, now, pool_ssd_tokens=512)
+    assert math.isclose(pa.ttft_s, 512 * 5e-3) and math.isclose(pb.ttft_s, 512 * 1e-5), (pa, pb)
+    # DRAM tokens still cost the load rate on both
+    assert math.isclose(f.predict(a, list(range(512)), 512, True, True, now).ttft_s, 512 * 1e-4)
     f.close()

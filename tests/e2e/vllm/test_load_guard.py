@@ -142,6 +142,8 @@ def test_guard_recomputes_ssd_hits_from_a_throttled_disk_and_reads_nothing_for_t
     # run 1: loaded from the disk, as before (no SSD load rate yet): its objects were read
     assert _delta(c1, c0, "scheduled_load_tokens") == SLOW_LOADABLE and c1["loads_guarded"] == 0, (c1, why)
     assert reads[1] - reads[0] >= SLOW_SAVED * PARTS - PARTS, why
+    # ... and counted as an SSD load (what kvfabric route prices SSD tokens with)
+    assert c1["ssd_load_tokens"] == SLOW_LOADABLE and c1["ssd_load_us"] > 0, (c1, why)
     # run 2: the SSD hit weighed on the SSD loads' rate, skipped; the lookup read nothing
     assert _delta(c2, c1, "loads_skipped_slower") == 1 and _delta(c2, c1, "scheduled_load_tokens") == 0, (c2, why)
     assert reads[2] == reads[1], why

@@ -154,6 +154,7 @@ def test_pool_residency_is_seen_with_the_connectors_keys(dep):
     try:
         # the connector saved every whole chunk; the router's keys find them
         assert wait_for(lambda: view.leading_tokens(r) == PROMPT_TOKENS // CHUNK * CHUNK, WAIT_S), view.counts
+        assert view.leading_run(r) == (PROMPT_TOKENS // CHUNK * CHUNK, 0), view.counts   # all in DRAM
     finally:
         view.close()
     # the same from the pool server's KV events (kvfabric route --pool-events): the chunks the connector
@@ -173,6 +174,7 @@ def test_pool_residency_is_seen_with_the_connectors_keys(dep):
         assert wait_for(lambda: events_view.leading_tokens(r2) == PROMPT_TOKENS // CHUNK * CHUNK, WAIT_S), \
             (events_view.counts, events_view.index.counts, events_view.subscribers[0].snapshot())
         assert events_view.index.counts["bad_events"] == 0, events_view.index.counts
+        assert events_view.leading_run(r2)[1] == 0, events_view.counts   # in DRAM: no chunk on SSD only
     finally:
         events_view.close()
     req = urllib.request.Request(a + "/reset_prefix_cache", b"", method="POST")
