@@ -14,8 +14,9 @@ One ``kvfabric serve`` on this host, made slow one of two ways:
   that throttles its reads of that disk to each of ``--ssd-read-mbps`` in turn
   (:class:`kvfabric.testing.throttle.ReadThrottle`; 0 = not throttled): the same ``O_DIRECT``
   io_uring reads, from a disk that delivers a few MB/s. Before every hit of the saved prompt the
-  engine pushes ``--evict-mib`` (by default DRAM + 8 MiB) of other objects through the server and
-  waits for the write-behind, so the saved prompt's objects are on the SSD tier only and each
+  engine waits out its lookup lease (1 s here instead of the default 30 s: a lease pins what a
+  lookup found in DRAM), pushes ``--evict-mib`` (by default DRAM + 8 MiB) of other objects through
+  the server and waits for the write-behind, so the saved prompt's objects are on the SSD tier only and each
   hit reads them from the disk (checked: the server's ``ssd_reads`` per mode are printed). Needs
   root and a blkio/io controller (it says so and stops otherwise).
 * ``--pool proxy``: the engines reach the server through
