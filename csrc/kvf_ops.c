@@ -236,12 +236,9 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
      * from a tier: a key only on the SSD tier counts from its index, unleased and not promoted
      * (the client decides whether reading it is worth it); the shared tier is not consulted */
     int media = 0;
-    if (op == KVF_OP_LOOKUP) {
-        struct kvf_mr fr;
-        if (!kvf_mr_find(m.p, m.n, KVF_F_MEDIA, &fr) && kvf_mr_bool(&fr, &media)) {
-            kvf_reject(c, KVF_E_MALFORMED, "media must be a bool");
-            return;
-        }
+    if (op == KVF_OP_LOOKUP && kvf_parse_bool(m, KVF_F_MEDIA, &media)) {
+        kvf_reject(c, KVF_E_MALFORMED, "media must be a bool");
+        return;
     }
     struct batch *b = &c->b;
     int trust = 0;
@@ -249,8 +246,7 @@ static void op_keys(struct conn *c, struct kvf_meta m, int op)
         /* client_verifies: the client checks each object against the reply's
          * checksum itself (and asks again without the flag on a mismatch),
          * so the objects go out unchecked: one pass over the bytes fewer */
-        struct kvf_mr fr;
-        if (!kvf_mr_find(m.p, m.n, KVF_F_CLIENT_VERIFIES, &fr) && kvf_mr_bool(&fr, &trust)) {
+        if (kvf_parse_bool(m, KVF_F_CLIENT_VERIFIES, &trust)) {
             kvf_reject(c, KVF_E_MALFORMED, "client_verifies must be a bool");
             return;
         }

@@ -153,6 +153,13 @@ int kvf_parse_uint(struct kvf_meta m, const char *name, uint64_t *v, int require
     return kvf_mr_uint(&r, v) ? KVF_E_MALFORMED : 0;
 }
 
+int kvf_parse_bool(struct kvf_meta m, const char *name, int *v)
+{
+    struct kvf_mr r;
+    if (kvf_mr_find(m.p, m.n, name, &r)) return 0;
+    return kvf_mr_bool(&r, v) ? KVF_E_MALFORMED : 0;
+}
+
 /* ---------------------------------------------------------------- replies */
 
 void kvf_put_reply(struct conn *c, struct batch *b, int op, int with_offsets)

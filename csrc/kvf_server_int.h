@@ -331,6 +331,8 @@ int kvf_parse_ns(struct conn *c, struct kvf_meta m, uint64_t *nsref);
 const char *kvf_ns_error(int e);
 int kvf_parse_uints(struct kvf_meta m, const char *name, uint64_t *out, uint32_t n);
 int kvf_parse_uint(struct kvf_meta m, const char *name, uint64_t *v, int required);
+/* an optional bool field: absent leaves *v as it is; not a bool -> MALFORMED */
+int kvf_parse_bool(struct kvf_meta m, const char *name, int *v);
 /* {"status": [...]} (with_offsets: + "res" and "offsets", the shm RESERVE's) */
 void kvf_put_reply(struct conn *c, struct batch *b, int op, int with_offsets);
 

@@ -16,7 +16,7 @@ CSRC = ROOT / "csrc"
 # kvf_stats.c writes the STATS reply: its keys are kvfabric.protocol.stats's schema, not fields
 C_NOT_FIELDS = {"kvf_stats.c"}
 # the C calls that take a field name: find it in a map, write it as a key, parse it
-C_FIELD_CALL = re.compile(r"\b(kvf_mr_find|kvf_mw_cstr|kvf_parse_uints?|find_int_array)\(([^;]*?)\)", re.S)
+C_FIELD_CALL = re.compile(r"\b(kvf_mr_find|kvf_mw_cstr|kvf_parse_uints?|kvf_parse_bool|find_int_array)\(([^;]*?)\)", re.S)
 C_MACRO = re.compile(r'^#define KVF_F_([A-Z_]+) "([a-z_]+)"$', re.M)
 # the helpers in wire.py / messages.py whose second argument is a field name
 PY_FIELD_HELPERS = {"_field", "_uint_list"}
