@@ -97,11 +97,6 @@ class PromptKeys:
         place, groups = object_placement(ck, None if self.placement is None else self.placement[:upto], len(parts))
         return chunk_object_keys(engine.hasher, ck, parts), place, groups
 
-    def held_chunks(self, client: Client, engine: EngineKeys, *, timeout_s: float, lease_ms: int = 0,
-                    probe: bool = True) -> int:
-        """:meth:`held_run`'s count of chunks (the servers prefetch what is on their SSD tier)."""
-        return self.held_run(client, engine, timeout_s=timeout_s, lease_ms=lease_ms, probe=probe, media=False).count
-
     def held_run(self, client: Client, engine: EngineKeys, *, timeout_s: float, lease_ms: int = 0,
                  probe: bool = True, media: bool = True) -> LookupRun:
         """Leading chunks the pool holds whole: every object (every layer and KV head) that an engine's

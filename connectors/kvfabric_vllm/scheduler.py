@@ -504,9 +504,13 @@ class SchedulerSide:
                 # again; the same hit would be loaded (and fail) forever.
                 st.pool_run = 0
                 st.hit_counted = True
+        if finished_recving:
+            self._count_ssd_loads()
+
+    def _count_ssd_loads(self) -> None:
+        """The guard's SSD loads' clock and tokens as counters: what kvfabric route prices SSD tokens with."""
         busy_s, tokens = self.guard.totals("ssd")
         if tokens > self._ssd_counted[1]:
-            # the SSD loads' clock and tokens as counters: what kvfabric route prices SSD tokens with
             us = int(busy_s * 1e6)
             self.counters.add("ssd_load_us", us - self._ssd_counted[0])
             self.counters.add("ssd_load_tokens", tokens - self._ssd_counted[1])

@@ -249,10 +249,6 @@ class Fleet:
 
     # ------------------------------------------------------------------ the choice
 
-    def pool_tokens(self, tokens: Sequence[int]) -> int:
-        """Leading prompt tokens the pool holds; 0 past the deadline (counted)."""
-        return self.pool_run(tokens)[0]
-
     def pool_run(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(leading prompt tokens the pool holds, of them in chunks on a server's SSD tier only);
         (0, 0) past the deadline (counted)."""

@@ -1,7 +1,7 @@
 """What the kvfabric pool holds of a prompt: its leading chunks, by the connector's keys.
 
 :class:`PoolView` asks, as a loading engine's scheduler does: ``kvfabric_vllm.keys.prompt_keys`` of the prompt and
-``PromptKeys.held_chunks`` (an EXISTS probe of one object per KV-head column, then a LOOKUP of every
+``PromptKeys.held_run`` (an EXISTS probe of one object per KV-head column, then a LOOKUP of every
 object of the chunks below the first probe miss; one request per shard per stage) with a deadline
 (``timeout_s``; a slow or dead pool is 0 tokens, never a wait past it). The keys come from the
 connector's own ``EngineKeys.for_model`` over the same ``kv_connector_extra_config`` the engines get,
@@ -33,6 +33,7 @@ from typing import Any
 from ..client import Client
 from ..errors import KVFabricError
 from ..keys import Namespace
+from ..protocol.kv_events import MEDIUM_DRAM
 
 log = logging.getLogger("kvfabric.route.pool")
 
@@ -228,7 +229,7 @@ class PoolEventsView(PoolView):
             if held is None:
                 break
             run += 1
-            ssd += any("DRAM" not in m for m in held)
+            ssd += any(MEDIUM_DRAM not in m for m in held)
         self.counts["hit_chunks"] += run
         self.counts["ssd_chunks"] += ssd
         return run * self.chunk_tokens, ssd * self.chunk_tokens
