@@ -102,6 +102,13 @@ log = logging.getLogger("kvfabric.transport.nixl")
 #: "peer" (NIXL_ERR_BACKEND); a killed server is still seen over tcp and sm with "none" (the tests kill one)
 UCX_ERROR_MODE = "none"
 
+#: how long the server's NIXL progress thread sleeps in poll() waiting for UCX events, in microseconds
+#: (NIXL's ``pthrDelay``; NIXL rounds it up to whole milliseconds). UCX wakes the thread through its worker's
+#: event fd when there is work, so this is only the bound on a wake-up UCX does not signal. nixl's Python
+#: wrapper sets 0, and poll() with a timeout of 0 never sleeps: its thread then spun, ~40% of a core on an
+#: idle server here, taken from the data plane on a small host (docs/notes/nixl.md).
+PROGRESS_WAIT_US = 10_000
+
 _api: Any = None  # nixl._api, imported on first use
 _IMPORT_ERROR: str | None = None
 
@@ -165,6 +172,9 @@ def auto_reason(root: str = SYSFS_RDMA) -> str | None:
     return None if ports else f"no active RDMA port in {root} (UCX would run over tcp, slower than native)"
 
 
+_config_lock = threading.Lock()  # the swap of nixl's config class in _new_agent
+
+
 def _new_agent(role: str, progress_thread: bool) -> Any:
     """A NIXL agent with one UCX backend (no listener thread, no port opened). ``progress_thread``: the
     server's, which UCX's tcp transport needs on the target to serve READs and WRITEs (it emulates them with
@@ -174,7 +184,25 @@ def _new_agent(role: str, progress_thread: bool) -> Any:
         raise TransportUnavailable(_IMPORT_ERROR or "nixl is not installed")
     conf = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[],
                                  sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    agent = api.nixl_agent(f"kvfabric-{role}-{os.getpid()}-{secrets.token_hex(6)}", conf)
+    name = f"kvfabric-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+    if not progress_thread:
+        agent = api.nixl_agent(name, conf)
+    else:
+        # nixl_agent builds its C++ config itself and assigns pthrDelay = 0 (no argument reaches it): the
+        # binding's class is swapped, for this one construction, for a subclass that keeps PROGRESS_WAIT_US.
+        binding = api.nixlBind
+        real = binding.nixlAgentConfig
+
+        class _WaitingConfig(real):  # type: ignore[misc, valid-type]
+            def __setattr__(self, attr: str, value: Any) -> None:
+                super().__setattr__(attr, PROGRESS_WAIT_US if attr == "pthrDelay" else value)
+
+        with _config_lock:
+            binding.nixlAgentConfig = _WaitingConfig
+            try:
+                agent = api.nixl_agent(name, conf)
+            finally:
+                binding.nixlAgentConfig = real
     mode = UCX_ERROR_MODE
     try:
         agent.create_backend("UCX", {"ucx_error_handling_mode": mode})

@@ -115,6 +115,36 @@ def test_get_and_put_are_byte_exact(serve):
     assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
 
 
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by ``name/tid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:  # the thread exited
+            continue
+        fields = rest.split()
+        out[f"{head.partition('(')[2]}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def test_an_idle_servers_progress_thread_sleeps(serve):
+    """The server's NIXL progress thread waits for UCX events (nixl's own wrapper would make it spin: a whole
+    core of an idle server, measured here). CPU time, not wall time, is asserted: a thread that sleeps
+    uses none however loaded the machine is, so this cannot fail on a busy one."""
+    srv = serve()
+    with client(srv.address) as c:  # a transfer first: the thread has had work and gone back to waiting
+        assert c.put([b"warm"], [b"w" * MiB]).stored == 1 and c.get([b"warm"]) == [b"w" * MiB]
+    before, t0 = _thread_cpu_s(srv.pid), time.monotonic()
+    time.sleep(2.0)
+    after, wall = _thread_cpu_s(srv.pid), time.monotonic() - t0
+    used = {t: round(after[t] - before.get(t, 0.0), 3) for t in after}
+    assert sum(used.values()) < 0.3 * wall, (f"an idle server used {sum(used.values()):.2f} CPU s in "
+                                             f"{wall:.2f} s; by thread: {used}")
+
+
 def test_with_a_token_the_agent_is_only_given_after_auth(serve):
     srv = serve("--auth-token", TOKEN)
     with pytest.raises(Exception, match="(?i)auth"):
@@ -317,6 +347,49 @@ def test_a_peer_that_never_releases_loses_its_lease_at_max_lease_ms(serve):
         conn.close()
     with client(srv.address) as c:
         assert c.delete([b"held"]) == 1   # no pin left: the slot is the server's again
+
+
+def test_a_slot_reused_under_an_expired_lease_is_a_miss(serve, monkeypatch):
+    """The lease of a Client's GET expires between LEASE and READ (the server's --max-lease-ms), and the slot
+    is given to another object of the same size before the READ: the READ returns the other object's bytes,
+    the lease's checksum does not match them, and the call is a miss, never the wrong value."""
+    srv = serve("--max-lease-ms", "300")
+    old, new = os.urandom(64 * 1024), os.urandom(64 * 1024)
+    with client(srv.address) as c:
+        assert c.put([b"old"], [old]).stored == 1
+    real_xfer = NixlConnection._xfer
+    seen = {}
+
+    def reuse_then_read(self, op, local, remote, deadline):
+        if op == "READ" and not seen:
+            seen["offset"] = remote[0]
+            assert wait_for(lambda: stats(srv.address)["shm_leases_expired"] >= 1, 60), stats(srv.address)
+            other = Client([srv.address], config=ClientConfig(transport="tcp", timeout_s=10.0))
+            try:
+                assert other.delete([b"old"]) == 1 and other.put([b"new"], [new]).stored == 1
+            finally:
+                other.close()
+            seen["new_offset"] = _offset_of(srv, b"new")  # meaningful only if "new" took the old slot
+        return real_xfer(self, op, local, remote, deadline)
+
+    monkeypatch.setattr(NixlConnection, "_xfer", reuse_then_read)
+    with client(srv.address, timeout_s=60.0) as c:
+        assert c.get([b"old"]) == [None]
+        assert seen["new_offset"] == seen["offset"], seen  # the slot was reused under the lease
+        assert c.stats()["client"]["checksum_failures"] >= 1
+        assert c.get([b"new"]) == [new]
+    assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
+
+
+def _offset_of(srv, key: bytes) -> int:
+    """The arena offset of ``key``'s object: a lease taken and given back over a nixl connection of its own."""
+    raw = transport.connect("nixl", srv.address, ClientConfig())
+    try:
+        lease = raw._control(p.ShmLeaseRequest(keys=[key]), None)
+        raw._control(p.ShmReleaseRequest(lease=lease.lease), None)
+        return lease.offsets[0]
+    finally:
+        raw.close()
 
 
 def test_registered_buffers_are_registered_with_nixl_once(serve):
