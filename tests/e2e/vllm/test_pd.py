@@ -98,9 +98,9 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
             try:
                 w.submit_saves([spec])
                 # the step where vLLM passes the finished request and the scheduler's hold
-                assert w.finished_saves({"p1", "other"}, ["p1"]) == set()
+                assert w.finished_saves({"p1", "other"}, ["p1"]) == set(), {k: v for k, v in w.counters.snapshot().items() if v}
                 for _ in range(5):
-                    assert w.finished_saves(set(), []) == set()
+                    assert w.finished_saves(set(), []) == set(), {k: v for k, v in w.counters.snapshot().items() if v}
             finally:
                 os.kill(pool[0].pid, signal.SIGCONT)
             deadline = time.monotonic() + 60
