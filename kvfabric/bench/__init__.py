@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far, from ``/proc/PID/stat``."""
-    with open(f"/proc/{pid}/stat") as f:
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) process ``pid`` (or its thread ``tid``) has used so far, from
+    ``/proc/PID/stat`` (``/proc/PID/task/TID/stat``)."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -105,8 +105,8 @@ UCX_ERROR_MODE = "none"
 #: how long the server's NIXL progress thread sleeps in poll() waiting for UCX events, in microseconds
 #: (NIXL's ``pthrDelay``; NIXL rounds it up to whole milliseconds). UCX wakes the thread through its worker's
 #: event fd when there is work, so this is only the bound on a wake-up UCX does not signal. nixl's Python
-#: wrapper sets 0, and poll() with a timeout of 0 never sleeps: its thread then spun, ~40% of a core on an
-#: idle server here, taken from the data plane on a small host (docs/notes/nixl.md).
+#: wrapper sets 0, and poll() with a timeout of 0 never sleeps: its thread then spun, a whole core of an
+#: idle server here (~40% under load), taken from the data plane on a small host (docs/notes/nixl.md).
 PROGRESS_WAIT_US = 10_000
 
 _api: Any = None  # nixl._api, imported on first use

@@ -27,6 +27,7 @@ from kvfabric.errors import DeadlineExceeded, RemoteError, TransportError, Trans
 from kvfabric.transport.base import dial
 from kvfabric.transport import nixl
 from kvfabric.transport.nixl import NixlConnection
+from kvfabric.bench import proc_cpu_s
 from kvfabric.testing.servers import start_server
 from kvfabric.testing.poll import wait_for
 
@@ -115,18 +116,14 @@ def test_get_and_put_are_byte_exact(serve):
     assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)
 
 
-def _thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, by ``name/tid``."""
-    tick = os.sysconf("SC_CLK_TCK")
+def _thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by thread id."""
     out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
-                head, _, rest = f.read().rpartition(")")
+            out[tid] = proc_cpu_s(pid, tid)
         except OSError:  # the thread exited
             continue
-        fields = rest.split()
-        out[f"{head.partition('(')[2]}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
