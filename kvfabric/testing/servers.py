@@ -23,6 +23,10 @@ the process prints its listening line and returns a :class:`ServerProcess`:
 * ``.address`` "127.0.0.1:PORT", ``.host``, ``.port``, ``.pid``, ``.popen``;
 * ``.stop(timeout_s=10)`` SIGTERM and wait; returns the exit status (0 = clean);
 * ``.kill()`` SIGKILL and wait (simulates a crash);
+* ``with .paused():`` SIGSTOP, and return only once every thread of the
+  process is stopped (the signal is asynchronous: on a loaded machine a
+  server goes on answering for a while after ``kill()`` returns), SIGCONT on
+  exit (a server that stops answering, like a short partition);
 * ``.alive``; ``.stderr_text()`` the server's log so far (stderr goes to a
   temporary file, so a chatty server never blocks on a full pipe);
 * ``.rss_bytes()`` the process's current VmRSS.
@@ -41,6 +45,7 @@ returns a :class:`ServerPool` (a list of :class:`ServerProcess` with
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import selectors
 import signal
@@ -49,7 +54,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 LISTENING_PREFIX = "kvfabric serve: listening on "
 
@@ -65,6 +70,57 @@ def stop_process_group(popen: subprocess.Popen, timeout_s: float = 30.0) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(popen.pid, signal.SIGKILL)
         return popen.wait()
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each thread of ``pid`` (/proc; empty once it is gone)."""
+    states = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return states
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue          # a thread that exited meanwhile
+    return states
+
+
+def stop_process(pid: int, timeout_s: float = 120.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped.
+
+    ``kill`` only queues the signal: one thread takes it and stops the others
+    when it next runs, and until then they go on serving (on a loaded machine,
+    for as long as a scheduler slice or more). A test that asserts what a
+    stopped server cannot do must wait for the stop. Raises ``RuntimeError``
+    with the threads' states when the process is gone or not stopped within
+    ``timeout_s`` (generous: this is a wait for a state, not a timing)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = _thread_states(pid)
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if not states or "Z" in states or "X" in states:
+            raise RuntimeError(f"process {pid} exited instead of stopping (thread states {states})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} not stopped {timeout_s} s after SIGSTOP (thread states {states})")
+        time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def paused(pid: int, timeout_s: float = 120.0) -> Iterator[None]:
+    """:func:`stop_process` on entry, SIGCONT on exit (also when the body raises)."""
+    try:
+        stop_process(pid, timeout_s)
+        yield
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 class ServerProcess:
@@ -103,6 +159,10 @@ class ServerProcess:
             self.popen.kill()
             self.popen.wait()
         self._close_pipes()
+
+    def paused(self, timeout_s: float = 120.0) -> contextlib.AbstractContextManager[None]:
+        """SIGSTOP until every thread is stopped, SIGCONT on exit (:func:`paused`)."""
+        return paused(self.pid, timeout_s)
 
     def stderr_text(self) -> str:
         """Everything the server has written to stderr (its log) so far."""
@@ -251,4 +311,4 @@ def _kill_leftovers() -> None:
         proc.kill()
 
 
-__all__ = ["LISTENING_PREFIX", "ServerPool", "ServerProcess", "start_pool", "start_server"]
+__all__ = ["LISTENING_PREFIX", "ServerPool", "ServerProcess", "paused", "start_pool", "start_server", "stop_process"]

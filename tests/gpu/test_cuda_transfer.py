@@ -16,7 +16,6 @@ lent GPU with scripts/gpu-check.sh.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 
 import pytest
@@ -26,7 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from kvfabric import Client, ClientConfig, KeyHasher  # noqa: E402
-from kvfabric.testing.servers import start_pool  # noqa: E402
+from kvfabric.testing.servers import start_pool, stop_process  # noqa: E402
 from kvfabric.transport import available  # noqa: E402
 from kvfabric_vllm.layout import chunk_major_layer_keys  # noqa: E402
 from kvfabric_vllm.transfer import CudaLane, HostLane, PagedKV, SlotPool, page_rows  # noqa: E402
@@ -174,7 +173,7 @@ def test_pool_killed_mid_load_gives_misses_and_no_hang():
     with start_pool(1, capacity="512MiB", **SERVER) as pool, client(pool) as c:
         keys = [os.urandom(16) for _ in range(16)]
         save(a, slots, c, keys, [[i] for i in range(16)])
-        os.kill(pool[0].pid, signal.SIGSTOP)        # the load below is in flight against a stopped server
+        stop_process(pool[0].pid)                   # the load below is in flight against a stopped server
         out: dict[str, object] = {}
 
         def run() -> None:

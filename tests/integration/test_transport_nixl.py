@@ -272,8 +272,7 @@ def test_a_stopped_server_costs_the_deadline_over_tcp_and_nothing_over_shared_me
         assert raw.request(p.PutRequest([b"k"], [MiB], [p.checksum(b"k", val)]), [val]).msg.status == [0]
         lease = raw._control(p.ShmLeaseRequest(keys=[b"k"]), None)
         buf = bytearray(MiB)
-        os.kill(srv.pid, signal.SIGSTOP)
-        try:
+        with srv.paused():
             if ucx_tls == "tcp":
                 with pytest.raises(DeadlineExceeded):
                     raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]], time.monotonic() + 1.0)
@@ -281,8 +280,6 @@ def test_a_stopped_server_costs_the_deadline_over_tcp_and_nothing_over_shared_me
             else:
                 raw._xfer("READ", [(addr(buf), MiB)], [lease.offsets[0]], time.monotonic() + 30.0)
                 assert bytes(buf) == val
-        finally:
-            os.kill(srv.pid, signal.SIGCONT)
     finally:
         raw.close()
     assert wait_for(lambda: stats(srv.address)["pinned"] == 0), stats(srv.address)

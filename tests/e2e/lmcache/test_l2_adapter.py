@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import select
@@ -125,9 +126,6 @@ def test_store_copies_objects_before_returning_reuse_after_ttl_keeps_bytes(pool,
     memory is overwritten right after submit returns, while the pool is stopped (one
     I/O thread, busy with an earlier store behind the frozen pool, so the task under
     test cannot have started); the stored bytes must be the ones submitted."""
-    import os
-    import signal
-
     url = "kvfabric://" + ",".join(pool.addresses) + "?timeout_s=60&connect_timeout_s=5"
     adapter = adapter_for(url, io_threads=1)
     objs, loaded = [], []
@@ -135,16 +133,13 @@ def test_store_copies_objects_before_returning_reuse_after_ttl_keeps_bytes(pool,
         keys = [okey(200 + i) for i in range(3)]
         objs = [new_obj(allocator, fill=300 + i) for i in range(4)]
         ref = [o.tensor.view(torch.int16).clone() for o in objs[:3]]
-        for s in pool:
-            os.kill(s.pid, signal.SIGSTOP)
-        try:
+        with contextlib.ExitStack() as stopped:
+            for s in pool:
+                stopped.enter_context(s.paused())
             first = adapter.submit_store_task([okey(210)], objs[3:])   # holds the one I/O thread
             tid = adapter.submit_store_task(keys, objs[:3])
             for o in objs[:3]:                   # the TTL ran out: L1 reuses the memory
                 o.tensor.view(torch.int16).fill_(7)
-        finally:
-            for s in pool:
-                os.kill(s.pid, signal.SIGCONT)
         done: dict = {}
 
         def popped(t):

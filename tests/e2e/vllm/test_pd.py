@@ -37,7 +37,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -94,15 +93,12 @@ def test_held_request_is_reported_only_after_its_put_is_acknowledged():
         spec = SaveSpec("p1", keys, [None, keys[0]], [[1], [5]])
         try:
             assert w.client.lookup(keys) == 0                # connected before the server stops
-            os.kill(pool[0].pid, signal.SIGSTOP)          # the put cannot be acknowledged now
-            try:
+            with pool[0].paused():                         # stopped: the put cannot be acknowledged now
                 w.submit_saves([spec])
                 # the step where vLLM passes the finished request and the scheduler's hold
                 assert w.finished_saves({"p1", "other"}, ["p1"]) == set(), {k: v for k, v in w.counters.snapshot().items() if v}
                 for _ in range(5):
                     assert w.finished_saves(set(), []) == set(), {k: v for k, v in w.counters.snapshot().items() if v}
-            finally:
-                os.kill(pool[0].pid, signal.SIGCONT)
             deadline = time.monotonic() + 60
             reported: set[str] = set()
             while not reported:

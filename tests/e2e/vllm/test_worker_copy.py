@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import time
 
 import pytest
@@ -166,13 +165,10 @@ def test_async_load_leaves_the_step_free_while_the_pool_stalls():
                 t.fill_(1.0)
             keys = [os.urandom(16), os.urandom(16)]
             save(w, keys, [[1, 2], [3, 4]])
-            os.kill(pool[0].pid, signal.SIGSTOP)
-            try:
+            with pool[0].paused():
                 w.load([LoadSpec("r", keys, [[5, 6], [7, 8]], async_load=True)])   # queued, not run
                 assert w.finished_loads() == set()   # the pool is stopped: nothing done, the step goes on
                 assert w.take_failed_block_ids() == set()
-            finally:
-                os.kill(pool[0].pid, signal.SIGCONT)
             assert _wait_loads(w, 1) == {"r"}
             assert w.take_failed_block_ids() == set()
             assert all(torch.all(t[5] == 1.0) and torch.all(t[8] == 1.0) for t in kv)
@@ -201,12 +197,9 @@ def test_shutdown_drains_saves_within_its_bound():
         assert w.counters.snapshot()["save_abandoned_jobs"] == 0
 
         stalled, _ = make_worker(pool.addresses, shutdown_drain_s=0.5, save_timeout_s=120.0)
-        os.kill(pool[0].pid, signal.SIGSTOP)
-        try:
+        with pool[0].paused():
             stalled.submit_saves([SaveSpec("s", [os.urandom(16)], [None], [[5, 6]])])
             stalled.shutdown()            # returns after the drain bound, not the 120 s put deadline
-        finally:
-            os.kill(pool[0].pid, signal.SIGCONT)
         assert stalled.counters.snapshot()["save_abandoned_jobs"] == 1
 
 
