@@ -87,6 +87,7 @@ from . import protocol, sharding, transport
 from ._fanout import Conversation, _FanOut, _small
 from ._shard import _Counters, _Reconnector, _Registration, _Shard
 from .config import ClientConfig
+from .transport import ucx_info
 from .errors import ConfigError, ConnectionClosed, ErrorCode, KVFabricError, RetireError
 from .keys import BlockKey, KeyHasher, Namespace, namespace_tag
 from .membership import Membership, StaticMembership
@@ -670,6 +671,8 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
         }
         client["members"] = list(self._view.ids)
         client["transports"] = sorted({s.transport for s in self._shards if s.transport})
+        if "nixl" in client["transports"]:  # what UCX may carry it over in this process
+            client["ucx_transports"] = ucx_info.describe()
         client["registered_buffers"] = self._registration.stats()
         return {"client": client, "servers": {s.address: servers[s.address] for s in shards}}
 

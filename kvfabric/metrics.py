@@ -90,7 +90,7 @@ SERVER_PROM_NAMES = {"connections_total": "connections_accepted"}
 #: STATS keys carried by the histogram rather than exported one by one.
 LAT_KEYS = frozenset(f"lat_{op}_us_{part}" for op in LAT_OPS for part in ("buckets", "sum"))
 #: STATS keys whose strings become labels of ``kvfabric_server_info``.
-SERVER_INFO_KEYS = ("server_id", "policy", "data_plane")
+SERVER_INFO_KEYS = ("server_id", "policy", "data_plane", "ucx_transports")
 
 _OPTIONAL_HELP = {
     "events_dropped": "eviction events lost to a full ring (the policy was resynchronised)",

@@ -710,12 +710,15 @@ class NativeServer:
 
     def stats(self) -> dict[str, Any]:
         """What STATS reports, as a dict: the same map, built by the same C function (csrc/kvf_stats.c), and
-        ``zerocopy`` / ``fixed_buffers`` read off its ``data_plane``."""
+        ``zerocopy`` / ``fixed_buffers`` read off its ``data_plane``; with nixl offered, ``ucx_transports``
+        (the UCX resources its agent may use, comma-separated: a label of ``kvfabric_server_info``)."""
         out = msgpack.unpackb(self._srv.stats_map(), raw=False)
         out["zerocopy"] = "send_zc" in out["data_plane"]
         out["fixed_buffers"] = out["data_plane"].endswith("+fixed")
         if self.kv_events is not None:
             out["kv_events"] = self.kv_events.snapshot()
+        if self._nixl is not None:  # what UCX may carry nixl over here (kvfabric/transport/ucx_info.py)
+            out["ucx_transports"] = self._nixl.ucx_transports
         return out
 
     def _close_sockets(self) -> None:

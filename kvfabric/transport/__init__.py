@@ -16,7 +16,7 @@ first by ``auto``.
 
 Choosing: a named transport that is unavailable raises ``TransportUnavailable``;
 there is never a silent fallback to a slower one. ``nixl`` is tried by ``auto``
-only where its ``auto_reason()`` is None (an active RDMA port). ``auto`` tries the
+only where its ``auto_reason()`` is None (UCX offers an RDMA transport). ``auto`` tries the
 available transports fastest first, moves on only on ``TransportUnavailable``,
 and logs, once per server, the one it chose and why it skipped the faster ones.
 """
@@ -50,7 +50,7 @@ _TRANSPORTS: tuple[_Entry, ...] = (
     _Entry("tcp", "kvfabric.transport.tcp", rank=100),
     _Entry("native", "kvfabric.transport.native", rank=50),
     _Entry("shm", "kvfabric.transport.shm", rank=10),
-    # one-sided READ/WRITE into the server's arena through NIXL (UCX); auto only with an active RDMA port:
+    # one-sided READ/WRITE into the server's arena through NIXL (UCX); auto only where UCX offers RDMA:
     # over UCX tcp it is slower than native (docs/notes/nixl.md)
     _Entry("nixl", "kvfabric.transport.nixl", rank=40, auto=False),
 )

@@ -50,11 +50,14 @@ Offer ``nixl`` only to engines the operator trusts as much as the server, and
 set a token: without one, anyone who reaches the TCP port can attach.
 
 Negotiation: ``transport: auto`` picks nixl (after shm, before native) only when the server offers it
-and this host has an active RDMA port (:func:`auto_reason`, read from sysfs); otherwise it says why in
-the one line it logs for the server and goes on to native. Asked for by name it is nixl or
-:class:`~kvfabric.errors.TransportUnavailable`, never a silent fallback. Which UCX transports a
-connection really uses is UCX's choice (``UCX_TLS``, logged with the first connection to a server);
-an RDMA port with a UCX built without verbs still runs over tcp (``ucx_info -d`` tells).
+and UCX, asked in this process (:mod:`.ucx_info`: the library nixl bundles, this environment), offers an
+RDMA transport (:func:`auto_reason`); otherwise it says why in the one line it logs for the server and
+goes on to native. Asked for by name it is nixl or :class:`~kvfabric.errors.TransportUnavailable`,
+never a silent fallback. The UCX resources each side may use (``tcp/lo``, ``posix/memory``,
+``rc_mlx5/mlx5_0:1``, ...) are logged with the first connection to a server and with the server's
+export, and exported: the server's ``ucx_transports`` (STATS via ``NativeServer.stats``, the label of
+``kvfabric_server_info``), the client's ``Client.stats()["client"]["ucx_transports"]``. Which of them a
+connection's lanes take is UCX's choice per peer (``UCX_PROTO_INFO=y`` prints it).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ from ..protocol import (
     ShmReserveReply,
     ShmReserveRequest,
 )
+from . import ucx_info
 from .base import Reply, get_sinks, hello
 from .native import MAX_REGISTERED_BUFFERS, MAX_REGISTERED_BYTES, check_registration
 from .native import connect as _native_connect
@@ -137,39 +141,28 @@ def probe() -> str | None:
     return _IMPORT_ERROR if _nixl() is None else None
 
 
-SYSFS_RDMA = "/sys/class/infiniband"
+def ucx_summary() -> str:
+    """One line for logs and errors: ``UCX_TLS`` and the UCX resources this process has (:mod:`.ucx_info`)."""
+    got = ucx_info.describe()
+    tls = os.environ.get("UCX_TLS", "<unset>")
+    if "error" in got:
+        return f"UCX_TLS={tls}; UCX resources unknown: {got['error']}"
+    return f"UCX_TLS={tls}; UCX resources {', '.join(got['resources']) or 'none'}"
 
 
-def rdma_ports(root: str = SYSFS_RDMA) -> list[str]:
-    """The RDMA ports of this host that are up: ``DEVICE/PORT`` for each ``ports/N/state`` under ``root``
-    that reads ``ACTIVE`` (the kernel's view, what UCX's verbs transports would use); [] without any."""
-    out = []
+def auto_reason() -> str | None:
+    """Why ``transport: auto`` should not pick nixl here (None: it may). It may only when UCX itself, in this
+    process's environment, offers an RDMA transport (:func:`.ucx_info.rdma`: RC, DC or UD verbs, EFA's SRD):
+    otherwise UCX would carry nixl over tcp, slower than ``native`` (docs/notes/nixl.md). Asking UCX, not
+    sysfs, also covers an RDMA port with a UCX built without verbs, or a ``UCX_TLS`` that leaves them out."""
     try:
-        devices = sorted(os.listdir(root))
-    except OSError:
-        return out
-    for dev in devices:
-        try:
-            ports = sorted(os.listdir(os.path.join(root, dev, "ports")))
-        except OSError:
-            continue
-        for port in ports:
-            try:
-                with open(os.path.join(root, dev, "ports", port, "state"), encoding="ascii") as f:
-                    state = f.read()
-            except OSError:
-                continue
-            if "ACTIVE" in state:
-                out.append(f"{dev}/{port}")
-    return out
-
-
-def auto_reason(root: str = SYSFS_RDMA) -> str | None:
-    """Why ``transport: auto`` should not pick nixl here (None: it may): without an active RDMA port UCX
-    would carry nixl over tcp, slower than ``native`` (docs/notes/nixl.md). An active port is not proof
-    that the installed UCX has verbs: ``ucx_info -d`` must list ``rc_verbs``/``rc_mlx5`` for it."""
-    ports = rdma_ports(root)
-    return None if ports else f"no active RDMA port in {root} (UCX would run over tcp, slower than native)"
+        names = ucx_info.resources()
+    except ucx_info.UcxUnavailable as e:
+        return f"UCX cannot say which transports it has ({e})"
+    if ucx_info.rdma(names):
+        return None
+    return (f"UCX offers no RDMA transport here (UCX_TLS={os.environ.get('UCX_TLS', '<unset>')}; "
+            f"{', '.join(names) or 'no resources'}): it would run over tcp, slower than native")
 
 
 _config_lock = threading.Lock()  # the swap of nixl's config class in _new_agent
@@ -248,8 +241,11 @@ class ArenaExport:
         except BaseException:
             self._map.close()
             raise
-        log.info("nixl: arena of %d bytes registered with agent %s (UCX_TLS=%s)", capacity, self._agent.name,
-                 os.environ.get("UCX_TLS", "<unset>"))
+        got = ucx_info.describe()
+        #: the UCX resources this server's agent may use, comma-separated ("unknown: why" if UCX cannot say)
+        self.ucx_transports: str = ",".join(got["resources"]) if "resources" in got else f"unknown: {got['error']}"
+        log.info("nixl: arena of %d bytes registered with agent %s (%s)", capacity, self._agent.name,
+                 ucx_summary())
 
     def close(self) -> None:
         reg, self._reg = self._reg, None
@@ -265,8 +261,8 @@ class ArenaExport:
 # ---------------------------------------------------------------------------- client side
 
 _agent_lock = threading.Lock()
-_agents: dict[str, Any] = {}  # UCX_TLS at creation -> this process's agent for it
-_peers: dict[tuple[str, bytes], str] = {}  # (UCX_TLS, server agent metadata) -> its name in that agent
+_agents: dict[tuple, Any] = {}  # UCX environment at creation (ucx_info.ucx_env) -> this process's agent for it
+_peers: dict[tuple[tuple, bytes], str] = {}  # (UCX environment, server agent metadata) -> its name in that agent
 _logged: set[str] = set()
 _pinned: dict[tuple[int, tuple[tuple[int, int], ...]], list[Any]] = {}  # (agent, regions) -> [reg, users]
 
@@ -298,21 +294,25 @@ def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]
 
 
 def _peer(md: bytes) -> tuple[Any, str]:
-    """This process's agent and the name of the server agent ``md`` describes in it. UCX reads ``UCX_TLS`` once,
-    when an agent's backend is created: one agent per value seen at connect time (one in practice)."""
-    tls = os.environ.get("UCX_TLS", "")
+    """This process's agent and the name of the server agent ``md`` describes in it. UCX reads its ``UCX_*``
+    environment once, when an agent's backend is created: one agent per environment seen at connect time (one
+    in practice). ``TransportUnavailable`` when the agent cannot be loaded: UCX has no transport of this
+    process that reaches the server's (the message lists both sides' hints), or the metadata is malformed."""
+    env = ucx_info.ucx_env()
     with _agent_lock:
-        agent = _agents.get(tls)
+        agent = _agents.get(env)
         if agent is None:
-            agent = _agents[tls] = _new_agent("client", progress_thread=False)
-        name = _peers.get((tls, md))
+            agent = _agents[env] = _new_agent("client", progress_thread=False)
+        name = _peers.get((env, md))
         if name is None:
             try:
                 name = agent.add_remote_agent(md)
             except Exception as e:
-                raise ProtocolError(protocol.ErrorCode.MALFORMED, f"nixl: unusable server agent metadata: {e}") from e
+                raise TransportUnavailable(
+                    f"nixl: cannot load the server's agent ({e}): UCX has no transport from here that reaches it "
+                    f"({ucx_summary()}{ucx_info.bridge_hint()}), or its metadata is malformed") from e
             name = name.decode() if isinstance(name, bytes) else name
-            _peers[(tls, md)] = name
+            _peers[(env, md)] = name
         return agent, name
 
 
@@ -347,8 +347,7 @@ def connect(
         raise
     if address not in _logged:
         _logged.add(address)
-        log.info("kvfabric: transport nixl for %s (server agent %s, UCX_TLS=%s)", address, conn._peer_name,
-                 os.environ.get("UCX_TLS", "<unset>"))
+        log.info("kvfabric: transport nixl for %s (server agent %s; %s)", address, conn._peer_name, ucx_summary())
     return conn
 
 

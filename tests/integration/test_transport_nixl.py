@@ -7,14 +7,17 @@ Skipped, with the reason, where nixl is not importable (it lives in its own virt
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -25,9 +28,10 @@ from kvfabric.client import Client
 from kvfabric.config import ClientConfig
 from kvfabric.errors import DeadlineExceeded, RemoteError, TransportError, TransportUnavailable
 from kvfabric.transport.base import dial
-from kvfabric.transport import nixl
+from kvfabric.transport import nixl, ucx_info
 from kvfabric.transport.nixl import NixlConnection
 from kvfabric.bench import proc_cpu_s
+from kvfabric.testing import netns
 from kvfabric.testing.servers import start_server
 from kvfabric.testing.poll import wait_for
 
@@ -175,11 +179,12 @@ def test_forced_nixl_is_nixl_or_a_clear_error(ucx_tls):
         srv.stop()
 
 
-def test_auto_skips_nixl_without_an_rdma_port_and_says_so(serve, caplog):
-    """These machines have no RDMA device: auto against a server offering nixl takes native, and its one log
-    line for the server names why nixl was skipped. (With an active port auto would try nixl first: the
-    sysfs reading is unit-tested in tests/unit/test_nixl_rdma.py.)"""
-    assert nixl.rdma_ports() == []
+def test_auto_skips_nixl_where_ucx_offers_no_rdma_and_says_so(serve, caplog):
+    """These machines have no RDMA device: UCX, asked in this process, lists no RDMA transport, so auto against
+    a server offering nixl takes native, and its one log line for the server names why nixl was skipped and
+    what UCX offers instead. (With rc/dc/ud verbs listed auto would try nixl first: the parsing of an RDMA
+    host's list is unit-tested in tests/unit/test_nixl_rdma.py.)"""
+    assert ucx_info.rdma(ucx_info.resources()) == [], ucx_info.resources()
     srv = serve()
     with caplog.at_level(logging.INFO, logger="kvfabric.transport"):
         conn = transport.connect("auto", srv.address, ClientConfig())
@@ -188,7 +193,30 @@ def test_auto_skips_nixl_without_an_rdma_port_and_says_so(serve, caplog):
     finally:
         conn.close()
     lines = [r.getMessage() for r in caplog.records if "chosen for" in r.getMessage()]
-    assert len(lines) == 1 and "nixl: no active RDMA port" in lines[0], lines
+    assert len(lines) == 1 and "nixl: UCX offers no RDMA transport here" in lines[0], lines
+    assert ucx_info.resources()[0] in lines[0], lines
+
+
+def test_ucx_transports_follow_ucx_tls_and_are_exported_by_both_sides(serve, ucx_tls):
+    """What UCX may carry nixl over is asked of UCX itself (the library nixl bundles, in each process's
+    environment), and shown by the server's /metrics (a label of kvfabric_server_info) and the client's stats."""
+    names = ucx_info.resources()
+    if ucx_tls == "tcp":
+        assert names and all(n.startswith("tcp/") for n in names), names
+        assert "tcp/lo" in names, names
+    else:
+        assert {"posix/memory", "self/memory"} <= set(names) and not any(n.startswith("tcp/") for n in names), names
+    srv = serve("--metrics-port", "0")
+    url = wait_for(lambda: (re.search(r"metrics on (http://\S+)", srv.stderr_text()) or [None, None])[1])
+    assert url, srv.stderr_text()[-2000:]
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    info = re.search(r'^kvfabric_server_info\{[^}]*ucx_transports="([^"]*)"', text, re.M)
+    assert info and info.group(1) == ",".join(names), (info and info.group(1), names)   # same environment
+    assert f"UCX resources {', '.join(names)}" in srv.stderr_text(), srv.stderr_text()[-2000:]
+    with client(srv.address) as c:
+        assert c.put([b"k"], [b"v" * 4096]).stored == 1
+        st = c.stats()["client"]
+    assert st["transports"] == ["nixl"] and st["ucx_transports"] == {"resources": names, "rdma": []}, st
 
 
 def test_a_corrupted_arena_byte_is_a_miss(serve):
@@ -419,3 +447,77 @@ def test_registered_buffers_are_registered_with_nixl_once(serve):
         assert c.get_into([b"r1"], out) == [len(vals[b"r1"])] and bytes(out[0]) == vals[b"r1"]
         st = c.stats()["client"]
         assert st["buffer_registrations"] >= 1 and st["buffer_registration_failures"] == 0, st
+
+
+NETNS_CLIENT = textwrap.dedent("""
+    import json, subprocess, sys, time
+    import numpy as np
+    from kvfabric.client import Client
+    from kvfabric.config import ClientConfig
+    from kvfabric.errors import TransportUnavailable
+    from kvfabric.testing.poll import wait_for
+    address, cut, heal = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    cfg = dict(transport="nixl", timeout_s=30.0, connect_timeout_s=5.0, reconnect_backoff_s=0.05,
+               reconnect_backoff_max_s=0.5)
+    out = {}
+    try:
+        c = Client([address], config=ClientConfig(**cfg))
+    except TransportUnavailable as e:
+        print(json.dumps({"refused": str(e)}))
+        sys.exit(0)
+    rng = np.random.default_rng(24)
+    keys = [rng.bytes(16) for _ in range(6)]
+    vals = [rng.bytes(1 << 20) for _ in keys]
+    out["stored"] = c.put(keys, vals).stored
+    out["read"] = c.get(keys) == vals
+    st = c.stats()["client"]
+    out["transports"], out["ucx"] = st["transports"], st["ucx_transports"]
+    subprocess.run(cut, check=True)
+    try:
+        t0 = time.monotonic()
+        out["cut_hits"] = sum(g is not None for g in c.get(keys, timeout_s=2.0))
+        out["cut_wait_s"] = time.monotonic() - t0
+    finally:
+        subprocess.run(heal, check=True)
+    out["healed"] = bool(wait_for(lambda: c.get(keys) == vals, 120))
+    out["transports_after"] = c.stats()["client"]["transports"]
+    c.close()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(netns.missing_reason() is not None, reason=str(netns.missing_reason()))
+def test_nixl_over_ucx_tcp_between_network_namespaces_and_a_cut_cable():
+    """The server on its own "host" (a network namespace behind a bridge: UCX tcp over a veth, not loopback),
+    the client a fresh process on the host (UCX reads the routes once per process: one that predates the
+    namespace cannot reach it). UCX's tcp leaves bridge devices out by default, and this host reaches the
+    namespace only through the bridge: a forced nixl client is refused at once, naming the bridge and
+    UCX_TCP_BRIDGE_ENABLE. With it (and UCX_NET_DEVICES naming the bridge: a lane on eth0 would connect()
+    from an address the namespace has no route back to, and UCX's tcp connect blocks): GET and PUT
+    byte-exact; the link cut during a GET costs that call's deadline and a miss, never a hang; healed, the
+    same client reads again. (Over UCX tcp only: shared memory does not cross hosts.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    # bounds UCX's blocking connect() on a lane that cannot reach the peer to ~3 s (default: ~2 min)
+    env.update(UCX_TLS="tcp", UCX_TCP_SYN_CNT="1")
+    with netns.NetLab(1) as lab:
+        srv = netns.start_server_in(lab, 0, ["--transports", "tcp,native,nixl"], capacity="64MiB")
+        host_if = lab._host_if[0]
+
+        def run_client(**extra: str) -> dict:
+            r = subprocess.run([sys.executable, "-c", NETNS_CLIENT, srv.address,
+                                json.dumps(["ip", "link", "set", host_if, "down"]),
+                                json.dumps(["ip", "link", "set", host_if, "up"])],
+                               env={**env, **extra}, capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, r.stderr[-3000:]
+            return json.loads(r.stdout.strip().splitlines()[-1])
+
+        refused = run_client()
+        assert f"bridge devices {lab.bridge}" in refused.get("refused", ""), refused
+        assert "UCX_TCP_BRIDGE_ENABLE=y" in refused["refused"], refused
+        got = run_client(UCX_TCP_BRIDGE_ENABLE="y", UCX_NET_DEVICES=lab.bridge)
+        assert got["stored"] == 6 and got["read"], got
+        assert got["transports"] == ["nixl"] and got["ucx"] == {"resources": [f"tcp/{lab.bridge}"], "rdma": []}, got
+        assert got["cut_hits"] == 0 and got["cut_wait_s"] < 60, got   # a miss at the deadline, never a hang
+        assert got["healed"] and got["transports_after"] == ["nixl"], got
+        assert stats(srv.address)["transports_in_use"].get("nixl", 0) >= 1, stats(srv.address)
+        assert wait_for(lambda: stats(srv.address)["pinned"] == 0, 60), stats(srv.address)
