@@ -55,8 +55,9 @@ RDMA transport (:func:`auto_reason`); otherwise it says why in the one line it l
 goes on to native. Asked for by name it is nixl or :class:`~kvfabric.errors.TransportUnavailable`,
 never a silent fallback. The UCX resources each side may use (``tcp/lo``, ``posix/memory``,
 ``rc_mlx5/mlx5_0:1``, ...) are logged with the first connection to a server and with the server's
-export, and exported: the server's ``ucx_transports`` (STATS via ``NativeServer.stats``, the label of
-``kvfabric_server_info``), the client's ``Client.stats()["client"]["ucx_transports"]``. Which of them a
+export, and exported: the server's on its ``--metrics-port`` (``kvfabric_server_info{ucx_transports}``,
+from ``NativeServer.stats``; the wire STATS reply, built in C, does not carry it), the client's in
+``Client.stats()["client"]["ucx_transports"]``. Which of them a
 connection's lanes take is UCX's choice per peer (``UCX_PROTO_INFO=y`` prints it).
 """
 
