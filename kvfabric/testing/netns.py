@@ -169,12 +169,17 @@ class NetLab:
         """The command prefix that runs a program inside namespace ``i``."""
         return ["ip", "netns", "exec", self.namespaces[i]]
 
+    def link_cmd(self, i: int, up: bool) -> list[str]:
+        """The command that sets namespace ``i``'s veth host end up (heal) or down (partition), for a
+        process other than this one to run (root)."""
+        return ["ip", "link", "set", self._host_if[i], "up" if up else "down"]
+
     def partition(self, i: int) -> None:
         """Cut namespace ``i`` off: its veth's host end goes down (packets both ways are lost)."""
-        _ip("link", "set", self._host_if[i], "down")
+        _ip(*self.link_cmd(i, False)[1:])
 
     def heal(self, i: int) -> None:
-        _ip("link", "set", self._host_if[i], "up")
+        _ip(*self.link_cmd(i, True)[1:])
 
     def start_load(self, i: int, etcd_url: str, cluster: str, *, seed: int = 1, keys: int = 2000,
                    batch: int = 64, timeout_s: float = 1.0) -> LoadClient:

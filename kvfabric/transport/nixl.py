@@ -156,14 +156,9 @@ def auto_reason() -> str | None:
     process's environment, offers an RDMA transport (:func:`.ucx_info.rdma`: RC, DC or UD verbs, EFA's SRD):
     otherwise UCX would carry nixl over tcp, slower than ``native`` (docs/notes/nixl.md). Asking UCX, not
     sysfs, also covers an RDMA port with a UCX built without verbs, or a ``UCX_TLS`` that leaves them out."""
-    try:
-        names = ucx_info.resources()
-    except ucx_info.UcxUnavailable as e:
-        return f"UCX cannot say which transports it has ({e})"
-    if ucx_info.rdma(names):
+    if ucx_info.describe().get("rdma"):
         return None
-    return (f"UCX offers no RDMA transport here (UCX_TLS={os.environ.get('UCX_TLS', '<unset>')}; "
-            f"{', '.join(names) or 'no resources'}): it would run over tcp, slower than native")
+    return f"UCX offers no RDMA transport here ({ucx_summary()}): it would run over tcp, slower than native"
 
 
 _config_lock = threading.Lock()  # the swap of nixl's config class in _new_agent

@@ -501,12 +501,10 @@ def test_nixl_over_ucx_tcp_between_network_namespaces_and_a_cut_cable():
     env.update(UCX_TLS="tcp", UCX_TCP_SYN_CNT="1")
     with netns.NetLab(1) as lab:
         srv = netns.start_server_in(lab, 0, ["--transports", "tcp,native,nixl"], capacity="64MiB")
-        host_if = lab._host_if[0]
 
         def run_client(**extra: str) -> dict:
             r = subprocess.run([sys.executable, "-c", NETNS_CLIENT, srv.address,
-                                json.dumps(["ip", "link", "set", host_if, "down"]),
-                                json.dumps(["ip", "link", "set", host_if, "up"])],
+                                json.dumps(lab.link_cmd(0, False)), json.dumps(lab.link_cmd(0, True))],
                                env={**env, **extra}, capture_output=True, text=True, timeout=600)
             assert r.returncode == 0, r.stderr[-3000:]
             return json.loads(r.stdout.strip().splitlines()[-1])
