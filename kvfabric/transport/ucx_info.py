@@ -38,10 +38,16 @@ import re
 import threading
 from typing import Any
 
-__all__ = ["RDMA_TLS", "UcxUnavailable", "bridge_hint", "describe", "parse_resources", "rdma", "resources", "ucx_env"]
+__all__ = ["PEER_FAILURE_TLS", "RDMA_TLS", "UcxUnavailable", "bridge_hint", "describe", "parse_resources",
+           "peer_failure", "rdma", "resources", "ucx_env"]
 
 #: UCX transport names that move data over an RDMA NIC (UCX's uct/ib and uct/ib/efa transports)
 RDMA_TLS = ("rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "srd")
+
+#: UCX transports whose endpoints report a dead peer (UCX's "peer failure handler"): tcp and the RDMA ones.
+#: UCX's shared-memory transports (self, sysv, posix, cma, knem, xpmem) have none: an endpoint over them alone
+#: cannot be created in UCX's ``peer`` error-handling mode ("no peer failure handler", checked here).
+PEER_FAILURE_TLS = ("tcp",) + RDMA_TLS
 
 # ucp.h: ucp_params_t.field_mask bit and ucp_feature bits (the ones nixl's UCX backend asks for)
 _UCP_PARAM_FIELD_FEATURES = 1 << 0
@@ -86,6 +92,11 @@ def parse_resources(text: str) -> list[str]:
 def rdma(names: list[str]) -> list[str]:
     """The names whose transport is RDMA (:data:`RDMA_TLS`)."""
     return [n for n in names if n.split("/", 1)[0] in RDMA_TLS]
+
+
+def peer_failure(names: list[str]) -> list[str]:
+    """The names whose transport reports a dead peer (:data:`PEER_FAILURE_TLS`)."""
+    return [n for n in names if n.split("/", 1)[0] in PEER_FAILURE_TLS]
 
 
 def _library() -> str:

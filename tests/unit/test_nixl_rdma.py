@@ -82,3 +82,12 @@ def test_the_ucx_environment_is_what_keys_agents_and_answers(monkeypatch):
     assert ("UCX_TLS", "tcp") in before and all(k.startswith("UCX_") for k, _ in before)
     monkeypatch.setenv("UCX_TCP_BRIDGE_ENABLE", "y")
     assert ucx_info.ucx_env() != before
+
+
+def test_peer_error_handling_needs_tcp_or_rdma():
+    """nixl.error_mode() asks for UCX's ``peer`` mode only where one of these exists: over shared memory alone
+    UCX refuses it ("no peer failure handler"), and over tcp ``none`` left a killed server's requests pending."""
+    assert ucx_info.peer_failure(ucx_info.parse_resources(TCP_HERE)) == ["tcp/eth0", "tcp/lo"]
+    assert ucx_info.peer_failure(ucx_info.parse_resources(SM_HERE)) == []
+    assert ucx_info.peer_failure(ucx_info.parse_resources(RDMA_HOST)) == [
+        "rc_verbs/mlx5_0:1", "rc_mlx5/mlx5_0:1", "dc_mlx5/mlx5_0:1", "ud_mlx5/mlx5_0:1", "tcp/ib0"]
