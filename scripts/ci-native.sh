@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI for the native part (csrc/): idempotent, from the repository's files alone.
 #
-# 1. the regular build (the one `pip install -e .` made, rebuilt here in place
-#    with warnings as errors; a failed compile is an error), then tests/native;
+# 1. the regular build (the one `pip install -e .` made, rebuilt here with
+#    warnings as errors and renamed into place; a failed compile is an error),
+#    then tests/native;
 # 2. an AddressSanitizer build in a copy of the tree under .venvs/native-asan/
 #    (so the dev build is untouched), then tests/native, the conformance pairs
 #    that run the C server (native-tcp, native-native, native-shm: the C client
@@ -32,7 +33,14 @@ run_step() { # name, command...: run it, remember a failure, go on
 pip_quiet "$PY" install -q 'setuptools>=77' || { echo "ci-native: cannot install setuptools>=77"; exit 1; }
 
 echo "== native: regular build (-Werror) + tests/native"
-CFLAGS="-Werror" "$PY" setup.py -q build_ext --inplace
+# Built outside the tree, then renamed over the in-place extension: other parts may be running tests on
+# it meanwhile (scripts/test-all runs the vLLM part beside this one), and a process that has the old file
+# mapped keeps it (a rename), where build_ext --inplace would rewrite it under them (SIGBUS).
+BUILD=$(mktemp -d "${TMPDIR:-/tmp}/kvfabric-native.XXXXXX")
+trap 'rm -rf "$BUILD"' EXIT
+CFLAGS="-Werror" "$PY" setup.py -q build_ext --build-lib "$BUILD/lib" --build-temp "$BUILD/temp"
+SO=$(cd "$BUILD/lib" && ls kvfabric/_native*.so)
+cp "$BUILD/lib/$SO" "$SO.new" && mv -f "$SO.new" "$SO"
 run_step "tests/native" "$PY" -m pytest -q -p no:cacheprovider tests/native
 
 echo "== native: AddressSanitizer build + tests/native + native conformance pairs"
