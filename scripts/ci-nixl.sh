@@ -6,8 +6,8 @@
 # kvfabric on its path (scripts/engine-venv.sh) and runs
 # tests/integration/test_transport_nixl.py: real `kvfabric serve --transports
 # tcp,native,nixl` processes on loopback, each test over UCX_TLS=tcp and
-# UCX_TLS=sm,self, then the client conformance suite's nixl pair over UCX tcp
-# (KVFABRIC_NIXL_CONFORMANCE, below). Extra arguments go to pytest. NIXL_VENV overrides the
+# UCX_TLS=sm,self, then the client conformance suite's nixl pair over UCX tcp and
+# over UCX shared memory (KVFABRIC_NIXL_CONFORMANCE, below). Extra arguments go to pytest. NIXL_VENV overrides the
 # virtualenv's path. A crash at exit (rc 139: seen when Debian's
 # ibverbs-providers sits beside NIXL's own libraries) fails the part with that said.
 set -euo pipefail
@@ -44,10 +44,10 @@ checkout_on_path "$VENV" || exit 1
 native_built "$VENV" || exit 1
 
 # Two runs, each bounded far above its time; SIGINT, so pytest still prints what ran.
-#  1. tests/integration/test_transport_nixl.py, every test over UCX tcp and UCX shared memory (~50 s quiet);
+#  1. tests/integration/test_transport_nixl.py, every test over UCX tcp and UCX shared memory (~55 s quiet);
 #  2. the client conformance suite (kvfabric.testing.conformance) on its (native-nixl, nixl) pair, once per
-#     UCX transport set in KVFABRIC_NIXL_CONFORMANCE (default "tcp", ~2 min quiet; "tcp sm,self" adds ~2 min
-#     over shared memory, which run 1 already covers test by test; "none" skips it).
+#     UCX transport set in KVFABRIC_NIXL_CONFORMANCE (default "tcp sm,self", ~65 s each quiet; "tcp" for
+#     tcp alone, "none" skips it).
 set +e
 rc=0
 run_pytest() {
@@ -59,7 +59,7 @@ run_pytest() {
   [ "$r" -eq 0 ] || rc=$r
 }
 run_pytest tests/integration/test_transport_nixl.py "$@"
-for tls in ${KVFABRIC_NIXL_CONFORMANCE-tcp}; do
+for tls in ${KVFABRIC_NIXL_CONFORMANCE-tcp sm,self}; do
   [ "$tls" = none ] && continue
   echo "ci-nixl: the conformance suite's nixl pair over UCX_TLS=$tls"
   UCX_TLS=$tls run_pytest tests/integration/test_client_*.py -k "nixl" "$@"

@@ -33,16 +33,22 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import os
 import re
+import sys
 import threading
 from typing import Any
 
-__all__ = ["PEER_FAILURE_TLS", "RDMA_TLS", "UcxUnavailable", "bridge_hint", "describe", "parse_resources",
+__all__ = ["NIXL_BACKENDS", "PEER_FAILURE_TLS", "RDMA_TLS", "UcxUnavailable", "bridge_hint", "describe", "parse_resources",
            "peer_failure", "rdma", "resources", "ucx_env"]
 
 #: UCX transport names that move data over an RDMA NIC (UCX's uct/ib and uct/ib/efa transports)
 RDMA_TLS = ("rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "srd")
+
+#: nixl's backend wheels (each bundles its UCX in ``<name>.libs/``), in the order nixl's own package tries them
+#: when no CUDA version is known
+NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
 
 #: UCX transports whose endpoints report a dead peer (UCX's "peer failure handler"): tcp and the RDMA ones.
 #: UCX's shared-memory transports (self, sysv, posix, cma, knem, xpmem) have none: an endpoint over them alone
@@ -107,13 +113,17 @@ def _library() -> str:
             path = line.rsplit(None, 1)[-1]
             if re.search(r"/libucp(-[0-9a-f]+)?\.so", path):
                 return path
-    try:
-        from nixl import _api  # noqa: PLC0415 - optional dependency
-    except ImportError:
-        _api = None
-    if _api is not None:
-        pkg = os.path.dirname(os.path.abspath(_api.__file__))
-        found = sorted(glob.glob(pkg + ".libs/libucp*.so*"))
+    # nixl's backend wheels bundle UCX in <package>.libs/; found without importing them (nixl's package
+    # imports torch on a CPU-only host: kvfabric.transport.nixl._import_api)
+    loaded = [n for n in NIXL_BACKENDS if n in sys.modules]
+    for name in loaded or NIXL_BACKENDS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin:
+            continue
+        found = sorted(glob.glob(os.path.dirname(os.path.abspath(spec.origin)) + ".libs/libucp*.so*"))
         if found:
             return found[0]
     import ctypes.util  # noqa: PLC0415

@@ -131,6 +131,26 @@ def _thread_cpu_s(pid: int) -> dict[int, float]:
     return out
 
 
+def test_a_server_offering_nixl_loads_no_torch_and_the_same_nixl(serve):
+    """nixl's package imports torch on a CPU-only host only to learn it has no CUDA (1.1 s and ~180 MiB in every
+    process); kvfabric loads nixl's backend module directly there (transport.nixl._import_api): a server offering
+    nixl has no libtorch mapped, and in a process that then imports nixl its own way, nixl's ``_api`` is the very
+    module kvfabric loaded."""
+    srv = serve()
+    with client(srv.address) as c:   # the agent is loaded and used
+        assert c.put([b"t"], [b"x" * 5000]).stored == 1 and c.get([b"t"]) == [b"x" * 5000]
+    with open(f"/proc/{srv.pid}/maps", encoding="utf-8") as f:
+        torch_libs = {line.split()[-1] for line in f if "libtorch" in line}
+    assert not torch_libs, torch_libs
+    code = ("import sys; from kvfabric.transport import nixl; ours = nixl._nixl(); before = 'torch' in sys.modules; "
+            "from nixl import _api; print(ours is _api, ours.__name__, before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    same, name, torch_before = out.stdout.split()[-3:]
+    assert same == "True" and torch_before == "False", out.stdout[-2000:]
+    assert name.startswith(ucx_info.NIXL_BACKENDS), name
+
+
 def test_an_idle_servers_progress_thread_sleeps(serve):
     """The server's NIXL progress thread waits for UCX events (nixl's own wrapper would make it spin: a whole
     core of an idle server, measured here). CPU time, not wall time, is asserted: a thread that sleeps
