@@ -40,8 +40,8 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["NIXL_BACKENDS", "PEER_FAILURE_TLS", "RDMA_TLS", "UcxUnavailable", "bridge_hint", "describe", "parse_resources",
-           "peer_failure", "rdma", "resources", "ucx_env"]
+__all__ = ["NIXL_BACKENDS", "PEER_FAILURE_TLS", "RDMA_TLS", "UcxUnavailable", "bridge_hint", "describe",
+           "parse_resources", "peer_failure", "rdma", "resources", "ucx_env"]
 
 #: UCX transport names that move data over an RDMA NIC (UCX's uct/ib and uct/ib/efa transports)
 RDMA_TLS = ("rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "srd")
