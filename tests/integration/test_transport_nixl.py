@@ -337,8 +337,9 @@ def test_a_server_killed_under_reads_leaves_no_ucx_request_behind(ucx_tls):
     ``none`` error mode over tcp (before nixl.error_mode() picked ``peer`` wherever UCX has tcp), every run whose
     kill landed under a READ (6 of 10) left 2 of its requests uncompleted ("was not returned to mpool" at exit),
     and a later transfer once segfaulted; with ``peer``, 0 in 10 (3 under a READ). So this catches a return
-    to ``none`` in about 6 runs of 10, not always. Over shared memory alone (``none``: UCX refuses ``peer``)
-    the READ is one-sided and the same must hold."""
+    to ``none`` in about 6 runs of 10, not always. Over shared memory alone UCX allows only ``none``: there a
+    READ that fails on the dead server may leave its requests too (seen at exit in other tests), so only the
+    answers and the clean exit are asserted."""
     env = {**os.environ, "UCX_TLS": ucx_tls}
     srvs = [start_server("64MiB", extra_args=["--transports", "tcp,native,nixl"], env=env) for _ in range(3)]
     try:
@@ -369,8 +370,9 @@ def test_a_server_killed_under_reads_leaves_no_ucx_request_behind(ucx_tls):
         got = json.loads(lines[-1])
         assert got["wrong"] == 0 and got["final"], (got, err[-4000:])
         leaked = [ln for ln in err.splitlines() if "not returned to mpool" in ln]
-        assert not leaked, (f"{len(leaked)} UCX requests still pending at exit (error mode "
-                            f"{'peer' if ucx_tls == 'tcp' else 'none'}):", leaked[:3])
+        mode = nixl.error_mode()  # this UCX_TLS's (the fixture set it here too)
+        assert mode == ("peer" if ucx_tls == "tcp" else "none"), (ucx_tls, mode)
+        assert mode == "none" or not leaked, (f"{len(leaked)} UCX requests still pending at exit:", leaked[:3])
     finally:
         for s in srvs:
             if s.alive:
