@@ -40,7 +40,7 @@ BUILD=$(mktemp -d "${TMPDIR:-/tmp}/kvfabric-native.XXXXXX")
 trap 'rm -rf "$BUILD"' EXIT
 CFLAGS="-Werror" "$PY" setup.py -q build_ext --build-lib "$BUILD/lib" --build-temp "$BUILD/temp"
 SO=$(cd "$BUILD/lib" && ls kvfabric/_native*.so)
-cp "$BUILD/lib/$SO" "$SO.new" && mv -f "$SO.new" "$SO"
+cp "$BUILD/lib/$SO" "${SO%.so}.new.so" && mv -f "${SO%.so}.new.so" "$SO"  # *.so: ignored by git meanwhile
 run_step "tests/native" "$PY" -m pytest -q -p no:cacheprovider tests/native
 
 echo "== native: AddressSanitizer build + tests/native + native conformance pairs"
