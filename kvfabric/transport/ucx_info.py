@@ -95,14 +95,19 @@ def parse_resources(text: str) -> list[str]:
     return [m.group(1) for line in text.splitlines() if (m := _RESOURCE.match(line.strip()))]
 
 
+def _of(names: list[str], tls: tuple[str, ...]) -> list[str]:
+    """The ``tl/device`` names whose transport ``tl`` is one of ``tls``."""
+    return [n for n in names if n.split("/", 1)[0] in tls]
+
+
 def rdma(names: list[str]) -> list[str]:
     """The names whose transport is RDMA (:data:`RDMA_TLS`)."""
-    return [n for n in names if n.split("/", 1)[0] in RDMA_TLS]
+    return _of(names, RDMA_TLS)
 
 
 def peer_failure(names: list[str]) -> list[str]:
     """The names whose transport reports a dead peer (:data:`PEER_FAILURE_TLS`)."""
-    return [n for n in names if n.split("/", 1)[0] in PEER_FAILURE_TLS]
+    return _of(names, PEER_FAILURE_TLS)
 
 
 def _library() -> str:
