@@ -6,8 +6,8 @@
 # kvfabric on its path (scripts/engine-venv.sh) and runs
 # tests/integration/test_transport_nixl.py: real `kvfabric serve --transports
 # tcp,native,nixl` processes on loopback, each test over UCX_TLS=tcp and
-# UCX_TLS=sm,self, then the client conformance suite's nixl pair over UCX tcp
-# (KVFABRIC_NIXL_CONFORMANCE, below). Extra arguments go to pytest. NIXL_VENV overrides the
+# UCX_TLS=sm,self, then the client conformance suite's nixl pair over UCX tcp and
+# over UCX shared memory (KVFABRIC_NIXL_CONFORMANCE, below). Extra arguments go to pytest. NIXL_VENV overrides the
 # virtualenv's path. A crash at exit (rc 139: seen when Debian's
 # ibverbs-providers sits beside NIXL's own libraries) fails the part with that said.
 set -euo pipefail
@@ -46,9 +46,8 @@ native_built "$VENV" || exit 1
 # Two runs, each bounded far above its time; SIGINT, so pytest still prints what ran.
 #  1. tests/integration/test_transport_nixl.py, every test over UCX tcp and UCX shared memory (~55 s quiet);
 #  2. the client conformance suite (kvfabric.testing.conformance) on its (native-nixl, nixl) pair, once per
-#     UCX transport set in KVFABRIC_NIXL_CONFORMANCE (default "tcp", ~65 s quiet; "tcp sm,self" adds UCX
-#     shared memory, ~65 s, "none" skips it). Not sm by default: a client putting to three servers at once
-#     over UCX shared memory segfaulted in 2 of 8 runs (docs/notes/nixl.md); the pair itself passed 7 of 7.
+#     UCX transport set in KVFABRIC_NIXL_CONFORMANCE (default "tcp sm,self", ~65 s each quiet; "tcp" for
+#     tcp alone, "none" skips it).
 set +e
 rc=0
 run_pytest() {
@@ -60,7 +59,7 @@ run_pytest() {
   [ "$r" -eq 0 ] || rc=$r
 }
 run_pytest tests/integration/test_transport_nixl.py "$@"
-for tls in ${KVFABRIC_NIXL_CONFORMANCE-tcp}; do
+for tls in ${KVFABRIC_NIXL_CONFORMANCE-tcp sm,self}; do
   [ "$tls" = none ] && continue
   echo "ci-nixl: the conformance suite's nixl pair over UCX_TLS=$tls"
   UCX_TLS=$tls run_pytest tests/integration/test_client_*.py -k "nixl" "$@"

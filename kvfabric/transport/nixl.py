@@ -19,9 +19,11 @@ mapping's address (``_native.Server.set_remote_arena``). A client:
 * GET = ``SHM_LEASE`` (the found objects pinned: offsets, sizes, checksums),
   one NIXL ``READ`` of the whole block list from the arena straight into the
   caller's buffers, then ``SHM_RELEASE``. The caller's buffers are registered
-  with the client's agent for the call, unless they lie inside buffers given to
+  with the client's agent for the call (shared with concurrent calls over the
+  same memory: :class:`_LocalMemory`), unless they lie inside buffers given to
   ``Client.register_buffers`` (:meth:`NixlConnection.register_buffers`: registered once
-  and kept; the vLLM connector registers its KV tensors so), then the call registers nothing. The :class:`~kvfabric.client.Client` verifies every object
+  and kept; the vLLM connector registers its KV tensors so), then the call registers
+  nothing. The :class:`~kvfabric.client.Client` verifies every object
   against the lease's checksum, so a slot reused under an expired lease reads
   as a miss;
 * PUT = ``SHM_RESERVE`` (slots in no index), one NIXL ``WRITE`` of the
@@ -63,6 +65,7 @@ connection's lanes take is UCX's choice per peer (``UCX_PROTO_INFO=y`` prints it
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import importlib.util
 import logging
@@ -113,9 +116,8 @@ def error_mode() -> str:
 
     ``none`` over tcp was measured to leak: when a server was killed under a READ, the transfer failed
     (NIXL_ERR_REMOTE_DISCONNECT) but the rest of its UCX requests were never completed ("was not returned to
-    mpool" at exit, 22 of them over 12 kills; with ``peer``, 0), and with ``none`` the conformance suite's
-    dead-shard test was once followed by a segfault inside ``transfer`` to another server (2 of 5 runs; the
-    requests UCX left pending are the suspected cause, not proven). Over shared memory alone a dead server is
+    mpool" at exit, 22 of them over 12 kills; with ``peer``, 0). (A segfault once blamed on those pending requests
+    was two transfers sharing one registration: :class:`_LocalMemory`.) Over shared memory alone a dead server is
     seen by the control connection and the checksum."""
     try:
         names = ucx_info.resources()
@@ -316,31 +318,103 @@ class ArenaExport:
 # ---------------------------------------------------------------------------- client side
 
 _agent_lock = threading.Lock()
-_agents: dict[tuple, Any] = {}  # UCX environment at creation (ucx_info.ucx_env) -> this process's agent for it
+_agents: dict[tuple, _LocalMemory] = {}  # UCX environment at creation (ucx_info.ucx_env) -> this process's agent for it
 _peers: dict[tuple[tuple, bytes], str] = {}  # (UCX environment, server agent metadata) -> its name in that agent
 _logged: set[str] = set()
-_pinned: dict[tuple[int, tuple[tuple[int, int], ...]], list[Any]] = {}  # (agent, regions) -> [reg, users]
 
 
-def _pin(agent: Any, regions: tuple[tuple[int, int], ...]) -> None:
-    """Register ``regions`` with ``agent`` once for every connection that asks for the same set."""
-    with _agent_lock:
-        held = _pinned.get((id(agent), regions))
-        if held is None:
-            reg = agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
-            held = _pinned[(id(agent), regions)] = [reg, 0]
-        held[1] += 1
+class _Registration:
+    """One ``register_memory`` call's ranges and how many holders keep them registered."""
+
+    __slots__ = ("reg", "ranges", "holders")
+
+    def __init__(self, reg: Any, ranges: list[tuple[int, int]]) -> None:
+        self.reg, self.ranges, self.holders = reg, ranges, 0
 
 
-def _unpin(agent: Any, regions: tuple[tuple[int, int], ...]) -> None:
-    with _agent_lock:
-        held = _pinned.get((id(agent), regions))
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] == 0:
-            del _pinned[(id(agent), regions)]
-            agent.deregister_memory(held[0])
+class _LocalMemory:
+    """A client agent and the local memory registered with it, shared by every connection and thread of the
+    process that use the agent.
+
+    NIXL trusts its caller not to register overlapping memory: when a transfer is prepared
+    (``initialize_xfer``) each local descriptor is matched to the first registered range that covers it,
+    whoever registered it, and deregistering a range frees the UCX memory handle a transfer in flight took from
+    it. When each call registered its own buffers, two fan-out threads writing the same objects to their two
+    replicas registered the same memory twice, and the first to finish deregistered the range the other's
+    WRITE was using: a segfault in ``ucp_put_nbx`` (a Client putting 120 objects to 3 servers, replicas 2:
+    6 of 8 processes over UCX shared memory, and once in CI over tcp; 0 of 8 with the transfers serialized,
+    docs/notes/nixl.md). So here a range is registered once however many calls use it, and a transfer holds,
+    from before it is prepared until it is released, every registered range that overlaps its own: whatever
+    NIXL matches stays registered under it. Registering and preparing happen under one lock, so no range
+    registered later can be matched without being held."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self._lock = threading.Lock()
+        self._ranges: dict[tuple[int, int], _Registration] = {}  # every registered (address, length)
+
+    def _register(self, ranges: Sequence[tuple[int, int]]) -> list[_Registration]:
+        """The registrations holding each of ``ranges`` (registering those not registered yet, in one call);
+        ``_lock`` held."""
+        new = [r for r in ranges if r not in self._ranges]
+        if new:
+            got = _Registration(self.agent.register_memory([(a, n, 0, "") for a, n in new], "DRAM"), new)
+            for r in new:
+                self._ranges[r] = got
+        return list({id(g): g for g in (self._ranges[r] for r in ranges)}.values())
+
+    def _overlapping(self, regions: Sequence[tuple[int, int]]) -> list[_Registration]:
+        """Every registration with a range overlapping one of ``regions`` (sorted, disjoint); ``_lock`` held."""
+        starts = [a for a, _ in regions]
+        ends = [a + n for a, n in regions]
+        found: dict[int, _Registration] = {}
+        for (a, n), g in self._ranges.items():
+            i = bisect.bisect_left(starts, a + n) - 1  # the last region starting before this range ends
+            if i >= 0 and ends[i] > a:
+                found[id(g)] = g
+        return list(found.values())
+
+    @staticmethod
+    def _hold(regs: Sequence[_Registration]) -> list[_Registration]:
+        for g in regs:
+            g.holders += 1
+        return list(regs)
+
+    def pin(self, regions: Sequence[tuple[int, int]]) -> list[_Registration]:
+        """Register ``regions`` (merged) for later transfers; what :meth:`release` takes back."""
+        with self._lock:
+            return self._hold(self._register(regions))
+
+    def prepare(self, op: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], peer: str,
+                register: bool) -> tuple[Any, list[_Registration]]:
+        """A prepared ``op`` transfer of ``local`` (address, length) pairs to ``remote`` ones on agent ``peer``, and
+        the registrations it holds (:meth:`release` them after the transfer handle is released). ``register``:
+        ``local`` does not lie inside ranges pinned by the caller, register it for this transfer."""
+        agent = self.agent
+        regions = _merged(local)
+        with self._lock:
+            if register:
+                self._register(regions)
+            held = self._hold(self._overlapping(regions))
+            try:
+                ldescs = agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+                rdescs = agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+                return agent.initialize_xfer(op, ldescs, rdescs, peer), held
+            except BaseException:
+                self._release(held)
+                raise
+
+    def release(self, regs: Sequence[_Registration]) -> None:
+        with self._lock:
+            self._release(regs)
+
+    def _release(self, regs: Sequence[_Registration]) -> None:
+        for g in regs:
+            g.holders -= 1
+            if g.holders == 0:
+                for r in g.ranges:
+                    del self._ranges[r]
+                self.agent.deregister_memory(g.reg)
 
 
 def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]]) -> bool:
@@ -348,27 +422,27 @@ def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]
     return all(any(r <= a and a + n <= r + rn for r, rn in regions) for a, n in local)
 
 
-def _peer(md: bytes) -> tuple[Any, str]:
-    """This process's agent and the name of the server agent ``md`` describes in it. UCX reads its ``UCX_*``
+def _peer(md: bytes) -> tuple[_LocalMemory, str]:
+    """This process's agent (with its local memory) and the name of the server agent ``md`` describes in it. UCX reads its ``UCX_*``
     environment once, when an agent's backend is created: one agent per environment seen at connect time (one
     in practice). ``TransportUnavailable`` when the agent cannot be loaded: UCX has no transport of this
     process that reaches the server's (the message lists both sides' hints), or the metadata is malformed."""
     env = ucx_info.ucx_env()
     with _agent_lock:
-        agent = _agents.get(env)
-        if agent is None:
-            agent = _agents[env] = _new_agent("client", progress_thread=False)
+        mem = _agents.get(env)
+        if mem is None:
+            mem = _agents[env] = _LocalMemory(_new_agent("client", progress_thread=False))
         name = _peers.get((env, md))
         if name is None:
             try:
-                name = agent.add_remote_agent(md)
+                name = mem.agent.add_remote_agent(md)
             except Exception as e:
                 raise TransportUnavailable(
                     f"nixl: cannot load the server's agent ({e}): UCX has no transport from here that reaches it "
                     f"({ucx_summary()}{ucx_info.bridge_hint()}), or its metadata is malformed") from e
             name = name.decode() if isinstance(name, bytes) else name
             _peers[(env, md)] = name
-        return agent, name
+        return mem, name
 
 
 def connect(
@@ -414,12 +488,13 @@ class NixlConnection(ShmConnection):
 
     def __init__(self, sock: Any, address: str) -> None:
         super().__init__(sock, address)
-        self._agent: Any = None
+        self._mem: _LocalMemory | None = None  # this process's agent, once attached
         self._peer_name = ""
         self._base = 0
         self._capacity = 0
         self._regions: tuple[tuple[int, int], ...] = ()   # registered once (register_buffers)
         self._held: list[Any] = []                          # their buffers, kept exported
+        self._pins: list[_Registration] = []                # what keeps them registered
         self._reg_stats = {"xfers_registered": 0, "xfers_per_call": 0}
 
     def _hello(self, client_name: str, auth_token: str | None, deadline: float) -> HelloReply:
@@ -427,11 +502,11 @@ class NixlConnection(ShmConnection):
                      auth_token)
 
     def _attached(self) -> bool:
-        return self._agent is not None
+        return self._mem is not None
 
     def close(self) -> None:
         self.unregister_buffers()
-        self._agent = None
+        self._mem = None
         super().close()
 
     def register_buffers(self, buffers: Sequence[Any], *, max_buffers: int = MAX_REGISTERED_BUFFERS,
@@ -441,21 +516,21 @@ class NixlConnection(ShmConnection):
         Replaces an earlier registration; the buffers stay exported until :meth:`unregister_buffers` or
         :meth:`close`. ValueError as :meth:`NativeConnection.register_buffers` (checked before anything
         is registered); TransportError when NIXL refuses the registration."""
-        if self._agent is None:
+        if self._mem is None:
             raise TransportError(f"nixl connection to {self.address} is not attached")
         bufs = check_registration(buffers, max_buffers=max_buffers, max_bytes=max_bytes)
         regions = tuple(_merged([_addr(b) for b in bufs]))
         self.unregister_buffers()
         try:
-            _pin(self._agent, regions)
+            pins = self._mem.pin(regions)
         except Exception as e:  # nixl's bindings raise plain exceptions
             raise TransportError(f"nixl: registering {len(regions)} buffer regions failed: {e}") from e
-        self._regions, self._held = regions, bufs
+        self._regions, self._held, self._pins = regions, bufs, pins
 
     def unregister_buffers(self) -> None:
-        if self._regions and self._agent is not None:
-            _unpin(self._agent, self._regions)
-        self._regions, self._held = (), []
+        if self._pins and self._mem is not None:
+            self._mem.release(self._pins)
+        self._regions, self._held, self._pins = (), [], []
 
     def registered_stats(self) -> dict[str, int] | None:
         """``{buffers, bytes, xfers_registered, xfers_per_call}``: transfers that used the registration and
@@ -469,7 +544,7 @@ class NixlConnection(ShmConnection):
         assert isinstance(rep, ShmAttachReply)
         if rep.nixl_agent is None or rep.arena_base is None:
             raise ProtocolError(protocol.ErrorCode.MALFORMED, f"{self.address} answered ATTACH without its agent")
-        self._agent, self._peer_name = _peer(rep.nixl_agent)
+        self._mem, self._peer_name = _peer(rep.nixl_agent)
         self._base, self._capacity = rep.arena_base, rep.capacity
 
     def request(
@@ -483,10 +558,10 @@ class NixlConnection(ShmConnection):
     ) -> Reply:
         """GET and PUT go through the arena (``checksums`` is ignored: the caller verifies what it read);
         everything else is the ordinary frame on the TCP connection."""
-        if self._agent is not None and isinstance(msg, GetRequest):
+        if self._mem is not None and isinstance(msg, GetRequest):
             return self._get(msg, recv_buffers, deadline)
         # a tagged PUT (ns) goes as a frame: SHM_RESERVE carries no namespace tag
-        if self._agent is not None and isinstance(msg, PutRequest) and msg.ns is None:
+        if self._mem is not None and isinstance(msg, PutRequest) and msg.ns is None:
             return self._put(msg, payload_parts, deadline)
         return super(ShmConnection, self).request(msg, payload_parts, recv_buffers, deadline=deadline)
 
@@ -501,19 +576,15 @@ class NixlConnection(ShmConnection):
             if off < 0 or off + n > self._capacity:
                 self.close()
                 raise ProtocolError(protocol.ErrorCode.MALFORMED, f"arena range {off}+{n} outside the arena")
-        agent = self._agent
-        if self._regions and _covered(local, self._regions):
-            reg = None
-            self._reg_stats["xfers_registered"] += 1
-        else:
-            reg = agent.register_memory([(a, n, 0, "") for a, n in _merged(local)], "DRAM")
-            self._reg_stats["xfers_per_call"] += 1
-        handle = None
+        mem = self._mem
+        assert mem is not None
+        registered = bool(self._regions) and _covered(local, self._regions)
+        self._reg_stats["xfers_registered" if registered else "xfers_per_call"] += 1
+        handle, held = None, []
         try:
-            ldescs = agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
-            rdescs = agent.get_xfer_descs([(self._base + off, n, 0) for (_, n), off in zip(local, remote)], "DRAM")
-            handle = agent.initialize_xfer(op, ldescs, rdescs, self._peer_name)
-            state = agent.transfer(handle)
+            handle, held = mem.prepare(op, local, [(self._base + off, n) for (_, n), off in zip(local, remote)],
+                                       self._peer_name, register=not registered)
+            state = mem.agent.transfer(handle)
             spins = 0
             while state == "PROC":
                 if deadline is not None and time.monotonic() > deadline:
@@ -522,7 +593,7 @@ class NixlConnection(ShmConnection):
                 spins += 1
                 if spins > 256:  # past a short spin, yield the CPU between polls (the GIL too)
                     time.sleep(0)
-                state = agent.check_xfer_state(handle)
+                state = mem.agent.check_xfer_state(handle)
             if state != "DONE":
                 self.close()
                 raise TransportError(f"nixl {op} with {self.address} failed (state {state})")
@@ -534,12 +605,11 @@ class NixlConnection(ShmConnection):
         finally:
             if handle is not None:
                 try:
-                    agent.release_xfer_handle(handle)
+                    mem.agent.release_xfer_handle(handle)
                 except Exception as e:  # an in-flight transfer that cannot be cancelled: keep its memory
                     log.warning("nixl: releasing a %s transfer with %s failed: %s", op, self.address, e)
-                    reg = None
-            if reg is not None:
-                agent.deregister_memory(reg)
+                    held = []
+            mem.release(held)
 
     def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None) -> Reply:
         n = len(msg.keys)
