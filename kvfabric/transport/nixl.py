@@ -423,15 +423,25 @@ def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]
 
 
 def _peer(md: bytes) -> tuple[_LocalMemory, str]:
-    """This process's agent (with its local memory) and the name of the server agent ``md`` describes in it. UCX reads its ``UCX_*``
-    environment once, when an agent's backend is created: one agent per environment seen at connect time (one
-    in practice). ``TransportUnavailable`` when the agent cannot be loaded: UCX has no transport of this
-    process that reaches the server's (the message lists both sides' hints), or the metadata is malformed."""
+    """This process's agent (with its local memory) and the name of the server agent ``md`` describes in it.
+    UCX reads its ``UCX_*`` environment once, when an agent's backend is created: one agent per environment
+    seen at connect time (one in practice). ``TransportUnavailable`` when the agent cannot be loaded: UCX has no
+    transport of this process that reaches the server's (the message lists both sides' hints), or the metadata
+    is malformed.
+
+    NIXL forgets a server's agent by itself when a transfer with it fails with NIXL_ERR_REMOTE_DISCONNECT (UCX
+    declared the endpoint dead: the server died, or the network was cut long enough); every later transfer to
+    that name fails with NIXL_ERR_NOT_FOUND. So a known name is checked first and the agent loaded again if
+    NIXL dropped it (a server that is alive after all is reached again on the next connection), and names
+    NIXL dropped are forgotten here too."""
     env = ucx_info.ucx_env()
     with _agent_lock:
         mem = _agents.get(env)
         if mem is None:
             mem = _agents[env] = _LocalMemory(_new_agent("client", progress_thread=False))
+        for key, known in list(_peers.items()):
+            if key[0] == env and not mem.agent.check_remote_metadata(known):
+                del _peers[key]
         name = _peers.get((env, md))
         if name is None:
             try:

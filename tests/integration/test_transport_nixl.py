@@ -440,6 +440,29 @@ def test_a_client_killed_holding_a_reservation_and_a_lease_frees_both(serve, ucx
         assert c.get([b"never", b"held"]) == [None, b"h" * 8192]
 
 
+def test_a_server_agent_nixl_forgot_is_loaded_again(serve):
+    """NIXL drops a server's agent by itself when a transfer with it fails with NIXL_ERR_REMOTE_DISCONNECT (UCX
+    declared the endpoint dead: a cut long enough, or the server died), and every later transfer to that name
+    fails with NIXL_ERR_NOT_FOUND. Before the client checked its cached names, it never reached that server
+    again, though it was alive: every reconnect reused the dropped name. Here the drop is NIXL's own call
+    (remove_remote_agent: invalidateRemoteMD, as on a disconnect); the next connection loads the agent again."""
+    srv = serve()
+    keys, vals = [b"forgot%d" % i for i in range(4)], [os.urandom(5000 + i) for i in range(4)]
+    with client(srv.address, reconnect_backoff_s=0.05, reconnect_backoff_max_s=0.2) as c:
+        assert c.put(keys, vals).stored == 4
+        assert c.get(keys) == vals
+        env = ucx_info.ucx_env()
+        mem = nixl._agents[env]
+        (name,) = [n for (e, _), n in nixl._peers.items() if e == env]
+        mem.agent.remove_remote_agent(name)
+        assert not mem.agent.check_remote_metadata(name)
+        # the first GET may be a miss (its transfer meets the dropped name, the connection is closed); then the
+        # shard reconnects, and its agent is loaded again
+        assert wait_for(lambda: c.get(keys) == vals, 60), c.stats()["client"]["shards"]
+        assert mem.agent.check_remote_metadata(name), name
+        assert c.stats()["client"]["transports"] == ["nixl"], c.stats()["client"]
+
+
 def test_a_peer_that_never_releases_loses_its_lease_at_max_lease_ms(serve):
     """A client that leases an object over nixl and then neither reads nor releases: the server drops the
     lease at --max-lease-ms (counted), the object can be evicted again, and the connection still answers
