@@ -414,7 +414,10 @@ class _LocalMemory:
             if g.holders == 0:
                 for r in g.ranges:
                     del self._ranges[r]
-                self.agent.deregister_memory(g.reg)
+                try:
+                    self.agent.deregister_memory(g.reg)
+                except Exception as e:  # nixl's bindings raise plain exceptions; the rest still goes
+                    log.warning("nixl: deregistering %d local ranges failed: %s", len(g.ranges), e)
 
 
 def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]]) -> bool:
