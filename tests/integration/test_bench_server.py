@@ -7,7 +7,9 @@ real server processes, and reports it in the fields the notes rely on.
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
 
 from kvfabric import transport
@@ -107,6 +109,29 @@ def test_bench_transport_native_says_why_redis_is_missing(tmp_path, monkeypatch,
     assert not any(r["name"] == "redis" for r in report["rows"])
     assert ("native", "get") in {(r["name"], r["op"]) for r in report["rows"]}
     assert "skipped redis: redis-server and redis-benchmark not found" in capsys.readouterr().out
+
+
+def test_the_cma_ceiling_moves_the_bytes_between_two_processes():
+    """The ``cma`` ceiling really copies across processes: a PUT cell writes the local buffer into the forked
+    peer's mapping (the same memfd pages this process maps), a GET cell reads the mapping back, and close()
+    reaps the peer."""
+    cma = transport_native.CmaCeiling(64 * 1024, 256 * 1024)
+    try:
+        view = np.frombuffer(cma._map, np.uint8)
+        view[:] = 0
+        cma._local[:] = 0xA5
+        gbps, us = cma.measure("put", 0.01)
+        assert gbps > 0 and us > 0
+        assert (view[:64 * 1024] == 0xA5).all()  # slot 0 was written through the peer's address space
+        view[:] = 0x5A
+        gbps, us = cma.measure("get", 0.01)
+        assert gbps > 0 and (cma._local == 0x5A).all()
+        del view
+        pid = cma.pid
+    finally:
+        cma.close()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 @needs_native

@@ -448,12 +448,13 @@ def test_a_server_agent_nixl_forgot_is_loaded_again(serve):
     (remove_remote_agent: invalidateRemoteMD, as on a disconnect); the next connection loads the agent again."""
     srv = serve()
     keys, vals = [b"forgot%d" % i for i in range(4)], [os.urandom(5000 + i) for i in range(4)]
+    before = set(nixl._peers)
     with client(srv.address, reconnect_backoff_s=0.05, reconnect_backoff_max_s=0.2) as c:
         assert c.put(keys, vals).stored == 4
         assert c.get(keys) == vals
         env = ucx_info.ucx_env()
         mem = nixl._agents[env]
-        (name,) = [n for (e, _), n in nixl._peers.items() if e == env]
+        (name,) = [nixl._peers[k] for k in set(nixl._peers) - before]  # this server's agent
         mem.agent.remove_remote_agent(name)
         assert not mem.agent.check_remote_metadata(name)
         # the first GET may be a miss (its transfer meets the dropped name, the connection is closed); then the
@@ -560,6 +561,25 @@ def test_registered_buffers_are_registered_with_nixl_once(serve):
         assert c.get_into([b"r1"], out) == [len(vals[b"r1"])] and bytes(out[0]) == vals[b"r1"]
         st = c.stats()["client"]
         assert st["buffer_registrations"] >= 1 and st["buffer_registration_failures"] == 0, st
+
+
+def test_the_benchmark_puts_nixl_over_shared_memory_beside_its_cma_ceiling(tmp_path, monkeypatch):
+    """``kvfabric bench transport_native --paths nixl-sm`` measures UCX's own copy (``cma``) in the same run and
+    divides nixl-sm by it; the memcpy-cold target says when cma itself is below the goal."""
+    from kvfabric.bench import transport_native
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    out = tmp_path / "tn.json"
+    assert transport_native.main(["--paths", "nixl-sm", "--size", "256KiB", "--duration", "0.05", "--repeat", "1",
+                                  "--capacity", "16MiB", "--no-redis", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by = {(r["name"], r["op"]): r for r in report["rows"]}
+    for op in ("get", "put"):
+        cma, sm = by[("cma", op)], by[("nixl-sm", op)]
+        assert cma["gbps"] > 0 and sm["ratio"]["cma"] == sm["gbps"] / cma["gbps"], (cma, sm)
+        (t,) = [t for t in report["targets"] if t["cell"] == f"nixl-sm {op}" and t["vs"] == "memcpy-cold"]
+        below = cma["gbps"] < 0.5 * by[("memcpy-cold", op)]["gbps"]
+        assert ("note" in t) == below and (not below or "cma" in t["note"]), (t, cma)
 
 
 REPLICA_WRITES_CLIENT = textwrap.dedent("""
