@@ -318,7 +318,7 @@ class ArenaExport:
 # ---------------------------------------------------------------------------- client side
 
 _agent_lock = threading.Lock()
-_agents: dict[tuple, _LocalMemory] = {}  # UCX environment at creation (ucx_info.ucx_env) -> this process's agent for it
+_agents: dict[tuple, _LocalMemory] = {}  # UCX environment at creation (ucx_info.ucx_env) -> this process's agent
 _peers: dict[tuple[tuple, bytes], str] = {}  # (UCX environment, server agent metadata) -> its name in that agent
 _logged: set[str] = set()
 
