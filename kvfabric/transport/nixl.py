@@ -320,6 +320,7 @@ class ArenaExport:
 _agent_lock = threading.Lock()
 _agents: dict[tuple, _LocalMemory] = {}  # UCX environment at creation (ucx_info.ucx_env) -> this process's agent
 _peers: dict[tuple[tuple, bytes], str] = {}  # (UCX environment, server agent metadata) -> its name in that agent
+_peer_users: dict[tuple[tuple, bytes], int] = {}  # the same key -> attached connections using that name
 _logged: set[str] = set()
 
 
@@ -425,8 +426,9 @@ def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]
     return all(any(r <= a and a + n <= r + rn for r, rn in regions) for a, n in local)
 
 
-def _peer(md: bytes) -> tuple[_LocalMemory, str]:
-    """This process's agent (with its local memory) and the name of the server agent ``md`` describes in it.
+def _peer(md: bytes) -> tuple[_LocalMemory, str, tuple[tuple, bytes]]:
+    """This process's agent (with its local memory), the name of the server agent ``md`` describes in it, and the
+    key to give back to :func:`_unpeer` when the connection that asked is done with it.
     UCX reads its ``UCX_*`` environment once, when an agent's backend is created: one agent per environment
     seen at connect time (one in practice). ``TransportUnavailable`` when the agent cannot be loaded: UCX has no
     transport of this process that reaches the server's (the message lists both sides' hints), or the metadata
@@ -436,7 +438,8 @@ def _peer(md: bytes) -> tuple[_LocalMemory, str]:
     declared the endpoint dead: the server died, or the network was cut long enough); every later transfer to
     that name fails with NIXL_ERR_NOT_FOUND. So a known name is checked first and the agent loaded again if
     NIXL dropped it (a server that is alive after all is reached again on the next connection), and names
-    NIXL dropped are forgotten here too."""
+    NIXL dropped are forgotten here too. A server agent no connection uses any more is removed from NIXL
+    (:func:`_unpeer`): a dead server's agent and UCX endpoints do not stay for the life of the process."""
     env = ucx_info.ucx_env()
     with _agent_lock:
         mem = _agents.get(env)
@@ -455,7 +458,29 @@ def _peer(md: bytes) -> tuple[_LocalMemory, str]:
                     f"({ucx_summary()}{ucx_info.bridge_hint()}), or its metadata is malformed") from e
             name = name.decode() if isinstance(name, bytes) else name
             _peers[(env, md)] = name
-        return mem, name
+        _peer_users[(env, md)] = _peer_users.get((env, md), 0) + 1
+        return mem, name, (env, md)
+
+
+def _unpeer(key: tuple[tuple, bytes]) -> None:
+    """A connection is done with the server agent ``key`` names (no transfer of it in flight): the last one
+    removes the agent from NIXL (its metadata and UCX endpoints); the next connection to that server loads it
+    again."""
+    with _agent_lock:
+        users = _peer_users.get(key, 0) - 1
+        if users > 0:
+            _peer_users[key] = users
+            return
+        _peer_users.pop(key, None)
+        name = _peers.pop(key, None)
+        mem = _agents.get(key[0])
+        if name is None or mem is None:
+            return
+        try:
+            if mem.agent.check_remote_metadata(name):
+                mem.agent.remove_remote_agent(name)
+        except Exception as e:  # nixl's bindings raise plain exceptions: the agent stays loaded, nothing else
+            log.warning("nixl: removing server agent %s failed: %s", name, e)
 
 
 def connect(
@@ -503,6 +528,9 @@ class NixlConnection(ShmConnection):
         super().__init__(sock, address)
         self._mem: _LocalMemory | None = None  # this process's agent, once attached
         self._peer_name = ""
+        self._peer_key: tuple[tuple, bytes] | None = None  # given back to _unpeer once closed and idle
+        self._state_lock = threading.Lock()
+        self._in_xfer = False  # a transfer handle is live: close() leaves _unpeer to _xfer
         self._base = 0
         self._capacity = 0
         self._regions: tuple[tuple[int, int], ...] = ()   # registered once (register_buffers)
@@ -520,6 +548,10 @@ class NixlConnection(ShmConnection):
     def close(self) -> None:
         self.unregister_buffers()
         self._mem = None
+        with self._state_lock:
+            key, self._peer_key = (None, self._peer_key) if self._in_xfer else (self._peer_key, None)
+        if key is not None:
+            _unpeer(key)
         super().close()
 
     def register_buffers(self, buffers: Sequence[Any], *, max_buffers: int = MAX_REGISTERED_BUFFERS,
@@ -557,7 +589,7 @@ class NixlConnection(ShmConnection):
         assert isinstance(rep, ShmAttachReply)
         if rep.nixl_agent is None or rep.arena_base is None:
             raise ProtocolError(protocol.ErrorCode.MALFORMED, f"{self.address} answered ATTACH without its agent")
-        self._mem, self._peer_name = _peer(rep.nixl_agent)
+        self._mem, self._peer_name, self._peer_key = _peer(rep.nixl_agent)
         self._base, self._capacity = rep.arena_base, rep.capacity
 
     def request(
@@ -594,6 +626,8 @@ class NixlConnection(ShmConnection):
         registered = bool(self._regions) and _covered(local, self._regions)
         self._reg_stats["xfers_registered" if registered else "xfers_per_call"] += 1
         handle, held = None, []
+        with self._state_lock:
+            self._in_xfer = True
         try:
             handle, held = mem.prepare(op, local, [(self._base + off, n) for (_, n), off in zip(local, remote)],
                                        self._peer_name, register=not registered)
@@ -623,6 +657,13 @@ class NixlConnection(ShmConnection):
                     log.warning("nixl: releasing a %s transfer with %s failed: %s", op, self.address, e)
                     held = []
             mem.release(held)
+            with self._state_lock:  # closed under the transfer: the server agent is given back now
+                self._in_xfer = False
+                key = self._peer_key if self._mem is None else None
+                if key is not None:
+                    self._peer_key = None
+            if key is not None:
+                _unpeer(key)
 
     def _get(self, msg: GetRequest, recv_buffers: Sequence[Any] | None, deadline: float | None) -> Reply:
         n = len(msg.keys)

@@ -464,6 +464,37 @@ def test_a_server_agent_nixl_forgot_is_loaded_again(serve):
         assert c.stats()["client"]["transports"] == ["nixl"], c.stats()["client"]
 
 
+def test_server_agents_no_connection_uses_are_removed_from_nixl(serve):
+    """A server agent stays loaded in the process's NIXL agent only while a connection uses it: after the Client
+    closes, the agents of both its servers (one of them killed) are gone from NIXL, and a new Client to the live
+    one loads its agent again and reads."""
+    live, dead = serve(), serve()
+    before = set(nixl._peers)
+    keys, vals = [b"gone%d" % i for i in range(12)], [os.urandom(7000 + i) for i in range(12)]
+    c = client(live.address)
+    c2 = Client([live.address, dead.address], config=ClientConfig(transport="nixl", timeout_s=10.0, replicas=2))
+    try:
+        assert c2.put(keys, vals).stored == 12 and c2.get(keys) == vals
+        mem = nixl._agents[ucx_info.ucx_env()]
+        ours = {k: nixl._peers[k] for k in set(nixl._peers) - before}
+        assert len(ours) == 2 and all(mem.agent.check_remote_metadata(n) for n in ours.values()), ours
+        dead.kill()
+        assert c2.get(keys) == vals  # the replicas on the live server answer
+    finally:
+        c2.close()
+    # c still holds the live server's agent; the dead server's is gone with c2's last connection to it
+    live_key = [k for k in ours if nixl._peer_users.get(k)]
+    assert len(live_key) == 1, (live_key, nixl._peer_users)
+    (dead_key,) = set(ours) - set(live_key)
+    assert dead_key not in nixl._peers and not mem.agent.check_remote_metadata(ours[dead_key])
+    c.close()
+    assert not any(k in nixl._peers or k in nixl._peer_users for k in ours), (nixl._peers, nixl._peer_users)
+    assert not any(mem.agent.check_remote_metadata(n) for n in ours.values())
+    with client(live.address) as again:
+        assert again.get(keys) == vals
+        assert mem.agent.check_remote_metadata(ours[live_key[0]])
+
+
 def test_a_peer_that_never_releases_loses_its_lease_at_max_lease_ms(serve):
     """A client that leases an object over nixl and then neither reads nor releases: the server drops the
     lease at --max-lease-ms (counted), the object can be evicted again, and the connection still answers
