@@ -292,9 +292,10 @@ class CmaCeiling:
             self._map = mmap.mmap(fd, self.slots * nbytes)
         finally:
             os.close(fd)
-        np.frombuffer(self._map, np.uint8)[:] = 1  # every page present, as an arena's are
+        view = np.frombuffer(self._map, np.uint8)
+        view[:] = 1  # every page present, as an arena's are
+        self._base = view.ctypes.data
         self._local = np.ones(nbytes, np.uint8)
-        self._base = np.frombuffer(self._map, np.uint8).ctypes.data
         r, self._wake = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the peer only holds the mapping (same address after fork) until told to go

@@ -437,19 +437,17 @@ def _peer(md: bytes) -> tuple[_LocalMemory, str, tuple[tuple, bytes]]:
     NIXL forgets a server's agent by itself when a transfer with it fails with NIXL_ERR_REMOTE_DISCONNECT (UCX
     declared the endpoint dead: the server died, or the network was cut long enough); every later transfer to
     that name fails with NIXL_ERR_NOT_FOUND. So a known name is checked first and the agent loaded again if
-    NIXL dropped it (a server that is alive after all is reached again on the next connection), and names
-    NIXL dropped are forgotten here too. A server agent no connection uses any more is removed from NIXL
-    (:func:`_unpeer`): a dead server's agent and UCX endpoints do not stay for the life of the process."""
+    NIXL dropped it (a server that is alive after all is reached again on the next connection); other dropped
+    names go with their connections, which fail and close. A server agent no connection uses any more is
+    removed from NIXL (:func:`_unpeer`): a dead server's agent and UCX endpoints do not stay for the life of
+    the process."""
     env = ucx_info.ucx_env()
     with _agent_lock:
         mem = _agents.get(env)
         if mem is None:
             mem = _agents[env] = _LocalMemory(_new_agent("client", progress_thread=False))
-        for key, known in list(_peers.items()):
-            if key[0] == env and not mem.agent.check_remote_metadata(known):
-                del _peers[key]
         name = _peers.get((env, md))
-        if name is None:
+        if name is None or not mem.agent.check_remote_metadata(name):
             try:
                 name = mem.agent.add_remote_agent(md)
             except Exception as e:
