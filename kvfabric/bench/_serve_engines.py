@@ -243,10 +243,31 @@ def _start_lmcache_server(opt: Options) -> tuple[subprocess.Popen, str, Path]:
     return proc, f"lm://127.0.0.1:{port}", log
 
 
+#: how many times :func:`start` picks fresh ports when an engine found one of its ports taken
+PORT_RACE_TRIES = 3
+
+
 def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) -> Deployment:
     """Start ``config``'s L2 and engines (``env_extra`` added to their environment) and wait until all
     answer; :class:`NotRunnable` (with the engine's own error) when the configuration cannot run here,
-    RuntimeError for anything else."""
+    RuntimeError for anything else.
+
+    The engines' ports (HTTP, KV events) are free when picked (:func:`free_port`) but bound later by the
+    engine: another process may take one in between (seen in CI, the suite's other parts starting servers
+    beside it: "ZMQError: Address already in use"). An engine that exits so is started again, everything
+    with fresh ports, up to :data:`PORT_RACE_TRIES` times."""
+    for attempt in range(1, PORT_RACE_TRIES + 1):
+        try:
+            return _start_once(config, opt, env_extra)
+        except NotRunnable as e:
+            if "Address already in use" not in str(e) or attempt == PORT_RACE_TRIES:
+                raise
+            print(f"{config}: a port was taken before its engine bound it; starting again with fresh ports",
+                  file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> Deployment:
     pool = None
     l2: list[subprocess.Popen] = []
     extra: list[str] = []
