@@ -9,6 +9,7 @@
  */
 #define _GNU_SOURCE
 #include "kvf_client.h"
+#include "kvf_copy.h"
 #include "kvf_mpack.h"
 #include "kvf_rxhash.h"
 
@@ -639,13 +640,13 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
     for (uint32_t i = 0; !rc && i < n; i++) {
         if (sizes[i] < 0) continue;
         if (!hh) {
-            memcpy(bufs[i], arena + offs[i], (size_t)sizes[i]);
+            kvf_copy(bufs[i], arena + offs[i], (size_t)sizes[i]);
             continue;
         }
         /* copy a slice, hash it while it is in cache: one pass over memory, not two */
         for (size_t off = 0, len = (size_t)sizes[i]; off < len;) {
             size_t take = len - off < KVF_HASH_SLICE ? len - off : KVF_HASH_SLICE;
-            memcpy((char *)bufs[i] + off, arena + offs[i] + off, take);
+            kvf_copy((char *)bufs[i] + off, arena + offs[i] + off, take);
             kvf_rxhash_feed(hh, take);
             off += take;
         }
@@ -696,7 +697,7 @@ int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
             while (pi < nparts && po == parts[pi].iov_len) { pi++; po = 0; }
             if (pi >= nparts) { free(offs); return -EINVAL; }
             size_t take = parts[pi].iov_len - po < left ? parts[pi].iov_len - po : (size_t)left;
-            if (offs[i] >= 0) memcpy(arena + at, (const char *)parts[pi].iov_base + po, take);
+            if (offs[i] >= 0) kvf_copy(arena + at, (const char *)parts[pi].iov_base + po, take);
             at += take;
             left -= take;
             po += take;

@@ -4,6 +4,7 @@
 #include "kvf_module_int.h"
 
 #include "kvf_client.h"
+#include "kvf_copy.h"
 #include "kvf_hash.h"
 #include "kvf_mpack.h"
 #include "kvf_protocol.h"
@@ -59,7 +60,7 @@ static PyObject *py_copy_out(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] < 0) continue;
-        memcpy(bs.views[i].buf, (char *)arena.buf + offs[i], (size_t)sizes[i]);
+        kvf_copy(bs.views[i].buf, (char *)arena.buf + offs[i], (size_t)sizes[i]);
         if (verify) sums[i] = kvf_obj_hash(ks.views[i].buf, (size_t)ks.views[i].len, bs.views[i].buf, (size_t)sizes[i]);
     }
     Py_END_ALLOW_THREADS
@@ -108,7 +109,7 @@ static PyObject *py_copy_in(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        if (offs[i] >= 0) memcpy((char *)arena.buf + offs[i], bs.views[i].buf, (size_t)bs.views[i].len);
+        if (offs[i] >= 0) kvf_copy((char *)arena.buf + offs[i], bs.views[i].buf, (size_t)bs.views[i].len);
     Py_END_ALLOW_THREADS
     out = Py_None;
     Py_INCREF(out);

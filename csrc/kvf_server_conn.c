@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "kvf_copy.h"
 #include "kvf_hash.h"
 
 /* ---------------------------------------------------------------- ring and clock */
@@ -131,7 +132,7 @@ int kvf_conn_recv_obj(struct conn *c, uint8_t *slot, uint64_t size, uint32_t sta
     /* object b.cur of the PUT batch: its checksum is seeded from its key (kvf_hash.h) */
     kvf_hash_reset_key(c->xxh, c->b.keys[c->b.cur], c->b.klens[c->b.cur]);
     if (staged) {
-        memcpy(slot, c->stage, staged);
+        kvf_copy(slot, c->stage, staged);
         kvf_hash_update(c->xxh, slot, staged);
     }
     c->rs = RS_OBJ;

@@ -25,6 +25,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvf_copy.h"
 #include "kvf_hash.h"
 #include "kvf_mpack.h"
 
@@ -459,7 +460,7 @@ void kvf_tier_on_evict(void *arg, const uint8_t *key, uint32_t klen, const uint8
     uint8_t *buf = NULL;
     if (j && (buf = kvf_tier_buf_get(t, rec))) {
         memset(buf, 0, KVF_TIER_BLOCK);
-        memcpy(buf + KVF_TIER_BLOCK, val, size);
+        kvf_copy(buf + KVF_TIER_BLOCK, val, size);
         memset(buf + KVF_TIER_BLOCK + size, 0, rec - KVF_TIER_BLOCK - size);
     } else {
         buf = NULL;

@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvf_copy.h"
 #include "kvf_hash.h"
 #include "kvf_shared.h"
 
@@ -223,7 +224,7 @@ void kvf_tier_shared_put(struct kvf_tier *t, const uint8_t *key, uint32_t klen, 
         kvf_shared_count_drop(t->sh);
         return;
     }
-    memcpy(buf + KVF_TIER_BLOCK, val, size);
+    kvf_copy(buf + KVF_TIER_BLOCK, val, size);
     j->nsref = nsref;
     kvf_tier_post_write(t, j, KVF_JOB_SHARED_WRITE, key, klen, size, csum, buf, rec);
 }

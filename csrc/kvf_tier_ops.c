@@ -48,6 +48,7 @@
  */
 #define _GNU_SOURCE
 #include "kvf_server_int.h"
+#include "kvf_copy.h"
 #include "kvf_tier.h"
 
 #include <errno.h>
@@ -167,7 +168,7 @@ static int shared_slots(struct conn *c, struct kvf_tier_req *r)
         }
         r->park_round = 0;
         if (rc) { j->result = rc; continue; } /* too large, or everything evictable is pinned: a miss */
-        if (j->size) memcpy(s->base + off, j->buf, j->size);
+        if (j->size) kvf_copy(s->base + off, j->buf, j->size);
         j->dst = s->base + off;
         j->slot_off = off;
     }
