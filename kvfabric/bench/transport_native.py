@@ -77,6 +77,17 @@ reference (issue 14)
     ratio. Only with ``--batch 1``; skipped, with the reason in the table,
     when the binaries are not installed or with ``--no-redis``.
 
+Buffers: every client-side buffer (GET destinations, PUT sources, the ``cma``
+ceiling's local buffer) starts ``--buffer-offset`` bytes past a page boundary
+(default 0: page-aligned, as a KV cache's tensors are aligned; torch's sit at
+offset 64). The offset matters on CPUs whose REP MOVSB is slow when the
+destination is a few bytes ahead of the source modulo the page (AMD Zen 3/4,
+glibc bug 30994): numpy arrays and bytearrays of 1 MiB or more sit at offset
+16, and a copy into them from a page-aligned arena slot ran 3x slower in the
+kernel (``process_vm_readv``, what UCX's cma does for a nixl READ) and 10x in
+glibc < 2.39 here. kvfabric's own copies avoid it (csrc/kvf_copy.h); the
+kernel's cannot, so ``--buffer-offset 16`` shows what such a caller gets.
+
 The client side is the transport's ``Connection.request`` (checksums of PUT
 objects, bound to their fresh keys, are computed before each timed request and
 their time is left out; GET replies land in a reused buffer and are not
@@ -158,7 +169,8 @@ class _Path:
     """A server process and one connection to it with the path's transport (a ``kvfabric.Client``
     forced to that transport for the :data:`CLIENT` paths)."""
 
-    def __init__(self, name: str, size: int, batch: int, capacity: str, native_args: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, size: int, batch: int, capacity: str, native_args: Sequence[str] = (),
+                 offset: int = 0) -> None:
         from .. import transport
         from ..testing.servers import start_server
 
@@ -190,14 +202,17 @@ class _Path:
         finally:
             _restore_env("UCX_TLS", saved)
         rng = np.random.default_rng(7)
-        self.values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
+        self.values = []
+        for _ in range(batch):
+            self.values.append(page_buffer(size, offset))
+            self.values[-1][:] = rng.integers(0, 256, size, dtype=np.uint8)
         if name in REGISTERED:  # one reused staging buffer, registered once, sliced per block
-            self.staging = np.empty(size * batch, dtype=np.uint8)
+            self.staging = page_buffer(size * batch, offset)
             self.dest = [self.staging[i * size:(i + 1) * size] for i in range(batch)]
             # nixl: the PUT sources too (what the vLLM connector does with its KV tensors: registered once)
             self.conn.register_buffers([self.staging, *(self.values if tname == "nixl" else [])])
         else:
-            self.dest = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
+            self.dest = [page_buffer(size, offset) for _ in range(batch)]
         self.get_keys = [os.urandom(16) for _ in range(batch)]
         self._put(*self._fresh(self.get_keys))
 
@@ -271,6 +286,14 @@ def _restore_env(name: str, value: str | None) -> None:
 
 CEILINGS = ("c-socket", "memcpy", "memcpy-cold", "rtt-tcp", "rtt-unix", "python-socket")
 RTT_BYTES = 32  # object size of the round-trip cells
+PAGE = 4096
+
+
+def page_buffer(nbytes: int, offset: int = 0) -> np.ndarray:
+    """``nbytes`` of uint8 starting ``offset`` bytes past a page boundary (see the module doc, Buffers)."""
+    raw = np.empty(nbytes + offset + PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE + offset
+    return raw[start:start + nbytes]
 
 
 class _Iovec(ctypes.Structure):
@@ -283,7 +306,7 @@ class CmaCeiling:
     forked child process. What UCX's shared-memory path does for a nixl READ / WRITE (one call per 512 KiB
     there: the same time per byte, measured)."""
 
-    def __init__(self, nbytes: int, span: int) -> None:
+    def __init__(self, nbytes: int, span: int, offset: int = 0) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
         self.nbytes, self.slots = nbytes, max(2, span // nbytes)
         fd = os.memfd_create("kvfabric-cma-ceiling")
@@ -295,7 +318,8 @@ class CmaCeiling:
         view = np.frombuffer(self._map, np.uint8)
         view[:] = 1  # every page present, as an arena's are
         self._base = view.ctypes.data
-        self._local = np.ones(nbytes, np.uint8)
+        self._local = page_buffer(nbytes, offset)
+        self._local[:] = 1
         r, self._wake = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the peer only holds the mapping (same address after fork) until told to go
@@ -405,10 +429,11 @@ def run(args: argparse.Namespace) -> dict:
     cma = None
     try:
         if any(n.startswith("nixl-sm") for n in names):
-            cma = CmaCeiling(args.size * args.batch, span)
+            cma = CmaCeiling(args.size * args.batch, span, args.buffer_offset)
             ceilings.append("cma")
         for n in names:
-            paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args))
+            paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args),
+                             args.buffer_offset)
         redis_srv = _start_redis(args, skipped)
         for op in ("get", "put"):
             samples: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
@@ -482,6 +507,14 @@ def run(args: argparse.Namespace) -> dict:
                 t["note"] = (f"unreachable over UCX's cma here: the cross-process copy alone ran at {cma_gbps:.2f} "
                              f"GB/s = {cma_gbps / by[('memcpy-cold', op)].gbps:.2f}x memcpy-cold; "
                              f"{sm} reached {by[(sm, op)].ratio['cma']:.2f}x cma")
+            elif cma_gbps is not None:  # the copy could: the control frames' TCP round trips and the copy together?
+                budget_us = args.size * args.batch / (0.5 * by[("memcpy-cold", op)].gbps * 1e3)
+                trips = 1 if op == "get" else 2
+                rtt_us, copy_us = by[("rtt-tcp", op)].p50_us, args.size * args.batch / (cma_gbps * 1e3)
+                if trips * rtt_us + copy_us >= budget_us:
+                    t["note"] = (f"unreachable here with {trips} TCP round trip(s) per request: the goal leaves "
+                                 f"{budget_us:.0f} us, one round trip took {rtt_us:.0f} us and UCX's cma copy "
+                                 f"{copy_us:.0f} us; {sm} reached {by[(sm, op)].ratio['cma']:.2f}x cma")
             targets.append(t)
             if ("shm", op) in by:
                 r = by[(sm, op)].gbps / by[("shm", op)].gbps
@@ -501,7 +534,8 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "transport-native",
         "meta": {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": platform.python_version(),
                  "kernel": platform.release(), "cpus": os.cpu_count(), "size": args.size, "batch": args.batch,
-                 "duration_s": args.duration, "repeat": args.repeat, "statistic": "median of repeats",
+                 "buffer_offset": args.buffer_offset, "duration_s": args.duration, "repeat": args.repeat,
+                 "statistic": "median of repeats",
                  "clients": 1, "argv": sys.argv[1:], "skipped": skipped},
         "rows": [asdict(r) for r in rows],
         "targets": targets,
@@ -529,7 +563,8 @@ def _client_targets(by: dict[tuple[str, str], Row]) -> list[dict]:
 def print_table(report: dict) -> None:
     m = report["meta"]
     print(f"block {m['size'] // 1024} KiB x {m['batch']} per request, one client, loopback, "
-          f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus")
+          f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus; "
+          f"client buffers {m.get('buffer_offset', 0)} bytes past a page")
     hdr = (f"{'path':<13} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'p99 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/mc-cold':>8} "
            f"{'/py-sock':>8} {'/redis':>7} {'/floor':>7} {'srv CPU s/GB':>12}")
     print(hdr)
@@ -565,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma list of {list(PATHS)}")
     ap.add_argument("--registered", action="store_true",
                     help=f"also run {', '.join(REGISTERED)} (GET into registered buffers)")
+    ap.add_argument("--buffer-offset", type=int, default=0, metavar="BYTES",
+                    help="the client's buffers start this far past a page boundary (default 0; numpy arrays of "
+                         "1 MiB or more sit at 16: see the module doc, Buffers)")
     ap.add_argument("--duration", type=float, default=1.0, help="seconds per cell")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions; the median is reported")
     ap.add_argument("--capacity", default="256MiB", help="capacity of each server")
@@ -578,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in args.paths if p not in PATHS]
     if bad or args.batch < 1 or not 0 < args.size <= 64 * MiB or args.duration <= 0 or args.repeat < 1:
         ap.error(f"bad arguments (unknown paths {bad}?)")
+    if not 0 <= args.buffer_offset < PAGE:
+        ap.error(f"--buffer-offset must be 0..{PAGE - 1}")
     try:
         from .. import _native  # noqa: F401
     except ImportError as e:

@@ -111,12 +111,23 @@ def test_bench_transport_native_says_why_redis_is_missing(tmp_path, monkeypatch,
     assert "skipped redis: redis-server and redis-benchmark not found" in capsys.readouterr().out
 
 
+def test_page_buffers_start_where_asked():
+    """The benchmark's client buffers (``page_buffer``) start ``offset`` bytes past a page boundary, hold ``nbytes``
+    and are writable to their last byte."""
+    for nbytes, offset in [(1, 0), (4096, 0), (1 << 20, 16), (65536 + 3, 4095), (7, 64)]:
+        b = transport_native.page_buffer(nbytes, offset)
+        assert b.nbytes == nbytes and b.ctypes.data % 4096 == offset, (nbytes, offset, b.ctypes.data % 4096)
+        b[:] = 7
+        assert b[-1] == 7
+
+
 def test_the_cma_ceiling_moves_the_bytes_between_two_processes():
     """The ``cma`` ceiling really copies across processes: a PUT cell writes the local buffer into the forked
     peer's mapping (the same memfd pages this process maps), a GET cell reads the mapping back, and close()
-    reaps the peer."""
-    cma = transport_native.CmaCeiling(64 * 1024, 256 * 1024)
+    reaps the peer. Its local buffer starts where asked (``--buffer-offset``)."""
+    cma = transport_native.CmaCeiling(64 * 1024, 256 * 1024, offset=16)
     try:
+        assert cma._local.ctypes.data % 4096 == 16
         view = np.frombuffer(cma._map, np.uint8)
         view[:] = 0
         cma._local[:] = 0xA5
