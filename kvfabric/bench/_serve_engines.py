@@ -262,8 +262,8 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
         except NotRunnable as e:
             if "Address already in use" not in str(e) or attempt == PORT_RACE_TRIES:
                 raise
-            print(f"{config}: a port was taken before its engine bound it; starting again with fresh ports",
-                  file=sys.stderr)
+            print(f"{config}: a port was taken before its engine bound it ({str(e).splitlines()[0]}); "
+                  "starting again with fresh ports", file=sys.stderr)
     raise AssertionError("unreachable")
 
 
