@@ -4,8 +4,9 @@ kvfabric copies objects between the arena and callers' buffers with its own
 SSE2 loop rather than glibc's memcpy (REP MOVSB into a destination a little
 ahead of its source is up to 20x slower on AMD Zen 3/4: kvf_copy.h). The loop
 aligns the destination, copies 64 bytes a step and finishes with memcpy, so
-what can go wrong is at the edges: every size around the 4 KiB switch and
-the 64-byte step, every destination and source misalignment within 64 bytes.
+what can go wrong is at the edges: sizes around the 4 KiB switch and the
+64-byte step, and source and destination misaligned within 64 bytes (seven
+pairs each way: aligned, 1, 16, 37 bytes apart and the like).
 Checked here through ``_native.copy_out`` / ``copy_in`` (the shm transport's
 copies, and the same function as the shm GET/PUT and the SSD tier's): the
 bytes copied are the source's, and not one byte before or after the
