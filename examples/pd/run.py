@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,17 +50,12 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from kvfabric import Client
+from kvfabric.testing.ports import free_port
 from kvfabric.testing.servers import start_pool, stop_process_group
 
 HERE = Path(__file__).resolve().parent
 QUESTIONS = ("question one: which shard holds the prefix?", "question two: how many blocks were loaded?")
 MAX_TOKENS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, body: dict):
@@ -106,7 +101,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float =
         try:
             with urllib.request.urlopen(url + "/health", timeout=2):
                 return
-        except OSError:
+        except (OSError, http.client.HTTPException):     # not answering yet, or not HTTP
             time.sleep(1)
     raise SystemExit(f"vLLM at {url} did not become healthy in time")
 

@@ -23,10 +23,10 @@ Everything it starts is stopped on exit.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,13 +35,8 @@ import urllib.request
 from pathlib import Path
 
 from kvfabric import Client
+from kvfabric.testing.ports import free_port
 from kvfabric.testing.servers import start_pool, stop_process_group
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> dict:
@@ -58,7 +53,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> No
         try:
             with urllib.request.urlopen(url + "/health", timeout=2):
                 return
-        except OSError:
+        except (OSError, http.client.HTTPException):     # not answering yet, or not HTTP
             time.sleep(1)
     raise SystemExit("vLLM did not become healthy in time")
 

@@ -31,6 +31,7 @@ pool_servers`` per server):
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -43,9 +44,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..testing.ports import free_port, listener, process_tree
 from ..testing.servers import ServerPool, start_server, stop_process_group
 from . import proc_cpu_s
-from ._servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTORS = ROOT / "connectors"
@@ -79,6 +80,10 @@ OFFLOAD_VARIANTS = ({}, {"VLLM_USE_SIMPLE_KV_OFFLOAD": "1"})
 
 class NotRunnable(RuntimeError):
     """A configuration that cannot run here; the message says exactly what failed."""
+
+
+class PortTaken(NotRunnable):
+    """Another process listens on the port an engine was given (taken between the pick and the bind)."""
 
 
 @dataclass
@@ -252,15 +257,18 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     answer; :class:`NotRunnable` (with the engine's own error) when the configuration cannot run here,
     RuntimeError for anything else.
 
-    The engines' ports (HTTP, KV events) are free when picked (:func:`free_port`) but bound later by the
-    engine: another process may take one in between (seen in CI, the suite's other parts starting servers
-    beside it: "ZMQError: Address already in use"). An engine that exits so is started again, everything
-    with fresh ports, up to :data:`PORT_RACE_TRIES` times."""
+    The engines' ports (HTTP, KV events) are free when picked (:func:`free_port`, outside the kernel's
+    ephemeral range) but bound later by the engine: another process may take one in between (seen in CI,
+    the suite's other parts starting servers beside it: "ZMQError: Address already in use", and a pool
+    server answering the engine's /health). An engine that exits so, or whose HTTP port another process
+    listens on (:class:`PortTaken`), is started again, everything with fresh ports, up to
+    :data:`PORT_RACE_TRIES` times."""
     for attempt in range(1, PORT_RACE_TRIES + 1):
         try:
             return _start_once(config, opt, env_extra)
         except NotRunnable as e:
-            if "Address already in use" not in str(e) or attempt == PORT_RACE_TRIES:
+            taken = isinstance(e, PortTaken) or "Address already in use" in str(e)
+            if not taken or attempt == PORT_RACE_TRIES:
                 raise
             print(f"{config}: a port was taken before its engine bound it ({str(e).splitlines()[0]}); "
                   "starting again with fresh ports", file=sys.stderr)
@@ -386,7 +394,8 @@ def _check_connector_started(dep: Deployment) -> None:
 
 
 def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
-    """Until every engine answers /health with 200; an engine that exits first ends the wait with its log."""
+    """Until every engine answers /health with 200 on a port its own process listens on; an engine that
+    exits first ends the wait with its log, a port another process listens on with :class:`PortTaken`."""
     deadline = time.monotonic() + timeout_s
     pending = list(zip(dep.urls, dep.procs, dep.logs))
     while pending:
@@ -396,11 +405,17 @@ def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
                 text = log.read_text(errors="replace")
                 raise NotRunnable(f"{dep.config}: the vLLM server at {url} exited with status {proc.returncode} "
                                   f"before it answered /health: {root_cause(text)}\nits log ends:\n{text[-4000:]}")
+            who = listener(int(url.rsplit(":", 1)[1]), proc.pid)
+            if who == "other":
+                raise PortTaken(f"{dep.config}: another process listens on {url}, the port given to the vLLM "
+                                f"server (pid {proc.pid}), which has not bound it")
+            if who is None:                 # not bound yet
+                continue
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:
                     if r.status == 200:
                         pending.remove(item)
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
                 pass
         for p in dep.l2_procs:
             if p.poll() is not None:
@@ -414,23 +429,12 @@ def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of process ``pid`` and its live descendants, from /proc (0 for a process
     that is gone)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
+    total = 0.0
+    for p in process_tree(pid):
         try:
             total += proc_cpu_s(p)
         except (OSError, ValueError, IndexError):
             continue
-        todo.extend(children.get(p, []))
     return total
 
 

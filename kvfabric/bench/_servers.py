@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,13 +38,6 @@ def command(spec: str) -> list[str]:
     """The argv of a preset name or a command line (``{python}`` -> this interpreter)."""
     text = PRESETS.get(spec, spec)
     return [a.replace("{python}", sys.executable) for a in shlex.split(text)]
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now (the kernel's pick for port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:

@@ -61,6 +61,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..testing.ports import free_port
+
 MODELS = {  # name: (layers, kv_heads, head_size)
     "llama3-8b": (32, 8, 128),
     "qwen2.5-7b": (28, 4, 128),
@@ -74,12 +76,6 @@ def _quiet_lmcache() -> None:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     for name in ("lmcache", "kvfabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -99,7 +95,7 @@ class LMServer:
     """LMCache's own remote server, ``python -m lmcache.v1.server 127.0.0.1 PORT cpu``."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port), "cpu"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -32,7 +32,7 @@ import tempfile
 import time
 
 from . import proc_cpu_s
-from ._servers import free_port
+from ..testing.ports import free_port
 
 BINARIES = ("redis-server", "redis-benchmark")
 KEY = "key:__rand_int__"  # redis-benchmark's key without -r: SET and GET use this one key

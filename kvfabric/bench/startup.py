@@ -45,7 +45,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import write_json
-from ._servers import PRESETS, command, free_port, read_line, server_env
+from ..testing.ports import free_port
+from ._servers import PRESETS, command, read_line, server_env
 from .. import protocol
 from ..config import parse_size
 

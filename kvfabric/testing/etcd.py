@@ -35,12 +35,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
+
+from .ports import free_ports
 
 __all__ = ["EtcdProcess", "MISSING_REASON", "etcd_binary", "make_certificates", "start_etcd", "etcd"]
 
@@ -56,19 +57,6 @@ def etcd_binary() -> str | None:
     if found:
         return found
     return "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class EtcdProcess:
@@ -192,7 +180,7 @@ def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1", *, tls: bool = 
         raise RuntimeError(MISSING_REASON)
     if client_cert_auth and not tls:
         raise ValueError("client_cert_auth needs tls=True")
-    client_port, peer_port = _free_ports(2)  # free on loopback; the client port is also free on ``host``
+    client_port, peer_port = free_ports(2)  # free on every IPv4 address, ``host`` too
     data_dir = tempfile.mkdtemp(prefix="kvfabric-etcd-")
     url = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -13,12 +12,7 @@ from kvfabric import sharding
 from kvfabric.errors import RemoteError
 from kvfabric.testing.conformance import start_pool_of
 from kvfabric.testing import wait_for as _wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvfabric.testing.ports import free_port
 
 
 def _data(n: int, seed: int):
@@ -98,7 +92,7 @@ def test_shard_killed_mid_test_then_restarted_on_the_same_port(pair, make_pool, 
 
 def test_client_starts_with_a_dead_server(make_pool, make_client):
     pool = make_pool(2)
-    dead = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     addresses = [pool.addresses[0], dead, pool.addresses[1]]
     client = make_client(addresses, reconnect_backoff_s=0.05)
     keys, values = _data(90, 22)

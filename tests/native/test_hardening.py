@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvfabric import protocol as p
+from kvfabric.testing.ports import free_port
 from kvfabric.testing.servers import start_server
 from kvfabric.transport import tcp
 
@@ -25,12 +26,6 @@ def _vm_pinned(pid: int) -> int:
             if line.startswith("VmPin:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hello(sock: socket.socket) -> p.Header:
@@ -46,7 +41,7 @@ def _hello(sock: socket.socket) -> p.Header:
 
 
 def test_a_client_connecting_the_moment_the_port_opens_gets_its_hello_answered_at_3gib():
-    port = _free_port()
+    port = free_port()
     result: dict[str, object] = {}
     stop = threading.Event()
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvfabric import Client, sharding
+from kvfabric.testing.ports import free_port
 from kvfabric_lmcache import value
 from kvfabric_lmcache.keymap import KeyMapper
 from lmcache.utils import CacheEngineKey
@@ -130,14 +131,8 @@ def test_pool_killed_after_store_lookups_zero_retrieves_miss_nothing_raises(pool
     assert after["puts_stored"] == before["puts_stored"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_pool_never_reachable_engine_still_runs(engines) -> None:
-    url = f"kvfabric://127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}?timeout_s=0.5&connect_timeout_s=0.2"
+    url = f"kvfabric://127.0.0.1:{free_port()},127.0.0.1:{free_port()}?timeout_s=0.5&connect_timeout_s=0.2"
     _, e = engines(engine_config(url))
     kvfabric_connector(e)  # the plugin was built although no server answers
     tokens, kv = prompt(seed=6)

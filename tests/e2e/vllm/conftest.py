@@ -8,10 +8,10 @@ one engine without the connector over every prompt of the suite.
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfabric.testing.ports import free_port, listener  # noqa: F401 (free_port: for the tests)
 from kvfabric_vllm.tinymodel import build_tiny_llama, random_prompt
 
 if importlib.util.find_spec("vllm") is None:   # not the vLLM virtualenv: nothing to run here
@@ -170,18 +171,24 @@ def cold(run_engine, tiny_model) -> dict[str, list[int]]:
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = ENGINE_TIMEOUT_S) -> None:
-    """Wait until the OpenAI server ``proc`` at ``url`` answers /health (its log, an open file,
-    is shown if it exits first); generous for a loaded machine."""
+    """Wait until the OpenAI server ``proc`` at ``url`` answers /health on a port it listens on itself (its
+    log, an open file, is shown if it exits first; another process listening there fails at once, never
+    read as the engine's answer); generous for a loaded machine."""
+    port = int(url.rsplit(":", 1)[1])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
             raise AssertionError(f"{url} exited {proc.returncode}:\n{log.read()[-6000:]}")
+        who = listener(port, proc.pid)
+        if who == "other":
+            raise AssertionError(f"another process listens on {url}, the port given to the engine (pid {proc.pid})")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
+            if who == "ours":
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             pass
         time.sleep(1.0)
     raise AssertionError(f"{url} did not become healthy")
@@ -193,12 +200,6 @@ def load_pd_example():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post_json(url: str, body: dict, timeout_s: float) -> dict:

@@ -97,31 +97,29 @@ def test_serve_bench_route_smoke(tmp_path):
 
 
 def test_an_engine_whose_port_was_taken_is_started_again_with_fresh_ports(tiny_model, tmp_path, monkeypatch, capsys):
-    """The benchmark picks its engines' ports free (bind to port 0, release) and the engine binds them later;
-    another process may take one in between (CI: "Address already in use"). Made to happen here: the first
-    port handed out is one this test holds listening. The real vLLM server exits on it, and ``start`` starts
-    the configuration again with fresh ports: it then answers /health, on another port, and stderr says why."""
-    import socket
+    """The benchmark picks its engines' ports free and the engine binds them seconds later; another process
+    may take one in between. CI saw it: a pool server of another part took a vLLM server's port, and the
+    benchmark read the pool server's binary reply to ``GET /health`` ("BadStatusLine: KVFB..."). Made to
+    happen here: the first port handed out is a real ``kvfabric serve``'s. ``start`` sees another process
+    listening there (never reads its reply as the engine's), starts the configuration again with fresh
+    ports: the engine then answers /health, on another port, and stderr says why."""
     import urllib.request
 
     from kvfabric.bench import _serve_engines as se
-    from kvfabric.bench._servers import free_port as really_free_port
+    from kvfabric.testing.ports import free_port as really_free_port
+    from kvfabric.testing.servers import start_server
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    handed: list[int] = []
+    with start_server(capacity="8MiB") as squatter:
+        handed: list[int] = []
 
-    def free_port() -> int:
-        handed.append(port if not handed else really_free_port())
-        return handed[-1]
+        def free_port() -> int:
+            handed.append(squatter.port if not handed else really_free_port())
+            return handed[-1]
 
-    monkeypatch.setattr(se, "free_port", free_port)
-    opt = se.Options(python=sys.executable, model=tiny_model, instances=1, kv_bytes=16 << 20, dram_bytes=64 << 20,
-                     ssd_bytes=0, ssd_dir=str(tmp_path), pool_servers=1, max_model_len=1024,
-                     max_batched_tokens=1024, workdir=tmp_path, start_timeout_s=600)
-    try:
+        monkeypatch.setattr(se, "free_port", free_port)
+        opt = se.Options(python=sys.executable, model=tiny_model, instances=1, kv_bytes=16 << 20,
+                         dram_bytes=64 << 20, ssd_bytes=0, ssd_dir=str(tmp_path), pool_servers=1,
+                         max_model_len=1024, max_batched_tokens=1024, workdir=tmp_path, start_timeout_s=600)
         dep = se.start("vllm", opt)
         try:
             assert len(handed) == 2 and dep.urls == [f"http://127.0.0.1:{handed[1]}"], (handed, dep.urls)
@@ -129,10 +127,9 @@ def test_an_engine_whose_port_was_taken_is_started_again_with_fresh_ports(tiny_m
                 assert r.status == 200
         finally:
             dep.stop()
-    finally:
-        taken.close()
+        assert squatter.alive, squatter.stderr_text()[-2000:]
     err = capsys.readouterr().err
-    assert "a port was taken before its engine bound it" in err and "Address already in use" in err, err[-3000:]
+    assert "a port was taken before its engine bound it" in err and "another process listens on" in err, err[-3000:]
 
 
 RL_SESSIONS, RL_TURNS = 4, 4

@@ -1,0 +1,142 @@
+"""Loopback ports for the servers a test, benchmark or example starts, and who listens on one.
+
+A port picked free and handed to a process that binds it later (a vLLM server imports for seconds before
+it binds) can be taken in between. The kernel hands out ports of its *ephemeral range*
+(``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default) to every bind to port 0 and to every
+outgoing connection; on a machine running the suite's other parts beside a benchmark that is hundreds a
+minute, and it happened in CI: a vLLM server's port went to a ``kvfabric serve`` of another part before the
+engine bound it, and the benchmark read the pool server's reply to ``GET /health`` ("BadStatusLine:
+KVFB..."). So:
+
+* :func:`free_port` picks a port *outside* the ephemeral range (at random in ``[PICK_LOW, range start)``)
+  that binds now, on every IPv4 address. A port-0 bind or an outgoing connection never takes it; only
+  another caller of :func:`free_port` can, one chance in ~20,000 per pick. It falls back to the kernel's
+  pick (port 0) only when nothing outside the range binds after :data:`PICK_TRIES` tries.
+* :func:`listener` says who listens on a TCP port: nobody yet, the process tree that should (``"ours"``),
+  or someone else (``"other"``), from ``/proc/net/tcp{,6}`` and the tree's file descriptors. A waiter can
+  then tell "not bound yet" from "taken" instead of parsing another server's reply as its own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Iterable
+
+#: the lowest port :func:`free_port` picks (below it sit the well-known and registered services)
+PICK_LOW = 10000
+#: random candidates :func:`free_port` tries before it takes the kernel's pick
+PICK_TRIES = 200
+_LISTEN = "0A"                 # TCP_LISTEN in /proc/net/tcp's "st" column
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (first, last), (32768, 60999) when it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _binds(port: int) -> socket.socket | None:
+    s = socket.socket()
+    try:
+        s.bind(("0.0.0.0", port))      # conflicts with a bind of the port on any IPv4 address
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports, each bindable on every IPv4 address right now and outside the kernel's
+    ephemeral range where it leaves room (see the module docstring)."""
+    lo, hi = ephemeral_range()
+    candidates = [(PICK_LOW, lo - 1)] if lo - PICK_LOW >= 1000 else []
+    if 65535 - hi >= 1000:
+        candidates.append((hi + 1, 65535))
+    held: list[socket.socket] = []
+    try:
+        tries = 0
+        while len(held) < n and candidates and tries < PICK_TRIES * n:
+            tries += 1
+            first, last = random.choice(candidates)
+            s = _binds(random.randint(first, last))
+            if s is not None:
+                held.append(s)
+        while len(held) < n:             # no room outside the range: the kernel's pick
+            s = socket.socket()
+            s.bind(("0.0.0.0", 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def free_port() -> int:
+    """One TCP port, as :func:`free_ports`."""
+    return free_ports(1)[0]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (from /proc; ``[pid]`` alone if it has none or is gone)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == _LISTEN and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(cols[9])
+        except (OSError, StopIteration, ValueError):
+            continue
+    return inodes
+
+
+def _socket_inodes(pids: Iterable[int]) -> set[str]:
+    found = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(target[8:-1])
+    return found
+
+
+def listener(port: int, pid: int) -> str | None:
+    """Who listens on TCP ``port`` (any address, this network namespace): None when nobody does,
+    ``"ours"`` when a socket of ``pid`` or one of its descendants does, ``"other"`` otherwise."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    return "ours" if inodes & _socket_inodes(process_tree(pid)) else "other"

@@ -1,0 +1,65 @@
+"""The harness's ports (kvfabric.testing.ports): picked where no port-0 bind or outgoing connection lands,
+and who listens on one, on real processes.
+
+CI saw a vLLM server's port taken by a pool server of another part between the pick and the engine's bind;
+the benchmark read the pool server's reply to ``GET /health``. :func:`listener` is how a waiter tells
+"not bound yet" from "bound by someone else"."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from kvfabric.testing.ports import ephemeral_range, free_port, free_ports, listener
+from kvfabric.testing.servers import start_server
+
+# a child of `sh` (the `; true` keeps sh from exec'ing it) that listens and prints its port
+LISTEN_IN_A_CHILD = ("import socket, sys, time\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+                     "print(s.getsockname()[1], flush=True)\nsys.stdin.read()\n")
+
+
+def test_picked_ports_bind_on_every_address_and_sit_outside_the_ephemeral_range():
+    lo, hi = ephemeral_range()
+    ports = free_ports(20)
+    assert len(set(ports)) == 20, ports
+    for port in ports:
+        if lo - 10000 >= 1000 or 65535 - hi >= 1000:       # room outside the range (the default 32768-60999)
+            assert not lo <= port <= hi, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+    assert isinstance(free_port(), int)
+
+
+def test_a_port_nobody_listens_on_is_none_then_ours_then_other():
+    port = free_port()
+    assert listener(port, os.getpid()) is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        assert listener(port, os.getpid()) is None, "bound but not listening"
+        s.listen()
+        assert listener(port, os.getpid()) == "ours"
+        assert listener(port, os.getppid()) == "ours", "this process is a descendant of its parent"
+    assert listener(port, os.getpid()) is None
+
+
+def _listening_child() -> tuple[subprocess.Popen, int]:
+    """``sh`` with a Python child that listens on a port: (the sh process, the port), once it listens."""
+    sh = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\"; true", LISTEN_IN_A_CHILD],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return sh, int(sh.stdout.readline())
+
+
+def test_a_descendant_s_socket_is_its_ancestors_and_a_sibling_s_is_other():
+    sh, port = _listening_child()
+    try:
+        assert listener(port, sh.pid) == "ours", "the listening process is sh's child"
+        assert listener(port, os.getpid()) == "ours", "and this test's grandchild"
+        with start_server(capacity="8MiB") as srv:     # a sibling of sh
+            assert listener(srv.port, srv.pid) == "ours"
+            assert listener(srv.port, sh.pid) == "other"
+            assert listener(port, srv.pid) == "other"
+    finally:
+        sh.stdin.close()
+        sh.wait(timeout=60)
