@@ -8,10 +8,10 @@ and its puts are not dropped (docs/notes/client.md, "Connect timeout").
 
 from __future__ import annotations
 
-import socket
 import time
 
 from kvfabric import Client, ClientConfig, protocol
+from kvfabric.testing.ports import free_port
 from kvfabric.testing.proxy import FrameProxy
 
 
@@ -46,9 +46,7 @@ def test_a_late_hello_is_not_a_dead_shard(make_pool):
 
 
 def test_a_refused_server_is_still_down_at_once():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens on it; outside the ephemeral range, so no other part's server takes it
     with Client([f"127.0.0.1:{port}"], config=ClientConfig(transport="tcp", timeout_s=30)) as c:
         assert c.stats()["client"]["shards"][f"127.0.0.1:{port}"]["up"] is False
         assert c.get([b"k" * 16]) == [None]
