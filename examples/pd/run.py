@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import random
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from kvfabric import Client
-from kvfabric.testing.ports import free_port
+from kvfabric.testing.ports import PortTaken, free_port, http_ready
 from kvfabric.testing.servers import start_pool, stop_process_group
 
 HERE = Path(__file__).resolve().parent
@@ -99,10 +98,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float =
             print(log.read_text()[-4000:], file=sys.stderr)
             raise SystemExit(f"vLLM at {url} exited with status {proc.returncode}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
+            if http_ready(url, proc.pid, timeout_s=2):
                 return
-        except (OSError, http.client.HTTPException):     # not answering yet, or not HTTP
-            time.sleep(1)
+        except PortTaken as e:                      # its port was taken before it bound it
+            raise SystemExit(str(e)) from None
+        time.sleep(1)
     raise SystemExit(f"vLLM at {url} did not become healthy in time")
 
 

@@ -23,7 +23,6 @@ Everything it starts is stopped on exit.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -35,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from kvfabric import Client
-from kvfabric.testing.ports import free_port
+from kvfabric.testing.ports import PortTaken, free_port, http_ready
 from kvfabric.testing.servers import start_pool, stop_process_group
 
 
@@ -51,10 +50,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> No
         if proc.poll() is not None:
             raise SystemExit(f"vLLM exited with status {proc.returncode}; see its log above")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
+            if http_ready(url, proc.pid, timeout_s=2):
                 return
-        except (OSError, http.client.HTTPException):     # not answering yet, or not HTTP
-            time.sleep(1)
+        except PortTaken as e:                      # its port was taken before it bound it
+            raise SystemExit(str(e)) from None
+        time.sleep(1)
     raise SystemExit("vLLM did not become healthy in time")
 
 

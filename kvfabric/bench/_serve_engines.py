@@ -31,7 +31,6 @@ pool_servers`` per server):
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -39,12 +38,11 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..testing.ports import free_port, listener, process_tree
+from ..testing.ports import PortTaken, free_port, http_ready, process_tree
 from ..testing.servers import ServerPool, start_server, stop_process_group
 from . import proc_cpu_s
 
@@ -80,10 +78,6 @@ OFFLOAD_VARIANTS = ({}, {"VLLM_USE_SIMPLE_KV_OFFLOAD": "1"})
 
 class NotRunnable(RuntimeError):
     """A configuration that cannot run here; the message says exactly what failed."""
-
-
-class PortTaken(NotRunnable):
-    """Another process listens on the port an engine was given (taken between the pick and the bind)."""
 
 
 @dataclass
@@ -261,12 +255,12 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     ephemeral range) but bound later by the engine: another process may take one in between (seen in CI,
     the suite's other parts starting servers beside it: "ZMQError: Address already in use", and a pool
     server answering the engine's /health). An engine that exits so, or whose HTTP port another process
-    listens on (:class:`PortTaken`), is started again, everything with fresh ports, up to
+    listens on (:class:`~kvfabric.testing.ports.PortTaken`), is started again, everything with fresh ports, up to
     :data:`PORT_RACE_TRIES` times."""
     for attempt in range(1, PORT_RACE_TRIES + 1):
         try:
             return _start_once(config, opt, env_extra)
-        except NotRunnable as e:
+        except (NotRunnable, PortTaken) as e:
             taken = isinstance(e, PortTaken) or "Address already in use" in str(e)
             if not taken or attempt == PORT_RACE_TRIES:
                 raise
@@ -394,8 +388,9 @@ def _check_connector_started(dep: Deployment) -> None:
 
 
 def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
-    """Until every engine answers /health with 200 on a port its own process listens on; an engine that
-    exits first ends the wait with its log, a port another process listens on with :class:`PortTaken`."""
+    """Until every engine answers /health with 200 on a port its own process listens on
+    (:func:`~kvfabric.testing.ports.http_ready`); an engine that exits first ends the wait with its log, a
+    port another process listens on with :class:`~kvfabric.testing.ports.PortTaken`."""
     deadline = time.monotonic() + timeout_s
     pending = list(zip(dep.urls, dep.procs, dep.logs))
     while pending:
@@ -405,18 +400,11 @@ def _wait_healthy(dep: Deployment, timeout_s: float) -> None:
                 text = log.read_text(errors="replace")
                 raise NotRunnable(f"{dep.config}: the vLLM server at {url} exited with status {proc.returncode} "
                                   f"before it answered /health: {root_cause(text)}\nits log ends:\n{text[-4000:]}")
-            who = listener(int(url.rsplit(":", 1)[1]), proc.pid)
-            if who == "other":
-                raise PortTaken(f"{dep.config}: another process listens on {url}, the port given to the vLLM "
-                                f"server (pid {proc.pid}), which has not bound it")
-            if who is None:                 # not bound yet
-                continue
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        pending.remove(item)
-            except (urllib.error.URLError, OSError, http.client.HTTPException):
-                pass
+                if http_ready(url, proc.pid):
+                    pending.remove(item)
+            except PortTaken as e:
+                raise PortTaken(f"{dep.config}: {e}") from None
         for p in dep.l2_procs:
             if p.poll() is not None:
                 raise NotRunnable(f"{dep.config}: the L2 server exited with status {p.returncode}")

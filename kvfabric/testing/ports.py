@@ -14,14 +14,18 @@ KVFB..."). So:
   pick (port 0) only when nothing outside the range binds after :data:`PICK_TRIES` tries.
 * :func:`listener` says who listens on a TCP port: nobody yet, the process tree that should (``"ours"``),
   or someone else (``"other"``), from ``/proc/net/tcp{,6}`` and the tree's file descriptors. A waiter can
-  then tell "not bound yet" from "taken" instead of parsing another server's reply as its own.
+  then tell "not bound yet" from "taken" instead of parsing another server's reply as its own;
+  :func:`http_ready` is that check for an HTTP server (``GET /health`` asked only of the right process).
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import random
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Iterable
 
 #: the lowest port :func:`free_port` picks (below it sit the well-known and registered services)
@@ -140,3 +144,24 @@ def listener(port: int, pid: int) -> str | None:
     if not inodes:
         return None
     return "ours" if inodes & _socket_inodes(process_tree(pid)) else "other"
+
+
+class PortTaken(RuntimeError):
+    """Another process listens on the port a server was given (taken between the pick and the bind)."""
+
+
+def http_ready(url: str, pid: int, path: str = "/health", timeout_s: float = 5.0) -> bool:
+    """Whether the HTTP server process ``pid`` (or a descendant) at ``url`` (``http://HOST:PORT``) listens
+    and answers ``GET url + path`` with 200: False while it does not yet (not bound, not answering, an
+    error status); :class:`PortTaken` when another process listens on the port, whose reply is never read."""
+    port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+    who = listener(port, pid)
+    if who == "other":
+        raise PortTaken(f"another process listens on {url}, the port given to pid {pid}, which has not bound it")
+    if who is None:
+        return False
+    try:
+        with urllib.request.urlopen(url + path, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        return False

@@ -12,8 +12,19 @@ import socket
 import subprocess
 import sys
 
-from kvfabric.testing.ports import ephemeral_range, free_port, free_ports, listener
+import pytest
+
+from kvfabric.testing.ports import PortTaken, ephemeral_range, free_port, free_ports, http_ready, listener
 from kvfabric.testing.servers import start_server
+
+# an HTTP server answering 200 on /health, 404 elsewhere; prints its port once it listens
+HEALTH_SERVER = ("import http.server, sys\n"
+                 "class H(http.server.BaseHTTPRequestHandler):\n"
+                 "    def do_GET(self):\n"
+                 "        self.send_response(200 if self.path == '/health' else 404); self.end_headers()\n"
+                 "    def log_message(self, *a): pass\n"
+                 "s = http.server.HTTPServer(('127.0.0.1', 0), H)\n"
+                 "print(s.server_address[1], flush=True)\ns.serve_forever()\n")
 
 # a child of `sh` (the `; true` keeps sh from exec'ing it) that listens and prints its port
 LISTEN_IN_A_CHILD = ("import socket, sys, time\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
@@ -63,3 +74,24 @@ def test_a_descendant_s_socket_is_its_ancestors_and_a_sibling_s_is_other():
     finally:
         sh.stdin.close()
         sh.wait(timeout=60)
+
+
+def test_http_ready_asks_only_the_process_that_listens():
+    port = free_port()
+    assert http_ready(f"http://127.0.0.1:{port}", os.getpid()) is False       # nobody listens yet
+    web = subprocess.Popen([sys.executable, "-c", HEALTH_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{int(web.stdout.readline())}"
+        assert http_ready(url, web.pid) is True
+        assert http_ready(url, web.pid, path="/nothing") is False            # 404: not ready
+        with start_server(capacity="8MiB") as srv:
+            # the CI case: a pool server on the port an engine was given; its binary reply is never read
+            with pytest.raises(PortTaken, match=f"another process listens on http://{srv.address}"):
+                http_ready(f"http://{srv.address}", web.pid)
+            # its own process, but not HTTP (the reply fails to parse): not ready, no exception
+            assert http_ready(f"http://{srv.address}", srv.pid) is False
+            with pytest.raises(PortTaken):
+                http_ready(url, srv.pid)
+    finally:
+        web.kill()
+        web.wait(timeout=60)

@@ -8,7 +8,6 @@ one engine without the connector over every prompt of the suite.
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import json
 import os
@@ -16,13 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from kvfabric.testing.ports import free_port, listener  # noqa: F401 (free_port: for the tests)
+from kvfabric.testing.ports import free_port, http_ready  # noqa: F401 (free_port: for the tests)
 from kvfabric_vllm.tinymodel import build_tiny_llama, random_prompt
 
 if importlib.util.find_spec("vllm") is None:   # not the vLLM virtualenv: nothing to run here
@@ -174,22 +172,13 @@ def wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = ENGIN
     """Wait until the OpenAI server ``proc`` at ``url`` answers /health on a port it listens on itself (its
     log, an open file, is shown if it exits first; another process listening there fails at once, never
     read as the engine's answer); generous for a loaded machine."""
-    port = int(url.rsplit(":", 1)[1])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
             raise AssertionError(f"{url} exited {proc.returncode}:\n{log.read()[-6000:]}")
-        who = listener(port, proc.pid)
-        if who == "other":
-            raise AssertionError(f"another process listens on {url}, the port given to the engine (pid {proc.pid})")
-        try:
-            if who == "ours":
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-        except (urllib.error.URLError, OSError, http.client.HTTPException):
-            pass
+        if http_ready(url, proc.pid, timeout_s=2):      # PortTaken: another process listens there
+            return
         time.sleep(1.0)
     raise AssertionError(f"{url} did not become healthy")
 
