@@ -33,6 +33,7 @@ PICK_LOW = 10000
 #: random candidates :func:`free_port` tries before it takes the kernel's pick
 PICK_TRIES = 200
 _LISTEN = "0A"                 # TCP_LISTEN in /proc/net/tcp's "st" column
+_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -105,19 +106,22 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def _listening_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP ``port``; None when neither /proc table can be read."""
+    inodes: set[str] = set()
+    read = False
+    for table in _TABLES:
         try:
             with open(table) as f:
                 next(f)
+                read = True
                 for line in f:
                     cols = line.split()
                     if len(cols) > 9 and cols[3] == _LISTEN and int(cols[1].rsplit(":", 1)[1], 16) == port:
                         inodes.add(cols[9])
         except (OSError, StopIteration, ValueError):
             continue
-    return inodes
+    return inodes if read else None
 
 
 def _socket_inodes(pids: Iterable[int]) -> set[str]:
@@ -139,8 +143,11 @@ def _socket_inodes(pids: Iterable[int]) -> set[str]:
 
 def listener(port: int, pid: int) -> str | None:
     """Who listens on TCP ``port`` (any address, this network namespace): None when nobody does,
-    ``"ours"`` when a socket of ``pid`` or one of its descendants does, ``"other"`` otherwise."""
+    ``"ours"`` when a socket of ``pid`` or one of its descendants does, ``"other"`` otherwise, and
+    ``"unknown"`` where /proc/net/tcp cannot be read (a restricted /proc)."""
     inodes = _listening_inodes(port)
+    if inodes is None:
+        return "unknown"
     if not inodes:
         return None
     return "ours" if inodes & _socket_inodes(process_tree(pid)) else "other"
@@ -153,7 +160,9 @@ class PortTaken(RuntimeError):
 def http_ready(url: str, pid: int, path: str = "/health", timeout_s: float = 5.0) -> bool:
     """Whether the HTTP server process ``pid`` (or a descendant) at ``url`` (``http://HOST:PORT``) listens
     and answers ``GET url + path`` with 200: False while it does not yet (not bound, not answering, an
-    error status); :class:`PortTaken` when another process listens on the port, whose reply is never read."""
+    error status); :class:`PortTaken` when another process listens on the port, whose reply is never read.
+    Where /proc cannot say who listens (:func:`listener` ``"unknown"``) it asks whoever answers, and a
+    reply that is not HTTP counts as not ready."""
     port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
     who = listener(port, pid)
     if who == "other":

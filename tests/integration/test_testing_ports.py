@@ -95,3 +95,21 @@ def test_http_ready_asks_only_the_process_that_listens():
     finally:
         web.kill()
         web.wait(timeout=60)
+
+
+def test_without_proc_net_tables_it_asks_whoever_answers(monkeypatch, tmp_path):
+    """A restricted /proc (no /proc/net/tcp): who listens is "unknown"; http_ready then asks, and a reply
+    that is not HTTP is "not ready", never an exception."""
+    from kvfabric.testing import ports
+
+    monkeypatch.setattr(ports, "_TABLES", (str(tmp_path / "tcp"), str(tmp_path / "tcp6")))
+    web = subprocess.Popen([sys.executable, "-c", HEALTH_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(web.stdout.readline())
+        assert listener(port, web.pid) == "unknown"
+        assert http_ready(f"http://127.0.0.1:{port}", os.getpid()) is True
+        with start_server(capacity="8MiB") as srv:
+            assert http_ready(f"http://{srv.address}", web.pid) is False
+    finally:
+        web.kill()
+        web.wait(timeout=60)
