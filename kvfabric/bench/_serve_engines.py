@@ -37,6 +37,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -163,6 +164,7 @@ class Deployment:
     settings: dict = field(default_factory=dict)
     router: subprocess.Popen | None = None     # kvfabric route in front of the engines (route configs)
     router_url: str | None = None
+    events_dir: str | None = None              # the engines' KV-event sockets (route configs)
 
     @property
     def entry(self) -> list[str]:
@@ -170,7 +172,8 @@ class Deployment:
         return [self.router_url] if self.router_url else self.urls
 
     def stop(self) -> None:
-        """Stop the router, the engines, then the L2; remove the SSD tier directories the pool had."""
+        """Stop the router, the engines, then the L2; remove the SSD tier directories the pool had and the
+        engines' KV-event sockets."""
         for p in [*([self.router] if self.router else []), *self.procs, *self.l2_procs]:
             if p.poll() is None:
                 stop_process_group(p)
@@ -178,6 +181,8 @@ class Deployment:
             self.pool.stop()
             for d in self.settings.get("ssd_paths", []):
                 shutil.rmtree(d, ignore_errors=True)
+        if self.events_dir:
+            shutil.rmtree(self.events_dir, ignore_errors=True)
 
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds used so far by the engines (each with the processes it started: vLLM's engine core)
@@ -251,10 +256,11 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     answer; :class:`NotRunnable` (with the engine's own error) when the configuration cannot run here,
     RuntimeError for anything else.
 
-    The engines' ports (HTTP, KV events) are free when picked (:func:`free_port`, outside the kernel's
-    ephemeral range) but bound later by the engine: another process may take one in between (seen in CI,
-    the suite's other parts starting servers beside it: "ZMQError: Address already in use", and a pool
-    server answering the engine's /health). An engine that exits so, or whose HTTP port another process
+    The engines' HTTP ports are free when picked (:func:`free_port`, outside the kernel's ephemeral range)
+    but bound later by the engine: another process may take one in between (seen in CI, the suite's other
+    parts starting servers beside it: a pool server answering the engine's /health; and "ZMQError: Address
+    already in use" when the KV events went over TCP too: they use Unix sockets now). An engine that exits
+    with "Address already in use", or whose HTTP port another process
     listens on (:class:`~kvfabric.testing.ports.PortTaken`), is started again, everything with fresh ports, up to
     :data:`PORT_RACE_TRIES` times."""
     for attempt in range(1, PORT_RACE_TRIES + 1):
@@ -277,11 +283,16 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
     path_extra: list[str] = []
     settings: dict = {"kv_bytes_per_instance": opt.kv_bytes}
     events: list[list[str]] = [[] for _ in range(opt.instances)]
+    events_dir = None
     try:
-        if config in ROUTE_POLICY:      # each engine publishes its KV events; the router finds them
+        if config in ROUTE_POLICY:
+            # each engine publishes its KV events on a Unix socket (vLLM binds ipc:// endpoints; tcp ones only
+            # on every address, "tcp://*"); the router finds them at /kv_event_sources. A short directory:
+            # a socket's path holds at most 107 bytes.
+            events_dir = tempfile.mkdtemp(prefix="kvf-ev-", dir="/tmp" if os.path.isdir("/tmp") else None)
             events = [["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                         "endpoint": f"tcp://*:{free_port()}"})]
-                      for _ in range(opt.instances)]
+                                                         "endpoint": f"ipc://{events_dir}/{i}"})]
+                      for i in range(opt.instances)]
         if config in POOL_CONFIGS:
             pool = _start_pool(opt, ssd=config == "kvfabric-ssd")
             if config == "kvfabric-ssd":
@@ -314,12 +325,14 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
                                               stderr=subprocess.STDOUT, start_new_session=True))
             urls.append(f"http://127.0.0.1:{port}")
             logs.append(log)
-        dep = Deployment(config, urls, procs, logs, pool, l2, dict(settings, env=env_extra))
+        dep = Deployment(config, urls, procs, logs, pool, l2, dict(settings, env=env_extra), events_dir=events_dir)
     except BaseException:
         for p in l2:
             stop_process_group(p)
         if pool is not None:
             pool.stop()
+        if events_dir:
+            shutil.rmtree(events_dir, ignore_errors=True)
         raise
     try:
         _wait_healthy(dep, opt.start_timeout_s)

@@ -87,7 +87,7 @@ def dep(tiny_model, tmp_path_factory):
                 urls, logs = [], []
                 for name in ("a", "b"):
                     events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                              "endpoint": f"tcp://*:{pd_example.free_port()}", "topic": "kv"}
+                              "endpoint": f"ipc://{tmp}/{name}-events", "topic": "kv"}
                     log = open(tmp / f"{name}.log", "a+")
                     proc, url = pd_example.start_vllm(
                         tiny_model, "kv_both", pool.addresses, log,

@@ -87,9 +87,10 @@ def test_serve_bench_route_smoke(tmp_path):
     assert route["counts"]["requests"] == 4 and route["route"]["policy"] == "kv", route
     insts = route["route"]["instances"]
     assert len(insts) == 2 and sum(i["chosen"] for i in insts) == 4, insts
-    # every instance's KV events were found (vLLM's /kv_event_sources), and the blocks the engines stored
-    # (the calibration's prompts on the first one, the run's) reached the router's index
-    assert all(i["events"] and i["events"]["endpoint"].startswith("tcp://127.0.0.1:") for i in insts), insts
+    # every instance's KV events were found (vLLM's /kv_event_sources: a Unix socket each, no TCP port), and
+    # the blocks the engines stored (the calibration's prompts on the first one, the run's) reached the
+    # router's index
+    assert all(i["events"] and i["events"]["endpoint"].startswith("ipc://") for i in insts), insts
     assert sum(i["events"]["batches"] for i in insts) > 0 and sum(i["index"]["stored"] for i in insts) > 0, insts
     v, pool = run["vllm"], run["pool"]
     assert pool["hits"] == v["kvfabric_load_chunks"] * LAYERS, (pool, v)
