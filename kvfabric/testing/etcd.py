@@ -180,7 +180,7 @@ def start_etcd(timeout_s: float = 30.0, host: str = "127.0.0.1", *, tls: bool = 
         raise RuntimeError(MISSING_REASON)
     if client_cert_auth and not tls:
         raise ValueError("client_cert_auth needs tls=True")
-    client_port, peer_port = free_ports(2)  # free on every IPv4 address, ``host`` too
+    client_port, peer_port = free_ports(2)  # free on loopback (the client port then on ``host``)
     data_dir = tempfile.mkdtemp(prefix="kvfabric-etcd-")
     url = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"

@@ -8,10 +8,12 @@ minute, and it happened in CI: a vLLM server's port went to a ``kvfabric serve``
 engine bound it, and the benchmark read the pool server's reply to ``GET /health`` ("BadStatusLine:
 KVFB..."). So:
 
-* :func:`free_port` picks a port *outside* the ephemeral range (at random in ``[PICK_LOW, range start)``)
-  that binds now, on every IPv4 address. A port-0 bind or an outgoing connection never takes it; only
-  another caller of :func:`free_port` can, one chance in ~20,000 per pick. It falls back to the kernel's
-  pick (port 0) only when nothing outside the range binds after :data:`PICK_TRIES` tries.
+* :func:`free_port` picks a port *outside* the ephemeral range (at random from :data:`PICK_LOW` up to the
+  range, or above it: ~27,000 ports with the default range) that binds on loopback now (a bind there
+  fails while the port is bound on loopback or on every address). A port-0 bind or an outgoing
+  connection never takes it; only another caller of :func:`free_port` can, by picking the same one. It
+  falls back to the kernel's pick (port 0) only when nothing outside the range binds after
+  :data:`PICK_TRIES` tries per port.
 * :func:`listener` says who listens on a TCP port: nobody yet, the process tree that should (``"ours"``),
   or someone else (``"other"``), from ``/proc/net/tcp{,6}`` and the tree's file descriptors. A waiter can
   then tell "not bound yet" from "taken" instead of parsing another server's reply as its own;
@@ -49,7 +51,7 @@ def ephemeral_range() -> tuple[int, int]:
 def _binds(port: int) -> socket.socket | None:
     s = socket.socket()
     try:
-        s.bind(("0.0.0.0", port))      # conflicts with a bind of the port on any IPv4 address
+        s.bind(("127.0.0.1", port))    # fails while the port is bound on loopback or on every address
         return s
     except OSError:
         s.close()
@@ -57,7 +59,7 @@ def _binds(port: int) -> socket.socket | None:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports, each bindable on every IPv4 address right now and outside the kernel's
+    """``n`` distinct TCP ports, each bindable on loopback right now and outside the kernel's
     ephemeral range where it leaves room (see the module docstring)."""
     lo, hi = ephemeral_range()
     candidates = [(PICK_LOW, lo - 1)] if lo - PICK_LOW >= 1000 else []
@@ -74,7 +76,7 @@ def free_ports(n: int) -> list[int]:
                 held.append(s)
         while len(held) < n:             # no room outside the range: the kernel's pick
             s = socket.socket()
-            s.bind(("0.0.0.0", 0))
+            s.bind(("127.0.0.1", 0))
             held.append(s)
         return [s.getsockname()[1] for s in held]
     finally:
