@@ -61,7 +61,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..testing.ports import free_port
+from ..testing.ports import PortTaken, free_port, listener
 
 MODELS = {  # name: (layers, kv_heads, head_size)
     "llama3-8b": (32, 8, 128),
@@ -79,15 +79,25 @@ def _quiet_lmcache() -> None:
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until the lm server ``proc`` itself listens on ``port`` (it listens once it serves; another process
+    listening there is :class:`PortTaken`, never taken for it). Where /proc cannot say who listens, until
+    the port accepts a connection."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"lm server exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
+        who = listener(port, proc.pid)
+        if who == "other":
+            raise PortTaken(f"another process listens on 127.0.0.1:{port}, the lm server's port")
+        if who == "ours":
+            return
+        if who == "unknown":
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    return
+            except OSError:
+                pass
+        time.sleep(0.1)
     raise RuntimeError("lm server did not start listening")
 
 
