@@ -260,8 +260,8 @@ def start(config: str, opt: Options, env_extra: dict[str, str] | None = None) ->
     but bound later by the engine: another process may take one in between (seen in CI, the suite's other
     parts starting servers beside it: a pool server answering the engine's /health; and "ZMQError: Address
     already in use" when the KV events went over TCP too: they use Unix sockets now). An engine that exits
-    with "Address already in use", or whose HTTP port another process
-    listens on (:class:`~kvfabric.testing.ports.PortTaken`), is started again, everything with fresh ports, up to
+    with "Address already in use", or whose HTTP port another process listens on
+    (:class:`~kvfabric.testing.ports.PortTaken`), is started again, everything with fresh ports, up to
     :data:`PORT_RACE_TRIES` times."""
     for attempt in range(1, PORT_RACE_TRIES + 1):
         try:
