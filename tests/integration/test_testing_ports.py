@@ -43,7 +43,7 @@ def test_picked_ports_bind_on_loopback_and_sit_outside_the_ephemeral_range():
     assert isinstance(free_port(), int)
 
 
-def test_a_port_nobody_listens_on_is_none_then_ours_then_other():
+def test_a_port_is_nobody_s_until_a_socket_of_ours_listens_on_it():
     port = free_port()
     assert listener(port, os.getpid()) is None
     with socket.socket() as s:
