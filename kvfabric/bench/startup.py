@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import write_json
 from ..testing.ports import free_port
+from ..testing.servers import thread_states
 from ._servers import PRESETS, command, read_line, server_env
 from .. import protocol
 from ..config import parse_size
@@ -172,7 +173,7 @@ def run_trial(argv_head: list[str], capacity: str, extra: list[str], args: argpa
                 popen.wait(args.stop_timeout)
                 t.stop_s = time.perf_counter() - a
             except subprocess.TimeoutExpired:
-                threads = _thread_states(popen.pid)   # what it was doing, before the SIGKILL
+                threads = "; ".join(thread_states(popen.pid, detail=True)) or "none"  # before the SIGKILL
                 popen.kill()
                 popen.wait()
                 t.error = t.error or f"did not exit within {args.stop_timeout:g} s of SIGTERM (threads: {threads})"
@@ -192,28 +193,6 @@ def run_trial(argv_head: list[str], capacity: str, extra: list[str], args: argpa
         except OSError:
             pass
     return t
-
-
-def _thread_states(pid: int) -> str:
-    """Each thread of ``pid`` as "name state wchan" from /proc (for a server that did not stop)."""
-    out = []
-    try:
-        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
-    except OSError as e:
-        return f"unreadable: {e}"
-    for tid in tids:
-        base = f"/proc/{pid}/task/{tid}"
-        try:
-            with open(f"{base}/comm") as f:
-                name = f.read().strip()
-            with open(f"{base}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            with open(f"{base}/wchan") as f:
-                wchan = f.read().strip() or "-"
-        except (OSError, IndexError):
-            continue
-        out.append(f"{name} {state} {wchan}")
-    return "; ".join(out) or "none"
 
 
 def run_floor(code: str) -> float:
@@ -328,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-s", type=float, default=1.0, help="HELLO later than this after accept = stall (default 1)")
     ap.add_argument("--hello-timeout", type=float, default=60.0, help="give up on a trial after this (default 60 s)")
     ap.add_argument("--stop-timeout", type=float, default=60.0,
-                    help="a server not gone this long after SIGTERM is an error, with its threads' states (default 60 s)")
+                    help="a server not gone this long after SIGTERM is an error, with its threads' states "
+                         "(default 60 s)")
     ap.add_argument("--verbose", action="store_true", help="print every trial")
     ap.add_argument("--out", default="bench-results/startup.json")
     args = ap.parse_args(argv)

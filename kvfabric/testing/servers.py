@@ -72,19 +72,28 @@ def stop_process_group(popen: subprocess.Popen, timeout_s: float = 30.0) -> int:
         return popen.wait()
 
 
-def _thread_states(pid: int) -> list[str]:
-    """The scheduler state letter of each thread of ``pid`` (/proc; empty once it is gone)."""
+def thread_states(pid: int, *, detail: bool = False) -> list[str]:
+    """The scheduler state letter of each thread of ``pid`` (/proc; empty once it is gone); with
+    ``detail``, "name state wchan" each (its name and the kernel function it waits in: for saying what a
+    process that did not stop was doing)."""
     states = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return states
     for t in tasks:
+        base = f"/proc/{pid}/task/{t}"
         try:
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:
+            with open(f"{base}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if detail:
+                with open(f"{base}/comm") as f:
+                    name = f.read().strip()
+                with open(f"{base}/wchan") as f:
+                    state = f"{name} {state} {f.read().strip() or '-'}"
+        except (OSError, IndexError):
             continue          # a thread that exited meanwhile
+        states.append(state)
     return states
 
 
@@ -100,7 +109,7 @@ def stop_process(pid: int, timeout_s: float = 120.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s
     while True:
-        states = _thread_states(pid)
+        states = thread_states(pid)
         if states and all(s in ("T", "t") for s in states):
             return
         if not states or "Z" in states or "X" in states:
