@@ -24,7 +24,15 @@ ceilings
     ``process_vm_writev`` (PUT) of the block from / into the shared mapping
     of another process, rotating over ``--capacity`` (:class:`CmaCeiling`):
     the copy UCX makes for nixl over shared memory (``UCX_PROTO_INFO=y``
-    names it: zero-copy ``cma/memory``), what that path can reach here.
+    names it: zero-copy ``cma/memory``), what that path can reach here;
+  * ``ucx-sm`` / ``ucx-tcp`` (only with a ``nixl-sm`` / ``nixl-tcp`` path):
+    NIXL itself, one READ (GET) / WRITE (PUT) of the block between this
+    process's agent and a peer process's agent over UCX shared memory / UCX
+    tcp, into consecutive slots of the peer's registered memfd mapping
+    (``--capacity``), polled to completion as the transport polls its own
+    (:class:`NixlCeiling`): the same transfer as the ``nixl`` paths without
+    kvfabric's lease, reserve and commit frames, so what any design over
+    that UCX transport can reach here.
 
 Floors: every path also gets a ``/floor`` ratio against the least time its
 request could take here. For the socket paths that is ``c-socket`` (it
@@ -352,8 +360,118 @@ class CmaCeiling:
             self.pid = 0
 
 
+#: nixl ceilings -> (the nixl paths they bound, UCX_TLS of both agents)
+NIXL_CEILINGS = {"ucx-sm": (("nixl-sm", "nixl-sm+reg"), "sm,self"), "ucx-tcp": (("nixl-tcp", "nixl-tcp+reg"), "tcp")}
+
+_NIXL_PEER = """
+import os, sys
+from kvfabric.transport import nixl
+span = int(sys.argv[1])
+fd = os.memfd_create("kvfabric-nixl-ceiling")
+os.ftruncate(fd, span)
+ones, off = bytes([1]) * min(span, 1 << 20), 0
+while off < span:  # every page present, as an arena's are
+    off += os.pwrite(fd, ones[:span - off], off)
+export = nixl.ArenaExport(fd, span)
+os.close(fd)
+sys.stdout.write("KVFABRIC-NIXL-PEER %d %s\\n" % (export.base, export.metadata.hex()))
+sys.stdout.flush()
+sys.stdin.read()  # until the bench closes the pipe
+export.close()
+"""
+
+
+class NixlCeiling:
+    """A ``ucx-*`` ceiling: one NIXL READ (get) or WRITE (put) of ``nbytes`` between a registered local buffer and
+    consecutive slots of a ``span``-byte memfd mapping that a peer process registered with its own agent
+    (:class:`kvfabric.transport.nixl.ArenaExport`, as a pool server does), both agents over ``UCX_TLS=tls``;
+    prepared, posted and polled to completion as ``NixlConnection`` does each transfer, with none of its control
+    frames. Raises ``RuntimeError`` (with the peer's stderr) when the peer does not come up."""
+
+    def __init__(self, tls: str, nbytes: int, span: int, offset: int = 0, timeout_s: float = 60.0) -> None:
+        import subprocess
+        import tempfile
+
+        from ..testing.servers import first_line
+        from ..transport import nixl
+
+        self.nbytes, self.slots = nbytes, max(2, span // nbytes)
+        env = {**os.environ, "UCX_TLS": tls}
+        self._err = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([sys.executable, "-c", _NIXL_PEER, str(self.slots * nbytes)], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
+        self._mem = self._key = None
+        try:
+            try:
+                line = first_line(self._proc, timeout_s, what=f"the nixl ceiling's peer (UCX_TLS={tls})")
+                marker, base, md = line.split()
+                assert marker == "KVFABRIC-NIXL-PEER", line
+            except (RuntimeError, ValueError, AssertionError) as e:
+                self._err.seek(0)
+                raise RuntimeError(f"{e}; its stderr: {self._err.read().decode(errors='replace')[-2000:]}") from None
+            self._base = int(base)
+            saved = os.environ.get("UCX_TLS")
+            os.environ["UCX_TLS"] = tls  # this process's agent for that UCX environment (the nixl path's own)
+            try:
+                self._mem, self._peer, self._key = nixl._peer(bytes.fromhex(md))
+            finally:
+                _restore_env("UCX_TLS", saved)
+            self._local = page_buffer(nbytes, offset)
+            self._local[:] = 1
+            self._pins = self._mem.pin([(self._local.ctypes.data, nbytes)])
+        except BaseException:
+            self.close()
+            raise
+
+    def _one(self, op: str, slot: int) -> None:
+        mem = self._mem
+        handle, held = mem.prepare(op, [(self._local.ctypes.data, self.nbytes)],
+                                   [(self._base + slot * self.nbytes, self.nbytes)], self._peer, register=False)
+        try:
+            state, spins = mem.agent.transfer(handle), 0
+            while state == "PROC":  # polled as NixlConnection._xfer polls: past a short spin, yield the CPU
+                spins += 1
+                if spins > 256:
+                    time.sleep(0)
+                state = mem.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"nixl ceiling {op} failed (state {state})")
+        finally:
+            mem.agent.release_xfer_handle(handle)
+            mem.release(held)
+
+    def measure(self, op: str, duration: float) -> tuple[float, float]:
+        """(GB/s, mean µs per transfer) over about ``duration`` seconds."""
+        xop = "READ" if op == "get" else "WRITE"
+        n, t0 = 0, time.perf_counter()
+        while True:
+            self._one(xop, n % self.slots)
+            n += 1
+            secs = time.perf_counter() - t0
+            if secs >= duration and n >= 4:
+                return self.nbytes * n / secs / 1e9, secs / n * 1e6
+
+    def close(self) -> None:
+        from ..transport import nixl
+
+        if self._mem is not None:
+            self._mem.release(getattr(self, "_pins", []))
+            self._mem = None
+        if self._key is not None:
+            nixl._unpeer(self._key)
+            self._key = None
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(30)
+            except Exception:  # noqa: BLE001 - a peer that does not exit is killed
+                self._proc.kill()
+                self._proc.wait()
+        self._err.close()
+
+
 def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock, span: int,
-             cma: CmaCeiling | None = None) -> tuple[float, float]:
+             cma: CmaCeiling | None = None, nixl: dict[str, NixlCeiling] | None = None) -> tuple[float, float]:
     """(GB/s, p50 us) of one ceiling cell (for rtt-*, GB/s of the 32-byte objects)."""
     from .. import _native
 
@@ -364,6 +482,9 @@ def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock,
     if name == "cma":
         assert cma is not None
         return cma.measure(op, duration)
+    if name in NIXL_CEILINGS:
+        assert nixl is not None
+        return nixl[name].measure(op, duration)
     fns = {
         "memcpy": lambda it: _native.memcpy_ceiling(nbytes, it),
         "memcpy-cold": lambda it: _native.memcpy_ceiling(nbytes, it, max(span, 2 * nbytes)),
@@ -427,10 +548,15 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[Row] = []
     redis_srv = None
     cma = None
+    nixl: dict[str, NixlCeiling] = {}
     try:
         if any(n.startswith("nixl-sm") for n in names):
             cma = CmaCeiling(args.size * args.batch, span, args.buffer_offset)
             ceilings.append("cma")
+        for c, (bounded, tls) in NIXL_CEILINGS.items():
+            if any(n in bounded for n in names):
+                nixl[c] = NixlCeiling(tls, args.size * args.batch, span, args.buffer_offset)
+                ceilings.append(c)
         for n in names:
             paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args),
                              args.buffer_offset)
@@ -439,7 +565,7 @@ def run(args: argparse.Namespace) -> dict:
             samples: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
             for _ in range(args.repeat):
                 for c in ceilings:
-                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock, span, cma)
+                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock, span, cma, nixl)
                     samples.setdefault(c, []).append((gbps, p50, None, None))
                 for n, pth in paths.items():
                     secs, moved, cpu, p50, p99 = pth.measure(op, args.duration)
@@ -464,8 +590,9 @@ def run(args: argparse.Namespace) -> dict:
             if "redis" in med:
                 med["redis"].ratio["c-socket"] = med["redis"].gbps / med["c-socket"].gbps
             for name in paths:
-                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", "redis", "cma"):
-                    if c in med and (c != "cma" or name.startswith("nixl-sm")):
+                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", "redis", "cma", *NIXL_CEILINGS):
+                    if c in med and (c != "cma" or name.startswith("nixl-sm")) and (
+                            c not in NIXL_CEILINGS or name in NIXL_CEILINGS[c][0]):
                         med[name].ratio[c] = med[name].gbps / med[c].gbps
                 med[name].floor_us = _floor_us(name, op, med, nbytes)
                 med[name].ratio["floor"] = med[name].floor_us / (nbytes / (med[name].gbps * 1e3))
@@ -473,6 +600,8 @@ def run(args: argparse.Namespace) -> dict:
         pysock.close()
         if cma is not None:
             cma.close()
+        for nc in nixl.values():
+            nc.close()
         for p in paths.values():
             p.close()
         if redis_srv is not None:
@@ -515,6 +644,13 @@ def run(args: argparse.Namespace) -> dict:
                     t["note"] = (f"unreachable here with {trips} TCP round trip(s) per request: the goal leaves "
                                  f"{budget_us:.0f} us, one round trip took {rtt_us:.0f} us and UCX's cma copy "
                                  f"{copy_us:.0f} us; {sm} reached {by[(sm, op)].ratio['cma']:.2f}x cma")
+            if ("ucx-sm", op) in by:  # NIXL's own transfer over UCX shared memory, same run
+                raw = by[("ucx-sm", op)].gbps / by[("memcpy-cold", op)].gbps
+                t["note"] = (f"{t['note']}; " if "note" in t else "unreachable over UCX shared memory here: "
+                             if raw < 0.5 else "") + (
+                    f"NIXL's own {'READ' if op == 'get' else 'WRITE'} over UCX shared memory ran at "
+                    f"{by[('ucx-sm', op)].gbps:.2f} GB/s = {raw:.2f}x memcpy-cold; {sm} reached "
+                    f"{by[(sm, op)].ratio['ucx-sm']:.2f}x it")
             targets.append(t)
             if ("shm", op) in by:
                 r = by[(sm, op)].gbps / by[("shm", op)].gbps
@@ -522,7 +658,18 @@ def run(args: argparse.Namespace) -> dict:
         for tcp in ("nixl-tcp", "nixl-tcp+reg"):
             if op == "put" and (tcp, op) in by:
                 r = by[(tcp, op)].ratio["c-socket"]
-                targets.append({"cell": f"{tcp} put", "vs": "c-socket", "ratio": r, "goal": 0.8, "met": r >= 0.8})
+                t = {"cell": f"{tcp} put", "vs": "c-socket", "ratio": r, "goal": 0.8, "met": r >= 0.8}
+                if ("ucx-tcp", op) in by:  # NIXL's own WRITE over UCX tcp, same run: alone, and with the frames
+                    raw = by[("ucx-tcp", op)]
+                    budget_us = args.size * args.batch / (0.8 * by[("c-socket", op)].gbps * 1e3)
+                    rtt_us = by[("rtt-tcp", op)].p50_us
+                    why = ("unreachable over UCX tcp here: " if raw.p50_us >= budget_us else
+                           "unreachable here with 2 TCP round trips per request (reserve, commit): "
+                           if raw.p50_us + 2 * rtt_us >= budget_us else "")
+                    t["note"] = (f"{why}the goal leaves {budget_us:.0f} us, NIXL's own WRITE over UCX tcp took "
+                                 f"{raw.p50_us:.0f} us ({raw.gbps / by[('c-socket', op)].gbps:.2f}x c-socket), one "
+                                 f"round trip {rtt_us:.0f} us; {tcp} reached {by[(tcp, op)].ratio['ucx-tcp']:.2f}x it")
+                targets.append(t)
         if ("tcp", op) in by:
             for n in ("native", "shm"):
                 if (n, op) in by:

@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from .servers import LISTENING_PREFIX, ServerProcess, _live, _read_line
+from .servers import LISTENING_PREFIX, ServerProcess, _live, first_line
 
 __all__ = ["NetLab", "LoadClient", "missing_reason", "start_server_in", "sweep_stale"]
 
@@ -227,7 +227,7 @@ def start_server_in(lab: NetLab, i: int, extra_args: Sequence[str] = (), *, port
     _live.add(proc)
     lab._procs.append(proc)
     try:
-        line = _read_line(popen, timeout_s)
+        line = first_line(popen, timeout_s)
     except BaseException as e:
         proc.kill()
         raise RuntimeError(f"{e} ({' '.join(cmd)})\n{proc.stderr_text()}") from None

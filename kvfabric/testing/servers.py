@@ -263,7 +263,7 @@ def start_server(
     proc = ServerProcess(popen, "127.0.0.1", 0, stderr_file)
     _live.add(proc)
     try:
-        line = _read_line(popen, timeout_s)
+        line = first_line(popen, timeout_s)
     except RuntimeError as e:
         proc.kill()
         raise RuntimeError(f"{e} ({' '.join(cmd)})\n{proc.stderr_text()}") from None
@@ -293,8 +293,9 @@ def start_pool(n: int, **kwargs) -> ServerPool:
     return pool
 
 
-def _read_line(popen: subprocess.Popen, timeout_s: float) -> str:
-    """The first stdout line, or a RuntimeError when the process exits / times out first."""
+def first_line(popen: subprocess.Popen, timeout_s: float, what: str = "kvfabric serve") -> str:
+    """The first stdout line of ``popen`` (its stdout a binary pipe), or a RuntimeError naming ``what`` when the
+    process exits / times out first."""
     assert popen.stdout is not None
     deadline = time.monotonic() + timeout_s
     buf = b""
@@ -303,13 +304,13 @@ def _read_line(popen: subprocess.Popen, timeout_s: float) -> str:
         while b"\n" not in buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"kvfabric serve printed no listening line within {timeout_s}s")
+                raise RuntimeError(f"{what} printed no first line within {timeout_s}s")
             if not sel.select(left):
                 continue
             chunk = os.read(popen.stdout.fileno(), 4096)
             if not chunk:
                 popen.wait()
-                raise RuntimeError(f"kvfabric serve exited with status {popen.returncode} before listening")
+                raise RuntimeError(f"{what} exited with status {popen.returncode} before its first line")
             buf += chunk
     return buf.split(b"\n", 1)[0].decode("utf-8", "replace")
 
@@ -320,4 +321,4 @@ def _kill_leftovers() -> None:
         proc.kill()
 
 
-__all__ = ["LISTENING_PREFIX", "ServerPool", "ServerProcess", "paused", "start_pool", "start_server", "stop_process"]
+__all__ = ["LISTENING_PREFIX", "ServerPool", "ServerProcess", "first_line", "paused", "start_pool", "start_server", "stop_process"]

@@ -622,6 +622,61 @@ def test_the_benchmark_puts_nixl_over_shared_memory_beside_its_cma_ceiling(tmp_p
             assert "cross-process copy" in t["note"], t
         elif "note" in t:
             assert "TCP round trip" in t["note"], t
+        # NIXL's own READ / WRITE over UCX shared memory, same run: nixl-sm divided by it, and said in the note
+        ucx = by[("ucx-sm", op)]
+        assert ucx["gbps"] > 0 and sm["ratio"]["ucx-sm"] == sm["gbps"] / ucx["gbps"], (ucx, sm)
+        assert "NIXL's own" in t.get("note", ""), t
+
+
+def test_the_nixl_ceiling_moves_the_bytes_between_two_processes(ucx_tls):
+    """The ``ucx-*`` ceiling of ``kvfabric bench transport_native`` is a real NIXL transfer between this process's
+    agent and a peer process's (its registered memfd, filled with 1s): a WRITE of slot 0 then a READ of it back
+    returns what was written, a READ of slot 1 the peer's own bytes, and close() ends the peer."""
+    from kvfabric.bench import transport_native
+
+    ceiling = transport_native.NixlCeiling(ucx_tls, 64 * 1024, 256 * 1024, offset=16)
+    try:
+        assert ceiling._local.ctypes.data % 4096 == 16 and ceiling.slots == 4
+        ceiling._local[:] = 0xA5
+        ceiling._one("WRITE", 0)
+        ceiling._local[:] = 0
+        ceiling._one("READ", 0)
+        assert (ceiling._local == 0xA5).all()
+        ceiling._one("READ", 1)
+        assert (ceiling._local == 1).all()
+        for op in ("get", "put"):
+            gbps, us = ceiling.measure(op, 0.01)
+            assert gbps > 0 and us > 0, (op, gbps, us)
+        proc = ceiling._proc
+    finally:
+        ceiling.close()
+    assert proc.returncode == 0, proc.returncode
+
+
+def test_the_benchmark_puts_nixl_over_tcp_beside_nixls_own_write(tmp_path, monkeypatch):
+    """``--paths nixl-tcp`` measures NIXL's own READ / WRITE over UCX tcp (``ucx-tcp``) in the same run; the
+    nixl-tcp PUT target says how long NIXL's WRITE alone took against what the goal leaves, and calls the goal
+    unreachable when that WRITE alone, or with the reserve and commit round trips, takes longer."""
+    from kvfabric.bench import transport_native
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    out = tmp_path / "tn.json"
+    size = 256 * 1024
+    assert transport_native.main(["--paths", "nixl-tcp", "--size", "256KiB", "--duration", "0.05", "--repeat", "1",
+                                  "--capacity", "16MiB", "--no-redis", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by = {(r["name"], r["op"]): r for r in report["rows"]}
+    assert ("cma", "get") not in by and ("ucx-sm", "get") not in by, sorted(by)
+    for op in ("get", "put"):
+        ucx, row = by[("ucx-tcp", op)], by[("nixl-tcp", op)]
+        assert ucx["gbps"] > 0 and row["ratio"]["ucx-tcp"] == row["gbps"] / ucx["gbps"], (ucx, row)
+    (t,) = [t for t in report["targets"] if t["cell"] == "nixl-tcp put"]
+    budget_us = size / (0.8 * by[("c-socket", "put")]["gbps"] * 1e3)
+    raw_us, rtt_us = by[("ucx-tcp", "put")]["p50_us"], by[("rtt-tcp", "put")]["p50_us"]
+    assert f"NIXL's own WRITE over UCX tcp took {raw_us:.0f} us" in t["note"], t
+    assert t["note"].startswith("unreachable over UCX tcp") == (raw_us >= budget_us), (t, budget_us)
+    assert t["note"].startswith("unreachable here with 2 TCP round trips") == (
+        raw_us < budget_us <= raw_us + 2 * rtt_us), (t, budget_us)
 
 
 REPLICA_WRITES_CLIENT = textwrap.dedent("""
