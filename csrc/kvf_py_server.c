@@ -520,6 +520,15 @@ static PyObject *Server_populate(ServerObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *Server_advise_huge_pages(ServerObject *self, PyObject *noargs)
+{
+    (void)noargs;
+    NEED_SRV(self);
+    int rc = kvf_store_advise_huge(self->st);
+    if (rc) return raise_errno(rc, 0, "advising huge pages on the arena");
+    Py_RETURN_NONE;
+}
+
 static PyObject *Server_check(ServerObject *self, PyObject *noargs)
 {
     (void)noargs;
@@ -586,6 +595,8 @@ static PyMethodDef Server_methods[] = {
      "metadata is empty or over max_meta - 64 bytes"},
     {"populate", (PyCFunction)Server_populate, METH_VARARGS,
      "populate(offset, length): fault arena pages in without changing them (GIL released); NativeError"},
+    {"advise_huge_pages", (PyCFunction)Server_advise_huge_pages, METH_NOARGS,
+     "advise_huge_pages(): MADV_HUGEPAGE on the arena, taken where the host's shmem THP mode allows; NativeError"},
     {NULL, NULL, 0, NULL},
 };
 

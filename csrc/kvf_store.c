@@ -331,6 +331,19 @@ void kvf_store_free(struct kvf_store *st)
     free(st);
 }
 
+int kvf_store_advise_huge(struct kvf_store *st)
+{
+#ifdef MADV_HUGEPAGE
+    /* Advice: the kernel backs the arena with 2 MiB pages only where the host
+     * allows transparent huge pages for shared memory (shmem_enabled advise,
+     * within_size, always); at the usual "never" nothing changes. */
+    return madvise(st->base, st->capacity, MADV_HUGEPAGE) ? -errno : 0;
+#else
+    (void)st;
+    return -EOPNOTSUPP;
+#endif
+}
+
 int kvf_store_populate(struct kvf_store *st, uint64_t off, uint64_t len)
 {
 #ifdef MADV_POPULATE_WRITE

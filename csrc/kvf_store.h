@@ -63,6 +63,8 @@ void kvf_store_free(struct kvf_store *st);
  * 4 KiB on its first pass through the arena. Not a pin. 0, -EOPNOTSUPP (no
  * MADV_POPULATE_WRITE here) or -errno. */
 int kvf_store_populate(struct kvf_store *st, uint64_t off, uint64_t len);
+/* MADV_HUGEPAGE on the whole arena (before it is populated); 0 or -errno */
+int kvf_store_advise_huge(struct kvf_store *st);
 uint8_t *kvf_store_base(struct kvf_store *st);
 int kvf_store_memfd(struct kvf_store *st);
 uint64_t kvf_store_capacity(struct kvf_store *st);

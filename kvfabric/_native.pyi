@@ -83,3 +83,4 @@ class Server:
     def auth_failures(self) -> tuple[list[str], int]: ...  # peers refused AUTH_FAILED since the last call, lost
     def stats_map(self) -> bytes: ...  # the STATS map, msgpack (csrc/kvf_stats.c)
     def check(self) -> bool: ...
+    def advise_huge_pages(self) -> None: ...  # MADV_HUGEPAGE on the arena (NativeError)

@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +127,10 @@ def _put_all(client: Any, keys: list[bytes], nbytes: int, chunk: int = 4) -> Non
             raise TierError(f"{res.dropped} PUTs dropped while filling the server")
 
 
-def _start(dram: int, ssd_dir: str | None, ssd_bytes: int, admit: str = "all"):
+def _start(dram: int, ssd_dir: str | None, ssd_bytes: int, server_args: Sequence[str] = (), admit: str = "all"):
     from ..testing.servers import start_server
 
-    extra = tier_args(ssd_dir, ssd_bytes, admit) if ssd_dir else []
+    extra = [*(tier_args(ssd_dir, ssd_bytes, admit) if ssd_dir else []), *server_args]
     return start_server(capacity=dram, policy="lru", extra_args=extra, timeout_s=120.0)
 
 
@@ -274,7 +276,7 @@ def bench_get(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
     piped: list = []  # one-key GETs pipelined on one connection ...
     piped_ceil: list = []  # ... and the raw loop at the depth the server reads ahead for one connection
     ahead = max(1, (args.dram_mib // 4) // args.object_mib)  # the promotion cap (a quarter of DRAM) in objects
-    srv = _start(dram, ssd_dir, ssd_geometry(2 * args.working_set, obj)[0])
+    srv = _start(dram, ssd_dir, ssd_geometry(2 * args.working_set, obj)[0], args.server_args)
     try:
         with _client(srv.address, args.transport) as client:
             print(f"[tier] SSD GET: filling {args.working_set} x {args.object_mib} MiB, DRAM {args.dram_mib} MiB",
@@ -329,9 +331,9 @@ def bench_put(args: argparse.Namespace, base: str, log) -> dict[str, Any]:
     obj, dram = args.object_mib * MIB, args.dram_mib * MIB
     ssd_dir = os.path.join(base, "put")
     os.makedirs(ssd_dir, exist_ok=True)
-    off = _start(dram, None, 0)
+    off = _start(dram, None, 0, args.server_args)
     try:
-        on = _start(dram, ssd_dir, ssd_geometry(args.puts + 8, obj)[0])
+        on = _start(dram, ssd_dir, ssd_geometry(args.puts + 8, obj)[0], args.server_args)
     except BaseException:
         off.stop()
         raise
@@ -398,7 +400,7 @@ def bench_restart(args: argparse.Namespace, base: str, drain: bool, log) -> dict
     os.makedirs(ssd_dir, exist_ok=True)
     keys = [_key(f"restart-{tag}", i) for i in range(args.restart_objects)]
     ssd_bytes = ssd_geometry(2 * len(keys), obj)[0]
-    srv = _start(dram, ssd_dir, ssd_bytes)
+    srv = _start(dram, ssd_dir, ssd_bytes, args.server_args)
     try:
         with _client(srv.address, args.transport) as client:
             print(f"[tier] restart ({tag}): {len(keys)} PUTs, then SIGKILL", file=log)
@@ -409,7 +411,7 @@ def bench_restart(args: argparse.Namespace, base: str, drain: bool, log) -> dict
         raise
     srv.kill()
     t0 = time.perf_counter()
-    srv2 = _start(dram, ssd_dir, ssd_bytes)
+    srv2 = _start(dram, ssd_dir, ssd_bytes, args.server_args)
     start_s = time.perf_counter() - t0
     try:
         with _client(srv2.address, args.transport) as client:
@@ -469,6 +471,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--restart-objects", type=int, default=128, help="objects stored before the SIGKILL (default 128)")
     p.add_argument("--transport", default="native", help="client transport (default native)")
     p.add_argument("--parts", default="get,put,restart", help="comma-separated subset of get,put,restart")
+    p.add_argument("--server-args", type=shlex.split, default=[], metavar="ARGS",
+                   help='extra arguments for every server started, e.g. "--huge-pages on"')
     p.add_argument("--quick", action="store_true", help="small sizes for a test run (~30 s)")
     p.add_argument("--json", default="bench-results/tier.json")
     args = p.parse_args(argv)
@@ -493,7 +497,8 @@ def _fmt(v: Any, fmt: str) -> str:
 def print_report(rep: dict[str, Any], out=None) -> None:
     out = out or sys.stdout
     print(f"kvfabric bench tier: {rep['object_mib']} MiB objects, DRAM {rep['dram_mib']} MiB, dir {rep['dir']} "
-          f"({rep['filesystem']}); load {rep['load_before']} -> {rep['load_after']}", file=out)
+          f"({rep['filesystem']}); load {rep['load_before']} -> {rep['load_after']}"
+          f"{'; servers ' + ' '.join(rep['server_args']) if rep.get('server_args') else ''}", file=out)
     for part, err in rep["errors"].items():
         print(f"  {part}: NOT MEASURED: {err}", file=out)
     get = rep.get("get")
@@ -572,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     rep: dict[str, Any] = {"object_mib": args.object_mib, "dram_mib": args.dram_mib, "dir": base,
                            "filesystem": _filesystem(base), "repeat": args.repeat, "quick": args.quick,
                            "working_set": args.working_set, "gets": args.gets, "batch": args.batch,
-                           "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "errors": {},
+                           "server_args": args.server_args, "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "errors": {},
                            "targets": {"get_ratio": TARGET_GET_RATIO, "put_p99_ratio": TARGET_PUT_P99_RATIO,
                                        "restart_served": TARGET_RESTART_SERVED}}
     reason = tier_unsupported()

@@ -397,6 +397,7 @@ def main(argv: list[str]) -> int:
         server = NativeServer(
             args.host, args.port, capacity=capacity, policy=args.policy, auth_token=token, transports=transports,
             server_id=args.server_id, max_connections=args.max_connections, zerocopy=args.zerocopy,
+            huge_pages=args.huge_pages == "on",
             stall_timeout_s=args.stall_timeout, low_watermark=low, high_watermark=high,
             max_lease_ms=args.max_lease_ms, max_namespaces=args.max_namespaces, min_rate=min_rate, **shm,
             idle_timeout_s=args.idle_timeout,

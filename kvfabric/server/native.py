@@ -185,6 +185,22 @@ def _probe_refused(path: str) -> bool:
     return False
 
 
+#: shmem THP modes under which an arena advised huge pages gets them (``shmem_enabled``; ``force`` is a test mode)
+THP_GRANTED = ("advise", "within_size", "always", "force")
+
+
+def shmem_thp() -> str:
+    """The host's transparent-huge-page mode for shared memory (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``,
+    the bracketed word): an arena advised huge pages (``huge_pages``) gets them under ``advise``, ``within_size``,
+    ``always`` or ``force``, not under ``never`` / ``deny``; ``unknown`` where the file cannot be read."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            words = f.read().split()
+    except OSError:
+        return "unknown"
+    return next((w[1:-1] for w in words if w.startswith("[") and w.endswith("]")), "unknown")
+
+
 class _DirLock:
     """An exclusive flock on a directory, held while a server binds and listens on its socket there
     and while stale sockets are swept from it: a socket bound but not yet listening also refuses
@@ -425,7 +441,13 @@ class NativeServer:
     received wait over ``reserve_budget`` (default: a quarter of the capacity); see
     docs/notes/server.md for the bound they give. ``prefault`` (default on): fault the arena in, in
     the background, once the server answers (off when the arena does not fit in free memory:
-    :mod:`kvfabric.server.memory`). With ``shm`` and no ``shm_socket``, stale sockets of dead
+    :mod:`kvfabric.server.memory`). ``huge_pages``: advise transparent huge pages on the arena
+    (MADV_HUGEPAGE), which the host grants per its shmem THP mode (:func:`shmem_thp`): SSD-tier reads
+    into 2 MiB pages took ~30% less time here. Where granted, the arena is faulted in before the port
+    opens (a huge page first touched by a PUT stalled it for up to 32 ms), which delays the start
+    (0.2 s for 512 MiB here, 8-10 s for 1-3 GiB the VM had not touched before): off by default
+    (docs/notes/bench-tier.md).
+    With ``shm`` and no ``shm_socket``, stale sockets of dead
     servers are swept from the default directory first (:func:`sweep_stale_sockets`). Raises
     ``TransportUnavailable`` when the extension or io_uring is unavailable, ``ConfigError`` for bad
     options, :class:`ListenError` (an ``OSError``) when the port cannot be bound.
@@ -470,6 +492,7 @@ class NativeServer:
         tier_group: str | int | None = None,
         tier_dir_insecure_ok: bool = False,
         prefault: bool = True,
+        huge_pages: bool = False,
         kv_events: str | None = None,
         kv_events_replay: str | None = None,
         kv_events_ring: int = DEFAULT_EVENTS_RING,
@@ -563,6 +586,13 @@ class NativeServer:
         except (OSError, KVFabricError) as e:
             self._close_sockets()
             raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
+        self.huge_pages = "off"
+        if huge_pages:  # before anything touches the arena: its pages are faulted in as huge ones from the start
+            try:
+                self._srv.advise_huge_pages()
+                self.huge_pages = f"advised (host shmem THP {shmem_thp()})"
+            except OSError as e:
+                self.huge_pages = f"not advised: {e}"
         self._nixl = None
         if "nixl" in self.transports:
             self._export_arena(capacity)
@@ -655,6 +685,11 @@ class NativeServer:
             except ConfigError:
                 self.stop()   # nothing runs yet: closes the tier, the nixl export and the sockets
                 raise
+        # Huge pages are faulted in before the port opens: the first touch of one (allocated and zeroed 2 MiB at
+        # a time) in the data plane stalled PUTs for up to 32 ms (docs/notes/bench-tier.md)
+        populate_first = self._prefault and self.huge_pages.startswith("advised") and shmem_thp() in THP_GRANTED
+        if populate_first:
+            self._populate()
         for target, name in ((self._run_loop, "kvf-io_uring"), (self._control, "kvf-control")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -665,15 +700,16 @@ class NativeServer:
                 self.stop()
                 raise TransportUnavailable(f"the io_uring loop did not start: {err}")
             time.sleep(0.001)
-        if self._prefault:
+        if self._prefault and not populate_first:
             t = threading.Thread(target=self._populate, name="kvf-populate", daemon=True)
             t.start()
             self._threads.append(t)
         st = self.stats()
         log.info(
-            "native server %s: capacity %s (%d bytes), policy %s, transports %s, send_zc %s, fixed buffers %s",
+            "native server %s: capacity %s (%d bytes), policy %s, transports %s, send_zc %s, fixed buffers %s, "
+            "arena huge pages %s",
             self.server_id, format_size(self.capacity), self.capacity, self.policy.name, ",".join(self.transports),
-            st["zerocopy"], st["fixed_buffers"],
+            st["zerocopy"], st["fixed_buffers"], self.huge_pages,
         )
         return self
 

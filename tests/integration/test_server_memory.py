@@ -16,6 +16,7 @@ import os
 import pytest
 
 from kvfabric import protocol as P
+from kvfabric.server.native import THP_GRANTED, shmem_thp
 from kvfabric.testing import start_server
 from kvfabric.transport.tcp import connect
 
@@ -51,3 +52,35 @@ def test_rss_bounded_after_writing_three_times_capacity(object_size, module):
         assert rss <= bound, f"VmRSS {rss / MiB:.1f} MiB over the bound {bound / MiB:.1f} MiB"
         assert rss >= capacity * 0.9  # the arena really was filled (the check is not vacuous)
         c.close()
+
+
+def arena_vm_flags(pid: int) -> list[str]:
+    """The VmFlags of the arena mapping (``/memfd:kvfabric-arena``) in process ``pid``'s smaps."""
+    lines = open(f"/proc/{pid}/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if "/memfd:kvfabric-arena" in line:
+            for field in lines[i + 1:]:
+                if field.startswith("VmFlags:"):
+                    return field.split()[1:]
+    raise AssertionError(f"no arena mapping in /proc/{pid}/smaps:\n" + "\n".join(
+        line for line in lines if "/" in line and "-" in line.split()[0]))
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_the_arena_asks_for_huge_pages_only_with_the_flag(flag):
+    """``--huge-pages on`` advises huge pages on the arena (MADV_HUGEPAGE: VmFlags ``hg``), which the kernel honours
+    where shared-memory THP is enabled (``shmem_enabled`` advise); off (the default) it does not. Only the advice is
+    checked: whether pages are huge is the host's setting, which the start-up line names."""
+    args = ["--huge-pages", "on"] if flag == "on" else []
+    with start_server(capacity=str(64 * MiB), extra_args=args) as srv:
+        flags = arena_vm_flags(srv.pid)
+        assert ("hg" in flags) == (flag == "on") and "sh" in flags, flags
+        mode = shmem_thp()
+        assert mode in {"always", "within_size", "advise", "never", "deny", "force", "unknown"}, mode
+        said = f"arena huge pages advised (host shmem THP {mode})" if flag == "on" else "arena huge pages off"
+        assert said in srv.stderr_text(), srv.stderr_text()[-2000:]
+        if flag == "on" and mode in THP_GRANTED:
+            # granted: the arena was faulted in, as huge pages, before the port opened (not in the data plane)
+            rollup = open(f"/proc/{srv.pid}/smaps_rollup").read()
+            pmd_kb = int(rollup.split("ShmemPmdMapped:")[1].split()[0])
+            assert srv.rss_bytes() >= 64 * MiB and pmd_kb * 1024 >= 32 * MiB, (srv.rss_bytes(), rollup)
