@@ -577,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     rep: dict[str, Any] = {"object_mib": args.object_mib, "dram_mib": args.dram_mib, "dir": base,
                            "filesystem": _filesystem(base), "repeat": args.repeat, "quick": args.quick,
                            "working_set": args.working_set, "gets": args.gets, "batch": args.batch,
-                           "server_args": args.server_args, "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "errors": {},
+                           "server_args": args.server_args, "errors": {},
+                           "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                            "targets": {"get_ratio": TARGET_GET_RATIO, "put_p99_ratio": TARGET_PUT_P99_RATIO,
                                        "restart_served": TARGET_RESTART_SERVED}}
     reason = tier_unsupported()
