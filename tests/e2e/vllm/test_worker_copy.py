@@ -75,6 +75,46 @@ def test_save_then_load_into_other_blocks_is_exact():
             b.shutdown()
 
 
+
+def test_save_staging_is_reused_and_each_save_keeps_its_own_bytes():
+    """Save staging buffers come back when their put is done and the next save gathers into them (no fresh,
+    page-faulted allocation per save), each save's objects still hold exactly its own blocks' bytes, and the
+    idle buffers kept stay within their bound (a quarter of max_pending_save_mb)."""
+    with start_pool(2, capacity="16MiB") as pool:
+        a, kv_a = make_worker(pool.addresses, max_pending_save_mb=1)
+        b, kv_b = make_worker(pool.addresses)
+        try:
+            keep = max(1, (1 << 20) // 4 // a.chunk_bytes)
+            saved = []
+            for round_ in range(3):
+                for t in kv_a:
+                    t.copy_(torch.randn_like(t))
+                keys = [os.urandom(16) for _ in range(2)]
+                blocks = [[2 * round_, 2 * round_ + 1], [15 - round_, 8]]
+                save(a, keys, blocks)
+                saved.append((keys, blocks, [t.clone() for t in kv_a]))
+                bufs = a._chunk_bufs
+                assert bufs is not None and len(bufs._idle) == min(2, keep), (round_, len(bufs._idle), keep)
+                if round_ == 0:
+                    first = {t.data_ptr() for t in bufs._idle}
+                else:   # the same buffers again: taken by this save, given back when its put was done
+                    assert {t.data_ptr() for t in bufs._idle} == first
+            assert a.counters.snapshot()["save_chunks"] == 6
+            extra = bufs.take(keep + 3)    # more than it keeps: the surplus is freed, not held
+            assert len(bufs._idle) == 0 and {t.data_ptr() for t in extra} >= first
+            bufs.give(extra)
+            assert len(bufs._idle) == keep
+            for keys, blocks, snap in saved:
+                b.load([LoadSpec("r", keys, [[0, 1], [3, 4]])])
+                assert b.take_failed_block_ids() == set()
+                for src, dst in zip(snap, kv_b):
+                    for sb, db in zip(blocks, [[0, 1], [3, 4]]):
+                        for s_, d_ in zip(sb, db):
+                            assert torch.equal(src[s_], dst[d_]), (keys[0].hex(), s_, d_)
+        finally:
+            a.shutdown()
+            b.shutdown()
+
 def test_missing_or_malformed_chunks_are_reported_not_used():
     with start_pool(1, capacity="16MiB") as pool:
         w, kv = make_worker(pool.addresses)
