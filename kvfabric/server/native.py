@@ -446,8 +446,7 @@ class NativeServer:
     into 2 MiB pages took ~30% less time here. Where granted, the arena is faulted in before the port
     opens (a huge page first touched by a PUT stalled it for up to 32 ms), which delays the start
     (0.2 s for 512 MiB here, 8-10 s for 1-3 GiB the VM had not touched before): off by default
-    (docs/notes/bench-tier.md).
-    With ``shm`` and no ``shm_socket``, stale sockets of dead
+    (docs/notes/bench-tier.md). With ``shm`` and no ``shm_socket``, stale sockets of dead
     servers are swept from the default directory first (:func:`sweep_stale_sockets`). Raises
     ``TransportUnavailable`` when the extension or io_uring is unavailable, ``ConfigError`` for bad
     options, :class:`ListenError` (an ``OSError``) when the port cannot be bound.
