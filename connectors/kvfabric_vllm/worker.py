@@ -793,7 +793,7 @@ class WorkerSide:
                 bufs, pool = st.chunks, self._chunk_bufs
                 assert pool is not None
                 st.queued = True
-                self._queue_put(spec, values, nbytes, done=lambda _=None, b=bufs: pool.give(b))
+                self._queue_put(spec, values, nbytes, release=lambda b=bufs: pool.give(b))
         except Exception as exc:  # noqa: BLE001
             self.counters.fail("save_errors", "submitting saves failed: %r", exc, exc=exc)
         finally:
@@ -816,9 +816,9 @@ class WorkerSide:
         return not over
 
     def _queue_put(self, spec: SaveSpec, values: list, nbytes: int, ready: Callable[[], None] | None = None,
-                   done: Callable[[], None] | None = None) -> None:
+                   done: Callable[[], None] | None = None, release: Callable[[], None] | None = None) -> None:
         self.counters.add("save_jobs")
-        fut = self._saver.submit(self._put, spec, values, nbytes, ready)
+        fut = self._saver.submit(self._put, spec, values, nbytes, ready, release)
         with self._lock:
             self._save_jobs.add(fut)
         fut.add_done_callback(self._save_job_done)
@@ -826,9 +826,12 @@ class WorkerSide:
             fut.add_done_callback(done)       # also when cancelled at shutdown
         self._track_save(spec.req_id, fut)
 
-    def _put(self, spec: SaveSpec, values: list, nbytes: int, ready: Callable[[], None] | None = None) -> None:
+    def _put(self, spec: SaveSpec, values: list, nbytes: int, ready: Callable[[], None] | None = None,
+             release: Callable[[], None] | None = None) -> None:
         """Put one spec's objects (``values``: chunk-major, part order), after ``ready`` (the
-        transfer buffer's gathers are complete): each chunk's parts one group (``layout.part_group``)."""
+        transfer buffer's gathers are complete): each chunk's parts one group (``layout.part_group``).
+        ``release`` gives back what holds ``values`` once the put is over, with the pending bytes and
+        before the job counts as done."""
         t0 = time.monotonic()
         try:
             assert self.client is not None
@@ -857,6 +860,8 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pending_bytes -= nbytes
+            if release is not None:
+                release()
             self.counters.observe("save_seconds", time.monotonic() - t0)
             self.counters.add("save_jobs_done")
 

@@ -75,9 +75,9 @@ def test_save_then_load_into_other_blocks_is_exact():
             b.shutdown()
 
 
-
 def test_save_staging_is_reused_and_each_save_keeps_its_own_bytes():
-    """Save staging buffers come back when their put is done and the next save gathers into them (no fresh,
+    """Save staging buffers come back when their put is done (before it counts as done: the counts below do not
+    depend on how fast the putter's thread ran) and the next save gathers into them (no fresh,
     page-faulted allocation per save), each save's objects still hold exactly its own blocks' bytes, and the
     idle buffers kept stay within their bound (a quarter of max_pending_save_mb)."""
     with start_pool(2, capacity="16MiB") as pool:
@@ -114,6 +114,7 @@ def test_save_staging_is_reused_and_each_save_keeps_its_own_bytes():
         finally:
             a.shutdown()
             b.shutdown()
+
 
 def test_missing_or_malformed_chunks_are_reported_not_used():
     with start_pool(1, capacity="16MiB") as pool:
