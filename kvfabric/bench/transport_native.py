@@ -360,8 +360,10 @@ class CmaCeiling:
             self.pid = 0
 
 
-#: nixl ceilings -> (the nixl paths they bound, UCX_TLS of both agents)
-NIXL_CEILINGS = {"ucx-sm": (("nixl-sm", "nixl-sm+reg"), "sm,self"), "ucx-tcp": (("nixl-tcp", "nixl-tcp+reg"), "tcp")}
+#: ceilings measured between two processes (:class:`CmaCeiling`, :class:`NixlCeiling`) -> the paths they bound:
+#: measured only with one of those paths in the run, and those paths only are divided by them
+PROCESS_CEILINGS = {"cma": ("nixl-sm", "nixl-sm+reg"), "ucx-sm": ("nixl-sm", "nixl-sm+reg"),
+                    "ucx-tcp": ("nixl-tcp", "nixl-tcp+reg")}
 
 _NIXL_PEER = """
 import os, sys
@@ -424,16 +426,13 @@ class NixlCeiling:
             raise
 
     def _one(self, op: str, slot: int) -> None:
+        from ..transport import nixl
+
         mem = self._mem
         handle, held = mem.prepare(op, [(self._local.ctypes.data, self.nbytes)],
                                    [(self._base + slot * self.nbytes, self.nbytes)], self._peer, register=False)
         try:
-            state, spins = mem.agent.transfer(handle), 0
-            while state == "PROC":  # polled as NixlConnection._xfer polls: past a short spin, yield the CPU
-                spins += 1
-                if spins > 256:
-                    time.sleep(0)
-                state = mem.agent.check_xfer_state(handle)
+            state = nixl._transfer(mem.agent, handle, None)   # polled as NixlConnection._xfer polls its own
             if state != "DONE":
                 raise RuntimeError(f"nixl ceiling {op} failed (state {state})")
         finally:
@@ -471,7 +470,7 @@ class NixlCeiling:
 
 
 def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock, span: int,
-             cma: CmaCeiling | None = None, nixl: dict[str, NixlCeiling] | None = None) -> tuple[float, float]:
+             process: dict[str, CmaCeiling | NixlCeiling] | None = None) -> tuple[float, float]:
     """(GB/s, p50 us) of one ceiling cell (for rtt-*, GB/s of the 32-byte objects)."""
     from .. import _native
 
@@ -479,12 +478,9 @@ def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock,
     if name == "python-socket":
         cell = pysock.measure(op, nbytes, 1, duration)
         return cell.gbps, cell.p50_us
-    if name == "cma":
-        assert cma is not None
-        return cma.measure(op, duration)
-    if name in NIXL_CEILINGS:
-        assert nixl is not None
-        return nixl[name].measure(op, duration)
+    if name in PROCESS_CEILINGS:
+        assert process is not None
+        return process[name].measure(op, duration)
     fns = {
         "memcpy": lambda it: _native.memcpy_ceiling(nbytes, it),
         "memcpy-cold": lambda it: _native.memcpy_ceiling(nbytes, it, max(span, 2 * nbytes)),
@@ -547,15 +543,13 @@ def run(args: argparse.Namespace) -> dict:
     pysock.open(1)
     rows: list[Row] = []
     redis_srv = None
-    cma = None
-    nixl: dict[str, NixlCeiling] = {}
+    process: dict[str, CmaCeiling | NixlCeiling] = {}
     try:
-        if any(n.startswith("nixl-sm") for n in names):
-            cma = CmaCeiling(args.size * args.batch, span, args.buffer_offset)
-            ceilings.append("cma")
-        for c, (bounded, tls) in NIXL_CEILINGS.items():
+        for c, bounded in PROCESS_CEILINGS.items():
             if any(n in bounded for n in names):
-                nixl[c] = NixlCeiling(tls, args.size * args.batch, span, args.buffer_offset)
+                nbytes = args.size * args.batch
+                process[c] = (CmaCeiling(nbytes, span, args.buffer_offset) if c == "cma" else  # ucx-*: the paths' UCX
+                              NixlCeiling(NIXL_TLS[bounded[0]], nbytes, span, args.buffer_offset))
                 ceilings.append(c)
         for n in names:
             paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args),
@@ -565,7 +559,7 @@ def run(args: argparse.Namespace) -> dict:
             samples: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
             for _ in range(args.repeat):
                 for c in ceilings:
-                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock, span, cma, nixl)
+                    gbps, p50 = _ceiling(c, op, args.size, args.batch, args.duration, pysock, span, process)
                     samples.setdefault(c, []).append((gbps, p50, None, None))
                 for n, pth in paths.items():
                     secs, moved, cpu, p50, p99 = pth.measure(op, args.duration)
@@ -590,18 +584,15 @@ def run(args: argparse.Namespace) -> dict:
             if "redis" in med:
                 med["redis"].ratio["c-socket"] = med["redis"].gbps / med["c-socket"].gbps
             for name in paths:
-                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", "redis", "cma", *NIXL_CEILINGS):
-                    if c in med and (c != "cma" or name.startswith("nixl-sm")) and (
-                            c not in NIXL_CEILINGS or name in NIXL_CEILINGS[c][0]):
+                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", "redis", *PROCESS_CEILINGS):
+                    if c in med and name in PROCESS_CEILINGS.get(c, (name,)):
                         med[name].ratio[c] = med[name].gbps / med[c].gbps
                 med[name].floor_us = _floor_us(name, op, med, nbytes)
                 med[name].ratio["floor"] = med[name].floor_us / (nbytes / (med[name].gbps * 1e3))
     finally:
         pysock.close()
-        if cma is not None:
-            cma.close()
-        for nc in nixl.values():
-            nc.close()
+        for pc in process.values():
+            pc.close()
         for p in paths.values():
             p.close()
         if redis_srv is not None:

@@ -421,6 +421,22 @@ class _LocalMemory:
                     log.warning("nixl: deregistering %d local ranges failed: %s", len(g.ranges), e)
 
 
+def _transfer(agent: Any, handle: Any, deadline: float | None) -> str:
+    """Post the prepared transfer ``handle`` and poll it until it leaves ``PROC`` or ``deadline`` passes
+    (then ``PROC`` is returned: still in flight); its last state otherwise (``DONE``, ``ERR``...). Past a short
+    spin it yields the CPU (the GIL too) between polls."""
+    state = agent.transfer(handle)
+    spins = 0
+    while state == "PROC":
+        if deadline is not None and time.monotonic() > deadline:
+            return state
+        spins += 1
+        if spins > 256:
+            time.sleep(0)
+        state = agent.check_xfer_state(handle)
+    return state
+
+
 def _covered(local: Sequence[tuple[int, int]], regions: Sequence[tuple[int, int]]) -> bool:
     """Every (address, length) of ``local`` lies inside one of ``regions`` (merged, few)."""
     return all(any(r <= a and a + n <= r + rn for r, rn in regions) for a, n in local)
@@ -629,16 +645,10 @@ class NixlConnection(ShmConnection):
         try:
             handle, held = mem.prepare(op, local, [(self._base + off, n) for (_, n), off in zip(local, remote)],
                                        self._peer_name, register=not registered)
-            state = mem.agent.transfer(handle)
-            spins = 0
-            while state == "PROC":
-                if deadline is not None and time.monotonic() > deadline:
-                    self.close()
-                    raise DeadlineExceeded(f"nixl {op} from {self.address} did not complete by the deadline")
-                spins += 1
-                if spins > 256:  # past a short spin, yield the CPU between polls (the GIL too)
-                    time.sleep(0)
-                state = mem.agent.check_xfer_state(handle)
+            state = _transfer(mem.agent, handle, deadline)
+            if state == "PROC":
+                self.close()
+                raise DeadlineExceeded(f"nixl {op} from {self.address} did not complete by the deadline")
             if state != "DONE":
                 self.close()
                 raise TransportError(f"nixl {op} with {self.address} failed (state {state})")
