@@ -585,13 +585,17 @@ class NativeServer:
         except (OSError, KVFabricError) as e:
             self._close_sockets()
             raise TransportUnavailable(f"the io_uring data plane cannot start here: {e}") from e
-        self.huge_pages = "off"
+        self.huge_pages = "off"          # what the start-up line says
+        self._huge_granted = False       # advised, and the host grants them: faulted in before the port opens
         if huge_pages:  # before anything touches the arena: its pages are faulted in as huge ones from the start
             try:
                 self._srv.advise_huge_pages()
-                self.huge_pages = f"advised (host shmem THP {shmem_thp()})"
             except OSError as e:
                 self.huge_pages = f"not advised: {e}"
+            else:
+                mode = shmem_thp()
+                self.huge_pages = f"advised (host shmem THP {mode})"
+                self._huge_granted = mode in THP_GRANTED
         self._nixl = None
         if "nixl" in self.transports:
             self._export_arena(capacity)
@@ -686,7 +690,7 @@ class NativeServer:
                 raise
         # Huge pages are faulted in before the port opens: the first touch of one (allocated and zeroed 2 MiB at
         # a time) in the data plane stalled PUTs for up to 32 ms (docs/notes/bench-tier.md)
-        populate_first = self._prefault and self.huge_pages.startswith("advised") and shmem_thp() in THP_GRANTED
+        populate_first = self._prefault and self._huge_granted
         if populate_first:
             self._populate()
         for target, name in ((self._run_loop, "kvf-io_uring"), (self._control, "kvf-control")):
