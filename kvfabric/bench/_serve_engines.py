@@ -6,7 +6,13 @@ line, which it prints only once it can answer; or nothing), then
 ``instances`` vLLM OpenAI servers (``ENGINE_PYTHON -m
 vllm.entrypoints.openai.api_server``, each its own process group) started
 together and waited on until ``/health`` answers 200 (a server that exits
-first fails the deployment with the tail of its log). The engines run with
+first fails the deployment with the tail of its log). Each engine runs on
+its own share of the CPUs with ``--engine-cpus split``, the command's
+default (``Options.engine_cpus``: :func:`engine_cpu_sets`), as each instance of a real
+deployment has its own accelerator: two engines whose compute threads
+share every CPU spin against each other (on 2 CPUs, 4 sessions in flight
+took ~3x the engine CPU of 1). The pool servers, the router and the load
+generator are not bound. The engines run with
 ``PYTHONPATH`` = this checkout and its ``connectors/`` first, so the
 connector the benchmark measures is this checkout's.
 
@@ -149,6 +155,7 @@ class Options:
     lmcache_python: str = ""         # its interpreter, for its remote server
     start_timeout_s: float = 900.0
     engine_extra: tuple[str, ...] = ()   # more arguments for every vLLM server (the RL workload's extension)
+    engine_cpus: tuple[tuple[int, ...], ...] = ()   # instance i runs on engine_cpus[i] (() = where it likes)
 
 
 @dataclass
@@ -195,6 +202,46 @@ class Deployment:
         """One line per engine that exited, with its log's tail."""
         return [f"{u} exited {p.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
                 for u, p, log in zip(self.urls, self.procs, self.logs) if p.poll() is not None]
+
+
+def engine_cpu_sets(spec: str, instances: int) -> tuple[tuple[int, ...], ...]:
+    """The CPUs each of ``instances`` engines may run on, from ``--engine-cpus``: ``none`` (every engine
+    where the kernel likes: their compute threads share all CPUs), ``split`` (the CPUs this process may use,
+    cut into one contiguous share per engine, as each instance of a real deployment has its own
+    accelerator; with fewer CPUs than engines, engine i gets CPU i modulo their number), or explicit sets
+    ``0|1`` / ``0-3|4-7`` (one per instance). ValueError for anything else, a CPU this process may not use,
+    or a count that does not match."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "none":
+        return ()
+    if spec == "split":
+        n = len(allowed) // instances
+        return tuple(tuple(allowed[i * n:(i + 1) * n]) if n else (allowed[i % len(allowed)],)
+                     for i in range(instances))
+    sets = []
+    for part in spec.split("|"):
+        cpus: list[int] = []
+        for item in part.split(","):
+            lo, _, hi = item.strip().partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"--engine-cpus {spec!r}: {item!r} is not a CPU or a range (none, split, or "
+                                 "sets such as 0|1 or 0-3|4-7)")
+            cpus += range(int(lo), int(hi or lo) + 1)
+        if not cpus or not set(cpus) <= set(allowed):
+            raise ValueError(f"--engine-cpus {spec!r}: {part!r} names CPUs this process may not use "
+                             f"(allowed: {allowed})")
+        sets.append(tuple(cpus))
+    if len(sets) != instances:
+        raise ValueError(f"--engine-cpus {spec!r}: {len(sets)} CPU sets for {instances} instances")
+    return tuple(sets)
+
+
+def _pinned(cpus: tuple[int, ...]):
+    """A ``preexec_fn`` that binds the child (and so every thread and process it starts: vLLM's engine core
+    and the OpenMP threads vLLM binds inside the CPUs the process may use) to ``cpus``; None for no set."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def _engine_args(opt: Options, port: int) -> list[str]:
@@ -281,7 +328,7 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
     extra: list[str] = []
     env_extra = dict(env_extra or {})
     path_extra: list[str] = []
-    settings: dict = {"kv_bytes_per_instance": opt.kv_bytes}
+    settings: dict = {"kv_bytes_per_instance": opt.kv_bytes, "engine_cpus": [list(c) for c in opt.engine_cpus]}
     events: list[list[str]] = [[] for _ in range(opt.instances)]
     events_dir = None
     try:
@@ -321,8 +368,10 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
             port = free_port()
             log = opt.workdir / f"{config}-{i}.log"
             with open(log, "w") as f:
+                cpus = opt.engine_cpus[i] if opt.engine_cpus else ()
                 procs.append(subprocess.Popen([*_engine_args(opt, port), *extra, *events[i]], env=env, stdout=f,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                                              stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=_pinned(cpus)))
             urls.append(f"http://127.0.0.1:{port}")
             logs.append(log)
         dep = Deployment(config, urls, procs, logs, pool, l2, dict(settings, env=env_extra), events_dir=events_dir)
@@ -337,6 +386,8 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
     try:
         _wait_healthy(dep, opt.start_timeout_s)
         _check_connector_started(dep)
+        # where each engine's threads (vLLM's engine core and OpenMP threads included) may run, as the kernel says
+        dep.settings["engine_cpus_seen"] = [tree_cpus(p.pid) for p in dep.procs]
         if config in ROUTE_POLICY:
             _start_router(dep, opt, ROUTE_POLICY[config])
     except BaseException:
@@ -437,6 +488,22 @@ def tree_cpu_s(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue
     return total
+
+
+def tree_cpus(pid: int) -> list[int]:
+    """The CPUs any thread of process ``pid`` or of its live descendants may run on (empty if all are gone)."""
+    cpus: set[int] = set()
+    for p in process_tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                cpus |= os.sched_getaffinity(int(tid))
+            except OSError:
+                continue
+    return sorted(cpus)
 
 
 def machine_busy_s() -> float:

@@ -166,6 +166,27 @@ def print_table(report: dict[str, Any], out=sys.stdout) -> None:
             if not c.get("not_runnable")), file=out)
 
 
+def reuse_bound(report: dict[str, Any]) -> list[dict]:
+    """Per load that vLLM alone ran at: the prompt tokens it computed, the least any cache could leave
+    computed (what a cache of infinite capacity cannot serve: ``infinite_reuse_fraction``), and their
+    quotient, the most a cache beneath it could cut prefill work by at that load."""
+    reuse = report.get("workload", {}).get("infinite_reuse_fraction")
+    alone = next((c for c in report["configs"] if c["config"] == "vllm" and c.get("runs")), None)
+    if reuse is None or alone is None or reuse >= 1:
+        return []
+    return [{"load": r["load"], "vllm_computed": r["prefill_computed_fraction"], "least_computed": 1 - reuse,
+             "prefill_cut_at_most": r["prefill_computed_fraction"] / (1 - reuse)}
+            for r in alone["runs"] if r["prefill_computed_fraction"]]
+
+
+def print_reuse_bound(report: dict[str, Any], out=sys.stdout) -> None:
+    for b in report.get("reuse_bound", []):
+        print(f"reuse bound at load {b['load']:g}: vLLM alone computed {b['vllm_computed']:.1%} of prompt tokens, "
+              f"a cache of infinite capacity would leave {b['least_computed']:.1%}: no cache beneath it cuts "
+              f"prefill work by more than {b['prefill_cut_at_most']:.2f}x on this workload (decode not counted)",
+              file=out)
+
+
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """Throughput vs offered load per configuration, and the TTFT CDF at the highest load; ImportError without
     matplotlib."""

@@ -78,6 +78,22 @@ class Workload:
     def scale(self) -> float:
         return self.block_tokens / self.trace_block_tokens
 
+    def reusable_tokens(self, chunk_tokens: int) -> int:
+        """Prompt tokens a cache of infinite capacity could serve, the requests taken in this order: per request,
+        the longest prefix of blocks an earlier request had, cut to whole chunks of ``chunk_tokens`` (what
+        vLLM's prefix cache and the connector reuse) and short of the prompt's last token (vLLM computes it
+        whatever it holds)."""
+        seen: set[int] = set()
+        out = 0
+        for r in self.requests:
+            lead = 0
+            while lead < len(r.hash_ids) and r.hash_ids[lead] in seen:
+                lead += 1
+            tokens = min(lead * self.block_tokens, r.prompt_len - 1)
+            out += max(0, tokens) // chunk_tokens * chunk_tokens
+            seen.update(r.hash_ids)
+        return out
+
     def describe(self) -> dict:
         """The figures the report prints beside the table: sizes, scale, reuse an infinite cache sees."""
         seen: set[int] = set()

@@ -73,9 +73,10 @@ from typing import Any
 from ..testing.poll import wait_for
 from . import proc_cpu_s, write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, RL_CONFIGS, NotRunnable, Options, Shape,
-                             build_model, lmcache_installation, machine_busy_s, route_stats, start)
+                             build_model, engine_cpu_sets, lmcache_installation, machine_busy_s, route_stats, start)
 from ._serve_load import Result, complete, run
-from ._serve_report import delta, plot, pool_counters, print_table, summarize, vllm_counters
+from ._serve_report import (delta, plot, pool_counters, print_reuse_bound, print_table, reuse_bound, summarize,
+                             vllm_counters)
 from ._serve_workload import Workload, build_workload
 from .traces import TraceError, load_trace
 
@@ -348,7 +349,8 @@ def rl_main(args: argparse.Namespace, shape: Shape) -> int:
                       dram_bytes=_mib(args.dram_mib), ssd_bytes=_mib(args.ssd_mib), ssd_dir=args.ssd_dir,
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
-                      server_transports=args.server_transports, engine_extra=("--worker-extension-cls", rl.EXTENSION))
+                      server_transports=args.server_transports, engine_extra=("--worker-extension-cls", rl.EXTENSION),
+                      engine_cpus=engine_cpu_sets(args.engine_cpus, args.instances))
         for config in configs:
             report["configs"].append(run_rl_config(config, opt, spec, shape.vocab, weights, args.progress))
     report["loadavg"] = os.getloadavg()
@@ -395,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     rlg.add_argument("--rl-temperature", type=float, default=1.0)
     ap.add_argument("--instances", type=int, default=2,
                     help="vLLM instances (behind round-robin routing, or kvfabric route for route configs)")
+    ap.add_argument("--engine-cpus", default="split",
+                    help="CPUs of each instance: split (default: its own share of this process's CPUs, as each "
+                         "instance has its own accelerator), none (every engine on every CPU), or sets such as "
+                         "0|1 (one per instance)")
     ap.add_argument("--pool-servers", type=int, default=2)
     ap.add_argument("--kv-mib", type=float, default=128, help="vLLM KV cache per instance (the 'HBM')")
     ap.add_argument("--dram-mib", type=float, default=256, help="L2 DRAM in all, for (b)-(e)")
@@ -452,12 +458,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfabric bench serve: {e}", file=sys.stderr)
         return 2
     wdesc = workload.describe()
+    wdesc["infinite_reuse_fraction"] = workload.reusable_tokens(CHUNK_TOKENS) / max(1, wdesc["prompt_tokens"])
     print(f"workload: {wdesc['requests']} requests in {wdesc['sessions']} sessions of {wdesc['trace']}, scale "
           f"{wdesc['scale']:g} ({args.block_tokens} engine tokens per {trace.block_tokens}-token trace block; outputs "
           f"x{wdesc['output_scale']:g}), prompts {wdesc['mean_prompt_tokens']:.0f} tokens on average (max "
           f"{wdesc['max_prompt_tokens']}, {wdesc['truncated']} cut to max_model_len {args.max_model_len}), "
           f"{wdesc['unique_blocks']} unique blocks, infinite-cache block hit rate "
-          f"{wdesc['infinite_block_hit_rate']:.1%}", flush=True)
+          f"{wdesc['infinite_block_hit_rate']:.1%} ({wdesc['infinite_reuse_fraction']:.1%} of prompt tokens in "
+          f"whole {CHUNK_TOKENS}-token chunks)", flush=True)
     reuse = {r.index for r in workload.requests
              if any(q.session == r.session and q.index < r.index for q in workload.requests)}
     lm_py, lm_site = lmcache_installation(args.lmcache_venv or str(Path(args.engine_python).parents[2] / "lmcache"))
@@ -479,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                       dram_bytes=_mib(args.dram_mib), ssd_bytes=_mib(args.ssd_mib), ssd_dir=args.ssd_dir,
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
-                      server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py)
+                      server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py,
+                      engine_cpus=engine_cpu_sets(args.engine_cpus, args.instances))
         todo = configs[:1] if args.calibrate_only else configs
         for config in todo:
             entry = run_config(config, opt, workload, [] if args.calibrate_only else loads, args.mode,
@@ -517,8 +526,10 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; over the connector's own load time r = {calib['r_engine_load']:.1f}"
                  if "r_engine_load" in calib else ""))
     print(f"load average {report['loadavg'][0]:.1f} {report['loadavg'][1]:.1f} on {os.cpu_count()} CPUs")
+    report["reuse_bound"] = reuse_bound(report)
     if not args.calibrate_only:
         print_table(report)
+        print_reuse_bound(report)
     write_json(args.out, report)
     if not args.calibrate_only:
         png = args.plot or str(Path(args.out).with_suffix(".png"))

@@ -127,10 +127,12 @@ def _put_all(client: Any, keys: list[bytes], nbytes: int, chunk: int = 4) -> Non
             raise TierError(f"{res.dropped} PUTs dropped while filling the server")
 
 
-def _start(dram: int, ssd_dir: str | None, ssd_bytes: int, server_args: Sequence[str] = (), admit: str = "all"):
+def _start(dram: int, ssd_dir: str | None, ssd_bytes: int, server_args: Sequence[str] = ()):
+    """One server of ``dram`` bytes, with an SSD tier of ``ssd_bytes`` in ``ssd_dir`` (every object admitted)
+    when a directory is given."""
     from ..testing.servers import start_server
 
-    extra = [*(tier_args(ssd_dir, ssd_bytes, admit) if ssd_dir else []), *server_args]
+    extra = [*(tier_args(ssd_dir, ssd_bytes, "all") if ssd_dir else []), *server_args]
     return start_server(capacity=dram, policy="lru", extra_args=extra, timeout_s=120.0)
 
 

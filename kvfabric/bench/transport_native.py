@@ -497,15 +497,22 @@ def _ceiling(name: str, op: str, size: int, batch: int, duration: float, pysock,
     return moved * iters / secs / 1e9, secs / iters * 1e6
 
 
+def _floor_parts(path: str, op: str, med: dict[str, "Row"], nbytes: int) -> tuple[int, float, str, float]:
+    """What the least request of a shm or nixl ``path`` takes here (see the module doc): its round trips on the
+    control socket, each of ``rtt_us``, and one copy of the block as the named ``memcpy`` ceiling makes it
+    (``copy_us``): ``(round_trips, rtt_us, copy_ceiling, copy_us)``."""
+    # ceilings report the mean time per exchange; nixl's control frames go over TCP
+    rtt = med["rtt-unix" if PATHS[path][1] == "shm" else "rtt-tcp"].p50_us
+    copy = "memcpy" if op == "get" else "memcpy-cold"
+    return (1 if op == "get" else 2), rtt, copy, nbytes / (med[copy].gbps * 1e3)
+
+
 def _floor_us(path: str, op: str, med: dict[str, "Row"], nbytes: int) -> float:
     """The least time in µs one request of ``path`` could take here (see the module doc)."""
     if PATHS[path][1] not in ("shm", "nixl"):
         return nbytes / (med["c-socket"].gbps * 1e3)
-    # ceilings report the mean time per exchange; nixl's control frames go over TCP
-    rtt = med["rtt-unix" if PATHS[path][1] == "shm" else "rtt-tcp"].p50_us
-    if op == "get":
-        return rtt + nbytes / (med["memcpy"].gbps * 1e3)
-    return 2 * rtt + nbytes / (med["memcpy-cold"].gbps * 1e3)
+    trips, rtt, _, copy_us = _floor_parts(path, op, med, nbytes)
+    return trips * rtt + copy_us
 
 
 def _start_redis(args: argparse.Namespace, skipped: dict[str, str]):
@@ -696,16 +703,17 @@ def _client_targets(by: dict[tuple[str, str], Row]) -> list[dict]:
             row = by[(name, op)]
             r = row.gbps / by[(vs, op)].gbps
             t = {"cell": f"{name} {op}", "vs": vs, "ratio": r, "goal": goal, "met": r >= goal}
-            if name == "client-shm" and ("rtt-unix", op) in by and ("memcpy-cold", op) in by:
-                # the least a shm request takes here: its round trips on the unix socket and one cold copy
-                nbytes, trips = row.size * row.batch, 1 if op == "get" else 2
+            if name == "client-shm" and all((c, op) in by for c in ("rtt-unix", "memcpy", "memcpy-cold")):
+                # the least a shm request takes here, the row's own floor: its round trips and one copy
+                nbytes = row.size * row.batch
                 budget_us = nbytes / (goal * by[(vs, op)].gbps * 1e3)
-                rtt_us, copy_us = by[("rtt-unix", op)].p50_us, nbytes / (by[("memcpy-cold", op)].gbps * 1e3)
+                trips, rtt_us, copy, copy_us = _floor_parts(name, op, {c: by[(c, op)] for c in
+                                                                       ("rtt-unix", "memcpy", "memcpy-cold")}, nbytes)
                 least = trips * rtt_us + copy_us
                 t["note"] = (f"{'unreachable here: ' if least >= budget_us else ''}the goal leaves "
                              f"{budget_us:.0f} us per call; {trips} unix-socket round trip(s) of {rtt_us:.0f} us and "
-                             f"one cold copy of {copy_us:.0f} us take {least:.0f} us before the checksum and the "
-                             f"Client's own work; the call took {nbytes / (row.gbps * 1e3):.0f} us")
+                             f"one copy of {copy_us:.0f} us ({copy}) take {least:.0f} us before the checksum and "
+                             f"the Client's own work; the call took {nbytes / (row.gbps * 1e3):.0f} us")
             out.append(t)
     return out
 

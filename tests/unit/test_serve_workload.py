@@ -74,3 +74,18 @@ def test_bundled_conversation_trace_has_reuse_inside_sessions():
     d = w.describe()
     assert d["sessions"] == 12 and d["requests"] > 12, d
     assert d["infinite_block_hit_rate"] > 0.3, d      # the head of the trace alone has ~4%
+
+
+def test_reusable_tokens_count_whole_chunks_of_the_seen_prefix_short_of_the_last_token():
+    w = build_workload(_trace(), sessions=2, seed=0, block_tokens=32, max_model_len=4096)
+    by_ids = {r.hash_ids: r for r in w.requests}
+    # second turns: (0,1,2,3) had 3 blocks seen (96 tokens), (0,5,6,7) too; first turns: only block 0 of
+    # the session drawn second (32 tokens); everything cut to whole chunks
+    assert w.reusable_tokens(32) == 32 + 96 + 96, [(r.hash_ids, r.prompt_len) for r in w.requests]
+    assert w.reusable_tokens(64) == 0 + 64 + 64
+    assert w.reusable_tokens(128) == 0
+    # a prompt no longer than what was seen still computes its last token
+    seen_all = build_workload(Trace([Request(0, 512, 16, [0, 1]), Request(1, 512, 16, [0, 1])], BT, "same"),
+                              sessions=1, seed=0, block_tokens=32, max_model_len=4096)
+    (first, second) = seen_all.requests
+    assert second.prompt_len == 32 and seen_all.reusable_tokens(1) == second.prompt_len - 1

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvfabric.bench._serve_engines import engine_cpu_sets
+
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = 2
 KV_HEADS = 2
@@ -49,8 +51,12 @@ def test_serve_bench_smoke(tmp_path):
     assert calib["transfer_s_per_token"] > 0 and calib["r_at_max"] > 0, calib
     by = {c["config"]: c for c in rep["configs"]}
     assert set(by) == {"vllm", "kvfabric"}, list(by)
+    split = [list(c) for c in engine_cpu_sets("split", 2)]
     for name, cfg in by.items():
         assert not cfg.get("not_runnable"), (name, cfg.get("not_runnable"))
+        # by default each instance runs on its own share of the CPUs, every thread of it (engine core, OpenMP)
+        assert cfg["settings"]["engine_cpus"] == split, cfg["settings"]
+        assert cfg["settings"]["engine_cpus_seen"] == split, cfg["settings"]
         (run,) = cfg["runs"]
         assert run["requests"] == 4 and run["errors"] == 0, (name, run["errors_sample"])
         assert all(r["output_tokens"] >= 1 and r["ttft_s"] > 0 for r in run["results"]), run["results"]
@@ -157,8 +163,12 @@ def test_serve_bench_rl_smoke(tmp_path):
     assert rep["workload"] == "rl" and rep["rl"]["sessions"] == RL_SESSIONS and rep["rl"]["updates"] == 1, rep["rl"]
     by = {c["config"]: c for c in rep["configs"]}
     assert set(by) == {"vllm", "kvfabric"}, list(by)
+    split = [list(c) for c in engine_cpu_sets("split", 2)]
     for name, cfg in by.items():
         assert not cfg.get("not_runnable"), (name, cfg.get("not_runnable"))
+        # by default each instance runs on its own share of the CPUs, every thread of it (engine core, OpenMP)
+        assert cfg["settings"]["engine_cpus"] == split, cfg["settings"]
+        assert cfg["settings"]["engine_cpus_seen"] == split, cfg["settings"]
         (run,) = cfg["runs"]
         assert run["requests"] == RL_SESSIONS * RL_TURNS and run["errors"] == 0, (name, run["errors_sample"])
         res = run["results"]
