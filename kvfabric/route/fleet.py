@@ -144,7 +144,7 @@ class Fleet:
 
     def __init__(self, instances: Sequence[Instance], *, policy: str = "kv", pool: PoolView | None = None,
                  hasher: KeyHasher | None = None, namespace: Namespace | None = None, costs: Costs = Costs(),
-                 poll_s: float = 0.5, poll_timeout_s: float = 1.0, stale_s: float = 5.0,
+                 poll_s: float = 2.0, poll_timeout_s: float = 1.0, stale_s: float = 5.0,
                  index_entries: int = DEFAULT_MAX_ENTRIES, pool_timeout_s: float | None = None,
                  poll: bool = True) -> None:
         """``poll`` False: no background thread (no /metrics, no event discovery; tests of the choice)."""

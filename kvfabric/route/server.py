@@ -474,7 +474,8 @@ def parser(prog: str = "kvfabric route") -> argparse.ArgumentParser:
     ap.add_argument("--decode-s-per-running", type=float, default=Costs.decode_s_per_running,
                     help="added per request running on the instance")
     ap.add_argument("--index-entries", type=int, default=1 << 18, help="blocks indexed per instance")
-    ap.add_argument("--poll-s", type=float, default=0.5, help="/metrics poll period")
+    ap.add_argument("--poll-s", type=float, default=2.0,
+                    help="/metrics poll period (each poll costs the instance ~12 ms of CPU: docs/route.md)")
     ap.add_argument("--poll-timeout-s", type=float, default=1.0)
     ap.add_argument("--tokenize-timeout-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per upstream request (default 600)")
