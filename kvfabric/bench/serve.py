@@ -350,7 +350,7 @@ def rl_main(args: argparse.Namespace, shape: Shape) -> int:
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
                       server_transports=args.server_transports, engine_extra=("--worker-extension-cls", rl.EXTENSION),
-                      engine_cpus=engine_cpu_sets(args.engine_cpus, args.instances))
+                      engine_cpus=args.engine_cpu_sets)
         for config in configs:
             report["configs"].append(run_rl_config(config, opt, spec, shape.vocab, weights, args.progress))
     report["loadavg"] = os.getloadavg()
@@ -425,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", default=None, help="folder for the engines' and L2 servers' logs "
                                                  "(default: --out without .json, plus -logs)")
     args = ap.parse_args(argv)
+    try:   # checked before anything starts: a bad --engine-cpus is a usage error, not a traceback after the model
+        args.engine_cpu_sets = engine_cpu_sets(args.engine_cpus, args.instances)
+    except ValueError as e:
+        print(f"kvfabric bench serve: {e}", file=sys.stderr)
+        return 2
 
     shape = Shape(args.layers, args.heads, args.kv_heads, args.head_dim, args.hidden)
     if args.workload == "rl":
@@ -488,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
                       server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py,
-                      engine_cpus=engine_cpu_sets(args.engine_cpus, args.instances))
+                      engine_cpus=args.engine_cpu_sets)
         todo = configs[:1] if args.calibrate_only else configs
         for config in todo:
             entry = run_config(config, opt, workload, [] if args.calibrate_only else loads, args.mode,

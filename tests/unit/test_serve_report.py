@@ -93,3 +93,10 @@ def test_engine_cpus_split_the_allowed_cpus_or_take_explicit_sets(monkeypatch):
                      ("0|", "not a CPU"), ("1-x|0", "not a CPU")):
         with pytest.raises(ValueError, match=msg):
             engine_cpu_sets(bad, 2)
+
+
+def test_a_bad_engine_cpus_is_refused_before_anything_starts(capsys):
+    from kvfabric.bench import serve
+
+    assert serve.main(["--engine-cpus", "0|1|2-x", "--no-progress"]) == 2
+    assert "--engine-cpus '0|1|2-x'" in capsys.readouterr().err
