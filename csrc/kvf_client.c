@@ -608,32 +608,69 @@ static int find_int_array(const uint8_t *meta, size_t len, const char *name, int
     return 0;
 }
 
-int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
-                uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
-                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
-                const void *const *keys, const size_t *key_lens, uint64_t *digests)
+static int find_uint_array(const uint8_t *meta, size_t len, const char *name, uint64_t *out, uint32_t n)
+{
+    struct kvf_mr r;
+    uint32_t cnt;
+    if (kvf_mr_find(meta, len, name, &r) || kvf_mr_array(&r, &cnt) || cnt != n) return -EPROTO;
+    for (uint32_t i = 0; i < n; i++)
+        if (kvf_mr_uint(&r, &out[i])) return -EPROTO;
+    return 0;
+}
+
+/* The LEASE request's metadata, {"keys": [bin, ...]} (kvfabric.protocol.ShmLeaseRequest), malloc'd. */
+static uint8_t *lease_meta(uint32_t n, const void *const *keys, const size_t *key_lens, uint32_t *len)
+{
+    size_t cap = 16;
+    for (uint32_t i = 0; i < n; i++) cap += key_lens[i] + 5;
+    uint8_t *m = malloc(cap);
+    if (!m) return NULL;
+    struct kvf_mw w;
+    kvf_mw_init(&w, m, cap);
+    kvf_mw_map(&w, 1);
+    kvf_mw_cstr(&w, KVF_F_KEYS);
+    kvf_mw_array(&w, n);
+    for (uint32_t i = 0; i < n; i++) kvf_mw_bin(&w, keys[i], key_lens[i]);
+    *len = (uint32_t)w.len;
+    return m;
+}
+
+int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, uint32_t n, const void *const *keys,
+                const size_t *key_lens, void *const *bufs, const size_t *buf_lens, uint32_t max_meta,
+                uint64_t max_object, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
+                int64_t *sizes, uint64_t *sums, uint64_t *digests)
 {
     *meta = NULL;
-    int rc = kvf_send_frame(fd, KVF_OP_SHM_LEASE, 0, rid, lease_meta, lease_meta_len, NULL, 0);
+    uint32_t lm_len = 0;
+    uint8_t *lm = lease_meta(n, keys, key_lens, &lm_len);
+    if (!lm) return -ENOMEM;
+    int rc = kvf_send_frame(fd, KVF_OP_SHM_LEASE, 0, rid, lm, lm_len, NULL, 0);
+    free(lm);
     if (!rc) rc = recv_reply_meta(fd, max_meta, h, meta, wire_err);
     if (rc) return rc;
     if (h->flags & KVF_FLAG_ERROR) return 0;
     if (h->request_id != rid || h->opcode != KVF_OP_SHM_LEASE || h->payload_len) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
     struct kvf_mr r;
     uint64_t lease;
-    if (kvf_mr_find(*meta, h->meta_len, KVF_F_LEASE, &r) || kvf_mr_uint(&r, &lease)) { *wire_err = KVF_E_MALFORMED; return -EPROTO; }
-    int64_t *offs = malloc(sizeof(int64_t) * (n ? n : 1)), *sizes = malloc(sizeof(int64_t) * (n ? n : 1));
-    if (!offs || !sizes) { free(offs); free(sizes); return -ENOMEM; }
+    if (kvf_mr_check_meta(*meta, h->meta_len) || kvf_mr_find(*meta, h->meta_len, KVF_F_LEASE, &r) ||
+        kvf_mr_uint(&r, &lease)) {
+        *wire_err = KVF_E_MALFORMED;
+        return -EPROTO;
+    }
+    int64_t *offs = malloc(sizeof(int64_t) * (n ? n : 1));
+    if (!offs) return -ENOMEM;
     rc = find_int_array(*meta, h->meta_len, KVF_F_OFFSETS, offs, n);
     if (!rc) rc = find_int_array(*meta, h->meta_len, KVF_F_SIZES, sizes, n);
+    if (!rc) rc = find_uint_array(*meta, h->meta_len, KVF_F_CHECKSUMS, sums, n);
     for (uint32_t i = 0; !rc && i < n; i++) {
-        if (sizes[i] < 0) continue;
-        if (offs[i] < 0 || (uint64_t)offs[i] + (uint64_t)sizes[i] > arena_len) rc = -EPROTO;
+        if (sizes[i] < -1 || offs[i] < -1 || (uint64_t)(sizes[i] + 1) > max_object + 1) rc = -EPROTO;
+        else if (sizes[i] < 0) continue;
+        else if (offs[i] < 0 || (uint64_t)offs[i] + (uint64_t)sizes[i] > arena_len) rc = -EPROTO;
         else if ((uint64_t)sizes[i] > buf_lens[i]) { *bad_index = i; rc = -EMSGSIZE; }
     }
     if (rc == -EPROTO) *wire_err = KVF_E_MALFORMED;
     struct kvf_rxhash oh, *hh = NULL;
-    if (!rc && keys) {
+    if (!rc && digests) {
         if (kvf_rxhash_open(&oh, sizes, bufs, buf_lens, NULL, n, keys, key_lens, digests)) rc = -ENOMEM;
         else hh = &oh;
     }
@@ -656,7 +693,6 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
         kvf_rxhash_close(hh);
     }
     free(offs);
-    free(sizes);
     /* release the lease whatever happened to the copy (not awaited) */
     uint8_t rm[32];
     struct kvf_mw w;

@@ -104,20 +104,25 @@ int kvf_recv_objects(int fd, uint64_t payload_len, const int64_t *sizes, void *c
 
 /* ---- same-host (shm) operations, one call each (see kvfabric/transport/shm.py) ---- */
 
-/* GET through the arena: send SHM_LEASE (lease_meta = {"keys": [...]}),
- * receive its reply, copy object i (size >= 0) from arena[offset] into
- * bufs[i], send SHM_RELEASE. On return *h and *meta (malloc'd; caller frees)
- * hold the LEASE reply; an error reply (h->flags & ERROR) returns 0 with
- * nothing copied. -EMSGSIZE: an object did not fit its buffer (*bad_index;
- * nothing copied, lease released). -EPROTO: a malformed lease reply (the
- * lease is released when its id could be read). With keys (key_lens, digests:
- * n each; NULL: none) each copied object's checksum under keys[i] goes to
- * digests[i] (misses left alone), hashed slice by slice right after each
- * slice is copied, while it is still in cache (as kvf_recv_objects does). */
-int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *lease_meta,
-                uint32_t lease_meta_len, uint32_t n, void *const *bufs, const size_t *buf_lens,
-                uint32_t max_meta, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
-                const void *const *keys, const size_t *key_lens, uint64_t *digests);
+/* GET through the arena: send SHM_LEASE of keys[0..n) (its metadata built
+ * here: {"keys": [...]}, kvfabric.protocol.ShmLeaseRequest), receive its
+ * reply, copy object i (size >= 0) from arena[offset] into bufs[i], send
+ * SHM_RELEASE. On return *h and *meta (malloc'd; caller frees) hold the LEASE
+ * reply, and for a reply that is not an error sizes[i] (-1: a miss) and
+ * sums[i] (the stored checksums) its parsed fields, checked as
+ * ShmLeaseReply.from_meta checks them (one map, no key twice, n of each,
+ * sizes -1..max_object, every found object inside the arena). An error reply
+ * (h->flags & ERROR) returns 0 with nothing copied or parsed. -EMSGSIZE: an
+ * object did not fit its buffer (*bad_index; nothing copied, lease released).
+ * -EPROTO: a malformed lease reply (the lease is released when its id could
+ * be read). With digests (n; NULL: none) each copied object's checksum under
+ * keys[i] goes to digests[i] (misses left alone), hashed slice by slice right
+ * after each slice is copied, while it is still in cache (as
+ * kvf_recv_objects does). */
+int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, uint32_t n, const void *const *keys,
+                const size_t *key_lens, void *const *bufs, const size_t *buf_lens, uint32_t max_meta,
+                uint64_t max_object, struct kvf_header *h, uint8_t **meta, uint32_t *bad_index, int *wire_err,
+                int64_t *sizes, uint64_t *sums, uint64_t *digests);
 
 /* PUT through the arena: send SHM_RESERVE (reserve_meta = {"keys", "sizes"}),
  * copy the payload parts (any split) into the reserved slots, send

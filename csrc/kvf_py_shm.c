@@ -139,76 +139,123 @@ static PyObject *shm_result(int rc, struct kvf_header *h, uint8_t *meta, int wir
 }
 
 PyDoc_STRVAR(shm_get_doc,
-"shm_get(fd, arena, request_id, lease_meta, bufs, max_meta, deadline=0, hash_keys=None, digests=None)\n"
-"    -> (opcode, flags, rid, meta)\n"
-"SHM_LEASE + one copy per found object into bufs + SHM_RELEASE (uses request ids rid and rid+1),\n"
-"GIL released. meta is the LEASE reply's metadata (an error reply comes back as is, nothing copied).\n"
-"hash_keys, digests: the objects' keys (bytes, one per buf) and a writable 8-byte aligned buffer of one\n"
-"uint64 per key: each copied object's checksum (kvfabric.protocol.checksum) goes to its slot, computed\n"
-"slice by slice as it is copied (a miss's slot is left alone).\n"
+"shm_get(fd, arena, request_id, keys, bufs, max_meta, max_object, deadline=0, digests=None)\n"
+"    -> (opcode, flags, rid, meta, sizes, checksums)\n"
+"SHM_LEASE of keys + one copy per found object into bufs + SHM_RELEASE (uses request ids rid and rid+1),\n"
+"GIL released. meta is the LEASE reply's metadata; for a reply that is not an error sizes (-1: a miss)\n"
+"and checksums are its fields, parsed and checked in C (ShmLeaseReply's checks); an error reply comes\n"
+"back as is with sizes and checksums None, nothing copied.\n"
+"digests: a writable 8-byte aligned buffer of one uint64 per key: each copied object's checksum under\n"
+"its key (kvfabric.protocol.checksum) goes to its slot, computed slice by slice as it is copied (a miss's\n"
+"slot is left alone).\n"
 "ValueError when an object does not fit its buffer (nothing copied, lease released).");
+
+static PyObject *int_list(const int64_t *v, uint32_t n)
+{
+    PyObject *l = PyList_New(n);
+    for (uint32_t i = 0; l && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (!x) { Py_CLEAR(l); break; }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
+
+static PyObject *uint_list(const uint64_t *v, uint32_t n)
+{
+    PyObject *l = PyList_New(n);
+    for (uint32_t i = 0; l && i < n; i++) {
+        PyObject *x = PyLong_FromUnsignedLongLong(v[i]);
+        if (!x) { Py_CLEAR(l); break; }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
 
 static PyObject *py_shm_get(PyObject *self, PyObject *args)
 {
     (void)self;
     int fd;
-    Py_buffer arena, lm;
-    unsigned long long rid;
-    PyObject *bufs_o;
+    Py_buffer arena;
+    unsigned long long rid, max_object;
+    PyObject *keys_o, *bufs_o;
     unsigned int max_meta;
     double deadline = 0;
-    PyObject *keys_o = Py_None, *digests_o = Py_None;
-    if (!PyArg_ParseTuple(args, "iw*Ky*OI|dOO", &fd, &arena, &rid, &lm, &bufs_o, &max_meta, &deadline, &keys_o,
-                          &digests_o))
+    PyObject *digests_o = Py_None;
+    if (!PyArg_ParseTuple(args, "iw*KOOIK|dO", &fd, &arena, &rid, &keys_o, &bufs_o, &max_meta, &max_object,
+                          &deadline, &digests_o))
         return NULL;
     struct bufset bs, ks = {NULL, 0};
     Py_buffer dg = {0};
     const void **kptrs = NULL;
     size_t *klens = NULL;
-    if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); PyBuffer_Release(&lm); return NULL; }
+    int64_t *sizes = NULL;
+    uint64_t *sums = NULL;
+    if (bufset_get(&bs, bufs_o, 1, "bufs")) { PyBuffer_Release(&arena); return NULL; }
     uint32_t n = (uint32_t)bs.n;
     void **ptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
     size_t *lens = PyMem_Malloc(sizeof(size_t) * (n + 1));
     PyObject *out = NULL;
     if (!ptrs || !lens) { PyErr_NoMemory(); goto done; }
     for (uint32_t i = 0; i < n; i++) { ptrs[i] = bs.views[i].buf; lens[i] = (size_t)bs.views[i].len; }
-    if ((keys_o == Py_None) != (digests_o == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "hash_keys and digests go together");
+    if (bufset_get(&ks, keys_o, 0, "keys")) goto done;
+    if ((uint64_t)ks.n != n) {
+        PyErr_SetString(PyExc_ValueError, "keys: one per buf");
         goto done;
     }
-    if (keys_o != Py_None) {
-        if (bufset_get(&ks, keys_o, 0, "hash_keys")) goto done;
+    if (digests_o != Py_None) {
         if (PyObject_GetBuffer(digests_o, &dg, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) { dg.obj = NULL; goto done; }
-        if ((uint64_t)ks.n != n || dg.len < (Py_ssize_t)(sizeof(uint64_t) * n) ||
-            ((uintptr_t)dg.buf % sizeof(uint64_t))) {
-            PyErr_SetString(PyExc_ValueError, "hash_keys: one per buf; digests: 8-byte aligned, 8 bytes per key");
+        if (dg.len < (Py_ssize_t)(sizeof(uint64_t) * n) || ((uintptr_t)dg.buf % sizeof(uint64_t))) {
+            PyErr_SetString(PyExc_ValueError, "digests: 8-byte aligned, 8 bytes per key");
             goto done;
         }
-        kptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
-        klens = PyMem_Malloc(sizeof(size_t) * (n + 1));
-        if (!kptrs || !klens) { PyErr_NoMemory(); goto done; }
-        for (uint32_t i = 0; i < n; i++) { kptrs[i] = ks.views[i].buf; klens[i] = (size_t)ks.views[i].len; }
     }
+    kptrs = PyMem_Malloc(sizeof(void *) * (n + 1));
+    klens = PyMem_Malloc(sizeof(size_t) * (n + 1));
+    sizes = PyMem_Malloc(sizeof(int64_t) * (n + 1));
+    sums = PyMem_Malloc(sizeof(uint64_t) * (n + 1));
+    if (!kptrs || !klens || !sizes || !sums) { PyErr_NoMemory(); goto done; }
+    for (uint32_t i = 0; i < n; i++) { kptrs[i] = ks.views[i].buf; klens[i] = (size_t)ks.views[i].len; }
     struct kvf_header h;
     uint8_t *meta = NULL;
     uint32_t bad = 0;
     int wire_err = 0, rc;
     kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
     Py_BEGIN_ALLOW_THREADS
-    rc = kvf_shm_get(fd, arena.buf, (uint64_t)arena.len, rid, lm.buf, (uint32_t)lm.len, n, ptrs, lens, max_meta, &h,
-                     &meta, &bad, &wire_err, kptrs, klens, kptrs ? (uint64_t *)dg.buf : NULL);
+    rc = kvf_shm_get(fd, arena.buf, (uint64_t)arena.len, rid, n, kptrs, klens, ptrs, lens, max_meta,
+                     (uint64_t)max_object, &h, &meta, &bad, &wire_err, sizes, sums, dg.obj ? (uint64_t *)dg.buf : NULL);
     Py_END_ALLOW_THREADS
-    out = shm_result(rc, &h, meta, wire_err, bad, "shm GET");
+    if (rc) {
+        out = shm_result(rc, &h, meta, wire_err, bad, "shm GET"); /* raises */
+        goto done;
+    }
+    PyObject *m = PyBytes_FromStringAndSize((const char *)meta, h.meta_len), *sl, *cl;
+    free(meta);
+    if (h.flags & KVF_FLAG_ERROR) {
+        sl = Py_None;
+        cl = Py_None;
+        Py_INCREF(sl);
+        Py_INCREF(cl);
+    } else {
+        sl = int_list(sizes, n);
+        cl = uint_list(sums, n);
+    }
+    if (m && sl && cl)
+        out = Py_BuildValue("(iiKOOO)", h.opcode, h.flags, (unsigned long long)h.request_id, m, sl, cl);
+    Py_XDECREF(m);
+    Py_XDECREF(sl);
+    Py_XDECREF(cl);
 done:
     PyMem_Free(ptrs);
     PyMem_Free(lens);
     PyMem_Free(kptrs);
     PyMem_Free(klens);
+    PyMem_Free(sizes);
+    PyMem_Free(sums);
     if (dg.obj) PyBuffer_Release(&dg);
     if (ks.views) bufset_release(&ks);
     bufset_release(&bs);
     PyBuffer_Release(&arena);
-    PyBuffer_Release(&lm);
     return out;
 }
 

@@ -374,26 +374,32 @@ class ShmConnection(NativeConnection):
             sock.settimeout(None)
         self._view = memoryview(self._arena)
 
-    def _fused(self, fn, op: ShmOp, *args: Any, deadline: float | None, hashing: tuple | None = None) -> Message:
-        """Run a one-call shm operation in C (two frames: request ids rid and rid + 1); returns the typed
-        reply to ``op`` (LEASE for a GET, COMMIT for a PUT). ``hashing``: ``(keys, digests)`` for a GET
-        that hashes what it copies."""
+    def _fused(self, fn, *args: Any, deadline: float | None, tail: tuple = ()) -> tuple:
+        """Run a one-call shm operation in C (two frames: request ids rid and rid + 1): ``fn(fd, arena, rid,
+        *args, deadline, *tail)``; returns what it returns, ``(opcode, flags, rid, meta, ...)``."""
         if self._sock is None or self._view is None:
             from ..errors import ConnectionClosed
 
             raise ConnectionClosed(f"connection to {self.address} is closed")
         rid = self._next_id
         self._next_id += 2
-        lim = self._limits
         try:
-            opcode, flags, got, mbytes = fn(self._fd, self._view, rid, *args, lim.max_meta_bytes,
-                                            0.0 if deadline is None else deadline, *(hashing or ()))
-            return protocol.decode_reply(Header(opcode, flags, got, len(mbytes), 0), mbytes, op, lim)
+            return fn(self._fd, self._view, rid, *args, 0.0 if deadline is None else deadline, *tail)
         except ValueError:
             raise  # a buffer too small: nothing copied, lease released, stream in step
         except NativeError as e:
             self.close()
             raise TransportError(f"shm op to {self.address} failed: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def _decoded(self, got: tuple, op: ShmOp) -> Message:
+        """The typed reply of a :meth:`_fused` call's ``(opcode, flags, rid, meta, ...)``; an error reply
+        raises RemoteError (closing the connection for a fatal code)."""
+        opcode, flags, rid, mbytes = got[:4]
+        try:
+            return protocol.decode_reply(Header(opcode, flags, rid, len(mbytes), 0), mbytes, op, self._limits)
         except RemoteError as e:
             if e.code in FATAL_CODES:
                 self.close()
@@ -407,23 +413,20 @@ class ShmConnection(NativeConnection):
         n = len(msg.keys)
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
-        lease_msg = ShmLeaseRequest(keys=msg.keys)
         if recv_buffers is not None and any(isinstance(b, tuple) for b in recv_buffers):
             return self._get_scatter(msg, recv_buffers, deadline)
-        if recv_buffers is not None:  # the common case: one call into C, GIL released throughout
-            for i, b in enumerate(recv_buffers):
-                v = memoryview(b)
-                if v.readonly or not v.c_contiguous:
-                    raise ValueError(f"GET buffer {i} is read-only or not contiguous")
+        if recv_buffers is not None:
+            # the common case: one call into C, GIL released throughout; C writes the LEASE, checks and
+            # parses its reply (ShmLeaseReply's checks) and hashes what it copies when asked
+            lim = self._limits
             digests = array("Q", bytes(8 * n)) if checksums else None
-            rep = self._fused(_native.shm_get, ShmOp.LEASE, protocol.encode_meta(lease_msg.to_meta()),
-                              list(recv_buffers), deadline=deadline,
-                              hashing=(msg.keys, digests) if checksums else None)
-            assert isinstance(rep, ShmLeaseReply)
-            if len(rep.sizes) != n:
-                self.close()
-                raise ProtocolError(protocol.ErrorCode.MALFORMED, "lease reply does not match the keys")
-            return Reply(GetReply(sizes=rep.sizes, checksums=rep.checksums), None, digests)
+            got = self._fused(_native.shm_get, list(msg.keys), list(recv_buffers), lim.max_meta_bytes,
+                              lim.max_object_bytes, deadline=deadline, tail=(digests,))
+            if got[4] is None:  # an error reply: raises
+                self._decoded(got, ShmOp.LEASE)
+                raise ProtocolError(protocol.ErrorCode.MALFORMED, "a LEASE error reply that decodes as none")
+            return Reply(GetReply(sizes=got[4], checksums=got[5]), None, digests)
+        lease_msg = ShmLeaseRequest(keys=msg.keys)
         lease = self._control(lease_msg, deadline)
         assert isinstance(lease, ShmLeaseReply)
         try:
@@ -488,8 +491,9 @@ class ShmConnection(NativeConnection):
         # the bytes of ShmCommitRequest: tests/native/test_golden.py pins both)
         reserve = ShmReserveRequest(keys=msg.keys, sizes=msg.sizes, parents=msg.parents, groups=msg.groups,
                                     group_parts=msg.group_parts)
-        rep = self._fused(_native.shm_put, ShmOp.COMMIT, protocol.encode_meta(reserve.to_meta()), list(msg.sizes),
-                          list(msg.checksums), parts, deadline=deadline)
+        rep = self._decoded(self._fused(_native.shm_put, protocol.encode_meta(reserve.to_meta()), list(msg.sizes),
+                                        list(msg.checksums), parts, self._limits.max_meta_bytes, deadline=deadline),
+                            ShmOp.COMMIT)
         assert isinstance(rep, PutReply)
         if len(rep.status) != len(msg.keys):
             self.close()

@@ -10,6 +10,7 @@ import os
 import pathlib
 import socket
 import threading
+import time
 
 import native_golden
 import pytest
@@ -135,12 +136,99 @@ def test_c_shm_client_sends_the_golden_frames():
         assert (flags, rid) == (p.FLAG_REPLY, 3) and arena[:3] == native_golden.ABC
         t = threading.Thread(target=serve, args=(["shm_lease", "shm_release"],))
         t.start()
-        meta = bytes.fromhex(cases["shm_lease"]["request"])[p.HEADER_SIZE:]
         bufs = [bytearray(3), bytearray(1)]
-        _, flags, rid, _ = native.shm_get(ours.fileno(), arena, 4, meta, bufs, 1 << 20)
+        _, flags, rid, _, sizes, sums = native.shm_get(ours.fileno(), arena, 4, [native_golden.K1, native_golden.MISSING],
+                                                       bufs, 1 << 20, 1 << 20)
         t.join(10)
         assert (flags, rid) == (p.FLAG_REPLY, 4) and bytes(bufs[0]) == native_golden.ABC
+        lease = p.decode_reply(p.unpack_header(bytes.fromhex(cases["shm_lease"]["reply"])[:p.HEADER_SIZE]),
+                               bytes.fromhex(cases["shm_lease"]["reply"])[p.HEADER_SIZE:], p.ShmOp.LEASE)
+        assert (sizes, sums) == (list(lease.sizes), list(lease.checksums))  # parsed in C as Python decodes it
         assert seen == ["shm_reserve", "shm_commit", "shm_lease", "shm_release"]
     finally:
         ours.close()
         theirs.close()
+
+
+def _lease_reply_to(meta: bytes, flags: int = p.FLAG_REPLY, arena_len: int = 4096, bufs=None):
+    """Run ``native.shm_get`` of two keys against a peer that answers its LEASE with ``meta``; returns
+    (what shm_get returned or raised, the frames the peer got after the LEASE: (opcode, rid) each)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.settimeout(10)
+    after: list[tuple[int, int]] = []
+
+    def recv_exact(n):
+        got = b""
+        while len(got) < n:
+            more = theirs.recv(n - len(got))
+            if not more:
+                return None
+            got += more
+        return got
+
+    def peer():
+        h = p.unpack_header(recv_exact(p.HEADER_SIZE))
+        recv_exact(h.meta_len)
+        theirs.sendall(p.pack_header(h.opcode, h.request_id, len(meta), 0, flags) + meta)
+        head = recv_exact(p.HEADER_SIZE)  # RELEASE, the last frame a GET sends, or the end of the stream
+        if head is not None:
+            h = p.unpack_header(head)
+            recv_exact(h.meta_len)
+            after.append((h.opcode, h.request_id))
+
+    t = threading.Thread(target=peer)
+    t.start()
+    try:
+        res = native.shm_get(ours.fileno(), bytearray(arena_len), 8, [native_golden.K1, native_golden.MISSING],
+                             bufs or [bytearray(16), bytearray(16)], 1 << 20, 64, time.monotonic() + 10)
+    except Exception as e:  # noqa: BLE001 - what it raised is the result
+        res = e
+    finally:
+        ours.shutdown(socket.SHUT_WR)
+        t.join(10)
+        ours.close()
+        theirs.close()
+    return res, after
+
+
+def _lease(**over):
+    fields = {"lease": 5, "offsets": [0, -1], "sizes": [3, -1], "checksums": [7, 0]}
+    fields.update(over)
+    return p.encode_meta(fields)
+
+
+def test_c_shm_get_parses_the_lease_reply_as_python_does():
+    """C writes the LEASE request and parses its reply: a good reply comes back as sizes and checksums,
+    and the lease is released (rid + 1)."""
+    res, after = _lease_reply_to(_lease())
+    assert not isinstance(res, Exception), res
+    assert res[4:] == ([3, -1], [7, 0]) and after == [(p.ShmOp.RELEASE, 9)]
+
+
+@pytest.mark.parametrize("meta", [
+    _lease(sizes=[3, -2]),                      # below -1
+    _lease(sizes=[65, -1]),                     # over the max object (64 here)
+    _lease(offsets=[4094, -1]),                 # object past the arena's end
+    _lease(offsets=[-2, -1]),                   # offset below -1
+    _lease(sizes=[3]),                          # one size for two keys
+    _lease(checksums=[7, -1]),                  # a checksum is a uint64
+    p.encode_meta({"lease": 5, "offsets": [0, -1], "sizes": [3, -1]}),  # no checksums
+    b"\x82\xa5lease\x05\xa5lease\x06",          # one key twice
+    _lease()[:-1],                              # truncated
+], ids=["size-2", "size-over-max", "past-arena", "offset-2", "short-sizes", "negative-sum", "no-checksums",
+        "key-twice", "truncated"])
+def test_c_shm_get_refuses_a_malformed_lease_reply(meta):
+    """Every check ShmLeaseReply.from_meta makes, C makes: a malformed reply raises ProtocolError
+    (MALFORMED) and copies nothing."""
+    bufs = [bytearray(16), bytearray(16)]
+    res, _ = _lease_reply_to(meta, bufs=bufs)
+    assert isinstance(res, p.ProtocolError) and res.code == p.ErrorCode.MALFORMED, res
+    assert bufs == [bytearray(16), bytearray(16)]
+
+
+def test_c_shm_get_hands_an_error_reply_back_undecoded():
+    """An error reply to the LEASE comes back as is (sizes and checksums None) for Python to raise."""
+    err = p.encode_meta({"code": int(p.ErrorCode.BUSY), "message": "busy"})
+    res, after = _lease_reply_to(err, flags=p.FLAG_REPLY | p.FLAG_ERROR)
+    assert not isinstance(res, Exception), res
+    assert res[4:] == (None, None) and res[3] == err and after == []
