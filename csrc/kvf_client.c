@@ -10,7 +10,6 @@
 #define _GNU_SOURCE
 #include "kvf_client.h"
 #include "kvf_copy.h"
-#include "kvf_hash.h"
 #include "kvf_mpack.h"
 #include "kvf_rxhash.h"
 
@@ -708,7 +707,7 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, uint32
 int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *reserve_meta,
                 uint32_t reserve_meta_len, uint32_t n, const uint64_t *sizes, const uint64_t *checksums,
                 const struct iovec *parts, int nparts, uint32_t max_meta, struct kvf_header *h, uint8_t **meta,
-                int *wire_err, const void *const *keys, const size_t *key_lens, uint64_t *digests)
+                int *wire_err)
 {
     *meta = NULL;
     int rc = kvf_send_frame(fd, KVF_OP_SHM_RESERVE, 0, rid, reserve_meta, reserve_meta_len, NULL, 0);
@@ -725,35 +724,22 @@ int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const 
     for (uint32_t i = 0; !rc && i < n; i++)
         if (offs[i] >= 0 && (uint64_t)offs[i] + sizes[i] > arena_len) rc = -EPROTO;
     if (rc) { free(offs); *wire_err = KVF_E_MALFORMED; return rc; }
-    void *st = NULL; /* with keys: the streaming checksum of the object being copied */
-    if (keys && !(st = kvf_hash_new())) { free(offs); return -ENOMEM; }
-    /* copy: walk objects and parts together (parts may split objects anyhow); with keys, hash each
-     * slice of the caller's bytes right after copying it, while it is in cache (one pass, not two) */
+    /* copy: walk objects and parts together (parts may split objects anyhow) */
     int pi = 0;
     size_t po = 0;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t left = sizes[i], at = offs[i] >= 0 ? (uint64_t)offs[i] : 0;
-        if (st) kvf_hash_reset_key(st, keys[i], key_lens[i]);
         while (left) {
             while (pi < nparts && po == parts[pi].iov_len) { pi++; po = 0; }
-            if (pi >= nparts) { free(offs); if (st) kvf_hash_free(st); return -EINVAL; }
+            if (pi >= nparts) { free(offs); return -EINVAL; }
             size_t take = parts[pi].iov_len - po < left ? parts[pi].iov_len - po : (size_t)left;
-            const char *src = (const char *)parts[pi].iov_base + po;
-            for (size_t o = 0; o < take;) {
-                size_t t = st && take - o > KVF_HASH_SLICE ? KVF_HASH_SLICE : take - o;
-                if (offs[i] >= 0) kvf_copy(arena + at + o, src + o, t);
-                if (st) kvf_hash_update(st, src + o, t);
-                o += t;
-            }
+            if (offs[i] >= 0) kvf_copy(arena + at, (const char *)parts[pi].iov_base + po, take);
             at += take;
             left -= take;
             po += take;
         }
-        if (st) digests[i] = kvf_hash_digest(st);
     }
     free(offs);
-    if (st) kvf_hash_free(st);
-    if (keys) checksums = digests;
     size_t cap = 32 + (size_t)n * 9;
     uint8_t *cm = malloc(cap);
     if (!cm) return -ENOMEM;

@@ -127,14 +127,8 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, uint32
 /* PUT through the arena: send SHM_RESERVE (reserve_meta = {"keys", "sizes"}),
  * copy the payload parts (any split) into the reserved slots, send
  * SHM_COMMIT with checksums[0..n), receive its reply. *h and *meta hold
- * the COMMIT reply, or the RESERVE reply when that was an error. With keys
- * (key_lens, digests: n each; NULL: none) the checksums are computed here
- * instead (checksums unused): object i's under keys[i] goes to digests[i]
- * and into the COMMIT, hashed from the caller's bytes slice by slice right
- * after each slice is copied (objects already stored, not copied, are
- * hashed all the same: the caller may need the checksum for another
- * owner). The server checks each slot against it before indexing it. */
+ * the COMMIT reply, or the RESERVE reply when that was an error. */
 int kvf_shm_put(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, const void *reserve_meta,
                 uint32_t reserve_meta_len, uint32_t n, const uint64_t *sizes, const uint64_t *checksums,
                 const struct iovec *parts, int nparts, uint32_t max_meta, struct kvf_header *h, uint8_t **meta,
-                int *wire_err, const void *const *keys, const size_t *key_lens, uint64_t *digests);
+                int *wire_err);

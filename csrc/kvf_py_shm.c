@@ -260,13 +260,9 @@ done:
 }
 
 PyDoc_STRVAR(shm_put_doc,
-"shm_put(fd, arena, request_id, reserve_meta, sizes, checksums, parts, max_meta, deadline=0, hash_keys=None,\n"
-"        digests=None) -> (opcode, flags, rid, meta)\n"
+"shm_put(fd, arena, request_id, reserve_meta, sizes, checksums, parts, max_meta, deadline=0) -> (opcode, flags, rid, meta)\n"
 "SHM_RESERVE + one copy of the parts (any split) into the reserved slots + SHM_COMMIT (request ids\n"
-"rid and rid+1), GIL released. meta is the COMMIT reply's (or the RESERVE error reply's) metadata.\n"
-"hash_keys, digests (with checksums None): the objects' keys and a writable 8-byte aligned buffer of one\n"
-"uint64 per object: each object's checksum (kvfabric.protocol.checksum) is computed from the parts slice\n"
-"by slice as it is copied, goes to its slot of digests and into the COMMIT.");
+"rid and rid+1), GIL released. meta is the COMMIT reply's (or the RESERVE error reply's) metadata.");
 
 static PyObject *py_shm_put(PyObject *self, PyObject *args)
 {
@@ -274,27 +270,19 @@ static PyObject *py_shm_put(PyObject *self, PyObject *args)
     int fd;
     Py_buffer arena, rm;
     unsigned long long rid;
-    PyObject *sizes_o, *sums_o, *parts_o, *keys_o = Py_None, *digests_o = Py_None;
+    PyObject *sizes_o, *sums_o, *parts_o;
     unsigned int max_meta;
     double deadline = 0;
-    if (!PyArg_ParseTuple(args, "iw*Ky*OOOI|dOO", &fd, &arena, &rid, &rm, &sizes_o, &sums_o, &parts_o, &max_meta,
-                          &deadline, &keys_o, &digests_o))
+    if (!PyArg_ParseTuple(args, "iw*Ky*OOOI|d", &fd, &arena, &rid, &rm, &sizes_o, &sums_o, &parts_o, &max_meta,
+                          &deadline))
         return NULL;
-    struct bufset bs, ks = {NULL, 0};
-    Py_buffer dg = {0};
+    struct bufset bs;
     if (bufset_get(&bs, parts_o, 0, "parts")) { PyBuffer_Release(&arena); PyBuffer_Release(&rm); return NULL; }
     Py_ssize_t n = PySequence_Size(sizes_o);
     uint64_t *sizes = NULL, *sums = NULL;
-    const void **kptrs = NULL;
-    size_t *klens = NULL;
     struct iovec *iov = NULL;
     PyObject *out = NULL;
-    int hashing = keys_o != Py_None;
-    if (hashing != (digests_o != Py_None) || hashing != (sums_o == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "give checksums, or hash_keys and digests (checksums None)");
-        goto done;
-    }
-    if (n < 0 || (!hashing && PySequence_Size(sums_o) != n) || n > KVF_MAX_KEYS_PER_BATCH) {
+    if (n < 0 || PySequence_Size(sums_o) != n || n > KVF_MAX_KEYS_PER_BATCH) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sizes and checksums differ in length");
         goto done;
     }
@@ -302,21 +290,9 @@ static PyObject *py_shm_put(PyObject *self, PyObject *args)
     sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
     iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(bs.n + 1));
     if (!sizes || !sums || !iov) { PyErr_NoMemory(); goto done; }
-    if (hashing) {
-        if (bufset_get(&ks, keys_o, 0, "hash_keys")) goto done;
-        if (PyObject_GetBuffer(digests_o, &dg, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) { dg.obj = NULL; goto done; }
-        if (ks.n != n || dg.len < (Py_ssize_t)(sizeof(uint64_t) * (size_t)n) || ((uintptr_t)dg.buf % sizeof(uint64_t))) {
-            PyErr_SetString(PyExc_ValueError, "hash_keys: one per object; digests: 8-byte aligned, 8 bytes per object");
-            goto done;
-        }
-        kptrs = PyMem_Malloc(sizeof(void *) * (size_t)(n + 1));
-        klens = PyMem_Malloc(sizeof(size_t) * (size_t)(n + 1));
-        if (!kptrs || !klens) { PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t i = 0; i < n; i++) { kptrs[i] = ks.views[i].buf; klens[i] = (size_t)ks.views[i].len; }
-    }
     uint64_t total = 0, have = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PySequence_GetItem(sizes_o, i), *b = hashing ? NULL : PySequence_GetItem(sums_o, i);
+        PyObject *a = PySequence_GetItem(sizes_o, i), *b = PySequence_GetItem(sums_o, i);
         sizes[i] = a ? PyLong_AsUnsignedLongLong(a) : 0;
         sums[i] = b ? PyLong_AsUnsignedLongLong(b) : 0;
         Py_XDECREF(a);
@@ -336,17 +312,13 @@ static PyObject *py_shm_put(PyObject *self, PyObject *args)
     kvf_set_deadline(deadline > 0 ? (int64_t)(deadline * 1e9) : 0);
     Py_BEGIN_ALLOW_THREADS
     rc = kvf_shm_put(fd, arena.buf, (uint64_t)arena.len, rid, rm.buf, (uint32_t)rm.len, (uint32_t)n, sizes, sums, iov,
-                     (int)bs.n, max_meta, &h, &meta, &wire_err, kptrs, klens, hashing ? (uint64_t *)dg.buf : NULL);
+                     (int)bs.n, max_meta, &h, &meta, &wire_err);
     Py_END_ALLOW_THREADS
     out = shm_result(rc, &h, meta, wire_err, 0, "shm PUT");
 done:
     PyMem_Free(sizes);
     PyMem_Free(sums);
-    PyMem_Free(kptrs);
-    PyMem_Free(klens);
     PyMem_Free(iov);
-    if (dg.obj) PyBuffer_Release(&dg);
-    if (ks.views) bufset_release(&ks);
     bufset_release(&bs);
     PyBuffer_Release(&arena);
     PyBuffer_Release(&rm);

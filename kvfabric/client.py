@@ -279,10 +279,6 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
 
     def _scatter(self, groups: dict[int, list[int]], make_job: Callable[[_Shard, list[int]], Any], deadline: float) -> dict[int, bool]:
         """One job per shard of ``groups`` (``make_job(shard, key_indices)``), run by :meth:`_fan_out`."""
-        if len(groups) == 1:  # one shard (the common call): run here, without the fan-out's bookkeeping
-            (s, idx), = groups.items()
-            shard = self._by_index.get(s)  # a shard gone since routing: its keys miss
-            return {s: shard is not None and self._on_shard(shard, deadline, make_job(shard, idx))}
         shards = {s: self._by_index.get(s) for s in groups}
         order = [s for s in groups if shards[s] is not None]  # a shard gone since routing: its keys miss
         jobs = [(shards[s], make_job(shards[s], groups[s])) for s in order]
@@ -408,9 +404,7 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                 raise ValueError(f"object of {view.nbytes} bytes exceeds MAX_OBJECT_BYTES={protocol.MAX_OBJECT_BYTES}")
             views.append(view)
         deadline = self._deadline(timeout_s)
-        # each object's checksum, where first needed: by a transport that hashes while it copies (shm,
-        # ``hashes_puts``: one pass over the bytes, not two), else here; every owner sends the same value
-        sums: list[int | None] = [None] * len(keys)
+        sums = [_checksum(k, v) for k, v in zip(keys, views)]
         owners = self._owners(route)
         status: list[list[int]] = [[-1] * self.config.replicas for _ in keys]  # -1: not stored by that owner
 
@@ -428,27 +422,18 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
                     chunks = self._chunks(shard, [i for i in idx if i not in big], lambda i: views[i].nbytes)
                 for i in big:
                     status[i][owners[i].index(shard.index)] = PutStatus.TOO_LARGE
-                hashes = conn.hashes_puts and ns_tag is None
                 for chunk in chunks:
-                    if not hashes:
-                        for i in chunk:
-                            if sums[i] is None:
-                                sums[i] = _checksum(keys[i], views[i])
                     msg = protocol.PutRequest(
                         keys=[keys[i] for i in chunk],
                         sizes=[views[i].nbytes for i in chunk],
-                        checksums=[0] * len(chunk) if hashes else [sums[i] for i in chunk],  # 0: the transport's
+                        checksums=[sums[i] for i in chunk],
                         parents=None if parents is None else [parents[i] for i in chunk],
                         **_group_fields(group, chunk),
                         ns=ns_tag,
                     )
-                    got = conn.request(msg, [views[i] for i in chunk], deadline=deadline, checksums=hashes)
-                    reply = got.msg
+                    reply = conn.request(msg, [views[i] for i in chunk], deadline=deadline).msg
                     if len(reply.status) != len(chunk):
                         raise protocol.ProtocolError(ErrorCode.MALFORMED, "PUT reply status count mismatch")
-                    if hashes:
-                        for i, ck in zip(chunk, got.checksums):
-                            sums[i] = ck
                     for i, st in zip(chunk, reply.status):
                         status[i][owners[i].index(shard.index)] = st
                     self._counters.add(requests=1, bytes_out=msg.payload_len())

@@ -59,9 +59,7 @@ class Reply:
     ``checksums`` (a GET into ``recv_buffers`` asked with ``checksums=True``,
     on a transport that computes them while receiving; ``None`` otherwise):
     :func:`protocol.checksum` of each object received, index ``i`` for key
-    ``i`` (meaningless for a miss), to compare with the reply's; for a PUT
-    asked with ``checksums=True`` (``Connection.hashes_puts``), those of the
-    objects sent, as the transport computed them.
+    ``i`` (meaningless for a miss), to compare with the reply's.
     """
 
     msg: Message
@@ -74,10 +72,6 @@ class Connection(ABC):
 
     #: registry name of the transport ("tcp", "native", "shm", ...)
     name: ClassVar[str]
-
-    #: whether a PUT asked with ``checksums=True`` has its objects' checksums computed here while the
-    #: payload is copied (``msg.checksums`` is then not read; ``Reply.checksums`` returns them): shm
-    hashes_puts: ClassVar[bool] = False
 
     #: the "host:port" this connection was made to
     address: str
@@ -101,10 +95,7 @@ class Connection(ABC):
         ``recv_buffers`` (GET only) receive the found objects, one buffer per
         key. ``checksums``: a transport that can compute each received
         object's checksum while receiving does so (``Reply.checksums``);
-        others ignore it. On a PUT it may be asked only of a connection whose
-        ``hashes_puts`` is True: the checksums are computed from the payload
-        as it is copied and sent instead of ``msg.checksums``, and returned in
-        ``Reply.checksums``. ``deadline`` is an absolute ``time.monotonic()`` value; past it
+        others ignore it. ``deadline`` is an absolute ``time.monotonic()`` value; past it
         the call raises :class:`~kvfabric.errors.DeadlineExceeded` and the
         connection is closed. Errors: see the module docstring.
         """

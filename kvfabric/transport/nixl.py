@@ -537,7 +537,6 @@ class NixlConnection(ShmConnection):
     Not thread-safe (the process's NIXL agent is shared, and is)."""
 
     name = "nixl"
-    hashes_puts = False  # its PUT sends msg.checksums (COMMIT over the control frames)
 
     def __init__(self, sock: Any, address: str) -> None:
         super().__init__(sock, address)

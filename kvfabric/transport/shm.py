@@ -52,7 +52,6 @@ missing, so ``auto`` moves on to the next transport.
 from __future__ import annotations
 
 import ipaddress
-from itertools import repeat
 import mmap
 from array import array
 import socket
@@ -262,7 +261,6 @@ class ShmConnection(NativeConnection):
     """A unix-socket connection plus the mapped arena. Not thread-safe."""
 
     name = "shm"
-    hashes_puts = True
 
     def __init__(self, sock: socket.socket, address: str) -> None:
         super().__init__(sock, address)
@@ -290,15 +288,11 @@ class ShmConnection(NativeConnection):
     ) -> Reply:
         """``checksums``: a GET into plain buffers (no scatter entries) has its objects hashed in C
         slice by slice as they are copied out of the arena (``Reply.checksums``), not in a second
-        pass over the buffers; an untagged PUT has its checksums computed the same way from the
-        payload as it is copied into the arena (``hashes_puts``: ``msg.checksums`` is not read; a
-        tagged PUT refuses it); other calls leave ``Reply.checksums`` None."""
+        pass over the buffers; other calls leave ``Reply.checksums`` None."""
         if isinstance(msg, GetRequest):
             return self._get(msg, recv_buffers, deadline, checksums)
         if isinstance(msg, PutRequest) and msg.ns is None:  # a tagged PUT goes as a frame: RESERVE has no ns
-            return self._put(msg, payload_parts, deadline, checksums)
-        if checksums and isinstance(msg, PutRequest):
-            raise ValueError("checksums=True on a tagged PUT: it goes as a frame, with msg.checksums")
+            return self._put(msg, payload_parts, deadline)
         return super().request(msg, payload_parts, recv_buffers, deadline=deadline)
 
     # ------------------------------------------------------------------ shm ops
@@ -419,7 +413,7 @@ class ShmConnection(NativeConnection):
         n = len(msg.keys)
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
-        if recv_buffers is not None and any(map(isinstance, recv_buffers, repeat(tuple))):  # scatter entries
+        if recv_buffers is not None and any(isinstance(b, tuple) for b in recv_buffers):
             return self._get_scatter(msg, recv_buffers, deadline)
         if recv_buffers is not None:
             # the common case: one call into C, GIL released throughout; C writes the LEASE, checks and
@@ -488,8 +482,7 @@ class ShmConnection(NativeConnection):
             raise ValueError(problem)
         return Reply(GetReply(sizes=sizes, checksums=sums))
 
-    def _put(self, msg: PutRequest, payload_parts: Sequence[Any], deadline: float | None,
-             checksums: bool = False) -> Reply:
+    def _put(self, msg: PutRequest, payload_parts: Sequence[Any], deadline: float | None) -> Reply:
         parts = [memoryview(p).cast("B") for p in payload_parts]
         if sum(p.nbytes for p in parts) != msg.payload_len():
             raise ValueError(f"payload parts hold {sum(p.nbytes for p in parts)} bytes, the message announces "
@@ -498,15 +491,11 @@ class ShmConnection(NativeConnection):
         # the bytes of ShmCommitRequest: tests/native/test_golden.py pins both)
         reserve = ShmReserveRequest(keys=msg.keys, sizes=msg.sizes, parents=msg.parents, groups=msg.groups,
                                     group_parts=msg.group_parts)
-        # checksums: C hashes each slice of the payload right after copying it (one pass over the bytes)
-        digests = array("Q", bytes(8 * len(msg.keys))) if checksums else None
         rep = self._decoded(self._fused(_native.shm_put, protocol.encode_meta(reserve.to_meta()), list(msg.sizes),
-                                        None if checksums else list(msg.checksums), parts,
-                                        self._limits.max_meta_bytes, deadline=deadline,
-                                        tail=(list(msg.keys), digests) if checksums else ()),
+                                        list(msg.checksums), parts, self._limits.max_meta_bytes, deadline=deadline),
                             ShmOp.COMMIT)
         assert isinstance(rep, PutReply)
         if len(rep.status) != len(msg.keys):
             self.close()
             raise ProtocolError(protocol.ErrorCode.MALFORMED, "commit reply does not match the keys")
-        return Reply(PutReply(status=rep.status), None, digests)
+        return Reply(PutReply(status=rep.status))

@@ -1,4 +1,4 @@
-"""Checksums computed in C while the objects move (``request(..., checksums=True)``).
+"""GET checksums computed in C while the objects land (``request(..., checksums=True)``).
 
 The native connection hashes each object slice by slice as its bytes arrive
 (``kvf_recv_objects`` with keys, csrc/kvf_client.c) instead of a second pass
@@ -7,9 +7,7 @@ equal ``protocol.checksum`` and the reply's checksums for every object and
 split (objects larger than a slice, several objects in one recvmsg, scatter
 entries cut anywhere, empty parts, pieces read with READ_FIXED from a
 registered buffer); misses leave their entry alone; without ``checksums``
-nothing is computed. The shm PUT computes them the same way while it copies the
-payload into the arena (``kvf_shm_put`` with keys), and ``Client.put`` leaves
-them to it.
+nothing is computed.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 
 from kvfabric import protocol
 from kvfabric.transport import native as tn
@@ -115,46 +112,9 @@ def test_shm_digests_are_computed_while_copying_out_of_the_arena(make_server):
         assert _get(conn, keys, [bytearray(max(n, 1)) for n in sizes]).checksums is None
 
 
-def test_shm_put_checksums_are_computed_while_copying_into_the_arena(make_server):
-    """An untagged shm PUT asked with ``checksums=True`` hashes the payload slice by slice as it copies it
-    into the arena (``kvf_shm_put`` with keys): ``msg.checksums`` is not read, the digests equal
-    ``protocol.checksum`` (objects smaller and larger than a slice, of 0 bytes, parts that cut objects
-    anywhere) and the server, which checks every slot against them before indexing it, stores them all;
-    an object already stored (not copied) is hashed all the same. A tagged PUT refuses it."""
-    from kvfabric.transport import shm
-
-    srv = make_server(capacity=64 << 20)
-    with shm.connect(srv.address, timeout_s=5) as conn:
-        assert conn.hashes_puts
-        sizes = [*SIZES, 0, 3 << 20]
-        rng = np.random.default_rng(5)
-        keys = [rng.bytes(16) for _ in sizes]
-        vals = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-        want = [protocol.checksum(k, v) for k, v in zip(keys, vals)]
-        blob = b"".join(vals)
-        cuts = [0, 7, 300, 64 * KiB + 3, 2 << 20, len(blob) - 5, len(blob)]  # parts across object boundaries
-        parts = [blob[a:b] for a, b in zip(cuts, cuts[1:])]
-        first = keys[:3]
-        conn.request(protocol.PutRequest(keys=first, sizes=sizes[:3], checksums=want[:3]), vals[:3],
-                     deadline=time.monotonic() + 10)
-        msg = protocol.PutRequest(keys=keys, sizes=sizes, checksums=[0] * len(keys))
-        reply = conn.request(msg, parts, deadline=time.monotonic() + 10, checksums=True)
-        assert list(reply.checksums) == want
-        assert list(reply.msg.status) == [protocol.PutStatus.EXISTS] * 3 + [protocol.PutStatus.STORED] * (len(keys) - 3)
-        bufs = [bytearray(max(n, 1)) for n in sizes]
-        got = _get(conn, keys, bufs, checksums=True)
-        assert list(got.msg.checksums) == want and list(got.checksums) == want
-        assert [bytes(b[:n]) for b, n in zip(bufs, sizes)] == vals
-        tagged = protocol.PutRequest(keys=[b"tagged-key"], sizes=[3], checksums=[0], ns=bytes(protocol.NS_TAG_BYTES))
-        with pytest.raises(ValueError, match="tagged PUT"):
-            conn.request(tagged, [b"abc"], deadline=time.monotonic() + 10, checksums=True)
-
-
-def test_a_client_put_sends_one_checksum_per_object_whichever_transport_computed_it(make_server):
-    """Client.put leaves the checksums to a transport that computes them while copying (shm) and
-    computes them itself for the others: with two replicas, one owner reached over shm and one over the
-    native socket, every object is stored on both (each server checks the checksum before storing) and
-    reads back verified from each."""
+def test_a_client_put_over_two_transports_stores_every_replica(make_server):
+    """With two replicas, one owner reached over shm and one over the native socket, every object is
+    stored on both (each server checks the checksum before storing) and reads back verified from each."""
     from kvfabric import Client, ClientConfig
 
     with_shm = make_server(capacity=32 << 20)
