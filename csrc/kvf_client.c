@@ -663,7 +663,7 @@ int kvf_shm_get(int fd, uint8_t *arena, uint64_t arena_len, uint64_t rid, uint32
     if (!rc) rc = find_int_array(*meta, h->meta_len, KVF_F_SIZES, sizes, n);
     if (!rc) rc = find_uint_array(*meta, h->meta_len, KVF_F_CHECKSUMS, sums, n);
     for (uint32_t i = 0; !rc && i < n; i++) {
-        if (sizes[i] < -1 || offs[i] < -1 || (uint64_t)(sizes[i] + 1) > max_object + 1) rc = -EPROTO;
+        if (sizes[i] < -1 || offs[i] < -1 || (sizes[i] >= 0 && (uint64_t)sizes[i] > max_object)) rc = -EPROTO;
         else if (sizes[i] < 0) continue;
         else if (offs[i] < 0 || (uint64_t)offs[i] + (uint64_t)sizes[i] > arena_len) rc = -EPROTO;
         else if ((uint64_t)sizes[i] > buf_lens[i]) { *bad_index = i; rc = -EMSGSIZE; }

@@ -50,6 +50,8 @@ def plan_chunks(
     """Split key indices, in order, into requests of at most ``max_keys`` keys and
     ``max_payload`` payload bytes (``nbytes(i)`` per key; a single key larger
     than ``max_payload`` still gets a request of its own)."""
+    if type(idx) is list and len(idx) == 1 and max_keys >= 1:  # one key: one request whatever its size
+        return [idx]
     # Without sizes only the key count splits: slices, no per-key loop (a lone chunk may be ``idx`` itself).
     if nbytes is None and max_keys >= 1 and max_payload >= 0:
         idx = idx if type(idx) is list else list(idx)

@@ -279,6 +279,10 @@ class Client(_Routing, _FanOut, _Reads, HandOff):
 
     def _scatter(self, groups: dict[int, list[int]], make_job: Callable[[_Shard, list[int]], Any], deadline: float) -> dict[int, bool]:
         """One job per shard of ``groups`` (``make_job(shard, key_indices)``), run by :meth:`_fan_out`."""
+        if len(groups) == 1:  # one shard (the common call): run here, without the fan-out's bookkeeping
+            (s, idx), = groups.items()
+            shard = self._by_index.get(s)  # a shard gone since routing: its keys miss
+            return {s: shard is not None and self._on_shard(shard, deadline, make_job(shard, idx))}
         shards = {s: self._by_index.get(s) for s in groups}
         order = [s for s in groups if shards[s] is not None]  # a shard gone since routing: its keys miss
         jobs = [(shards[s], make_job(shards[s], groups[s])) for s in order]

@@ -52,6 +52,7 @@ missing, so ``auto`` moves on to the next transport.
 from __future__ import annotations
 
 import ipaddress
+from itertools import repeat
 import mmap
 from array import array
 import socket
@@ -413,7 +414,7 @@ class ShmConnection(NativeConnection):
         n = len(msg.keys)
         if recv_buffers is not None and len(recv_buffers) != n:
             raise ValueError(f"{len(recv_buffers)} recv buffers for {n} keys")
-        if recv_buffers is not None and any(isinstance(b, tuple) for b in recv_buffers):
+        if recv_buffers is not None and any(map(isinstance, recv_buffers, repeat(tuple))):  # scatter entries
             return self._get_scatter(msg, recv_buffers, deadline)
         if recv_buffers is not None:
             # the common case: one call into C, GIL released throughout; C writes the LEASE, checks and
