@@ -127,8 +127,6 @@ class _FanOut:
         Re-raises a programming error from any job, but only after every job
         has stopped.
         """
-        if len(jobs) == 1:  # one shard (the common call): in this thread, nothing to wait for
-            return [self._on_shard(jobs[0][0], deadline, jobs[0][1])]
         futures: list[Future] = [self._pool.submit(self._on_shard, s, deadline, j) for s, j in jobs[1:]]
         results: list[bool] = []
         error: BaseException | None = None
