@@ -36,8 +36,13 @@ import sys
 # lookup, 1 s before it counts as a miss, 2 s for a load): on a test machine at load 20 a
 # healthy pool can miss them, and what a test then sees (a save sent unchecked, a hit
 # recomputed) depends on the scheduler, not on the code under test. Tests wait for their
-# pool instead; a test of the deadlines themselves sets them again with --extra.
-UNHURRIED = {"lookup_timeout_ms": 60_000, "lookup_wait_ms": 60_000, "load_timeout_s": 60.0, "save_timeout_s": 60.0}
+# pool instead; a test of the deadlines themselves sets them again with --extra. The same holds
+# for shutdown: the saves' drain (3 s) and vLLM's grace before it kills the engine core process
+# (5 s after SIGTERM) are both given a minute here, so a test that reads the connector's shutdown
+# line or counts the saves a shutdown flushed does not depend on how loaded the machine is.
+UNHURRIED = {"lookup_timeout_ms": 60_000, "lookup_wait_ms": 60_000, "load_timeout_s": 60.0, "save_timeout_s": 60.0,
+             "shutdown_drain_s": 60.0}
+SHUTDOWN_GRACE_S = 60.0
 
 
 def main() -> int:
@@ -116,7 +121,7 @@ def main() -> int:
     counters = snapshot() if snapshot is not None else None
     # Shut the engine down here so the connector's pending saves are flushed
     # (its shutdown waits for them) before this process reports and exits.
-    llm.llm_engine.engine_core.shutdown()
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
     with open(args.out, "w") as f:
         json.dump({"outputs": outputs, "cached": cached, "counters": counters,
                    "counters_after": counters_after if snapshot is not None else None,
