@@ -4,7 +4,8 @@ One command starts everything it measures (engines and pools; all stopped
 on exit) and replays a Mooncake trace against each configuration in turn::
 
     kvfabric bench serve --engine-python .venvs/vllm/bin/python [--trace mooncake-conversation]
-        [--sessions 12] [--loads 1,4] [--configs vllm,vllm-offload,lmcache,kvfabric,kvfabric-ssd,route-rr,route,vllm-route]
+        [--sessions 12] [--loads 1,4]
+        [--configs vllm,vllm-offload,lmcache,mooncake,kvfabric,kvfabric-ssd,route-rr,route,vllm-route]
         [--instances 2] [--kv-mib 128] [--dram-mib 256] [--ssd-mib 1024] [--out bench-results/serve.json]
     kvfabric bench serve --workload rl --engine-python .venvs/vllm/bin/python [--rl-prompts 4 --rl-group 4
         --rl-turns 4 --rl-update-every 2 --rl-env-delay-ms 1000] [--configs vllm,kvfabric,kvfabric-retire]
@@ -20,7 +21,8 @@ The parts (each a module beside this one):
   (separate processes, the interpreter ``--engine-python``, default this
   one) over what the configuration puts beneath them, at the same memory:
   ``--kv-mib`` of vLLM KV cache per instance for all, ``--dram-mib`` in all
-  for the L2 of (b)-(e), ``--ssd-mib`` more on SSD for (e);
+  for the L2 of (b)-(e) (for (c'), Mooncake Store, its one holder's segment), ``--ssd-mib``
+  more on SSD for (e);
 * load (``_serve_load``): streamed completions, round-robin over the
   instances (or all to ``kvfabric route`` in front of them: (f) with its
   round-robin policy, (g) KV-aware; the same deployment as (d) plus each
@@ -73,7 +75,8 @@ from typing import Any
 from ..testing.poll import wait_for
 from . import proc_cpu_s, write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, RL_CONFIGS, NotRunnable, Options, Shape,
-                             build_model, engine_cpu_sets, lmcache_installation, machine_busy_s, route_stats, start)
+                             build_model, engine_cpu_sets, lmcache_installation, machine_busy_s, mooncake_installation,
+                             mooncake_metrics, route_stats, start)
 from ._serve_load import Result, complete, run
 from ._serve_report import (delta, plot, pool_counters, print_reuse_bound, print_table, reuse_bound, summarize,
                              vllm_counters)
@@ -208,6 +211,8 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
         for li, load in enumerate(loads):
             v0 = vllm_counters(dep.urls)
             p0 = pool_counters(dep.pool.addresses) if dep.pool else None
+            mc = dep.settings.get("mooncake", {}).get("master_admin")
+            mc0 = mooncake_metrics(mc) if mc else None
             c0, m0, b0 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
             bar = _bar(len(workload.requests), f"{config} load {load:g}", progress)
 
@@ -225,6 +230,10 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
             p = delta(p0, pool_counters(dep.pool.addresses)) if dep.pool else None
             c1, m1, b1 = dep.cpu_s(), machine_busy_s(), proc_cpu_s(os.getpid())
             row = summarize(results, wall, reuse, v, p)
+            if mc0 is not None:     # the peer store's own figures over the level (keys, bytes: as they end)
+                mc1 = mooncake_metrics(mc)
+                row["mooncake"] = {k: (x if k in ("keys", "allocated_bytes", "capacity_bytes") else x - mc0[k])
+                                   for k, x in mc1.items()}
             # where the machine's CPU went during the level: this configuration's engines, its L2 servers,
             # the load generator, and everything else on the machine (other users)
             cpu = {"engines_s": c1["engines"] - c0["engines"], "l2_s": c1["l2"] - c0["l2"], "bench_s": b1 - b0,
@@ -493,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
                       server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py,
-                      engine_cpus=args.engine_cpu_sets)
+                      mooncake_bin=mooncake_installation(args.engine_python), engine_cpus=args.engine_cpu_sets)
         todo = configs[:1] if args.calibrate_only else configs
         for config in todo:
             entry = run_config(config, opt, workload, [] if args.calibrate_only else loads, args.mode,
