@@ -50,6 +50,14 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as md; assert md.version("
   with_progress "ci-vllm: pip install $NIXL_PIN" pip_quiet "$VENV/bin/python" install -q "$NIXL_PIN" "$torch_pin"
 fi
 
+# Mooncake Store beside vLLM (its non-CUDA build: `kvfabric bench serve`'s peer L2 (c'), vLLM's own
+# MooncakeStoreConnector; tests/e2e/vllm/test_serve_bench.py). It requires aiohttp, msgpack and requests,
+# which vLLM brought; its binaries load libibverbs and librdmacm (scripts/test-all installs them).
+MOONCAKE_PIN=mooncake-transfer-engine-non-cuda==0.3.13.post1
+if ! "$VENV/bin/python" -c 'import importlib.metadata as md; assert md.version("mooncake-transfer-engine-non-cuda") == "0.3.13.post1"' 2>/dev/null; then
+  with_progress "ci-vllm: pip install $MOONCAKE_PIN" pip_quiet "$VENV/bin/python" install -q "$MOONCAKE_PIN"
+fi
+
 # kvfabric from this checkout: a .pth file puts the checkout and connectors/ on the
 # venv's path, with kvfabric's own dependencies (no second build: the native extension
 # is the one the dev venv built in place, same interpreter).

@@ -1,4 +1,5 @@
-"""``kvfabric bench serve`` at its smallest on real vLLM: vLLM alone (a) and vLLM + a kvfabric pool (d).
+"""``kvfabric bench serve`` at its smallest on real vLLM: vLLM alone (a), vLLM + a kvfabric pool (d), and
+vLLM + Mooncake Store, the peer L2 (c').
 
 Run as the README runs it (``python benchmarks/serve.py``, a subprocess from
 the repository root, the engines in this interpreter): two sessions of the
@@ -44,13 +45,13 @@ def _run_bench(tmp_path, configs: str) -> dict:
 
 
 def test_serve_bench_smoke(tmp_path):
-    rep = _run_bench(tmp_path, "vllm,kvfabric")
+    rep = _run_bench(tmp_path, "vllm,kvfabric,mooncake")
     assert rep["workload"]["requests"] == 4 and rep["workload"]["scale"] == 32 / 512, rep["workload"]
     calib = rep["calibration"]
     # r is a measurement: no bound (and only its whole-prompt form when load swamps the prefill slope)
     assert calib["transfer_s_per_token"] > 0 and calib["r_at_max"] > 0, calib
     by = {c["config"]: c for c in rep["configs"]}
-    assert set(by) == {"vllm", "kvfabric"}, list(by)
+    assert set(by) == {"vllm", "kvfabric", "mooncake"}, list(by)
     split = [list(c) for c in engine_cpu_sets("split", 2)]
     for name, cfg in by.items():
         assert not cfg.get("not_runnable"), (name, cfg.get("not_runnable"))
@@ -76,6 +77,14 @@ def test_serve_bench_smoke(tmp_path):
     assert v["kvfabric_load_errors"] == 0, v
     # what the connector loaded is what vLLM counts as loaded by a connector and as external hits
     assert v["tokens_external_kv_transfer"] == v["kvfabric_load_tokens"] == v["external_hits"], v
+    # the peer L2 (c'): vLLM's MooncakeStoreConnector over a Mooncake Store that the benchmark started on
+    # loopback, the pool's 64 MiB mounted in it; it holds what the engines wrote (counted when the level
+    # ended: the warm-up requests' KV at least, saved seconds before; the level's own saves are asynchronous)
+    c = by["mooncake"]
+    mc, v = c["runs"][0]["mooncake"], c["runs"][0]["vllm"]
+    assert c["settings"]["mooncake"]["master"].startswith("127.0.0.1:"), c["settings"]
+    assert mc["capacity_bytes"] == 64 << 20 and mc["keys"] > 0 and mc["allocated_bytes"] > 0, mc
+    assert v["tokens_external_kv_transfer"] == v["external_hits"], v
 
 
 def test_serve_bench_route_smoke(tmp_path):
@@ -162,7 +171,7 @@ def test_serve_bench_rl_smoke(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["workload"] == "rl" and rep["rl"]["sessions"] == RL_SESSIONS and rep["rl"]["updates"] == 1, rep["rl"]
     by = {c["config"]: c for c in rep["configs"]}
-    assert set(by) == {"vllm", "kvfabric"}, list(by)
+    assert set(by) == {"vllm", "kvfabric", "mooncake"}, list(by)
     split = [list(c) for c in engine_cpu_sets("split", 2)]
     for name, cfg in by.items():
         assert not cfg.get("not_runnable"), (name, cfg.get("not_runnable"))
