@@ -164,6 +164,7 @@ class Options:
     lmcache_site: str = ""           # site-packages of an LMCache installation ("" = none)
     lmcache_python: str = ""         # its interpreter, for its remote server
     mooncake_bin: str = ""           # the directory with mooncake_master and mooncake_client ("" = none)
+    pool_args: tuple[str, ...] = ()  # more ``kvfabric serve`` arguments for every pool server
     start_timeout_s: float = 900.0
     engine_extra: tuple[str, ...] = ()   # more arguments for every vLLM server (the RL workload's extension)
     engine_cpus: tuple[tuple[int, ...], ...] = ()   # instance i runs on engine_cpus[i] (() = where it likes)
@@ -277,7 +278,7 @@ def _start_pool(opt: Options, ssd: bool) -> ServerPool:
     pool.ssd_paths = []
     try:
         for i in range(opt.pool_servers):
-            args = ["--transports", opt.server_transports]
+            args = ["--transports", opt.server_transports, *opt.pool_args]
             if ssd:
                 d = Path(opt.ssd_dir) / f"kvf-serve-bench-{os.getpid()}-{i}"
                 shutil.rmtree(d, ignore_errors=True)
@@ -444,7 +445,8 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
             extra = _kvfabric_flag(pool.addresses, POOL_CONFIGS[config])
             if POOL_CONFIGS[config]:
                 settings.update(connector_extra=POOL_CONFIGS[config])
-            settings.update(pool=pool.addresses, dram_bytes=opt.dram_bytes, server_transports=opt.server_transports)
+            settings.update(pool=pool.addresses, dram_bytes=opt.dram_bytes, server_transports=opt.server_transports,
+                            pool_args=list(opt.pool_args))
         elif config == "vllm-offload":
             gib = opt.dram_bytes / opt.instances / (1 << 30)
             extra = ["--kv-offloading-size", f"{gib:.6f}", "--kv-offloading-backend", "native"]

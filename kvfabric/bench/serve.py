@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -417,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ssd-dir", default=tempfile.gettempdir())
     ap.add_argument("--server-transports", default="tcp,native",
                     help="what the pool servers offer (default: no shm, as for a pool on other nodes)")
+    ap.add_argument("--pool-args", default="",
+                    help="more `kvfabric serve` arguments for every pool server, e.g. '--policy s3fifo' "
+                         "(default: none: LRU)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -502,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
                       server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py,
-                      mooncake_bin=mooncake_installation(args.engine_python), engine_cpus=args.engine_cpu_sets)
+                      mooncake_bin=mooncake_installation(args.engine_python), engine_cpus=args.engine_cpu_sets,
+                      pool_args=tuple(shlex.split(args.pool_args)))
         todo = configs[:1] if args.calibrate_only else configs
         for config in todo:
             entry = run_config(config, opt, workload, [] if args.calibrate_only else loads, args.mode,
