@@ -34,14 +34,9 @@ pool_servers`` per server):
   (``lm://``), when an LMCache installation is named (``lmcache_site``);
   the benchmark reports why it could not run otherwise;
 * ``mooncake``: vLLM's own ``MooncakeStoreConnector`` over a Mooncake Store
-  (the non-CUDA build, ``mooncake-transfer-engine-non-cuda``, installed
-  beside vLLM by scripts/ci-vllm.sh) on Mooncake's TCP transport: one
-  ``mooncake_master`` and one ``mooncake_client`` holding ``dram_bytes``
-  (the "standalone-store" mode: the engines contribute no memory, as
-  kvfabric's engines contribute none to its pool), every address
-  127.0.0.1 (the master bound there; the engines' and the holder's local
-  hostname set so). Mooncake's transfer engine itself listens on every
-  address; nothing is sent to any but 127.0.0.1.
+  on loopback TCP whose one holder has ``dram_bytes``
+  (:class:`~kvfabric.bench.mooncake_store.MooncakeStore`), the engines'
+  store clients named 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -61,6 +56,7 @@ from pathlib import Path
 from ..testing.ports import PortTaken, free_port, http_ready, process_tree
 from ..testing.servers import ServerPool, start_server, stop_process_group
 from . import proc_cpu_s
+from .mooncake_store import MooncakeStore, NotAvailable
 
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTORS = ROOT / "connectors"
@@ -306,92 +302,6 @@ def _start_lmcache_server(opt: Options) -> tuple[subprocess.Popen, str, Path]:
     return proc, f"lm://127.0.0.1:{port}", log
 
 
-def _http_get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status, r.read(1 << 20).decode(errors="replace")
-    except (OSError, ValueError) as e:
-        return 0, str(e)
-
-
-def mooncake_metrics(url: str) -> dict[str, float]:
-    """The Mooncake master's figures the benchmark reports (its ``/metrics``, Prometheus text): keys held,
-    bytes allocated of the capacity mounted, objects written (PutEnd items), replica look-ups (a GET's
-    first step) and evictions. RuntimeError when it does not answer 200."""
-    want = {"master_key_count": "keys", "master_allocated_bytes": "allocated_bytes",
-            "master_total_capacity_bytes": "capacity_bytes",
-            "master_batch_put_end_items_total": "put_items", "master_put_end_requests_total": "put_requests",
-            "master_batch_get_replica_list_items_total": "get_items",
-            "master_get_replica_list_requests_total": "get_requests", "master_evicted_key_count": "evicted_keys"}
-    code, text = _http_get(url + "/metrics")
-    if code != 200:
-        raise RuntimeError(f"{url}/metrics answered {code}: {text[:300]}")
-    out = dict.fromkeys(want.values(), 0.0)
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in want:
-            try:
-                out[want[name]] += float(value.split()[0])
-            except (ValueError, IndexError):
-                continue
-    return out
-
-
-def _start_mooncake(opt: Options, timeout_s: float = 120.0) -> tuple[list[subprocess.Popen], dict, Path]:
-    """A Mooncake Store on loopback: ``mooncake_master`` (RPC and admin HTTP bound to 127.0.0.1), waited on
-    until its ``/health`` says ``service_ready``, then one ``mooncake_client`` mounting ``dram_bytes``,
-    waited on until the master counts that capacity. Returns the processes, the store's settings and the
-    vLLM connector's config file (``MOONCAKE_CONFIG_PATH``)."""
-    if not opt.mooncake_bin:
-        raise NotRunnable("no Mooncake installation (mooncake_master and mooncake_client) found beside the engine's "
-                          "interpreter: scripts/ci-vllm.sh installs mooncake-transfer-engine-non-cuda there")
-    rpc, admin, client_port = free_port(), free_port(), free_port()
-    procs: list[subprocess.Popen] = []
-    url = f"http://127.0.0.1:{admin}"
-    try:
-        for name, args in (("master", [f"{opt.mooncake_bin}/mooncake_master", "--rpc_port", str(rpc),
-                                       "--rpc_address", "127.0.0.1", "--metrics_port", str(admin),
-                                       "--metrics_host", "127.0.0.1"]),
-                           ("client", [f"{opt.mooncake_bin}/mooncake_client", "--host", "127.0.0.1",
-                                       "--port", str(client_port), "--global_segment_size", str(opt.dram_bytes),
-                                       "--master_server_address", f"127.0.0.1:{rpc}",
-                                       "--metadata_server", "P2PHANDSHAKE", "--protocol", "tcp"])):
-            log = opt.workdir / f"mooncake-{name}.log"
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if procs[-1].poll() is not None:
-                    raise NotRunnable(f"mooncake_{name} exited with status {procs[-1].returncode}: "
-                                      f"{root_cause(log.read_text(errors='replace'))}")
-                if name == "master":
-                    code, text = _http_get(url + "/health")
-                    try:
-                        if code == 200 and json.loads(text).get("service_ready") is True:
-                            break
-                    except (ValueError, AttributeError):   # not its JSON (yet)
-                        pass
-                else:
-                    try:
-                        if mooncake_metrics(url)["capacity_bytes"] >= opt.dram_bytes:
-                            break
-                    except RuntimeError:   # not answering yet
-                        pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mooncake_{name} not ready in {timeout_s} s; its log ends:\n"
-                                       f"{log.read_text(errors='replace')[-2000:]}")
-                time.sleep(0.2)
-    except BaseException:
-        for p in procs:
-            stop_process_group(p)
-        raise
-    cfg = opt.workdir / "mooncake.json"
-    cfg.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "master_server_address": f"127.0.0.1:{rpc}",
-                               "protocol": "tcp", "device_name": "", "mode": "standalone-store",
-                               "global_segment_size": 0, "local_buffer_size": 64 << 20}))
-    return procs, {"master": f"127.0.0.1:{rpc}", "master_admin": url, "segment_bytes": opt.dram_bytes}, cfg
-
-
 #: how many times :func:`start` picks fresh ports when an engine found one of its ports taken
 PORT_RACE_TRIES = 3
 
@@ -460,14 +370,19 @@ def _start_once(config: str, opt: Options, env_extra: dict[str, str] | None) -> 
             extra = ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
             settings.update(remote=url, dram_bytes=opt.dram_bytes)
         elif config == "mooncake":
-            procs, store, cfg = _start_mooncake(opt)
-            l2 += procs
+            try:
+                store = MooncakeStore(opt.mooncake_bin, opt.dram_bytes, opt.workdir)
+            except NotAvailable as e:
+                raise NotRunnable(str(e)) from None
+            l2 += store.procs
+            cfg = store.vllm_config(opt.workdir / "mooncake.json")
             # the engines' store clients name themselves 127.0.0.1 (vLLM would use the host's address)
             env_extra |= {"MOONCAKE_CONFIG_PATH": str(cfg), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
                           "VLLM_HOST_IP": "127.0.0.1"}
             extra = ["--kv-transfer-config", json.dumps({"kv_connector": "MooncakeStoreConnector",
                                                          "kv_role": "kv_both"})]
-            settings.update(mooncake=store, dram_bytes=opt.dram_bytes)
+            settings.update(mooncake={"master": store.rpc, "master_admin": store.admin_url,
+                                      "segment_bytes": opt.dram_bytes}, dram_bytes=opt.dram_bytes)
         elif config not in ("vllm", "vllm-route"):
             raise ValueError(f"unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
         env = dict(engine_env(opt.python, path_extra), **env_extra)
@@ -638,13 +553,6 @@ def root_cause(log: str) -> str:
     return lines[-1][:600] if lines else "(empty log)"
 
 
-def mooncake_installation(python: str) -> str:
-    """The directory holding ``mooncake_master`` and ``mooncake_client`` beside ``python`` (the engine's
-    interpreter, whose environment has Mooncake's package), or "" when they are not there."""
-    bin_dir = Path(python).parent
-    return str(bin_dir) if all((bin_dir / b).is_file() for b in ("mooncake_master", "mooncake_client")) else ""
-
-
 def lmcache_installation(venv: str) -> tuple[str, str]:
     """(interpreter, site-packages) of an LMCache virtualenv, or ("", "") when it has no lmcache."""
     py = Path(venv) / "bin" / "python"
@@ -656,6 +564,5 @@ def lmcache_installation(venv: str) -> tuple[str, str]:
 
 __all__ = ["CONFIGS", "LABELS", "POOL_CONFIGS", "RL_CONFIGS", "OFFLOAD_VARIANTS", "ROUTE_POLICY", "Deployment",
            "NotRunnable", "Options", "Shape",
-           "build_model", "engine_env", "lmcache_installation", "machine_busy_s", "mooncake_installation",
-           "mooncake_metrics", "route_stats", "start",
+           "build_model", "engine_env", "lmcache_installation", "machine_busy_s", "route_stats", "start",
            "tree_cpu_s"]

@@ -76,9 +76,11 @@ from typing import Any
 from ..testing.poll import wait_for
 from . import proc_cpu_s, write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, RL_CONFIGS, NotRunnable, Options, Shape,
-                             build_model, engine_cpu_sets, lmcache_installation, machine_busy_s, mooncake_installation,
-                             mooncake_metrics, route_stats, start)
+                             build_model, engine_cpu_sets, lmcache_installation, machine_busy_s, route_stats, start)
 from ._serve_load import Result, complete, run
+from .mooncake_store import GAUGES as MOONCAKE_GAUGES
+from .mooncake_store import binaries_beside as mooncake_binaries
+from .mooncake_store import metrics as mooncake_metrics
 from ._serve_report import (delta, plot, pool_counters, print_reuse_bound, print_table, reuse_bound, summarize,
                              vllm_counters)
 from ._serve_workload import Workload, build_workload
@@ -233,8 +235,7 @@ def run_config(config: str, opt: Options, workload: Workload, loads: list[float]
             row = summarize(results, wall, reuse, v, p)
             if mc0 is not None:     # the peer store's own figures over the level (keys, bytes: as they end)
                 mc1 = mooncake_metrics(mc)
-                row["mooncake"] = {k: (x if k in ("keys", "allocated_bytes", "capacity_bytes") else x - mc0[k])
-                                   for k, x in mc1.items()}
+                row["mooncake"] = {k: (x if k in MOONCAKE_GAUGES else x - mc0[k]) for k, x in mc1.items()}
             # where the machine's CPU went during the level: this configuration's engines, its L2 servers,
             # the load generator, and everything else on the machine (other users)
             cpu = {"engines_s": c1["engines"] - c0["engines"], "l2_s": c1["l2"] - c0["l2"], "bench_s": b1 - b0,
@@ -506,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                       pool_servers=args.pool_servers, max_model_len=args.max_model_len,
                       max_batched_tokens=args.max_model_len, workdir=logs,
                       server_transports=args.server_transports, lmcache_site=lm_site, lmcache_python=lm_py,
-                      mooncake_bin=mooncake_installation(args.engine_python), engine_cpus=args.engine_cpu_sets,
+                      mooncake_bin=mooncake_binaries(args.engine_python), engine_cpus=args.engine_cpu_sets,
                       pool_args=tuple(shlex.split(args.pool_args)))
         todo = configs[:1] if args.calibrate_only else configs
         for config in todo:
