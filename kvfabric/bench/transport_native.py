@@ -84,6 +84,14 @@ reference (issue 14)
     measured in the same interleaved rounds; each path gets a ``/redis``
     ratio. Only with ``--batch 1``; skipped, with the reason in the table,
     when the binaries are not installed or with ``--no-redis``.
+  * ``mooncake``: Mooncake Store, the peer KV store (its non-CUDA build over
+    its TCP transport): a master and one holder this run starts on loopback
+    and a client in this process, ``get_into`` of one key / ``put_from`` of
+    a fresh key into buffers registered with it
+    (:mod:`kvfabric.bench.mooncake_store`); each path gets a ``/mooncake``
+    ratio. Only with ``--batch 1`` and where the ``mooncake`` package
+    imports (run from the vLLM virtualenv, where scripts/ci-vllm.sh installs
+    it); skipped with the reason otherwise, or with ``--no-mooncake``.
 
 Buffers: every client-side buffer (GET destinations, PUT sources, the ``cma``
 ceiling's local buffer) starts ``--buffer-offset`` bytes past a page boundary
@@ -156,6 +164,8 @@ NIXL_TLS = {"nixl-sm": "sm,self", "nixl-tcp": "tcp", "nixl-sm+reg": "sm,self", "
 CLIENT = ("client-tcp", "client-native", "client-shm")
 #: paths whose GET buffers are registered; run only when asked (``--registered`` or ``--paths``)
 REGISTERED = ("native+reg", "native>py+reg", "nixl-sm+reg", "nixl-tcp+reg")
+#: the peer stores measured beside the paths when they run here (each row's ratio to them: /redis, /mooncake)
+PEERS = ("redis", "mooncake")
 
 
 @dataclass
@@ -536,6 +546,26 @@ def _start_redis(args: argparse.Namespace, skipped: dict[str, str]):
         return None
 
 
+def _start_mooncake(args: argparse.Namespace, skipped: dict[str, str]):
+    """The Mooncake Store peer of this run (:class:`kvfabric.bench.mooncake_store.MooncakePeer`), or None (the
+    reason then in ``skipped["mooncake"]``)."""
+    from .mooncake_store import MooncakePeer, NotAvailable
+
+    if getattr(args, "no_mooncake", False):
+        skipped["mooncake"] = "--no-mooncake"
+        return None
+    if args.batch != 1:
+        skipped["mooncake"] = "only with --batch 1 (one object per call, as measured)"
+        return None
+    try:
+        return MooncakePeer(args.size)
+    except NotAvailable as e:
+        skipped["mooncake"] = str(e)
+    except RuntimeError as e:
+        skipped["mooncake"] = f"Mooncake Store did not start: {e}"
+    return None
+
+
 def run(args: argparse.Namespace) -> dict:
     from .. import transport
     from .transport import PythonSocketCeiling
@@ -549,7 +579,7 @@ def run(args: argparse.Namespace) -> dict:
     pysock = PythonSocketCeiling()
     pysock.open(1)
     rows: list[Row] = []
-    redis_srv = None
+    peers: dict = {}   # the peer stores of this run, measured in the same rounds: redis, mooncake
     process: dict[str, CmaCeiling | NixlCeiling] = {}
     try:
         for c, bounded in PROCESS_CEILINGS.items():
@@ -561,7 +591,10 @@ def run(args: argparse.Namespace) -> dict:
         for n in names:
             paths[n] = _Path(n, args.size, args.batch, args.capacity, shlex.split(args.native_args),
                              args.buffer_offset)
-        redis_srv = _start_redis(args, skipped)
+        for name, start in (("redis", _start_redis), ("mooncake", _start_mooncake)):
+            srv = start(args, skipped)
+            if srv is not None:
+                peers[name] = srv
         for op in ("get", "put"):
             samples: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
             for _ in range(args.repeat):
@@ -571,15 +604,15 @@ def run(args: argparse.Namespace) -> dict:
                 for n, pth in paths.items():
                     secs, moved, cpu, p50, p99 = pth.measure(op, args.duration)
                     samples.setdefault(n, []).append((moved / secs / 1e9, p50 * 1e6, cpu / (moved / 1e9), p99 * 1e6))
-                if redis_srv is not None:
+                for peer, srv in list(peers.items()):
                     try:
-                        g, p50, p99, cpu = redis_srv.measure(op, args.duration)
-                        samples.setdefault("redis", []).append((g, p50, cpu, p99))
-                    except Exception as e:  # noqa: BLE001 - the reference failing must not lose the other rows
-                        skipped["redis"] = f"redis-benchmark failed: {e}"
-                        redis_srv.close()
-                        redis_srv = None
-                        samples.pop("redis", None)
+                        g, p50, p99, cpu = srv.measure(op, args.duration)
+                        samples.setdefault(peer, []).append((g, p50, cpu, p99))
+                    except Exception as e:  # noqa: BLE001 - a reference failing must not lose the other rows
+                        skipped[peer] = f"{peer} failed: {e}"
+                        srv.close()
+                        del peers[peer]
+                        samples.pop(peer, None)
             med = {}
             for name, vals in samples.items():
                 ranked = sorted(vals, key=lambda v: v[0])
@@ -588,10 +621,11 @@ def run(args: argparse.Namespace) -> dict:
                 med[name] = row
                 rows.append(row)
             nbytes = args.size * args.batch
-            if "redis" in med:
-                med["redis"].ratio["c-socket"] = med["redis"].gbps / med["c-socket"].gbps
+            for peer in PEERS:
+                if peer in med:
+                    med[peer].ratio["c-socket"] = med[peer].gbps / med["c-socket"].gbps
             for name in paths:
-                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", "redis", *PROCESS_CEILINGS):
+                for c in ("c-socket", "memcpy", "memcpy-cold", "python-socket", *PEERS, *PROCESS_CEILINGS):
                     if c in med and name in PROCESS_CEILINGS.get(c, (name,)):
                         med[name].ratio[c] = med[name].gbps / med[c].gbps
                 med[name].floor_us = _floor_us(name, op, med, nbytes)
@@ -602,8 +636,8 @@ def run(args: argparse.Namespace) -> dict:
             pc.close()
         for p in paths.values():
             p.close()
-        if redis_srv is not None:
-            redis_srv.close()
+        for srv in peers.values():
+            srv.close()
     by = {(r.name, r.op): r for r in rows}
     targets = []
     for op in ("get", "put"):
@@ -724,7 +758,7 @@ def print_table(report: dict) -> None:
           f"median of {m['repeat']} x {m['duration_s']} s; kernel {m['kernel']}, {m['cpus']} cpus; "
           f"client buffers {m.get('buffer_offset', 0)} bytes past a page")
     hdr = (f"{'path':<13} {'op':<4} {'GB/s':>7} {'p50 us':>8} {'p99 us':>8} {'/c-socket':>9} {'/memcpy':>8} {'/mc-cold':>8} "
-           f"{'/py-sock':>8} {'/redis':>7} {'/floor':>7} {'srv CPU s/GB':>12}")
+           f"{'/py-sock':>8} {'/redis':>7} {'/mooncake':>9} {'/floor':>7} {'srv CPU s/GB':>12}")
     print(hdr)
     print("-" * len(hdr))
     for r in report["rows"]:
@@ -735,13 +769,18 @@ def print_table(report: dict) -> None:
 
         p99 = "" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
         print(f"{r['name']:<13} {r['op']:<4} {r['gbps']:>7.2f} {r['p50_us']:>8.0f} {p99:>8} {cell('c-socket', 9)} "
-              f"{cell('memcpy', 8)} {cell('memcpy-cold', 8)} {cell('python-socket', 8)} {cell('redis', 7)} {cell('floor', 7)} "
+              f"{cell('memcpy', 8)} {cell('memcpy-cold', 8)} {cell('python-socket', 8)} {cell('redis', 7)} "
+              f"{cell('mooncake', 9)} {cell('floor', 7)} "
               f"{'' if cpu is None else f'{cpu:.3f}':>12}")
     print("(rtt-* rows: GB/s of 32-byte objects; p50 us there is the round-trip time. Ceilings' p50 us is the mean.)")
     if any(r["name"] == "redis" for r in report["rows"]):
         print("(redis rows: redis-benchmark -c 1 against a redis-server started by this run; put = SET; GB/s from its "
               "requests/s; its p50/p99 are its own histogram, which for a large GET reply stops before the whole "
               "value is read: compare GB/s)")
+    if any(r["name"] == "mooncake" for r in report["rows"]):
+        print("(mooncake rows: Mooncake Store over its TCP transport, a master and one holder started by this run, "
+              "one client in this process: get_into of one key / put_from of a fresh key into registered buffers; "
+              "srv CPU is the master's and the holder's)")
     for t in report["targets"]:
         note = f" ({t['note']})" if "note" in t else ""
         print(f"target {t['cell']} vs {t['vs']}: {t['ratio']:.2f}x (goal {t['goal']}): "
@@ -767,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--native-args", default="", metavar="ARGS",
                     help='extra command-line arguments for the native servers, e.g. "--evict-watermarks 0,0"')
     ap.add_argument("--no-redis", action="store_true", help="leave out the redis-benchmark reference row")
+    ap.add_argument("--no-mooncake", action="store_true",
+                    help="leave out the Mooncake Store reference row (it runs where the mooncake package imports)")
     ap.add_argument("--out", default="bench-results/transport_native.json")
     args = ap.parse_args(argv)
     if args.registered:
