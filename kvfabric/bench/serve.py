@@ -78,12 +78,12 @@ from . import proc_cpu_s, write_json
 from ._serve_engines import (CHUNK_TOKENS, CONFIGS, LABELS, OFFLOAD_VARIANTS, RL_CONFIGS, NotRunnable, Options, Shape,
                              build_model, engine_cpu_sets, lmcache_installation, machine_busy_s, route_stats, start)
 from ._serve_load import Result, complete, run
-from .mooncake_store import GAUGES as MOONCAKE_GAUGES
-from .mooncake_store import binaries_beside as mooncake_binaries
-from .mooncake_store import metrics as mooncake_metrics
 from ._serve_report import (delta, plot, pool_counters, print_reuse_bound, print_table, reuse_bound, summarize,
                              vllm_counters)
 from ._serve_workload import Workload, build_workload
+from .mooncake_store import GAUGES as MOONCAKE_GAUGES
+from .mooncake_store import binaries_beside as mooncake_binaries
+from .mooncake_store import metrics as mooncake_metrics
 from .traces import TraceError, load_trace
 
 CALIB_LENGTHS = (256, 1024)
