@@ -16,7 +16,8 @@ machine over its TCP transport. Its binaries load ``libibverbs.so.1`` and ``libr
   MooncakeDistributedStore`` over TCP, its buffers registered), measuring ``get_into`` / ``put_from`` of
   one object as ``kvfabric bench transport_native`` measures its rows (its ``mooncake`` row, when the
   ``mooncake`` package imports: run that benchmark from the vLLM virtualenv). A PUT writes a fresh key each
-  time; the keys written are removed between cells (not timed), so the store never fills.
+  time, at most half the store's capacity in one cell (a cell ends at that count or at its duration); the
+  keys written are removed after the cell (not timed), so a PUT never waits for, or fails on, a full store.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class MooncakeStore:
 class MooncakePeer:
     """A :class:`MooncakeStore` and an in-process client moving ``size``-byte objects; ``close()`` ends both."""
 
-    def __init__(self, size: int, capacity: int = 256 << 20) -> None:
+    def __init__(self, size: int, capacity: int = 1 << 30) -> None:
         import numpy as np
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -201,6 +202,7 @@ class MooncakePeer:
                 if rc != 0:
                     raise NotAvailable(f"register_buffer returned {rc}")
             self._n = 0
+            self._max_puts = max(1, capacity // size // 2)   # per cell: the store stays at most half full
             self._check(self.client.put_from("kvf-bench-get", self.src.ctypes.data, size), "put_from")
             self._check(self.client.get_into("kvf-bench-get", self.dst.ctypes.data, size), "get_into")
             if not (self.dst == self.src).all():
@@ -215,7 +217,7 @@ class MooncakePeer:
 
     def measure(self, op: str, duration: float) -> tuple[float, float, float, float]:
         """(GB/s, p50 us, p99 us, the store's CPU s per GB) of ``op`` ("get": ``get_into`` of one key; "put":
-        ``put_from`` of a fresh key each time) for about ``duration`` s."""
+        ``put_from`` of a fresh key each time, at most half the capacity) for about ``duration`` s."""
         lat: list[float] = []
         written: list[str] = []
         cpu0 = self.store.cpu_s()
@@ -234,6 +236,8 @@ class MooncakePeer:
                 lat.append(time.perf_counter() - t0)
                 self._check(rc, "put_from")
                 written.append(key)
+                if len(written) >= self._max_puts:
+                    break
             if time.perf_counter() - start >= duration:
                 break
         secs = sum(lat)
