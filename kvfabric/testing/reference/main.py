@@ -69,6 +69,9 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # a signal taken by a connection thread must still wake the accept loop (tcp.signal_wakeup_fd); CI saw a
+    # SIGTERM leave the server asleep in select() for over 120 s
+    signal.set_wakeup_fd(tcp.signal_wakeup_fd())
     log.warning("reference server %s: capacity %d bytes, policy %s, auth %s",
                 handlers.server_id, store.capacity, store.policy.name, "on" if token else "off")
     print(f"{LISTENING_PREFIX}{host}:{port}", flush=True)

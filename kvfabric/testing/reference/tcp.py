@@ -184,11 +184,22 @@ class TcpServer:
                 for key, _ in sel.select():
                     if key.fileobj is self._listener and not self._stop_requested:
                         self._accept()
+                    elif key.fileobj is self._wake_r and not self._stop_requested:
+                        os.read(self._wake_r, 512)   # a signal's byte (its handler has run by now): not a stop
         finally:
             self._stopping.set()
             sel.close()
             self._listener.close()
             self._stopped.set()
+
+    def signal_wakeup_fd(self) -> int:
+        """The write end of the selector's wake pipe, made non-blocking, for ``signal.set_wakeup_fd``: a
+        process-directed signal may be taken by any thread, and Python runs its handler only in the main
+        thread when that thread next runs bytecode; if a connection thread took it, the main thread would
+        sleep on in ``select()`` with the handler pending. With this fd the C-level handler wakes the
+        selector whichever thread took the signal."""
+        os.set_blocking(self._wake_w, False)
+        return self._wake_w
 
     def stop(self) -> None:
         """Make ``serve_forever`` return. Safe to call from a signal handler (takes no lock)."""
