@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from . import proc_cpu_s
+from ..testing.poll import wait_for
 from ..testing.ports import free_port
 from ..testing.servers import stop_process_group
 
@@ -108,7 +109,6 @@ class MooncakeStore:
         self.rpc = f"127.0.0.1:{free_port()}"
         self.admin_url = f"http://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
         workdir = Path(workdir)
         try:
             self._start(Path(bin_dir) / "mooncake_master", ["--rpc_port", self.rpc.split(":")[1], "--rpc_address",
@@ -127,15 +127,15 @@ class MooncakeStore:
             proc = subprocess.Popen([str(binary), *args], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         self.procs.append(proc)
-        self.logs.append(log)
-        deadline = time.monotonic() + timeout_s
-        while not ready():
+
+        def up() -> bool:
             if proc.poll() is not None:
                 raise NotAvailable(f"{binary.name} exited with status {proc.returncode}: {_root_cause(log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{binary.name} not ready in {timeout_s} s; its log ends:\n"
-                                   f"{log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.2)
+            return ready()
+
+        if not wait_for(up, timeout_s, 0.2):
+            raise RuntimeError(f"{binary.name} not ready in {timeout_s} s; its log ends:\n"
+                               f"{log.read_text(errors='replace')[-2000:]}")
 
     def _master_ready(self) -> bool:
         code, text = _http_get(self.admin_url + "/health")
